@@ -1,0 +1,154 @@
+"""The contract between the device cache and the tiers behind it.
+
+A tier stores, per table, rows of ``dim + state_dim`` float32 values: the embedding weights and,
+beside them, the optimizer state (``[D | S]``), so a fetch or a write-back is one contiguous row.
+Rows are created on first touch by the table's initialiser, which is a function of the ids
+alone: the value a row starts with never depends on the order in which rows are touched.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from embcache.kernels.reference import mix64
+
+RowInit = Callable[[torch.Tensor, int], torch.Tensor]
+"""``init(ids, dim) -> rows``: int64 ``[n]`` ids to float32 ``[n, dim]`` initial weights."""
+
+
+@dataclass
+class TableSpec:
+    """One table of a tier.
+
+    Attributes:
+        name: table name, unique within a store.
+        dim: embedding dimension D.
+        num_embeddings: number of rows (ids in ``[0, num_embeddings)``), or None for an
+            unbounded table of arbitrary non-negative int64 ids (hashed features).
+        state_dim: optimizer-state columns S kept beside each row (0 when no optimizer).
+        state_init: initial value of every state column (AdaGrad's initial accumulator).
+        init: initialiser of the weights of new rows; None for `default_init`.
+        seed: seed of the default initialiser.
+    """
+
+    name: str
+    dim: int
+    num_embeddings: int | None = None
+    state_dim: int = 0
+    state_init: float = 0.0
+    init: RowInit | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TableSpec.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"table {self.name!r}: dim must be a positive int, got {self.dim!r}")
+        if self.num_embeddings is not None and (
+            not isinstance(self.num_embeddings, int) or self.num_embeddings < 1
+        ):
+            raise ValueError(
+                f"table {self.name!r}: num_embeddings must be a positive int or None, "
+                f"got {self.num_embeddings!r}"
+            )
+        if not isinstance(self.state_dim, int) or self.state_dim < 0:
+            raise ValueError(
+                f"table {self.name!r}: state_dim must be an int >= 0, got {self.state_dim!r}"
+            )
+
+    @property
+    def row_width(self) -> int:
+        """Columns of a stored row: ``dim + state_dim``."""
+        return self.dim + self.state_dim
+
+    def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Fresh ``[n, dim + state_dim]`` float32 rows for ``ids`` (CPU int64 ``[n]``)."""
+        init = self.init or default_init(self)
+        weights = init(ids, self.dim)
+        if weights.shape != (ids.numel(), self.dim):
+            raise ValueError(
+                f"table {self.name!r}: init returned shape {tuple(weights.shape)}, "
+                f"expected {(ids.numel(), self.dim)}"
+            )
+        rows = torch.empty(ids.numel(), self.row_width, dtype=torch.float32)
+        rows[:, : self.dim] = weights
+        rows[:, self.dim :] = self.state_init
+        return rows
+
+
+def table_hash(name: str) -> int:
+    """A stable (process-independent) 31-bit number for a table name."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def default_init(spec: TableSpec) -> RowInit:
+    """Uniform in ``±sqrt(1 / num_embeddings)`` (torchrec's default), from a counter-based hash.
+
+    Each value is a function of ``(seed, table name, id, column)`` alone, so any order of first
+    touches gives the same rows, on any tier. Unbounded tables use ``±sqrt(1 / dim)``.
+    """
+    bound = math.sqrt(1.0 / (spec.num_embeddings or spec.dim))
+    salt = (spec.seed * 1_000_003 + table_hash(spec.name)) & 0x7FFFFFFFFFFF
+
+    def init(ids: torch.Tensor, dim: int) -> torch.Tensor:
+        cols = torch.arange(dim, dtype=torch.int64)
+        counter = mix64(ids.to(torch.int64).cpu() ^ salt).unsqueeze(1) + cols.unsqueeze(0)
+        bits = (mix64(counter) >> 40) & 0xFFFFFF  # 24 uniform bits
+        unit = bits.to(torch.float64) * (1.0 / (1 << 24))  # [0, 1)
+        return ((2.0 * unit - 1.0) * bound).to(torch.float32)
+
+    return init
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A backing tier: batched row reads and writes, per table.
+
+    ``get`` creates rows that do not exist yet (with the table's initialiser) and returns them;
+    ``put`` overwrites rows (creating them). Both take CPU int64 ids; rows are CPU float32
+    ``[n, dim + state_dim]``. Ids within one call are distinct. Calls are synchronous: when
+    ``put`` returns, a later ``get`` sees the rows.
+    """
+
+    def init_table(self, spec: TableSpec) -> None:
+        """Declare a table. Declaring it again with another ``state_dim``/``state_init`` keeps
+        the weights and resets the state columns; another ``dim`` or ``num_embeddings`` is a
+        ``ValueError``."""
+        ...
+
+    def table_spec(self, table: str) -> TableSpec:
+        """The spec a table was declared with (``KeyError`` naming it when unknown)."""
+        ...
+
+    def tables(self) -> list[str]:
+        """Names of the declared tables."""
+        ...
+
+    def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``[n, dim + state_dim]`` of ``ids``; missing rows are created first."""
+        ...
+
+    def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows ``[n, dim + state_dim]`` for ``ids``."""
+        ...
+
+    def export_rows(
+        self, table: str, chunk_rows: int = 65536
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every existing row of a table as ``(ids, rows)`` chunks of at most ``chunk_rows``,
+        ids ascending. Rows never touched are not listed (their value is the initialiser's)."""
+        ...
+
+    def import_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Load rows from a checkpoint (same meaning as ``put``)."""
+        ...
+
+    def close(self) -> None:
+        """Release resources (connections, files). The store is unusable afterwards."""
+        ...
