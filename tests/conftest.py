@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 HAS_CUDA = torch.cuda.is_available()
 requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device; none on this machine")

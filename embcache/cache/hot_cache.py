@@ -1,0 +1,443 @@
+"""HotCache: a fixed number of device slots holding the rows a batch needs, backed by a tier.
+
+One cache serves the tables of one embedding dim. A slot holds a row ``[weights | state]``
+(``dim + state_dim`` float32) of one table, keyed by its fused id
+``id | (table_idx << fusion_k)``. Slots form a set-associative index: a key lives in set
+``set_index(key)``, in one of that set's ``ways`` slots. When the capacity covers every row of
+the cache's tables, each row gets its own slot instead (direct mapping: no lookup, no eviction).
+
+`resolve` maps a batch's unique ids to slots:
+
+1. hits: keys already resident (or in the scratch area) keep their slot;
+2. misses take distinct ways of their set, lowest score first (LRU: last use; LFU: frequency),
+   skipping locked ways and the ways this batch hits (`kernels.cache_index.assign_ways`);
+3. dirty victims are written back to the tier in one batched call per table, then the missing
+   rows are read from the tier (created there on first touch) and copied into their slots;
+4. misses that find no free way in their set are served from a scratch area behind the cache,
+   whose rows are written back (when dirty) and freed as soon as their last lock is released.
+
+Every tier call happens before any index change, so a tier that fails mid-resolve leaves the
+cache as it was: no row is lost, nothing is half-applied, and the call can be retried.
+
+Invariants (DESIGN.md section 4): every row has one authoritative copy — its slot while
+resident (scratch included), the tier otherwise; a locked slot is never a victim; `flush`
+writes every dirty row back, after which the tier alone holds the model.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from embcache.cache.config import CacheConfig, CachePolicy
+from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+from embcache.kernels.reference import mix64
+from embcache.kv.base import Store, TableSpec
+
+_LFU_SKETCH = 1 << 20  # frequency counters shared by the unbounded (hashed-id) tables of a cache
+_INT64_MAX = torch.iinfo(torch.int64).max
+
+
+class HotCache:
+    """Device slots for the rows of tables of one dim, with write-back to a `Store`.
+
+    Args:
+        tables: ``(table_idx, spec)`` pairs, all with the same ``spec.dim`` and ``state_dim``;
+            table_idx is the prefix of the table's fused ids. Each table must be declared in
+            ``store``.
+        config: capacity and policy.
+        store: the tier behind the cache.
+        device: where the slots live.
+        fusion_k: bits of the raw id inside a fused id.
+
+    Attributes:
+        rows: float32 ``[num_slots + scratch_rows, dim + state_dim]``, the slot storage. Read it
+            under ``lock`` when another thread may resolve concurrently (the scratch area may
+            grow, which replaces this tensor).
+        num_slots: slots of the cache proper (scratch excluded).
+        direct: True when every row has its own slot.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[tuple[int, TableSpec]],
+        config: CacheConfig,
+        store: Store,
+        device: torch.device | str,
+        fusion_k: int,
+    ) -> None:
+        if not tables:
+            raise ValueError("HotCache needs at least one table")
+        dims = {spec.dim for _, spec in tables}
+        if len(dims) != 1:
+            raise ValueError(f"HotCache serves tables of one dim, got dims {sorted(dims)}")
+        self.dim = dims.pop()
+        self.config = config
+        self.store = store
+        self.device = torch.device(device)
+        self.fusion_k = fusion_k
+        self.lock = threading.RLock()
+        self._specs = {idx: spec for idx, spec in tables}
+        self.state_dim = tables[0][1].state_dim
+
+        bounded = all(spec.num_embeddings is not None for _, spec in tables)
+        total_rows = sum(spec.num_embeddings for _, spec in tables) if bounded else None
+        capacity = config.rows_for(total_rows)
+        self.direct = total_rows is not None and capacity >= total_rows
+        self.policy = CachePolicy(config.policy)
+
+        n_idx = max(self._specs) + 1
+        row_offset = torch.full((n_idx,), -1, dtype=torch.int64)
+        is_bounded = torch.zeros(n_idx, dtype=torch.bool)
+        offset = 0
+        for idx, spec in sorted(tables, key=lambda t: t[0]):
+            row_offset[idx] = offset
+            is_bounded[idx] = spec.num_embeddings is not None
+            offset += spec.num_embeddings or 0
+        self._row_offset = row_offset.to(self.device)  # slot (direct) / frequency base per table
+        self._is_bounded = is_bounded.to(self.device)
+        self._sketch_base = offset
+
+        if self.direct:
+            self.ways, self.num_sets = 1, total_rows
+        else:
+            self.ways = min(config.ways, capacity)
+            self.num_sets = math.ceil(capacity / self.ways)
+        self.num_slots = self.ways * self.num_sets
+        self._freq = (
+            torch.zeros(offset + (0 if bounded else _LFU_SKETCH), dtype=torch.int64, device=device)
+            if self.policy is CachePolicy.LFU and not self.direct
+            else None
+        )
+        self._tick = 0
+        self._lookups = 0
+        self._scratch_used = 0
+        self._allocate(scratch_rows=0)
+        self.reset_stats()
+
+    # ------------------------------------------------------------------------------------------
+    # storage
+
+    @property
+    def width(self) -> int:
+        """Columns of a slot: ``dim + state_dim``."""
+        return self.dim + self.state_dim
+
+    @property
+    def scratch_rows(self) -> int:
+        """Rows currently allocated to the scratch area."""
+        return self.rows.shape[0] - self.num_slots
+
+    def _allocate(self, scratch_rows: int) -> None:
+        total = self.num_slots + scratch_rows
+        self.rows = torch.zeros(total, self.width, dtype=torch.float32, device=self.device)
+        self.slot_keys = torch.full((total,), -1, dtype=torch.int64, device=self.device)
+        self.locks = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self.dirty = torch.zeros(total, dtype=torch.bool, device=self.device)
+        self.scores = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
+
+    def _grow_scratch(self, needed_free: int) -> None:
+        """Make at least ``needed_free`` scratch rows free, growing the area (kept contents)."""
+        free = self.scratch_rows - self._scratch_used
+        if free >= needed_free:
+            return
+        want = max(2 * self.scratch_rows, self._scratch_used + needed_free)
+        want = min(want, self.config.max_scratch_rows)
+        if want - self._scratch_used < needed_free:
+            need = self._scratch_used + needed_free
+            raise ValueError(
+                f"cache (dim {self.dim}) cannot hold this batch: {needed_free} rows found no "
+                f"free way and the scratch area is limited to {self.config.max_scratch_rows} "
+                f"rows ({self._scratch_used} in use); set CacheConfig(max_scratch_rows>={need}) "
+                f"or a capacity of at least the batch's unique rows (cache has "
+                f"{self.num_slots} slots)"
+            )
+        grow = want - self.scratch_rows
+        dev = self.device
+        self.rows = torch.cat([self.rows, torch.zeros(grow, self.width, device=dev)])
+        self.slot_keys = torch.cat(
+            [self.slot_keys, torch.full((grow,), -1, dtype=torch.int64, device=dev)]
+        )
+        self.locks = torch.cat([self.locks, torch.zeros(grow, dtype=torch.int32, device=dev)])
+        self.dirty = torch.cat([self.dirty, torch.zeros(grow, dtype=torch.bool, device=dev)])
+
+    # ------------------------------------------------------------------------------------------
+    # tier transfers (grouped by table; every call may raise and must leave the cache unchanged)
+
+    def _split_by_table(self, fused: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(table_idx, positions, raw_ids)`` per table present in ``fused`` (any order)."""
+        order = torch.argsort(fused)
+        sorted_ids = fused[order]
+        tables, counts = torch.unique_consecutive(sorted_ids >> self.fusion_k, return_counts=True)
+        mask = (1 << self.fusion_k) - 1
+        groups = []
+        start = 0
+        for idx, count in zip(tables.tolist(), counts.tolist(), strict=True):
+            pos = order[start : start + count]
+            groups.append((idx, pos, (sorted_ids[start : start + count] & mask).cpu()))
+            start += count
+        return groups
+
+    def _read_tier(self, fused: torch.Tensor) -> torch.Tensor:
+        """Rows ``[n, width]`` (on the device) of ``fused`` ids from the tier."""
+        out = torch.empty(fused.numel(), self.width, dtype=torch.float32, device=self.device)
+        for idx, pos, raw in self._split_by_table(fused):
+            rows = self.store.get(self._specs[idx].name, raw)
+            out[pos] = rows.to(self.device, non_blocking=True)
+        return out
+
+    def _write_tier(self, fused: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the rows held at ``slots`` back to the tier under their ``fused`` ids."""
+        for idx, pos, raw in self._split_by_table(fused):
+            rows = self.rows[slots[pos]].cpu()
+            self.store.put(self._specs[idx].name, raw, rows)
+        self.writebacks += fused.numel()
+
+    # ------------------------------------------------------------------------------------------
+    # resolve
+
+    def resolve(self, unique_ids: torch.Tensor, lock: bool = True) -> torch.Tensor:
+        """Slots holding the rows of ``unique_ids``, loading misses from the tier.
+
+        Args:
+            unique_ids: int64 ``[n]`` distinct fused ids (any order), on any device.
+            lock: lock every returned slot (one count each) until `unlock`; a locked slot is
+                never evicted. Unlocked resolves must use the slots before the next resolve and
+                then call `release` so scratch rows they used are written back.
+
+        Returns:
+            int64 ``[n]`` slot of each id, on the cache's device: ``rows[slots]`` are its rows.
+        """
+        with self.lock:
+            ids = unique_ids.to(self.device, torch.int64)
+            if self.direct:
+                return self._resolve_direct(ids, lock)
+            return self._resolve_sets(ids, lock)
+
+    def _resolve_direct(self, ids: torch.Tensor, lock: bool) -> torch.Tensor:
+        slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
+        miss = self.slot_keys[slots] < 0
+        miss_slots = slots[miss]
+        n_miss = miss_slots.numel()
+        if n_miss:
+            loaded = self._read_tier(ids[miss])
+            self.rows[miss_slots] = loaded
+            self.slot_keys[miss_slots] = ids[miss]
+            self.dirty[miss_slots] = False
+        if lock:
+            self.locks[slots] += 1
+        self.hits += ids.numel() - n_miss
+        self.misses += n_miss
+        return slots
+
+    def _resolve_sets(self, ids: torch.Tensor, lock: bool) -> torch.Tensor:
+        n, W = ids.numel(), self.ways
+        sets = set_index(ids, self.num_sets)
+        ways = cache_lookup(self.slot_keys[: self.num_slots].view(self.num_sets, W), ids, sets)
+        hit = ways >= 0
+        slots = torch.where(hit, sets * W + ways, torch.full_like(ways, -1))
+
+        if self._scratch_used:
+            self._find_in_scratch(ids, slots)
+        miss_pos = (slots < 0).nonzero().squeeze(1)
+        n_miss = miss_pos.numel()
+        self._tick += 1
+        self._lookups += 1
+
+        if n_miss:
+            resident = (slots >= 0).nonzero().squeeze(1)
+            resident_main = slots[resident][slots[resident] < self.num_slots]
+            # Ways this batch hits must not become victims of its own misses: count them as
+            # locked while ways are assigned (undone below when lock=False).
+            self.locks[resident_main] += 1
+            try:
+                self._place_misses(ids, sets, slots, miss_pos)
+            finally:
+                self.locks[resident_main] -= 1
+
+        if lock:
+            self.locks[slots] += 1
+        self._touch(ids, slots)
+        self.hits += n - n_miss
+        self.misses += n_miss
+        return slots
+
+    def _find_in_scratch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fill ``slots`` (in place) for the ids held in the scratch area."""
+        scratch_keys = self.slot_keys[self.num_slots :]
+        keyed = torch.where(scratch_keys >= 0, scratch_keys, torch.full_like(scratch_keys, -1))
+        sorted_keys, perm = torch.sort(torch.where(keyed >= 0, keyed, _INT64_MAX))
+        pos = torch.searchsorted(sorted_keys, ids).clamp(max=sorted_keys.numel() - 1)
+        found = (sorted_keys[pos] == ids) & (slots < 0)
+        slots[found] = self.num_slots + perm[pos[found]]
+
+    def _place_misses(
+        self, ids: torch.Tensor, sets: torch.Tensor, slots: torch.Tensor, miss_pos: torch.Tensor
+    ) -> None:
+        """Assign ways (or scratch rows) to the misses at ``miss_pos`` and load their rows."""
+        W = self.ways
+        miss_sets, order = torch.sort(sets[miss_pos], stable=True)
+        miss_pos = miss_pos[order]
+        touched, owner = torch.unique_consecutive(miss_sets, return_inverse=True)
+        locks_view = self.locks[: self.num_slots].view(self.num_sets, W)
+        scores_view = self.scores.view(self.num_sets, W)
+        ways = assign_ways(scores_view[touched], locks_view[touched] > 0, owner)
+
+        placed = ways >= 0
+        place_slots = touched[owner[placed]] * W + ways[placed]
+        overflow_pos = miss_pos[~placed]
+        n_over = overflow_pos.numel()
+        if n_over:
+            self._grow_scratch(n_over)  # raises before any state change when it cannot fit
+        victims = self.slot_keys[place_slots]
+        dirty_victims = place_slots[(victims >= 0) & self.dirty[place_slots]]
+        if dirty_victims.numel():
+            self._write_tier(self.slot_keys[dirty_victims], dirty_victims)
+
+        if n_over:
+            free = (self.slot_keys[self.num_slots :] < 0).nonzero().squeeze(1)[:n_over]
+            over_slots = self.num_slots + free
+        else:
+            over_slots = place_slots.new_empty(0)
+        new_slots = torch.cat([place_slots, over_slots])
+        new_pos = torch.cat([miss_pos[placed], overflow_pos])
+        loaded = self._read_tier(ids[new_pos])  # may raise: nothing below has run yet
+
+        self.evictions += int((victims >= 0).sum())
+        self.rows[new_slots] = loaded
+        self.slot_keys[new_slots] = ids[new_pos]
+        self.dirty[new_slots] = False
+        self._scratch_used += n_over
+        slots[new_pos] = new_slots
+
+    def _touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Update the eviction scores of the resident slots of a batch."""
+        main = slots < self.num_slots
+        main_slots = slots[main]
+        if self.policy is CachePolicy.LRU:
+            self.scores[main_slots] = self._tick
+            return
+        assert self._freq is not None
+        raw = ids & ((1 << self.fusion_k) - 1)
+        table = ids >> self.fusion_k
+        hashed = self._sketch_base + (mix64(raw) & _INT64_MAX) % _LFU_SKETCH
+        index = torch.where(self._is_bounded[table], self._row_offset[table] + raw, hashed)
+        self._freq.index_add_(0, index, torch.ones_like(index))
+        decay = self.config.lfu_decay
+        if decay is not None and self._lookups % self.config.lfu_decay_interval == 0:
+            self._freq.copy_((self._freq.double() * decay).long())
+            live = self.scores >= 0
+            self.scores[live] = (self.scores[live].double() * decay).long()
+        self.scores[main_slots] = self._freq[index[main]]
+
+    # ------------------------------------------------------------------------------------------
+    # after the batch
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Record that the rows at ``slots`` were changed in place (e.g. by an optimizer)."""
+        with self.lock:
+            self.dirty[slots.to(self.device)] = True
+
+    def unlock(self, slots: torch.Tensor) -> None:
+        """Drop one lock from each of ``slots`` (distinct); free scratch rows left unlocked."""
+        with self.lock:
+            slots = slots.to(self.device)
+            if slots.numel() and bool((self.locks[slots] <= 0).any()):
+                raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
+            self.locks[slots] -= 1
+            self.release()
+
+    def release(self) -> None:
+        """Write back and free the scratch rows no batch holds any more."""
+        with self.lock:
+            if not self._scratch_used:
+                return
+            scratch = slice(self.num_slots, None)
+            done = (self.slot_keys[scratch] >= 0) & (self.locks[scratch] == 0)
+            done_slots = self.num_slots + done.nonzero().squeeze(1)
+            if not done_slots.numel():
+                return
+            dirty = done_slots[self.dirty[done_slots]]
+            if dirty.numel():
+                self._write_tier(self.slot_keys[dirty], dirty)
+            self.slot_keys[done_slots] = -1
+            self.dirty[done_slots] = False
+            self._scratch_used -= done_slots.numel()
+
+    def flush(self) -> None:
+        """Write every dirty row back to the tier (rows stay cached, now clean)."""
+        with self.lock:
+            dirty = self.dirty.nonzero().squeeze(1)
+            if dirty.numel():
+                self._write_tier(self.slot_keys[dirty], dirty)
+                self.dirty[dirty] = False
+
+    def invalidate(self) -> None:
+        """Flush, then drop every cached row (the next batch reads all from the tier)."""
+        with self.lock:
+            if bool((self.locks > 0).any()):
+                raise RuntimeError("HotCache.invalidate: slots are locked by a batch in flight")
+            self.flush()
+            self.slot_keys.fill_(-1)
+            self.scores.fill_(-1)
+            self._scratch_used = 0
+
+    def set_state(self, state_dim: int, state_init: float) -> None:
+        """Change the optimizer-state columns of every row (tier included), keeping weights.
+
+        Flushes and empties the cache, then re-declares the tables in the tier with the new
+        state layout (the tier keeps weights and resets state to ``state_init``).
+        """
+        with self.lock:
+            self.invalidate()
+            for idx, spec in list(self._specs.items()):
+                new = replace(spec, state_dim=state_dim, state_init=state_init)
+                self.store.init_table(new)
+                self._specs[idx] = new
+            self.state_dim = state_dim
+            self._allocate(scratch_rows=0)
+
+    def read(self, fused_ids: torch.Tensor) -> torch.Tensor:
+        """Current rows ``[n, width]`` of ``fused_ids`` wherever they live; changes nothing.
+
+        Rows resident in a slot (scratch included) are read there, others from the tier.
+        """
+        with self.lock:
+            ids = fused_ids.to(self.device, torch.int64)
+            sorted_keys, perm = torch.sort(self.slot_keys)
+            pos = torch.searchsorted(sorted_keys, ids).clamp(max=sorted_keys.numel() - 1)
+            found = sorted_keys[pos] == ids
+            out = torch.empty(ids.numel(), self.width, device=self.device)
+            out[found] = self.rows[perm[pos[found]]]
+            if not bool(found.all()):
+                out[~found] = self._read_tier(ids[~found])
+            return out
+
+    # ------------------------------------------------------------------------------------------
+    # statistics
+
+    def cache_stats(self) -> dict[str, float]:
+        """Counters since the last `reset_stats`: hits and misses count unique ids per batch."""
+        looked_up = self.hits + self.misses
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "writebacks": self.writebacks,
+            "hit_rate": self.hits / looked_up if looked_up else 0.0,
+        }
+
+    def reset_stats(self) -> None:
+        """Zero the counters of `cache_stats`."""
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.writebacks = 0
+
+    def locked_slots(self) -> int:
+        """Number of slots locked by batches in flight."""
+        return int((self.locks > 0).sum())

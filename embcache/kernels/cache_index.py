@@ -1,0 +1,339 @@
+"""Set-associative cache index: hash ids to sets, find the way holding an id, pick victim ways.
+
+The cache keeps ``S`` sets of ``W`` ways; ``keys[s, w]`` is the id held by way ``w`` of set
+``s`` (-1 when empty). Three ops, each a Triton kernel with a torch twin in `reference.py`:
+
+* `set_index`: the set of each id, a splitmix64 hash of the id modulo ``S``.
+* `cache_lookup`: the way holding each id in its set, or -1 (a miss).
+* `assign_ways`: distinct victim ways for the misses of one batch, -1 where a set has more
+  misses than unblocked ways (those rows go to scratch).
+
+Layout follows Liger-Kernel: kernels, then launchers (check, allocate, launch), then the public
+functions that dispatch through `backend.use_triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from embcache.kernels.backend import use_triton
+from embcache.kernels.reference import assign_ways_ref, cache_lookup_ref, set_index_ref
+
+# Elements one program holds at once. Wide enough that the interpreter runs few programs, small
+# enough that a GPU program keeps its int64 blocks in registers.
+_SET_INDEX_BLOCK = 1024
+_LOOKUP_ELEMS = 4096
+_LOOKUP_MAX_BLOCK_W = 64
+_ASSIGN_ELEMS = 4096
+_ASSIGN_MAX_BLOCK_I = 16
+_ASSIGN_MAX_BLOCK_T = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _set_index_kernel(
+    ids_ptr,
+    sets_ptr,
+    n,
+    num_sets,
+    BLOCK_N: tl.constexpr,
+):
+    """``sets[i] = (mix64(ids[i]) & (2**63 - 1)) % num_sets``.
+
+    mix64 is splitmix64's finaliser: ``z = x + golden; z = (z ^ z >> 30) * c1;
+    z = (z ^ z >> 27) * c2; z ^ z >> 31``, in uint64 so the products wrap and the shifts are
+    logical, bit for bit what the int64 twin computes.
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_z = tl.load(ids_ptr + o_n, mask=m_n, other=0).to(tl.uint64, bitcast=True)
+    b_z = b_z + 0x9E3779B97F4A7C15
+    b_z = (b_z ^ (b_z >> 30)) * 0xBF58476D1CE4E5B9
+    b_z = (b_z ^ (b_z >> 27)) * 0x94D049BB133111EB
+    b_z = b_z ^ (b_z >> 31)
+    b_set = (b_z & 0x7FFFFFFFFFFFFFFF).to(tl.int64, bitcast=True) % num_sets
+    tl.store(sets_ptr + o_n, b_set, mask=m_n)
+
+
+@triton.jit
+def _cache_lookup_kernel(
+    keys_ptr,
+    ids_ptr,
+    sets_ptr,
+    ways_ptr,
+    n,
+    S,
+    W,
+    stride_ks,
+    stride_kw,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """``ways[i]`` = the lowest ``w`` with ``keys[sets[i], w] == ids[i]``, else -1.
+
+    One program per block of ids; each gathers the ``W`` keys of its ids' sets, ``BLOCK_W`` ways
+    at a time. A set outside ``[0, S)`` reads nothing and gives -1.
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_id = tl.load(ids_ptr + o_n, mask=m_n, other=-1)  # [BLOCK_N]
+    b_set = tl.load(sets_ptr + o_n, mask=m_n, other=0)  # [BLOCK_N]
+    m_set = m_n & (b_set >= 0) & (b_set < S)
+    # W stands for "not found"; every real way is below it, so a min picks the first match.
+    b_way = tl.zeros([BLOCK_N], dtype=tl.int64) + W
+    for w0 in range(0, W, BLOCK_W):
+        o_w = w0 + tl.arange(0, BLOCK_W).to(tl.int64)  # [BLOCK_W]
+        m_nw = m_set[:, None] & (o_w < W)[None, :]  # [BLOCK_N, BLOCK_W]
+        p_key = keys_ptr + b_set[:, None] * stride_ks + o_w[None, :] * stride_kw
+        b_key = tl.load(p_key, mask=m_nw, other=-1)  # [BLOCK_N, BLOCK_W]
+        b_hit = m_nw & (b_key == b_id[:, None])
+        b_way = tl.minimum(b_way, tl.min(tl.where(b_hit, o_w[None, :], W), axis=1))
+    b_way = tl.where(b_way < W, b_way, -1)
+    tl.store(ways_ptr + o_n, b_way, mask=m_n)
+
+
+@triton.jit
+def _assign_ways_kernel(
+    scores_ptr,
+    blocked_ptr,
+    miss_sets_ptr,
+    ways_ptr,
+    m,
+    S,
+    W,
+    stride_ss,
+    stride_sw,
+    stride_bs,
+    stride_bw,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """Victim ways for the misses of each touched set; ``ways`` must arrive filled with -1.
+
+    With ``key[w] = INT64_MAX if blocked[s, w] else scores[s, w]``, the rank of way ``w`` in
+    set ``s`` is ``#{v : key[v] < key[w] or (key[v] == key[w] and v < w)}``: its place in the
+    stable ascending sort of the set's keys, computed by counting so that it is exact for any
+    int64 score. The misses of set ``s`` form the run ``miss_sets[t:t + c] == s`` (sorted
+    input); the ``k``-th of them gets the way of rank ``k`` when ``k`` is below the number of
+    unblocked ways, so way ``w`` is written to ``ways[t + rank[w]]``.
+
+    Each program looks at ``BLOCK_T`` miss positions and works only for those that start a run.
+    """
+    i_t = tl.program_id(0).to(tl.int64)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    m_t = o_t < m
+    b_set = tl.load(miss_sets_ptr + o_t, mask=m_t, other=-1)  # [BLOCK_T]
+    b_prev = tl.load(miss_sets_ptr + o_t - 1, mask=m_t & (o_t > 0), other=-1)  # [BLOCK_T]
+    m_t = m_t & ((o_t == 0) | (b_prev != b_set)) & (b_set >= 0) & (b_set < S)
+
+    o_w = tl.arange(0, BLOCK_W).to(tl.int64)  # [BLOCK_W]
+    m_tw = m_t[:, None] & (o_w < W)[None, :]  # [BLOCK_T, BLOCK_W]
+    p_score = scores_ptr + b_set[:, None] * stride_ss + o_w[None, :] * stride_sw
+    p_blocked = blocked_ptr + b_set[:, None] * stride_bs + o_w[None, :] * stride_bw
+    b_score = tl.load(p_score, mask=m_tw, other=0)  # [BLOCK_T, BLOCK_W]
+    b_blocked = tl.load(p_blocked, mask=m_tw, other=1) != 0  # [BLOCK_T, BLOCK_W]
+    b_key = tl.where(b_blocked, 0x7FFFFFFFFFFFFFFF, b_score)  # [BLOCK_T, BLOCK_W]
+
+    b_rank = tl.zeros([BLOCK_T, BLOCK_W], dtype=tl.int32)
+    for i0 in range(0, W, BLOCK_I):
+        o_i = i0 + tl.arange(0, BLOCK_I).to(tl.int64)  # [BLOCK_I]
+        m_ti = m_t[:, None] & (o_i < W)[None, :]  # [BLOCK_T, BLOCK_I]
+        p_score_i = scores_ptr + b_set[:, None] * stride_ss + o_i[None, :] * stride_sw
+        p_blocked_i = blocked_ptr + b_set[:, None] * stride_bs + o_i[None, :] * stride_bw
+        b_score_i = tl.load(p_score_i, mask=m_ti, other=0)  # [BLOCK_T, BLOCK_I]
+        b_blocked_i = tl.load(p_blocked_i, mask=m_ti, other=1) != 0
+        b_key_i = tl.where(b_blocked_i, 0x7FFFFFFFFFFFFFFF, b_score_i)  # [BLOCK_T, BLOCK_I]
+        k_i = b_key_i[:, :, None]  # [BLOCK_T, BLOCK_I, 1]
+        k_w = b_key[:, None, :]  # [BLOCK_T, 1, BLOCK_W]
+        b_before = (k_i < k_w) | ((k_i == k_w) & (o_i[None, :, None] < o_w[None, None, :]))
+        b_before = b_before & m_ti[:, :, None]  # [BLOCK_T, BLOCK_I, BLOCK_W]
+        b_rank += tl.sum(b_before.to(tl.int32), axis=1)
+
+    b_free = tl.sum((m_tw & ~b_blocked).to(tl.int32), axis=1)  # [BLOCK_T]
+    o_out = o_t[:, None] + b_rank  # [BLOCK_T, BLOCK_W]
+    m_out = m_tw & (b_rank < b_free[:, None]) & (o_out < m)
+    # Position t + k belongs to this set's run exactly when it holds the same set (sorted input).
+    b_run = tl.load(miss_sets_ptr + o_out, mask=m_out, other=-1)
+    m_out = m_out & (b_run == b_set[:, None])
+    b_way = tl.zeros([BLOCK_T, BLOCK_W], dtype=tl.int64) + o_w[None, :]
+    tl.store(ways_ptr + o_out, b_way, mask=m_out)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def set_index_triton(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
+    """Launch `_set_index_kernel`. ids int64 of any shape; returns int64 of the same shape."""
+    flat = ids.reshape(-1).contiguous()
+    sets = torch.empty_like(flat)
+    n = flat.numel()
+    if n:
+        grid = (triton.cdiv(n, _SET_INDEX_BLOCK),)
+        _set_index_kernel[grid](flat, sets, n, num_sets, BLOCK_N=_SET_INDEX_BLOCK)
+    return sets.view(ids.shape)
+
+
+def cache_lookup_triton(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:
+    """Launch `_cache_lookup_kernel`. keys int64 [S, W] (any strides), ids/sets int64 [n]."""
+    ids = ids.contiguous()
+    sets = sets.contiguous()
+    n = ids.numel()
+    S, W = keys.shape
+    ways = torch.empty_like(ids)
+    if n:
+        block_w = min(triton.next_power_of_2(W), _LOOKUP_MAX_BLOCK_W)
+        block_n = min(_LOOKUP_ELEMS // block_w, triton.next_power_of_2(n))
+        grid = (triton.cdiv(n, block_n),)
+        _cache_lookup_kernel[grid](
+            keys,
+            ids,
+            sets,
+            ways,
+            n,
+            S,
+            W,
+            keys.stride(0),
+            keys.stride(1),
+            BLOCK_N=block_n,
+            BLOCK_W=block_w,
+        )
+    return ways
+
+
+def assign_ways_triton(
+    scores: torch.Tensor, blocked: torch.Tensor, miss_sets: torch.Tensor
+) -> torch.Tensor:
+    """Launch `_assign_ways_kernel`. scores int64 / blocked bool [S, W], miss_sets int64 [m].
+
+    Needs no host sync: runs are found in the kernel, and overflow slots keep the -1 fill.
+    """
+    miss_sets = miss_sets.contiguous()
+    m = miss_sets.numel()
+    S, W = scores.shape
+    ways = torch.full((m,), -1, dtype=torch.int64, device=scores.device)
+    if m:
+        blocked_u8 = blocked.view(torch.uint8)  # same bytes; a plain integer pointer in Triton
+        block_w = triton.next_power_of_2(W)
+        block_i = min(block_w, _ASSIGN_MAX_BLOCK_I)
+        block_t = max(1, min(_ASSIGN_ELEMS // (block_w * block_i), _ASSIGN_MAX_BLOCK_T))
+        block_t = min(block_t, triton.next_power_of_2(m))
+        grid = (triton.cdiv(m, block_t),)
+        _assign_ways_kernel[grid](
+            scores,
+            blocked_u8,
+            miss_sets,
+            ways,
+            m,
+            S,
+            W,
+            scores.stride(0),
+            scores.stride(1),
+            blocked_u8.stride(0),
+            blocked_u8.stride(1),
+            BLOCK_T=block_t,
+            BLOCK_W=block_w,
+            BLOCK_I=block_i,
+        )
+    return ways
+
+
+# ----------------------------------------------------------------------------------------------
+# public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
+
+
+def _check_table(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    _check(name, t, dtype, 2)
+    if t.shape[0] < 1 or t.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one set and one way, got {tuple(t.shape)}")
+
+
+def set_index(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
+    """Set of each id: ``(mix64(id) & (2**63 - 1)) % num_sets`` (splitmix64's finaliser).
+
+    Args:
+        ids: int64 fused ids, any shape, any value (negative ones included).
+        num_sets: number of sets, >= 1.
+
+    Returns:
+        int64 tensor of ``ids``' shape, values in ``[0, num_sets)``; the same bits on every
+        backend.
+    """
+    _check("ids", ids, torch.int64, None)
+    if isinstance(num_sets, bool) or not isinstance(num_sets, int) or not 1 <= num_sets < 2**63:
+        raise ValueError(f"num_sets must be an int in [1, 2**63), got {num_sets!r}")
+    if use_triton(ids):
+        return set_index_triton(ids, num_sets)
+    return set_index_ref(ids, num_sets)
+
+
+def cache_lookup(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:
+    """Way holding each id in its set, or -1 for a miss.
+
+    Args:
+        keys: int64 ``[S, W]``, the id held by each way, -1 for an empty way; an id appears in at
+            most one way of its set.
+        ids: int64 ``[n]``, ids to look up (never -1).
+        sets: int64 ``[n]`` in ``[0, S)``, usually ``set_index(ids, S)``.
+
+    Returns:
+        int64 ``[n]``: the way in ``[0, W)`` holding ``ids[i]`` in set ``sets[i]``, else -1.
+    """
+    _check_table("keys", keys, torch.int64)
+    _check("ids", ids, torch.int64, 1)
+    _check("sets", sets, torch.int64, 1)
+    if ids.shape != sets.shape:
+        raise ValueError(f"ids and sets differ in shape: {tuple(ids.shape)} vs {tuple(sets.shape)}")
+    if use_triton(keys):
+        return cache_lookup_triton(keys, ids, sets)
+    return cache_lookup_ref(keys, ids, sets)
+
+
+def assign_ways(
+    scores: torch.Tensor, blocked: torch.Tensor, miss_sets: torch.Tensor
+) -> torch.Tensor:
+    """Give each miss a distinct victim way of its set, or -1 where the set runs out.
+
+    The ways of a set are ordered by ``(blocked, score, way)`` ascending; the k-th miss of a set
+    (in the order of ``miss_sets``) takes the k-th way of that order when k is below the set's
+    number of unblocked ways, else it overflows to -1. Callers give empty ways the lowest score.
+
+    Args:
+        scores: int64 ``[S, W]`` eviction scores (LRU: last-use tick; LFU: frequency; empty: -1).
+        blocked: bool ``[S, W]``, ways that must not be taken (locked, or hit by this batch).
+        miss_sets: int64 ``[m]``, the set of each miss, sorted ascending (not checked: a check
+            would cost a device sync).
+
+    Returns:
+        int64 ``[m]``: the way in ``[0, W)`` assigned to each miss, or -1 for an overflow.
+    """
+    _check_table("scores", scores, torch.int64)
+    _check("blocked", blocked, torch.bool, 2)
+    _check("miss_sets", miss_sets, torch.int64, 1)
+    if blocked.shape != scores.shape:
+        raise ValueError(
+            f"blocked and scores differ in shape: {tuple(blocked.shape)} vs {tuple(scores.shape)}"
+        )
+    if use_triton(scores):
+        return assign_ways_triton(scores, blocked, miss_sets)
+    return assign_ways_ref(scores, blocked, miss_sets)

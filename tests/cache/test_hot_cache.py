@@ -1,0 +1,298 @@
+"""HotCache against a dense reference: invariants I1-I4 of DESIGN.md section 4.
+
+Each run trains two tables through the cache with random batches (duplicates, batches larger
+than the cache) and the same updates on a dense copy of the tables; every resolve must return
+the dense copy's current rows (I1), every update lands once (I2), and after `flush()` the tier
+equals the dense copy bit for bit (I3) for capacities from one row per set to the whole table.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from embcache.cache.config import CacheConfig
+from embcache.cache.hot_cache import HotCache
+from embcache.kernels.optim import OptimRule, RowUpdate, apply_row_update, state_dim
+from embcache.kv.base import TableSpec, default_init
+from embcache.kv.host import HostKV
+
+FUSION_K = 20
+DIM = 5
+SIZES = {"t0": 60, "t1": 37}
+OFFSETS = {"t0": 0, "t1": 60}
+TOTAL = sum(SIZES.values())
+
+UPDATES = {
+    "sgd": RowUpdate(OptimRule.SGD, lr=0.1),
+    "adagrad": RowUpdate(OptimRule.ADAGRAD, lr=0.1, eps=1e-10),
+    "rowwise_adagrad": RowUpdate(OptimRule.ROWWISE_ADAGRAD, lr=0.1, eps=1e-8),
+    "adam": RowUpdate(OptimRule.ADAM, lr=0.01, eps=1e-8),
+}
+
+
+def make_specs(rule: OptimRule, unbounded: bool = False) -> list[tuple[int, TableSpec]]:
+    specs = []
+    for idx, (name, n) in enumerate(SIZES.items()):
+        bounded = TableSpec(name, DIM, n, state_dim=state_dim(rule, DIM), state_init=0.0)
+        if unbounded:
+            # Same initial values as the bounded table, without a row count.
+            bounded = TableSpec(
+                name, DIM, None, state_dim=bounded.state_dim, init=default_init(bounded)
+            )
+        specs.append((idx, bounded))
+    return specs
+
+
+def make_cache(config: CacheConfig, rule: OptimRule, store=None, unbounded=False):
+    store = store if store is not None else HostKV()
+    specs = make_specs(rule, unbounded)
+    for _, spec in specs:
+        store.init_table(spec)
+    return HotCache(specs, config, store, "cpu", FUSION_K), store, specs
+
+
+def dense_reference(specs) -> torch.Tensor:
+    return torch.cat([spec.initial_rows(torch.arange(SIZES[spec.name])) for _, spec in specs])
+
+
+def random_batch(gen: torch.Generator, n_values: int) -> torch.Tensor:
+    """Fused ids of a batch over both tables, Zipf-ish so some rows repeat across batches."""
+    table = (torch.rand(n_values, generator=gen) < 0.4).long()
+    size = torch.tensor([SIZES["t0"], SIZES["t1"]])[table]
+    u = torch.rand(n_values, generator=gen)
+    raw = (size.double() * u.pow(2.0)).long().clamp(max=size - 1)
+    raw[0] = SIZES["t0"] - 1  # the last row of a table is always exercised
+    table[0] = 0
+    return raw | (table << FUSION_K)
+
+
+def dense_index(fused: torch.Tensor) -> torch.Tensor:
+    table = fused >> FUSION_K
+    raw = fused & ((1 << FUSION_K) - 1)
+    return torch.where(table == 0, raw, raw + OFFSETS["t1"])
+
+
+def train(cache: HotCache, dense: torch.Tensor, update: RowUpdate, steps: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(1, steps + 1):
+        n_values = 200 if step % 4 == 0 else 24  # every 4th batch exceeds small caches
+        unique = torch.unique(random_batch(gen, n_values))
+        slots = cache.resolve(unique)
+        rows = dense[dense_index(unique)]
+        assert torch.equal(cache.rows[slots], rows), f"I1: stale rows served at step {step}"
+        grads = torch.randn(unique.numel(), DIM, generator=gen)
+        with cache.lock:
+            apply_row_update(cache.rows, DIM, slots, grads, update, step)
+        cache.mark_dirty(slots)
+        cache.unlock(slots)
+        apply_row_update(dense, DIM, dense_index(unique), grads, update, step)
+
+
+def tier_rows(store, specs) -> torch.Tensor:
+    return torch.cat([store.get(spec.name, torch.arange(SIZES[spec.name])) for _, spec in specs])
+
+
+CAPACITIES = {
+    "one_row_per_set": dict(capacity=8, ways=1),
+    "tiny_4way": dict(capacity=8, ways=4),
+    "quarter": dict(capacity=24, ways=8),
+    "half_32way": dict(capacity=48, ways=32),
+    "whole_table": dict(capacity=TOTAL),
+    "load_factor_1": dict(load_factor=1.0),
+}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("rule", list(UPDATES), ids=list(UPDATES))
+@pytest.mark.parametrize("cap", list(CAPACITIES), ids=list(CAPACITIES))
+def test_training_through_cache_equals_dense(cap: str, rule: str, policy: str) -> None:
+    update = UPDATES[rule]
+    cache, store, specs = make_cache(CacheConfig(policy=policy, **CAPACITIES[cap]), update.rule)
+    dense = dense_reference(specs)
+    train(cache, dense, update, steps=12, seed=zlib.crc32(f"{cap}{rule}{policy}".encode()) % 1000)
+    assert cache.locked_slots() == 0
+    cache.flush()
+    assert torch.equal(tier_rows(store, specs), dense), "I3: tier differs from dense after flush"
+    stats = cache.cache_stats()
+    assert stats["hits"] + stats["misses"] > 0
+    if cache.direct:
+        assert stats["evictions"] == 0
+
+
+def test_sgd_dense_reference_matches_float64() -> None:
+    """The dense float32 reference itself agrees with SGD done in float64."""
+    update = UPDATES["sgd"]
+    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=2), update.rule)
+    dense = dense_reference(specs)
+    ref64 = dense.double().clone()
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 6):
+        unique = torch.unique(random_batch(gen, 30))
+        slots = cache.resolve(unique)
+        grads = torch.randn(unique.numel(), DIM, generator=gen)
+        apply_row_update(cache.rows, DIM, slots, grads, update, step)
+        cache.mark_dirty(slots)
+        cache.unlock(slots)
+        ref64[dense_index(unique), :DIM] -= update.lr * grads.double()
+    cache.flush()
+    torch.testing.assert_close(tier_rows(store, specs).double(), ref64, rtol=1e-6, atol=1e-6)
+
+
+def test_training_with_triton_index_kernels(backend: str) -> None:
+    """The same run with the cache-index ops on each backend (Triton via the interpreter)."""
+    update = UPDATES["sgd"]
+    cache, store, specs = make_cache(CacheConfig(capacity=12, ways=4, policy="lfu"), update.rule)
+    dense = dense_reference(specs)
+    train(cache, dense, update, steps=5, seed=11)
+    cache.flush()
+    assert torch.equal(tier_rows(store, specs), dense)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_hashed_ids_match_bounded_tables(policy: str) -> None:
+    update = UPDATES["adagrad"]
+    results = []
+    for unbounded in (False, True):
+        cache, store, specs = make_cache(
+            CacheConfig(capacity=16, ways=4, policy=policy), update.rule, unbounded=unbounded
+        )
+        dense = dense_reference(make_specs(update.rule))
+        train(cache, dense, update, steps=8, seed=5)
+        cache.flush()
+        results.append(tier_rows(store, specs))
+        assert torch.equal(results[-1], dense)
+    assert torch.equal(results[0], results[1])
+
+
+def test_locked_slots_are_never_victims() -> None:
+    cache, _, specs = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
+    dense = dense_reference(specs)
+    first = torch.arange(8, dtype=torch.int64)
+    held = cache.resolve(first)  # locked
+    held_keys = cache.slot_keys[held].clone()
+    held_rows = cache.rows[held].clone()
+    # A second batch of 30 other ids, unlocked resolve: all of it must go around the held slots.
+    second = torch.arange(8, 38, dtype=torch.int64)
+    slots = cache.resolve(second, lock=False)
+    assert torch.equal(cache.slot_keys[held], held_keys), "I4: a locked slot was evicted"
+    assert torch.equal(cache.rows[held], held_rows)
+    assert set(slots.tolist()).isdisjoint(held.tolist())
+    assert torch.equal(cache.rows[slots], dense[second]), "overflow rows served wrong"
+    assert bool((slots >= cache.num_slots).all()), "every way is locked: all go to scratch"
+    cache.release()
+    cache.unlock(held)
+    assert cache.locked_slots() == 0
+    assert cache._scratch_used == 0
+
+
+def test_batch_larger_than_cache_is_exact_and_stats_add_up() -> None:
+    update = UPDATES["rowwise_adagrad"]
+    cache, store, specs = make_cache(CacheConfig(capacity=4, ways=4), update.rule)
+    dense = dense_reference(specs)
+    looked_up = 0
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 5):
+        unique = torch.unique(random_batch(gen, 300))
+        assert unique.numel() > 4 * 5
+        looked_up += unique.numel()
+        slots = cache.resolve(unique)
+        assert torch.equal(cache.rows[slots], dense[dense_index(unique)])
+        grads = torch.randn(unique.numel(), DIM, generator=gen)
+        apply_row_update(cache.rows, DIM, slots, grads, update, step)
+        cache.mark_dirty(slots)
+        cache.unlock(slots)
+        apply_row_update(dense, DIM, dense_index(unique), grads, update, step)
+    stats = cache.cache_stats()
+    assert stats["hits"] + stats["misses"] == looked_up
+    assert math.isclose(stats["hit_rate"], stats["hits"] / looked_up)
+    cache.flush()
+    assert torch.equal(tier_rows(store, specs), dense)
+    cache.reset_stats()
+    assert cache.cache_stats()["hits"] == 0
+
+
+def test_batch_beyond_cache_and_scratch_is_refused_cleanly() -> None:
+    cache, store, _ = make_cache(
+        CacheConfig(capacity=4, ways=4, max_scratch_rows=3), OptimRule.SGD
+    )
+    cache.resolve(torch.tensor([1, 2]), lock=False)
+    before = (cache.slot_keys.clone(), cache.rows.clone(), store.io_stats()["rows_read"])
+    with pytest.raises(ValueError, match=r"max_scratch_rows>=\d+"):
+        cache.resolve(torch.arange(10, 20))
+    assert torch.equal(cache.slot_keys, before[0])
+    assert torch.equal(cache.rows, before[1])
+    assert store.io_stats()["rows_read"] == before[2], "no row may be read for a refused batch"
+    assert cache.locked_slots() == 0
+
+
+class FlakyStore(HostKV):
+    """HostKV whose writes fail while `down` is set, as a tier that lost its connection."""
+
+    down = False
+
+    def put(self, table, ids, rows):
+        if self.down:
+            raise ConnectionError("tier unavailable")
+        super().put(table, ids, rows)
+
+
+def test_failed_write_back_loses_nothing() -> None:
+    update = UPDATES["sgd"]
+    store = FlakyStore()
+    cache, store, specs = make_cache(CacheConfig(capacity=4, ways=2), update.rule, store=store)
+    dense = dense_reference(specs)
+    train(cache, dense, update, steps=3, seed=1)
+    store.down = True
+    state = (cache.slot_keys.clone(), cache.dirty.clone(), cache.rows.clone())
+    with pytest.raises(ConnectionError):
+        cache.resolve(torch.arange(30, 50))  # must evict dirty rows: the write fails
+    assert torch.equal(cache.slot_keys, state[0])
+    assert torch.equal(cache.dirty, state[1]), "dirty rows must stay dirty"
+    assert torch.equal(cache.rows, state[2])
+    with pytest.raises(ConnectionError):
+        cache.flush()
+    store.down = False
+    cache.flush()
+    assert torch.equal(tier_rows(store, specs), dense)
+
+
+def test_invalidate_and_set_state() -> None:
+    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
+    dense = dense_reference(specs)
+    train(cache, dense, UPDATES["sgd"], steps=3, seed=2)
+    cache.invalidate()
+    assert bool((cache.slot_keys < 0).all())
+    assert torch.equal(tier_rows(store, specs), dense)
+    cache.set_state(state_dim(OptimRule.ADAGRAD, DIM), 0.5)
+    assert cache.width == 2 * DIM
+    ids = torch.tensor([3, 7 | (1 << FUSION_K)])
+    rows = cache.read(ids)
+    assert torch.equal(rows[:, :DIM], dense[dense_index(ids), :DIM])
+    assert bool((rows[:, DIM:] == 0.5).all())
+
+
+def test_locked_invalidate_and_bad_unlock_raise() -> None:
+    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
+    slots = cache.resolve(torch.tensor([1, 2, 3]))
+    with pytest.raises(RuntimeError, match="locked"):
+        cache.invalidate()
+    cache.unlock(slots)
+    with pytest.raises(RuntimeError, match="not locked"):
+        cache.unlock(slots)
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ValueError, match="capacity or load_factor"):
+        CacheConfig(capacity=4, load_factor=0.5)
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        CacheConfig(capacity=0)
+    with pytest.raises(ValueError, match="'lru' or 'lfu'"):
+        CacheConfig(policy="fifo")
+    with pytest.raises(ValueError, match="load_factor"):
+        CacheConfig(load_factor=1.5)
+    with pytest.raises(ValueError, match="explicit capacity"):
+        CacheConfig(load_factor=0.5).rows_for(None)

@@ -1,0 +1,322 @@
+"""Cache index ops (set_index, cache_lookup, assign_ways) against plain-Python references.
+
+Every test runs twice through the `backend` fixture: the torch twins and the Triton kernels (on
+CPU tensors through Triton's interpreter when there is no GPU). The references below use Python
+ints, dicts and sorted lists, sharing no code with either backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+from embcache.kernels.reference import set_index_ref
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+U64 = (1 << 64) - 1
+
+WAYS = [1, 3, 4, 32]
+NUM_SETS = [1, 5, 64]
+
+
+# ----------------------------------------------------------------------------------------------
+# plain-Python references
+# ----------------------------------------------------------------------------------------------
+
+
+def py_set_index(x: int, num_sets: int) -> int:
+    """splitmix64's finaliser on the id's 64-bit pattern, low 63 bits, modulo num_sets."""
+    z = (x + 0x9E3779B97F4A7C15) & U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    z ^= z >> 31
+    return (z & INT64_MAX) % num_sets
+
+
+def py_cache_lookup(keys: list[list[int]], ids: list[int], sets: list[int]) -> list[int]:
+    """One dict per set, id -> way."""
+    where = [{k: w for w, k in enumerate(row) if k != -1} for row in keys]
+    return [where[s].get(i, -1) for i, s in zip(ids, sets, strict=True)]
+
+
+def py_assign_ways(
+    scores: list[list[int]], blocked: list[list[bool]], miss_sets: list[int]
+) -> list[int]:
+    """Per set, the unblocked ways sorted by (score, way); the k-th miss takes the k-th."""
+    free = {
+        s: [w for _, w in sorted((sc, w) for w, sc in enumerate(row) if not blocked[s][w])]
+        for s, row in enumerate(scores)
+    }
+    taken: dict[int, int] = {}
+    out = []
+    for s in miss_sets:
+        k = taken.get(s, 0)
+        taken[s] = k + 1
+        out.append(free[s][k] if k < len(free[s]) else -1)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def assert_equal_verbose(got: torch.Tensor, want: list[int], what: str) -> None:
+    """Exact equality, naming the first few mismatching positions."""
+    want_t = torch.tensor(want, dtype=torch.int64)
+    got_c = got.cpu()
+    assert got_c.dtype == torch.int64, f"{what}: dtype {got_c.dtype}"
+    assert got_c.shape == want_t.shape, f"{what}: shape {tuple(got_c.shape)} != {len(want)}"
+    bad = (got_c != want_t).nonzero().flatten()
+    if bad.numel():
+        rows = ", ".join(f"[{i}] got {got_c[i].item()} want {want_t[i].item()}" for i in bad[:8])
+        raise AssertionError(f"{what}: {bad.numel()} of {len(want)} differ: {rows}")
+
+
+def random_keys(S: int, W: int, gen: torch.Generator, fill: float = 0.7) -> torch.Tensor:
+    """``[S, W]`` keys: each set holds distinct ids that hash to it, about ``fill`` of its ways.
+
+    Ids come from a pool hashed by `py_set_index`, so the table looks like a real cache.
+    """
+    pool = torch.randint(INT64_MIN, INT64_MAX, (S * W * 4 + 64,), generator=gen).tolist()
+    by_set: dict[int, list[int]] = {s: [] for s in range(S)}
+    for x in dict.fromkeys(pool):  # distinct, order kept
+        if x != -1:
+            by_set[py_set_index(x, S)].append(x)
+    keys = torch.full((S, W), -1, dtype=torch.int64)
+    occupied = torch.rand(S, W, generator=gen) < fill
+    for s in range(S):
+        for w in range(W):
+            if occupied[s, w] and by_set[s]:
+                keys[s, w] = by_set[s].pop()
+    return keys
+
+
+def random_assign_inputs(
+    S: int, W: int, m: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores with many ties and empty ways (-1), some sets fully blocked, sorted miss sets."""
+    scores = torch.randint(-1, 6, (S, W), generator=gen)
+    blocked = torch.rand(S, W, generator=gen) < 0.3
+    blocked[torch.rand(S, generator=gen) < 0.2] = True
+    miss_sets = torch.sort(torch.randint(0, S, (m,), generator=gen)).values
+    return scores, blocked, miss_sets
+
+
+# ----------------------------------------------------------------------------------------------
+# set_index
+# ----------------------------------------------------------------------------------------------
+
+EDGE_IDS = [0, 1, -1, 2, -2, 12345, INT64_MAX, INT64_MIN, INT64_MAX - 1, INT64_MIN + 1, 2**32]
+
+
+@pytest.mark.parametrize("num_sets", [1, 5, 64, 1_000_003, 2**62 + 7], ids=lambda s: f"S{s}")
+def test_set_index_matches_python(backend: str, device: torch.device, num_sets: int) -> None:
+    gen = torch.Generator().manual_seed(num_sets % 1000)
+    rand = torch.randint(INT64_MIN, INT64_MAX, (300,), generator=gen).tolist()
+    ids = EDGE_IDS + rand
+    got = set_index(torch.tensor(ids, device=device), num_sets)
+    assert_equal_verbose(got, [py_set_index(x, num_sets) for x in ids], "set_index")
+
+
+def test_set_index_bit_identical_to_twin(backend: str, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (5000,), generator=gen).to(device)
+    for num_sets in (3, 64, 4097):
+        assert torch.equal(set_index(ids, num_sets), set_index_ref(ids, num_sets))
+
+
+def test_set_index_keeps_shape_and_strides(backend: str, device: torch.device) -> None:
+    ids = torch.arange(-30, 30, device=device).reshape(6, 10).t()  # non-contiguous [10, 6]
+    got = set_index(ids, 7)
+    assert got.shape == (10, 6)
+    assert torch.equal(got, set_index_ref(ids.contiguous(), 7))
+
+
+@pytest.mark.parametrize("kind", ["sequential", "strided", "random"])
+def test_set_index_uniform(backend: str, device: torch.device, kind: str) -> None:
+    n, num_sets = 32768, 64
+    if kind == "sequential":
+        ids = torch.arange(n)
+    elif kind == "strided":  # fused ids of one table: high bits fixed, low bits counting by 64
+        ids = (3 << 30) + 64 * torch.arange(n)
+    else:
+        ids = torch.randint(INT64_MIN, INT64_MAX, (n,), generator=torch.Generator().manual_seed(2))
+    counts = torch.bincount(set_index(ids.to(device), num_sets).cpu(), minlength=num_sets)
+    expected = n / num_sets
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    # 63 degrees of freedom: mean 63, sd ~11; 130 is about six sd out, a loose sanity bound.
+    assert chi2 < 130, f"{kind}: chi-square {chi2:.1f} over {num_sets} sets"
+
+
+def test_set_index_empty(backend: str, device: torch.device) -> None:
+    got = set_index(torch.empty(0, dtype=torch.int64, device=device), 8)
+    assert got.shape == (0,) and got.dtype == torch.int64
+
+
+def test_set_index_rejects_bad_input(backend: str) -> None:
+    with pytest.raises(TypeError, match="int64"):
+        set_index(torch.zeros(3, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="num_sets"):
+        set_index(torch.zeros(3, dtype=torch.int64), 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# cache_lookup
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("W", [*WAYS, 100], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("S", NUM_SETS, ids=lambda s: f"S{s}")
+def test_cache_lookup(backend: str, device: torch.device, S: int, W: int) -> None:
+    gen = torch.Generator().manual_seed(100 * S + W)
+    keys = random_keys(S, W, gen)
+    present = keys[keys != -1]
+    absent = torch.randint(INT64_MIN, INT64_MAX, (60,), generator=gen)
+    absent = absent[~torch.isin(absent, present) & (absent != -1)]
+    # present ids, some repeated, absent ids, and the edge values.
+    pick = present[torch.randint(0, max(present.numel(), 1), (120,), generator=gen)]
+    edge = torch.tensor([x for x in EDGE_IDS if x != -1])  # -1 marks empty ways, never an id
+    ids = torch.cat([pick if present.numel() else pick[:0], absent, edge])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)]
+    sets = torch.tensor([py_set_index(x, S) for x in ids.tolist()])
+    got = cache_lookup(keys.to(device), ids.to(device), sets.to(device))
+    want = py_cache_lookup(keys.tolist(), ids.tolist(), sets.tolist())
+    assert_equal_verbose(got, want, f"cache_lookup S={S} W={W}")
+    assert (got >= 0).any() or present.numel() == 0
+
+
+def test_cache_lookup_strided_keys(backend: str, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(7)
+    keys = random_keys(5, 6, gen, fill=1.0)
+    keys_t = keys.t().contiguous().t()  # same values, column-major strides
+    assert not keys_t.is_contiguous()
+    ids = keys.flatten()[keys.flatten() != -1]
+    sets = torch.tensor([py_set_index(x, 5) for x in ids.tolist()])
+    got = cache_lookup(keys_t.to(device), ids.to(device), sets.to(device))
+    assert_equal_verbose(got, py_cache_lookup(keys.tolist(), ids.tolist(), sets.tolist()), "lookup")
+
+
+def test_cache_lookup_empty(backend: str, device: torch.device) -> None:
+    keys = torch.full((4, 3), -1, dtype=torch.int64, device=device)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    got = cache_lookup(keys, empty, empty)
+    assert got.shape == (0,) and got.dtype == torch.int64
+
+
+def test_cache_lookup_all_empty_ways(backend: str, device: torch.device) -> None:
+    keys = torch.full((5, 4), -1, dtype=torch.int64, device=device)
+    ids = torch.arange(10, device=device)
+    got = cache_lookup(keys, ids, set_index(ids, 5))
+    assert_equal_verbose(got, [-1] * 10, "lookup in an empty cache")
+
+
+# ----------------------------------------------------------------------------------------------
+# assign_ways
+# ----------------------------------------------------------------------------------------------
+
+
+def check_assignment(got: torch.Tensor, blocked: torch.Tensor, miss_sets: torch.Tensor) -> None:
+    """Properties that hold whatever the scores: distinct, unblocked ways within a set."""
+    got_l, sets_l = got.cpu().tolist(), miss_sets.tolist()
+    seen: dict[int, set[int]] = {}
+    for way, s in zip(got_l, sets_l, strict=True):
+        if way == -1:
+            continue
+        assert not blocked[s, way], f"set {s}: blocked way {way} assigned"
+        assert way not in seen.setdefault(s, set()), f"set {s}: way {way} assigned twice"
+        seen[s].add(way)
+
+
+@pytest.mark.parametrize("W", WAYS, ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("S", NUM_SETS, ids=lambda s: f"S{s}")
+def test_assign_ways(backend: str, device: torch.device, S: int, W: int) -> None:
+    gen = torch.Generator().manual_seed(1000 * S + W)
+    # Enough misses that some sets overflow, few enough that others keep free ways.
+    m = max(2, S * W // 2 + 3)
+    scores, blocked, miss_sets = random_assign_inputs(S, W, m, gen)
+    got = assign_ways(scores.to(device), blocked.to(device), miss_sets.to(device))
+    want = py_assign_ways(scores.tolist(), blocked.tolist(), miss_sets.tolist())
+    assert_equal_verbose(got, want, f"assign_ways S={S} W={W}")
+    check_assignment(got, blocked, miss_sets)
+
+
+def test_assign_ways_ordering_rules(backend: str, device: torch.device) -> None:
+    # set 0: empty ways (-1) first, then lowest score, ties by way index; blocked ways never.
+    # set 1: every way blocked. set 2: more misses than unblocked ways.
+    scores = torch.tensor([[5, -1, 2, 2, -1, 0], [0, 0, 0, 0, 0, 0], [9, 1, 9, 1, 3, 3]])
+    blocked = torch.tensor(
+        [
+            [False, False, False, False, True, False],
+            [True] * 6,
+            [False, True, False, True, True, False],
+        ]
+    )
+    miss_sets = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2])
+    want = [1, 5, 2, 3, 0, -1, -1, -1, 5, 0, 2, -1]
+    got = assign_ways(scores.to(device), blocked.to(device), miss_sets.to(device))
+    assert_equal_verbose(got, want, "assign_ways ordering")
+    assert want == py_assign_ways(scores.tolist(), blocked.tolist(), miss_sets.tolist())
+
+
+def test_assign_ways_wide_set(backend: str, device: torch.device) -> None:
+    # W above the kernel's comparison chunk and not a power of two; one set, overflowing.
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randint(-1, 4, (2, 40), generator=gen)
+    blocked = torch.rand(2, 40, generator=gen) < 0.25
+    miss_sets = torch.tensor([0] * 45 + [1] * 3)
+    got = assign_ways(scores.to(device), blocked.to(device), miss_sets.to(device))
+    want = py_assign_ways(scores.tolist(), blocked.tolist(), miss_sets.tolist())
+    assert_equal_verbose(got, want, "assign_ways W=40")
+
+
+def test_assign_ways_empty(backend: str, device: torch.device) -> None:
+    scores = torch.zeros(3, 4, dtype=torch.int64, device=device)
+    blocked = torch.zeros(3, 4, dtype=torch.bool, device=device)
+    got = assign_ways(scores, blocked, torch.empty(0, dtype=torch.int64, device=device))
+    assert got.shape == (0,) and got.dtype == torch.int64
+
+
+def test_assign_ways_rejects_bad_input(backend: str) -> None:
+    scores = torch.zeros(3, 4, dtype=torch.int64)
+    with pytest.raises(TypeError, match="bool"):
+        assign_ways(scores, torch.zeros(3, 4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="shape"):
+        assign_ways(scores, torch.zeros(3, 5, dtype=torch.bool), torch.zeros(1, dtype=torch.int64))
+
+
+@st.composite
+def assign_cases(draw: st.DrawFn) -> tuple[list[list[int]], list[list[bool]], list[int]]:
+    S = draw(st.integers(1, 4))
+    W = draw(st.integers(1, 6))
+    scores = draw(
+        st.lists(st.lists(st.integers(-1, 3), min_size=W, max_size=W), min_size=S, max_size=S)
+    )
+    blocked = draw(
+        st.lists(st.lists(st.booleans(), min_size=W, max_size=W), min_size=S, max_size=S)
+    )
+    miss_sets = sorted(draw(st.lists(st.integers(0, S - 1), max_size=2 * W + 2)))
+    return scores, blocked, miss_sets
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    # The fixture only sets EMBCACHE_BACKEND, which every example wants unchanged.
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(case=assign_cases())
+def test_assign_ways_hypothesis(
+    backend: str, device: torch.device, case: tuple[list[list[int]], list[list[bool]], list[int]]
+) -> None:
+    scores, blocked, miss_sets = case
+    got = assign_ways(
+        torch.tensor(scores, dtype=torch.int64, device=device),
+        torch.tensor(blocked, dtype=torch.bool, device=device),
+        torch.tensor(miss_sets, dtype=torch.int64, device=device),
+    )
+    assert_equal_verbose(got, py_assign_ways(scores, blocked, miss_sets), "assign_ways")
