@@ -1,3 +1,51 @@
-"""embcache: a GPU-resident embedding cache for training recommendation models."""
+"""embcache: a GPU-resident embedding cache for training recommendation models.
+
+Tables far larger than the device live in a backing tier (host memory by default, Redis when
+shared or persistent); the rows a batch needs sit in a fixed-size cache on the device, where
+kernels dedup ids, pool bags and apply the optimizer in place. Dirty rows are written back on
+eviction or flush.
+"""
+
+from embcache.cache import CacheConfig, CachePolicy, HotCache
+from embcache.distributed import DistTensor, KVClient, get_kv_client, reset_kv_client
+from embcache.kernels.pooling import PoolingMode
+from embcache.kv import HostKV, Store, TableSpec, open_store
+from embcache.models import (
+    CachedEmbeddingBagCollection,
+    DistEmbedding,
+    FusedPrefetchHandle,
+    RecStoreEmbeddingBagCollection,
+)
+from embcache.optim import (
+    SparseAdaGrad,
+    SparseAdam,
+    SparseOptimizer,
+    SparseRowWiseAdaGrad,
+    SparseSGD,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CacheConfig",
+    "CachePolicy",
+    "CachedEmbeddingBagCollection",
+    "DistEmbedding",
+    "DistTensor",
+    "FusedPrefetchHandle",
+    "HostKV",
+    "HotCache",
+    "KVClient",
+    "PoolingMode",
+    "RecStoreEmbeddingBagCollection",
+    "SparseAdaGrad",
+    "SparseAdam",
+    "SparseOptimizer",
+    "SparseRowWiseAdaGrad",
+    "SparseSGD",
+    "Store",
+    "TableSpec",
+    "get_kv_client",
+    "open_store",
+    "reset_kv_client",
+]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,6 +37,29 @@ from embcache.cache.config import CacheConfig, CachePolicy
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
 from embcache.kernels.reference import mix64
 from embcache.kv.base import Store, TableSpec
+
+
+class CacheCapacityError(ValueError):
+    """A batch's rows cannot all be held by the cache plus its scratch area."""
+
+
+@dataclass
+class _Plan:
+    """What phase 1 of a resolve decided, for the tier transfer and the commit (or rollback)."""
+
+    ids: torch.Tensor  # int64 [n] the batch's ids
+    slots: torch.Tensor  # int64 [n] their slots
+    load_ids: torch.Tensor  # ids to read from the tier ...
+    load_slots: torch.Tensor  # ... into these slots
+    victim_ids: torch.Tensor  # dirty rows evicted: ids ...
+    victim_rows: torch.Tensor | None  # ... and their rows (host copy), to write to the tier
+    reserved: torch.Tensor = field(default=None)  # slots given new keys (rollback)
+    old_keys: torch.Tensor = field(default=None)
+    old_scores: torch.Tensor | None = None
+    old_dirty: torch.Tensor | None = None
+    n_scratch: int = 0
+    evicted: int = 0
+
 
 _LFU_SKETCH = 1 << 20  # frequency counters shared by the unbounded (hashed-id) tables of a cache
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -81,6 +104,8 @@ class HotCache:
         self.device = torch.device(device)
         self.fusion_k = fusion_k
         self.lock = threading.RLock()
+        self._resolve_mutex = threading.RLock()  # serialises resolves (and flush, read)
+        self._copy_stream: torch.cuda.Stream | None = None
         self._specs = {idx: spec for idx, spec in tables}
         self.state_dim = tables[0][1].state_dim
 
@@ -149,7 +174,7 @@ class HotCache:
         want = min(want, self.config.max_scratch_rows)
         if want - self._scratch_used < needed_free:
             need = self._scratch_used + needed_free
-            raise ValueError(
+            raise CacheCapacityError(
                 f"cache (dim {self.dim}) cannot hold this batch: {needed_free} rows found no "
                 f"free way and the scratch area is limited to {self.config.max_scratch_rows} "
                 f"rows ({self._scratch_used} in use); set CacheConfig(max_scratch_rows>={need}) "
@@ -183,18 +208,39 @@ class HotCache:
         return groups
 
     def _read_tier(self, fused: torch.Tensor) -> torch.Tensor:
-        """Rows ``[n, width]`` (on the device) of ``fused`` ids from the tier."""
-        out = torch.empty(fused.numel(), self.width, dtype=torch.float32, device=self.device)
+        """Rows ``[n, width]`` of ``fused`` ids from the tier, in host memory (pinned when the
+        cache is on a GPU, so the copy to the device is asynchronous)."""
+        pin = self.device.type == "cuda"
+        out = torch.empty(fused.numel(), self.width, dtype=torch.float32, pin_memory=pin)
         for idx, pos, raw in self._split_by_table(fused):
-            rows = self.store.get(self._specs[idx].name, raw)
-            out[pos] = rows.to(self.device, non_blocking=True)
+            out[pos.cpu()] = self.store.get(self._specs[idx].name, raw)
         return out
+
+    def _copy_in(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
+        """Copy host rows into ``slots``. On a GPU the copy runs on a side stream; the default
+        stream waits for it (an event), so kernels queued after this see the rows while
+        kernels already queued keep running."""
+        if self.device.type != "cuda":
+            self.rows[slots] = host_rows
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.rows[slots] = host_rows.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _write_rows(self, fused: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows`` (``[n, width]``, any device) to the tier under their ``fused`` ids."""
+        for idx, pos, raw in self._split_by_table(fused):
+            self.store.put(self._specs[idx].name, raw, rows[pos.to(rows.device)].cpu())
 
     def _write_tier(self, fused: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the rows held at ``slots`` back to the tier under their ``fused`` ids."""
-        for idx, pos, raw in self._split_by_table(fused):
-            rows = self.rows[slots[pos]].cpu()
-            self.store.put(self._specs[idx].name, raw, rows)
+        self._write_rows(fused, self.rows[slots])
         self.writebacks += fused.numel()
 
     # ------------------------------------------------------------------------------------------
@@ -202,6 +248,13 @@ class HotCache:
 
     def resolve(self, unique_ids: torch.Tensor, lock: bool = True) -> torch.Tensor:
         """Slots holding the rows of ``unique_ids``, loading misses from the tier.
+
+        Three phases, so that a resolve running on a prefetch thread overlaps the training
+        thread's use of the cache: (1) under ``lock``, hits are found, misses get ways or scratch
+        rows, those slots are reserved and locked and the dirty victims' rows are copied out;
+        (2) without ``lock``, victims are written to the tier and missing rows read from it;
+        (3) under ``lock``, the rows are copied into their slots. Resolves are serialised among
+        themselves. A tier error in (2) undoes (1): the cache is as it was.
 
         Args:
             unique_ids: int64 ``[n]`` distinct fused ids (any order), on any device.
@@ -211,108 +264,132 @@ class HotCache:
 
         Returns:
             int64 ``[n]`` slot of each id, on the cache's device: ``rows[slots]`` are its rows.
-        """
-        with self.lock:
-            ids = unique_ids.to(self.device, torch.int64)
-            if self.direct:
-                return self._resolve_direct(ids, lock)
-            return self._resolve_sets(ids, lock)
 
-    def _resolve_direct(self, ids: torch.Tensor, lock: bool) -> torch.Tensor:
+        Raises:
+            CacheCapacityError: the batch's rows cannot fit the cache plus the scratch area.
+        """
+        ids = unique_ids.to(self.device, torch.int64)
+        with self._resolve_mutex:
+            with self.lock:
+                plan = self._plan_direct(ids) if self.direct else self._plan_sets(ids)
+            try:
+                if plan.victim_ids.numel():
+                    self._write_rows(plan.victim_ids, plan.victim_rows)
+                loaded = self._read_tier(plan.load_ids) if plan.load_ids.numel() else None
+            except BaseException:
+                with self.lock:
+                    self._rollback(plan)
+                raise
+            with self.lock:
+                self._commit(plan, loaded, lock)
+            return plan.slots
+
+    def _plan_direct(self, ids: torch.Tensor) -> _Plan:
         slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
         miss = self.slot_keys[slots] < 0
-        miss_slots = slots[miss]
-        n_miss = miss_slots.numel()
-        if n_miss:
-            loaded = self._read_tier(ids[miss])
-            self.rows[miss_slots] = loaded
-            self.slot_keys[miss_slots] = ids[miss]
-            self.dirty[miss_slots] = False
-        if lock:
-            self.locks[slots] += 1
-        self.hits += ids.numel() - n_miss
-        self.misses += n_miss
-        return slots
+        load_slots = slots[miss]
+        plan = _Plan(ids, slots, ids[miss], load_slots, self._empty_ids(), None)
+        plan.reserved, plan.old_keys = load_slots, self.slot_keys[load_slots].clone()
+        plan.old_scores = plan.old_dirty = None
+        self.slot_keys[load_slots] = plan.load_ids
+        self.locks[slots] += 1
+        return plan
 
-    def _resolve_sets(self, ids: torch.Tensor, lock: bool) -> torch.Tensor:
-        n, W = ids.numel(), self.ways
+    def _plan_sets(self, ids: torch.Tensor) -> _Plan:
+        W = self.ways
         sets = set_index(ids, self.num_sets)
         ways = cache_lookup(self.slot_keys[: self.num_slots].view(self.num_sets, W), ids, sets)
-        hit = ways >= 0
-        slots = torch.where(hit, sets * W + ways, torch.full_like(ways, -1))
-
+        slots = torch.where(ways >= 0, sets * W + ways, torch.full_like(ways, -1))
         if self._scratch_used:
             self._find_in_scratch(ids, slots)
         miss_pos = (slots < 0).nonzero().squeeze(1)
-        n_miss = miss_pos.numel()
         self._tick += 1
         self._lookups += 1
-
-        if n_miss:
-            resident = (slots >= 0).nonzero().squeeze(1)
-            resident_main = slots[resident][slots[resident] < self.num_slots]
-            # Ways this batch hits must not become victims of its own misses: count them as
-            # locked while ways are assigned (undone below when lock=False).
-            self.locks[resident_main] += 1
-            try:
-                self._place_misses(ids, sets, slots, miss_pos)
-            finally:
-                self.locks[resident_main] -= 1
-
-        if lock:
+        if not miss_pos.numel():
             self.locks[slots] += 1
-        self._touch(ids, slots)
-        self.hits += n - n_miss
-        self.misses += n_miss
-        return slots
+            self._touch(ids, slots)
+            return _Plan(ids, slots, self._empty_ids(), self._empty_ids(), self._empty_ids(), None)
 
-    def _find_in_scratch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Fill ``slots`` (in place) for the ids held in the scratch area."""
-        scratch_keys = self.slot_keys[self.num_slots :]
-        keyed = torch.where(scratch_keys >= 0, scratch_keys, torch.full_like(scratch_keys, -1))
-        sorted_keys, perm = torch.sort(torch.where(keyed >= 0, keyed, _INT64_MAX))
-        pos = torch.searchsorted(sorted_keys, ids).clamp(max=sorted_keys.numel() - 1)
-        found = (sorted_keys[pos] == ids) & (slots < 0)
-        slots[found] = self.num_slots + perm[pos[found]]
-
-    def _place_misses(
-        self, ids: torch.Tensor, sets: torch.Tensor, slots: torch.Tensor, miss_pos: torch.Tensor
-    ) -> None:
-        """Assign ways (or scratch rows) to the misses at ``miss_pos`` and load their rows."""
-        W = self.ways
+        # Ways this batch hits are as good as locked while its misses choose victims.
+        self.locks[slots[slots >= 0]] += 1
         miss_sets, order = torch.sort(sets[miss_pos], stable=True)
         miss_pos = miss_pos[order]
         touched, owner = torch.unique_consecutive(miss_sets, return_inverse=True)
         locks_view = self.locks[: self.num_slots].view(self.num_sets, W)
         scores_view = self.scores.view(self.num_sets, W)
-        ways = assign_ways(scores_view[touched], locks_view[touched] > 0, owner)
-
-        placed = ways >= 0
-        place_slots = touched[owner[placed]] * W + ways[placed]
+        assigned = assign_ways(scores_view[touched], locks_view[touched] > 0, owner)
+        placed = assigned >= 0
+        place_slots = touched[owner[placed]] * W + assigned[placed]
         overflow_pos = miss_pos[~placed]
         n_over = overflow_pos.numel()
         if n_over:
-            self._grow_scratch(n_over)  # raises before any state change when it cannot fit
-        victims = self.slot_keys[place_slots]
-        dirty_victims = place_slots[(victims >= 0) & self.dirty[place_slots]]
-        if dirty_victims.numel():
-            self._write_tier(self.slot_keys[dirty_victims], dirty_victims)
-
-        if n_over:
+            try:
+                self._grow_scratch(n_over)
+            except CacheCapacityError:
+                self.locks[slots[slots >= 0]] -= 1
+                raise
             free = (self.slot_keys[self.num_slots :] < 0).nonzero().squeeze(1)[:n_over]
             over_slots = self.num_slots + free
         else:
-            over_slots = place_slots.new_empty(0)
+            over_slots = self._empty_ids()
+
+        victims = self.slot_keys[place_slots]
+        dirty_victims = place_slots[(victims >= 0) & self.dirty[place_slots]]
         new_slots = torch.cat([place_slots, over_slots])
         new_pos = torch.cat([miss_pos[placed], overflow_pos])
-        loaded = self._read_tier(ids[new_pos])  # may raise: nothing below has run yet
-
-        self.evictions += int((victims >= 0).sum())
-        self.rows[new_slots] = loaded
-        self.slot_keys[new_slots] = ids[new_pos]
+        plan = _Plan(
+            ids,
+            slots,
+            ids[new_pos],
+            new_slots,
+            self.slot_keys[dirty_victims].clone(),
+            self.rows[dirty_victims].cpu() if dirty_victims.numel() else None,
+        )
+        plan.reserved, plan.old_keys = new_slots, self.slot_keys[new_slots].clone()
+        plan.old_scores = self.scores[place_slots].clone()
+        plan.old_dirty = self.dirty[new_slots].clone()
+        plan.n_scratch, plan.evicted = n_over, int((victims >= 0).sum())
+        slots[new_pos] = new_slots
+        self.slot_keys[new_slots] = plan.load_ids
         self.dirty[new_slots] = False
         self._scratch_used += n_over
-        slots[new_pos] = new_slots
+        self.locks[new_slots] += 1  # now every slot of the batch holds one lock
+        self._touch(ids, slots)
+        return plan
+
+    def _empty_ids(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def _rollback(self, plan: _Plan) -> None:
+        """Undo `_plan_*` after a failed tier transfer (victims stay resident and dirty)."""
+        self.slot_keys[plan.reserved] = plan.old_keys
+        if plan.old_dirty is not None:
+            self.dirty[plan.reserved] = plan.old_dirty
+        if plan.old_scores is not None:
+            self.scores[plan.reserved[: plan.old_scores.numel()]] = plan.old_scores
+        self._scratch_used -= plan.n_scratch
+        self.locks[plan.slots] -= 1
+
+    def _commit(self, plan: _Plan, loaded: torch.Tensor | None, lock: bool) -> None:
+        if loaded is not None:
+            self._copy_in(plan.load_slots, loaded)
+        if not lock:
+            self.locks[plan.slots] -= 1
+        n_miss = plan.load_ids.numel()
+        self.hits += plan.ids.numel() - n_miss
+        self.misses += n_miss
+        self.evictions += plan.evicted
+        self.writebacks += plan.victim_ids.numel()
+
+    def _find_in_scratch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fill ``slots`` (in place) for the ids held in the scratch area."""
+        scratch_keys = self.slot_keys[self.num_slots :]
+        sorted_keys, perm = torch.sort(
+            torch.where(scratch_keys >= 0, scratch_keys, torch.full_like(scratch_keys, _INT64_MAX))
+        )
+        pos = torch.searchsorted(sorted_keys, ids).clamp(max=sorted_keys.numel() - 1)
+        found = (sorted_keys[pos] == ids) & (slots < 0)
+        slots[found] = self.num_slots + perm[pos[found]]
 
     def _touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Update the eviction scores of the resident slots of a batch."""
@@ -370,7 +447,7 @@ class HotCache:
 
     def flush(self) -> None:
         """Write every dirty row back to the tier (rows stay cached, now clean)."""
-        with self.lock:
+        with self._resolve_mutex, self.lock:
             dirty = self.dirty.nonzero().squeeze(1)
             if dirty.numel():
                 self._write_tier(self.slot_keys[dirty], dirty)
@@ -378,7 +455,7 @@ class HotCache:
 
     def invalidate(self) -> None:
         """Flush, then drop every cached row (the next batch reads all from the tier)."""
-        with self.lock:
+        with self._resolve_mutex, self.lock:
             if bool((self.locks > 0).any()):
                 raise RuntimeError("HotCache.invalidate: slots are locked by a batch in flight")
             self.flush()
@@ -392,7 +469,7 @@ class HotCache:
         Flushes and empties the cache, then re-declares the tables in the tier with the new
         state layout (the tier keeps weights and resets state to ``state_init``).
         """
-        with self.lock:
+        with self._resolve_mutex, self.lock:
             self.invalidate()
             for idx, spec in list(self._specs.items()):
                 new = replace(spec, state_dim=state_dim, state_init=state_init)
@@ -406,7 +483,7 @@ class HotCache:
 
         Rows resident in a slot (scratch included) are read there, others from the tier.
         """
-        with self.lock:
+        with self._resolve_mutex, self.lock:
             ids = fused_ids.to(self.device, torch.int64)
             sorted_keys, perm = torch.sort(self.slot_keys)
             pos = torch.searchsorted(sorted_keys, ids).clamp(max=sorted_keys.numel() - 1)
@@ -414,7 +491,7 @@ class HotCache:
             out = torch.empty(ids.numel(), self.width, device=self.device)
             out[found] = self.rows[perm[pos[found]]]
             if not bool(found.all()):
-                out[~found] = self._read_tier(ids[~found])
+                out[~found] = self._read_tier(ids[~found]).to(self.device)
             return out
 
     # ------------------------------------------------------------------------------------------

@@ -1,0 +1,25 @@
+"""The tiers behind the device cache: the `Store` protocol and its implementations.
+
+`HostKV` (in-process host memory, the default), `RedisKV` (a Redis server or cluster),
+`TieredKV` (a host-memory write-back row cache in front of a slower store); `open_store` builds
+one from a URL.
+"""
+
+from embcache.kv.base import RowInit, Store, TableSpec, default_init
+from embcache.kv.host import HostKV
+from embcache.kv.url import open_store
+
+__all__ = ["HostKV", "RowInit", "Store", "TableSpec", "default_init", "open_store"]
+
+
+def __getattr__(name: str):
+    # The Redis tiers import redis-py; load them only when asked for.
+    if name in ("RedisKV", "TierUnavailableError"):
+        from embcache.kv import redis_kv
+
+        return getattr(redis_kv, name)
+    if name == "TieredKV":
+        from embcache.kv.tiered import TieredKV
+
+        return TieredKV
+    raise AttributeError(f"module 'embcache.kv' has no attribute {name!r}")

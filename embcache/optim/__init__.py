@@ -1,0 +1,11 @@
+"""Sparse optimizers over cached collections: state beside each row, fused in-place updates."""
+
+from embcache.optim.sparse import (
+    SparseAdaGrad,
+    SparseAdam,
+    SparseOptimizer,
+    SparseRowWiseAdaGrad,
+    SparseSGD,
+)
+
+__all__ = ["SparseAdaGrad", "SparseAdam", "SparseOptimizer", "SparseRowWiseAdaGrad", "SparseSGD"]

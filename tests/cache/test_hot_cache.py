@@ -216,9 +216,7 @@ def test_batch_larger_than_cache_is_exact_and_stats_add_up() -> None:
 
 
 def test_batch_beyond_cache_and_scratch_is_refused_cleanly() -> None:
-    cache, store, _ = make_cache(
-        CacheConfig(capacity=4, ways=4, max_scratch_rows=3), OptimRule.SGD
-    )
+    cache, store, _ = make_cache(CacheConfig(capacity=4, ways=4, max_scratch_rows=3), OptimRule.SGD)
     cache.resolve(torch.tensor([1, 2]), lock=False)
     before = (cache.slot_keys.clone(), cache.rows.clone(), store.io_stats()["rows_read"])
     with pytest.raises(ValueError, match=r"max_scratch_rows>=\d+"):

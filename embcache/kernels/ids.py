@@ -1,0 +1,368 @@
+"""Ids: validate and fuse per-feature ids, unfuse them, and dedup a batch.
+
+A batch arrives as the values of F features concatenated (a KeyedJaggedTensor's values). Each
+id is checked against its table (``0 <= id < num_embeddings``) and the fusion width
+(``id < 2**fusion_k``), then fused with its table index, ``id | (table_idx << fusion_k)``, so
+that one cache can hold the rows of several tables. The check costs a single host sync on the
+good path: the kernel writes a per-value verdict, one ``.any()`` reads it back, and only a bad
+batch pays for finding and naming the first offender.
+
+Dedup design: sort-based, not hash-based. The cache and the tests want the unique ids sorted
+ascending (sets are resolved in id order, results are reproducible), so a hash table would still
+need a sort of its U keys afterwards, plus a table sized to the batch and a CAS insertion loop
+whose slot order depends on thread timing. A device radix sort (``torch.sort``, CUB on CUDA)
+of the n ids is bandwidth-bound and deterministic; on the sorted ids two light Triton kernels
+mark segment starts and scatter the unique ids, the inverse index and the segment starts,
+from which the counts follow. The one host sync reads U, which sizes the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from embcache.kernels import reference
+from embcache.kernels.backend import use_triton
+
+_BLOCK_N = 1024
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fuse_ids_kernel(
+    values_ptr,
+    value_features_ptr,
+    table_idx_ptr,
+    num_embeddings_ptr,
+    fused_ptr,
+    verdict_ptr,
+    nnz,
+    fusion_k,
+    BLOCK_N: tl.constexpr,
+):
+    """``fused = id | (table << fusion_k)``; verdict 0 ok, 1 negative, 2 >= rows, 3 >= 2**k."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < nnz
+    b_id = tl.load(values_ptr + o_n, mask=m_n, other=0).to(tl.int64)
+    b_feat = tl.load(value_features_ptr + o_n, mask=m_n, other=0)
+    b_table = tl.load(table_idx_ptr + b_feat, mask=m_n, other=0)
+    b_rows = tl.load(num_embeddings_ptr + b_feat, mask=m_n, other=-1)
+    b_verdict = tl.where(
+        b_id < 0,
+        1,
+        tl.where((b_rows >= 0) & (b_id >= b_rows), 2, tl.where((b_id >> fusion_k) != 0, 3, 0)),
+    )
+    tl.store(fused_ptr + o_n, b_id | (b_table << fusion_k), mask=m_n)
+    tl.store(verdict_ptr + o_n, b_verdict.to(tl.int8), mask=m_n)
+
+
+@triton.jit
+def _unfuse_ids_kernel(fused_ptr, table_idx_ptr, ids_ptr, n, fusion_k, BLOCK_N: tl.constexpr):
+    """``table = fused >> fusion_k``, ``id = fused & (2**fusion_k - 1)``."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_fused = tl.load(fused_ptr + o_n, mask=m_n, other=0).to(tl.int64)
+    b_mask = (tl.full((), 1, tl.int64) << fusion_k) - 1
+    tl.store(table_idx_ptr + o_n, b_fused >> fusion_k, mask=m_n)
+    tl.store(ids_ptr + o_n, b_fused & b_mask, mask=m_n)
+
+
+@triton.jit
+def _segment_starts_kernel(sorted_ptr, is_start_ptr, n, BLOCK_N: tl.constexpr):
+    """``is_start[i] = i == 0 or sorted[i] != sorted[i - 1]``."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    m_prev = m_n & (o_n > 0)
+    b_cur = tl.load(sorted_ptr + o_n, mask=m_n, other=0)
+    b_prev = tl.load(sorted_ptr + o_n - 1, mask=m_prev, other=0)
+    b_start = (o_n == 0) | (b_cur != b_prev)
+    tl.store(is_start_ptr + o_n, b_start.to(tl.int32), mask=m_n)
+
+
+@triton.jit
+def _dedup_scatter_kernel(
+    sorted_ptr,
+    order_ptr,
+    is_start_ptr,
+    segment_ptr,
+    unique_ptr,
+    inverse_ptr,
+    starts_ptr,
+    n,
+    BLOCK_N: tl.constexpr,
+):
+    """``inverse[order[i]] = segment[i]``; at segment starts ``unique[s] = sorted[i]``,
+    ``starts[s] = i``."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_id = tl.load(sorted_ptr + o_n, mask=m_n, other=0)
+    b_pos = tl.load(order_ptr + o_n, mask=m_n, other=0)
+    b_seg = tl.load(segment_ptr + o_n, mask=m_n, other=0)
+    m_start = m_n & (tl.load(is_start_ptr + o_n, mask=m_n, other=0) != 0)
+    tl.store(inverse_ptr + b_pos, b_seg, mask=m_n)
+    tl.store(unique_ptr + b_seg, b_id, mask=m_start)
+    tl.store(starts_ptr + b_seg, o_n, mask=m_start)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _grid(n: int) -> tuple[int]:
+    return (max(1, triton.cdiv(n, _BLOCK_N)),)
+
+
+def _fuse_ids_triton(
+    values: torch.Tensor,
+    value_features: torch.Tensor,
+    table_idx: torch.Tensor,
+    num_embeddings: torch.Tensor,
+    fusion_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `reference.fuse_ids_ref` (same arguments and results)."""
+    nnz = values.numel()
+    fused = torch.empty(nnz, dtype=torch.int64, device=values.device)
+    verdict = torch.empty(nnz, dtype=torch.int8, device=values.device)
+    if nnz:
+        _fuse_ids_kernel[_grid(nnz)](
+            values,
+            value_features,
+            table_idx,
+            num_embeddings,
+            fused,
+            verdict,
+            nnz,
+            fusion_k,
+            BLOCK_N=_BLOCK_N,
+        )
+    return fused, verdict
+
+
+def _unfuse_ids_triton(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `reference.unfuse_ids_ref`."""
+    n = fused.numel()
+    table_idx = torch.empty(n, dtype=torch.int64, device=fused.device)
+    ids = torch.empty(n, dtype=torch.int64, device=fused.device)
+    if n:
+        _unfuse_ids_kernel[_grid(n)](fused, table_idx, ids, n, fusion_k, BLOCK_N=_BLOCK_N)
+    return table_idx, ids
+
+
+def _dedup_triton(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of `reference.dedup_ref`: sort, mark segment starts, scatter."""
+    n = ids.numel()
+    device = ids.device
+    if n == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty.clone(), empty.clone()
+    sorted_ids, order = torch.sort(ids.to(torch.int64), stable=True)
+    is_start = torch.empty(n, dtype=torch.int32, device=device)
+    _segment_starts_kernel[_grid(n)](sorted_ids, is_start, n, BLOCK_N=_BLOCK_N)
+    segment = torch.cumsum(is_start, 0, dtype=torch.int64) - 1  # [n] unique index of sorted[i]
+    num_unique = int(segment[-1]) + 1  # the one host sync: U sizes the outputs
+    unique_ids = torch.empty(num_unique, dtype=torch.int64, device=device)
+    inverse = torch.empty(n, dtype=torch.int64, device=device)
+    starts = torch.empty(num_unique + 1, dtype=torch.int64, device=device)
+    starts[num_unique] = n
+    _dedup_scatter_kernel[_grid(n)](
+        sorted_ids, order, is_start, segment, unique_ids, inverse, starts, n, BLOCK_N=_BLOCK_N
+    )
+    return unique_ids, inverse, starts[1:] - starts[:-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_int(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be int64 or int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+
+
+def _check_fusion_k(fusion_k: int) -> None:
+    if isinstance(fusion_k, bool) or not isinstance(fusion_k, int):
+        raise TypeError(f"fusion_k must be an int, got {type(fusion_k).__name__}")
+    if not 0 <= fusion_k <= 63:
+        raise ValueError(f"fusion_k={fusion_k} must be in [0, 63]")
+
+
+def _bad_id_error(
+    ids: torch.Tensor,
+    value_features: torch.Tensor,
+    verdict: torch.Tensor,
+    num_embeddings: torch.Tensor,
+    fusion_k: int,
+    feature_names: Sequence[str],
+    table_names: Sequence[str],
+) -> ValueError:
+    """The error naming the first value whose verdict is not OK (error path only)."""
+    j = int(torch.nonzero(verdict).min())
+    kind = int(verdict[j])
+    i = int(value_features[j])
+    where = f"feature {feature_names[i]!r} (table {table_names[i]!r}): id {int(ids[j])}"
+    if kind == reference.ID_NEGATIVE:
+        return ValueError(f"{where} is negative; ids must be >= 0")
+    if kind == reference.ID_OUT_OF_RANGE:
+        return ValueError(f"{where} out of range [0, {int(num_embeddings[i])})")
+    return ValueError(
+        f"{where} needs more than fusion_k={fusion_k} bits (ids must be < 2**{fusion_k})"
+    )
+
+
+def fuse_ids(
+    values: torch.Tensor,
+    feature_lengths: torch.Tensor,
+    table_idx: torch.Tensor,
+    num_embeddings: torch.Tensor,
+    fusion_k: int,
+    feature_names: Sequence[str],
+    table_names: Sequence[str],
+) -> torch.Tensor:
+    """Validate the ids of F features and fuse each with its table index.
+
+    Example: features ``f0, f1`` of table 0 and ``f2`` of table 1, ``fusion_k = 30``, values
+    ``[3, 7, 7, 5]`` with lengths ``[2, 1, 1]`` give ``[3, 7, 7, 5 | 1 << 30]``.
+
+    Args:
+        values: int64 or int32 ``[nnz]``, the values of the F features concatenated.
+        feature_lengths: int ``[F]``, number of values of each feature (sums to nnz).
+        table_idx: int ``[F]``, table index of each feature, ``0 <= t < 2**(63 - fusion_k)``.
+        num_embeddings: int ``[F]``, rows of each feature's table, -1 for an unbounded table.
+        fusion_k: bits kept for the id, in ``[0, 63]``.
+        feature_names: F feature names, for error messages.
+        table_names: F table names (of each feature's table), for error messages.
+
+    Returns:
+        int64 ``[nnz]``: ``values | (table_idx << fusion_k)`` per value.
+
+    Raises:
+        TypeError: a tensor that is not int32/int64, or a fusion_k that is not an int.
+        ValueError: mismatched lengths, negative lengths, a bad table index, or the first id that
+            is negative, ``>= num_embeddings`` or ``>= 2**fusion_k``, naming feature, table, id
+            and limit. Nothing is modified in any case.
+    """
+    for name, t in (
+        ("values", values),
+        ("feature_lengths", feature_lengths),
+        ("table_idx", table_idx),
+        ("num_embeddings", num_embeddings),
+    ):
+        _check_int(name, t)
+    _check_fusion_k(fusion_k)
+    num_features = feature_lengths.numel()
+    sizes = {
+        "table_idx": table_idx.numel(),
+        "num_embeddings": num_embeddings.numel(),
+        "feature_names": len(feature_names),
+        "table_names": len(table_names),
+    }
+    for name, size in sizes.items():
+        if size != num_features:
+            raise ValueError(
+                f"{name} has {size} entries but feature_lengths has {num_features} features"
+            )
+    nnz = values.numel()
+    device = values.device
+    if num_features == 0:
+        if nnz:
+            raise ValueError(f"values has {nnz} entries but there are no features")
+        return torch.empty(0, dtype=torch.int64, device=device)
+    lengths = feature_lengths.to(device=device, dtype=torch.int64)
+    table_idx = table_idx.to(device=device, dtype=torch.int64)
+    num_embeddings = num_embeddings.to(device=device, dtype=torch.int64)
+    # Feature of each value, safe even when the lengths are wrong (checked below, same sync).
+    ends = torch.cumsum(lengths, 0)
+    o_n = torch.arange(nnz, dtype=torch.int64, device=device)
+    value_features = torch.searchsorted(ends, o_n, right=True).clamp_(max=num_features - 1)
+
+    if use_triton(values):
+        fused, verdict = _fuse_ids_triton(
+            values.contiguous(), value_features, table_idx, num_embeddings, fusion_k
+        )
+    else:
+        fused, verdict = reference.fuse_ids_ref(
+            values, value_features, table_idx, num_embeddings, fusion_k
+        )
+    bad_table = table_idx < 0
+    if fusion_k > 0:  # for fusion_k = 0 every non-negative int64 fits
+        bad_table |= table_idx >= (1 << (63 - fusion_k))
+    flags = torch.stack(
+        [
+            (lengths < 0).any(),
+            ends[-1] != nnz,
+            bad_table.any(),
+            (verdict != reference.ID_OK).any(),
+        ]
+    ).tolist()  # the one host sync of the good path
+    if not any(flags):
+        return fused
+    negative_length, wrong_total, table_out_of_range, _ = flags
+    if negative_length:
+        i = int(torch.nonzero(lengths < 0).min())
+        raise ValueError(
+            f"feature {feature_names[i]!r}: negative length {int(lengths[i])} in feature_lengths"
+        )
+    if wrong_total:
+        raise ValueError(f"feature_lengths sum to {int(ends[-1])} but values has {nnz} entries")
+    if table_out_of_range:
+        i = int(torch.nonzero(bad_table).min())
+        raise ValueError(
+            f"feature {feature_names[i]!r} (table {table_names[i]!r}): table index "
+            f"{int(table_idx[i])} out of range [0, 2**{63 - fusion_k}) for fusion_k={fusion_k}"
+        )
+    raise _bad_id_error(
+        values, value_features, verdict, num_embeddings, fusion_k, feature_names, table_names
+    )
+
+
+def unfuse_ids(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split fused ids into their table index and id; the inverse of `fuse_ids`.
+
+    Args:
+        fused: int64 ``[n]`` fused ids (non-negative).
+        fusion_k: bits of the id, as given to `fuse_ids`.
+
+    Returns:
+        ``(table_idx, ids)``, both int64 ``[n]``.
+    """
+    _check_int("fused", fused)
+    _check_fusion_k(fusion_k)
+    if use_triton(fused):
+        return _unfuse_ids_triton(fused.contiguous(), fusion_k)
+    return reference.unfuse_ids_ref(fused, fusion_k)
+
+
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unique ids of a batch, sorted ascending, with the inverse index and counts.
+
+    Example: ``[7, 3, 7, 9]`` gives ``([3, 7, 9], [1, 0, 1, 2], [1, 2, 1])``.
+
+    Args:
+        ids: int64 or int32 ``[n]`` (fused) ids.
+
+    Returns:
+        ``(unique_ids, inverse, counts)``: int64 ``[U]`` ascending, int64 ``[n]`` with
+        ``unique_ids[inverse] == ids``, int64 ``[U]`` occurrences of each unique id.
+    """
+    _check_int("ids", ids)
+    if use_triton(ids):
+        return _dedup_triton(ids.contiguous())
+    return reference.dedup_ref(ids)

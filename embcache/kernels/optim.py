@@ -1,0 +1,565 @@
+"""Optimizer row updates: one fused kernel reads a row's weights and state and writes both.
+
+A cache row is ``[weights (dim) | optimizer state (S)]`` in float32, ``S = state_dim(rule, dim)``:
+
+=================  =========  ===========================================================
+rule               S          state columns
+=================  =========  ===========================================================
+SGD                0          none
+ADAGRAD            dim        sum of squared gradients, per element
+ROWWISE_ADAGRAD    1          sum of mean squared gradients, per row
+ADAM               2 * dim    ``exp_avg`` then ``exp_avg_sq``
+=================  =========  ===========================================================
+
+`apply_row_update` updates the rows named by ``slots`` in place with one aggregated gradient row
+each, and touches nothing else. On the rows it touches the numbers match, to float32 rounding:
+
+* SGD: ``torch.optim.SGD(lr)`` on a sparse gradient, ``w -= lr * g``.
+* ADAGRAD: ``torch.optim.Adagrad(lr, lr_decay, eps, initial_accumulator_value)``'s sparse branch:
+  ``acc += g * g``; ``w -= clr * (g / (sqrt(acc) + eps))``, ``clr = lr / (1 + (step - 1) *
+  lr_decay)``. The caller fills the state with ``initial_accumulator_value`` on first touch.
+* ROWWISE_ADAGRAD: FBGEMM's EXACT_ROWWISE_ADAGRAD: ``acc += mean(g * g)``;
+  ``mult = lr / (sqrt(acc) + eps)``; ``w -= mult * g``.
+* ADAM: ``torch.optim.SparseAdam(lr, betas, eps)``: ``m += (g - m) * (1 - beta1)``;
+  ``v += (g * g - v) * (1 - beta2)``;
+  ``w -= lr * sqrt(1 - beta2**step) / (1 - beta1**step) * (m / (sqrt(v) + eps))``.
+
+``weight_decay`` is L2 on the touched rows only (FBGEMM's ``weight_decay_mode=L2``): the
+gradient becomes ``g + weight_decay * w`` before the rule. torch refuses ``weight_decay`` with
+sparse gradients (Adagrad raises, SparseAdam has no such option, SGD's sparse path raises), so
+this is an extension there; rows absent from a batch do not decay. ``lr_decay`` applies to
+ADAGRAD only.
+
+`aggregate_grads` sums the gradient rows of equal ids deterministically (a stable sort, then a
+sequential sum per id, no float atomics), as the optimizer needs before `apply_row_update`.
+
+Layout follows Liger-Kernel: kernels, then launchers (check, allocate, launch), then the public
+functions that dispatch through `backend.use_triton`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+import operator
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from embcache.kernels.backend import use_triton
+from embcache.kernels.reference import (
+    adagrad_update_ref,
+    adam_update_ref,
+    aggregate_grads_ref,
+    rowwise_adagrad_update_ref,
+    sgd_update_ref,
+)
+
+
+class OptimRule(enum.IntEnum):
+    """The update rule applied to a row; the value is what the Triton kernel branches on."""
+
+    SGD = 0
+    ADAGRAD = 1
+    ROWWISE_ADAGRAD = 2
+    ADAM = 3
+
+
+def state_dim(rule: OptimRule, dim: int) -> int:
+    """Number of float32 state columns a row needs after its ``dim`` weights.
+
+    Args:
+        rule: the update rule.
+        dim: embedding dim.
+
+    Returns:
+        SGD 0; ADAGRAD ``dim``; ROWWISE_ADAGRAD 1; ADAM ``2 * dim``.
+    """
+    rule = OptimRule(rule)
+    if rule == OptimRule.SGD:
+        return 0
+    if rule == OptimRule.ADAGRAD:
+        return dim
+    if rule == OptimRule.ROWWISE_ADAGRAD:
+        return 1
+    return 2 * dim
+
+
+@dataclass(frozen=True)
+class RowUpdate:
+    """Hyper-parameters of one rule; the step count is passed to `apply_row_update` per call.
+
+    Attributes:
+        rule: the update rule.
+        lr: learning rate, >= 0.
+        eps: added to the square root in the denominator (ADAGRAD, ROWWISE_ADAGRAD, ADAM).
+            The default is Adagrad's; ``torch.optim.SparseAdam`` defaults to 1e-8, so pass it.
+        beta1: ADAM's first-moment decay, in [0, 1).
+        beta2: ADAM's second-moment decay, in [0, 1).
+        weight_decay: L2 coefficient added to the gradient on the touched rows (all rules).
+        lr_decay: ADAGRAD only, as ``torch.optim.Adagrad``: ``lr / (1 + (step - 1) * lr_decay)``.
+    """
+
+    rule: OptimRule
+    lr: float
+    eps: float = 1e-10
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    lr_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rule, bool) or not isinstance(self.rule, int):
+            raise TypeError(f"RowUpdate.rule must be an OptimRule, got {self.rule!r}")
+        try:
+            object.__setattr__(self, "rule", OptimRule(self.rule))
+        except ValueError:
+            raise ValueError(
+                f"RowUpdate.rule={self.rule!r} is not one of {[r.name for r in OptimRule]}"
+            ) from None
+        for name in ("lr", "eps", "beta1", "beta2", "weight_decay", "lr_decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"RowUpdate.{name} must be a float, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value) or value < 0.0:
+                raise ValueError(f"RowUpdate.{name} must be finite and >= 0, got {value}")
+            object.__setattr__(self, name, value)
+        for name in ("beta1", "beta2"):
+            if not getattr(self, name) < 1.0:
+                raise ValueError(f"RowUpdate.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.lr_decay != 0.0 and self.rule != OptimRule.ADAGRAD:
+            raise ValueError(f"RowUpdate.lr_decay applies to ADAGRAD only, not {self.rule.name}")
+
+    def state_dim(self, dim: int) -> int:
+        """`state_dim` of this update's rule."""
+        return state_dim(self.rule, dim)
+
+
+# The rule values as constexpr globals, so the kernel's branches read by name.
+_SGD = tl.constexpr(int(OptimRule.SGD))
+_ADAGRAD = tl.constexpr(int(OptimRule.ADAGRAD))
+_ROWWISE_ADAGRAD = tl.constexpr(int(OptimRule.ROWWISE_ADAGRAD))
+_ADAM = tl.constexpr(int(OptimRule.ADAM))
+
+# Elements of one [BLOCK_N, BLOCK_D] block: wide enough that the interpreter runs few programs,
+# small enough that a GPU program keeps its four float32 blocks (w, g, and two states) in
+# registers.
+_ROW_ELEMS = 2048
+_ROW_MAX_BLOCK_D = 256
+_SUM_MAX_BLOCK_D = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _axpy(a, x, y):
+    """``y + a * x`` rounded once: what torch's ``y.add(x, alpha=a)`` computes (an FMA)."""
+    return tl.fma(tl.zeros_like(x) + a, x, y)
+
+
+@triton.jit
+def _row_update_kernel(
+    rows_ptr,
+    slots_ptr,
+    grads_ptr,
+    n,
+    dim,
+    stride_rn,
+    stride_rd,
+    stride_gn,
+    stride_gd,
+    lr,
+    eps,
+    one_minus_beta1,
+    one_minus_beta2,
+    weight_decay,
+    RULE: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Update rows ``slots[i]`` with ``grads[i]`` in place; ``w`` = columns ``[0, dim)``.
+
+    ``lr`` is the step's effective rate (SGD and ROWWISE_ADAGRAD: lr; ADAGRAD: the decayed
+    ``clr``; ADAM: ``lr * sqrt(1 - beta2**step) / (1 - beta1**step)``). With weight decay
+    ``g = g + weight_decay * w`` first (ROWWISE_ADAGRAD: in the mean square only, the update
+    folds it into ``w`` as FBGEMM does). State columns follow ``w``:
+
+    * SGD: ``w = w + (-lr) * g``.
+    * ADAGRAD: ``a = a + g * g``; ``w = w + (-lr) * (g / (sqrt(a) + eps))``, a = ``[dim, 2dim)``.
+    * ROWWISE_ADAGRAD: ``a = a + sum(g * g) / dim``; ``mult = lr / (sqrt(a) + eps)``;
+      ``w = (1 - mult * weight_decay) * w - g * mult``, a = column ``dim``.
+    * ADAM: ``m = m + (g - m) * (1 - beta1)``; ``v = v + (g * g - v) * (1 - beta2)``;
+      ``w = w + (-lr) * (m / (sqrt(v) + eps))``, m = ``[dim, 2dim)``, v = ``[2dim, 3dim)``.
+
+    Division and square root are IEEE-rounded (``div_rn``, ``sqrt_rn``), as torch's are; a
+    product feeds an add unrounded (an FMA) exactly where torch's op is ``add(x, alpha=a)``:
+    the weight decay term and the SGD and ADAGRAD weight updates.
+    One program per ``BLOCK_N`` slots, ``BLOCK_D`` columns at a time.
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_slot = tl.load(slots_ptr + o_n, mask=m_n, other=0).to(tl.int64)  # [BLOCK_N]
+    p_row = rows_ptr + b_slot * stride_rn  # [BLOCK_N]
+    p_grad = grads_ptr + o_n * stride_gn  # [BLOCK_N]
+
+    if RULE == _ROWWISE_ADAGRAD:
+        # Two passes over the columns: the mean square needs the whole row before any update.
+        b_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, dim, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
+            m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
+            p_g = p_grad[:, None] + o_d[None, :] * stride_gd
+            b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if HAS_WEIGHT_DECAY:
+                p_w = p_row[:, None] + o_d[None, :] * stride_rd
+                b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+                b_g = _axpy(weight_decay, b_w, b_g)
+            b_sq += tl.sum(b_g * b_g, axis=1)
+        p_acc = p_row + dim * stride_rd  # [BLOCK_N]
+        b_acc = tl.load(p_acc, mask=m_n, other=0.0)  # [BLOCK_N]
+        b_acc = b_acc + tl.div_rn(b_sq, tl.zeros_like(b_sq) + dim)
+        tl.store(p_acc, b_acc, mask=m_n)
+        b_mult = tl.div_rn(tl.zeros_like(b_acc) + lr, tl.sqrt_rn(b_acc) + eps)  # [BLOCK_N]
+        b_corr = 1.0 - b_mult * weight_decay  # [BLOCK_N]
+        for d0 in range(0, dim, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
+            m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
+            p_w = p_row[:, None] + o_d[None, :] * stride_rd
+            p_g = p_grad[:, None] + o_d[None, :] * stride_gd
+            b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if HAS_WEIGHT_DECAY:
+                b_w = b_corr[:, None] * b_w
+            b_w = b_w - b_g * b_mult[:, None]
+            tl.store(p_w, b_w, mask=m_nd)
+    else:
+        for d0 in range(0, dim, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
+            m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
+            p_w = p_row[:, None] + o_d[None, :] * stride_rd  # [BLOCK_N, BLOCK_D]
+            p_g = p_grad[:, None] + o_d[None, :] * stride_gd
+            b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if HAS_WEIGHT_DECAY:
+                b_g = _axpy(weight_decay, b_w, b_g)
+            if RULE == _SGD:
+                b_w = _axpy(-lr, b_g, b_w)
+            elif RULE == _ADAGRAD:
+                p_acc = p_w + dim * stride_rd
+                b_acc = tl.load(p_acc, mask=m_nd, other=0.0) + b_g * b_g  # [BLOCK_N, BLOCK_D]
+                tl.store(p_acc, b_acc, mask=m_nd)
+                b_w = _axpy(-lr, tl.div_rn(b_g, tl.sqrt_rn(b_acc) + eps), b_w)
+            elif RULE == _ADAM:
+                p_m = p_w + dim * stride_rd
+                p_v = p_m + dim * stride_rd
+                b_m = tl.load(p_m, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+                b_v = tl.load(p_v, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+                b_m = b_m + (b_g - b_m) * one_minus_beta1
+                b_v = b_v + (b_g * b_g - b_v) * one_minus_beta2
+                tl.store(p_m, b_m, mask=m_nd)
+                tl.store(p_v, b_v, mask=m_nd)
+                b_w = b_w + (-lr) * tl.div_rn(b_m, tl.sqrt_rn(b_v) + eps)
+            tl.store(p_w, b_w, mask=m_nd)
+
+
+@triton.jit
+def _segment_sum_kernel(
+    grads_ptr,
+    order_ptr,
+    offsets_ptr,
+    out_ptr,
+    dim,
+    stride_gn,
+    stride_gd,
+    stride_on,
+    stride_od,
+    BLOCK_D: tl.constexpr,
+):
+    """``out[u] = sum(grads[order[k]] for k in range(offsets[u], offsets[u + 1]))``.
+
+    The terms are added one by one from zero, in ``k`` order: with ``order`` a stable sort of
+    the ids, that is each id's gradient rows in their input order, so the result is the same on
+    every run and equal, bit for bit, to the twin's ``index_add_`` on CPU. One program per
+    (unique id, ``BLOCK_D`` columns).
+    """
+    i_u = tl.program_id(0).to(tl.int64)
+    i_d = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
+    m_d = o_d < dim
+    start = tl.load(offsets_ptr + i_u)
+    end = tl.load(offsets_ptr + i_u + 1)
+    b_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in range(start, end):
+        b_src = tl.load(order_ptr + k).to(tl.int64)
+        p_g = grads_ptr + b_src * stride_gn + o_d * stride_gd  # [BLOCK_D]
+        b_sum += tl.load(p_g, mask=m_d, other=0.0)
+    tl.store(out_ptr + i_u * stride_on + o_d * stride_od, b_sum, mask=m_d)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def row_update_triton(
+    rows: torch.Tensor,
+    dim: int,
+    slots: torch.Tensor,
+    grads: torch.Tensor,
+    rule: OptimRule,
+    lr: float,
+    eps: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """Launch `_row_update_kernel` on checked inputs (see `apply_row_update`).
+
+    ``lr`` is the step's effective rate, as the kernel's docstring says.
+    """
+    n = slots.numel()
+    if n == 0:
+        return
+    block_d = min(triton.next_power_of_2(dim), _ROW_MAX_BLOCK_D)
+    block_n = min(max(_ROW_ELEMS // block_d, 1), triton.next_power_of_2(n))
+    grid = (triton.cdiv(n, block_n),)
+    _row_update_kernel[grid](
+        rows,
+        slots,
+        grads,
+        n,
+        dim,
+        rows.stride(0),
+        rows.stride(1),
+        grads.stride(0),
+        grads.stride(1),
+        lr,
+        eps,
+        1.0 - beta1,
+        1.0 - beta2,
+        weight_decay,
+        RULE=int(rule),
+        HAS_WEIGHT_DECAY=weight_decay != 0.0,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        # No implicit FMA contraction: a * b + c stays two roundings, as in torch's separate
+        # ops; `_axpy` fuses explicitly where torch's add-with-alpha does.
+        enable_fp_fusion=False,
+    )
+
+
+def aggregate_grads_triton(
+    ids: torch.Tensor, grads: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable-sort ``ids``, then launch `_segment_sum_kernel` (see `aggregate_grads`)."""
+    sorted_ids, order = torch.sort(ids, stable=True)
+    unique_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    u, dim = unique_ids.numel(), grads.shape[1]
+    offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))  # [u + 1]
+    summed = torch.empty(u, dim, dtype=torch.float32, device=grads.device)
+    if u and dim:
+        block_d = min(triton.next_power_of_2(dim), _SUM_MAX_BLOCK_D)
+        grid = (u, triton.cdiv(dim, block_d))
+        _segment_sum_kernel[grid](
+            grads,
+            order,
+            offsets,
+            summed,
+            dim,
+            grads.stride(0),
+            grads.stride(1),
+            summed.stride(0),
+            summed.stride(1),
+            BLOCK_D=block_d,
+        )
+    else:
+        summed.zero_()
+    return unique_ids, summed
+
+
+# ----------------------------------------------------------------------------------------------
+# public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool):
+        raise TypeError(f"step must be an int >= 1, got {step!r}")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an int >= 1, got {step!r}") from None
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the step count after incrementing), got {step}")
+    return step
+
+
+def _check_row_update(
+    rows: torch.Tensor,
+    dim: int,
+    slots: torch.Tensor,
+    grads: torch.Tensor,
+    update: RowUpdate,
+) -> None:
+    """Raise TypeError/ValueError naming the first bad input; reads rows, never writes."""
+    if not isinstance(update, RowUpdate):
+        raise TypeError(f"update must be a RowUpdate, got {type(update).__name__}")
+    for name, t in (("rows", rows), ("slots", slots), ("grads", grads)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+    if rows.dtype != torch.float32:
+        raise TypeError(f"rows must be float32, got {rows.dtype}")
+    if slots.dtype != torch.int64:
+        raise TypeError(f"slots must be int64, got {slots.dtype}")
+    if grads.dtype != torch.float32:
+        raise TypeError(f"grads must be float32, got {grads.dtype}")
+    if rows.dim() != 2:
+        raise ValueError(f"rows must be 2-D [R, dim + state], got shape {tuple(rows.shape)}")
+    need = dim + update.state_dim(dim)
+    if rows.shape[1] < need:
+        raise ValueError(
+            f"rows has {rows.shape[1]} columns; {update.rule.name} with dim={dim} needs "
+            f"{need} (dim + {update.state_dim(dim)} state columns)"
+        )
+    if slots.dim() != 1:
+        raise ValueError(f"slots must be 1-D [n], got shape {tuple(slots.shape)}")
+    n = slots.numel()
+    if tuple(grads.shape) != (n, dim):
+        raise ValueError(f"grads must have shape [n, dim] = [{n}, {dim}], got {tuple(grads.shape)}")
+    if slots.device != rows.device or grads.device != rows.device:
+        raise ValueError(
+            f"rows, slots and grads must share a device, got {rows.device}, {slots.device}, "
+            f"{grads.device}"
+        )
+    if n == 0:
+        return
+    # One host sync for the range and distinctness checks; details only on the error path.
+    sorted_slots = torch.sort(slots).values
+    bad = (sorted_slots[0] < 0) | (sorted_slots[-1] >= rows.shape[0])
+    if n > 1:
+        bad = bad | (sorted_slots[1:] == sorted_slots[:-1]).any()
+    if bool(bad):
+        lo, hi = int(sorted_slots[0]), int(sorted_slots[-1])
+        if lo < 0 or hi >= rows.shape[0]:
+            raise ValueError(
+                f"slots must lie in [0, {rows.shape[0]}) (the rows of `rows`), got min {lo}, "
+                f"max {hi}"
+            )
+        dup = sorted_slots[1:][sorted_slots[1:] == sorted_slots[:-1]]
+        raise ValueError(f"slots must be distinct; row {int(dup[0])} appears more than once")
+
+
+def apply_row_update(
+    rows: torch.Tensor,
+    dim: int,
+    slots: torch.Tensor,
+    grads: torch.Tensor,
+    update: RowUpdate,
+    step: int,
+) -> None:
+    """Apply one optimizer step to the rows ``slots`` of ``rows``, in place.
+
+    Weights and state are read and written by one fused kernel (Triton on CUDA, the torch twin
+    on CPU, see `backend`). Rows not in ``slots`` are left bit-identical.
+
+    Args:
+        rows: float32 ``[R, C]``, ``C >= dim + state_dim(update.rule, dim)``: weights in columns
+            ``[0, dim)``, the rule's state in ``[dim, dim + S)``; further columns are untouched.
+        dim: embedding dim.
+        slots: int64 ``[n]``, distinct row indices in ``[0, R)``.
+        grads: float32 ``[n, dim]``, one aggregated gradient row per slot (see
+            `aggregate_grads`).
+        update: the rule and its hyper-parameters.
+        step: the optimizer's step count after incrementing (1 on the first step); used by
+            ADAM's bias corrections and ADAGRAD's ``lr_decay``.
+
+    Raises:
+        TypeError: a wrong type or dtype.
+        ValueError: a wrong shape, too few columns for the rule's state, slots out of range or
+            repeated, mismatched devices, ``step < 1``. ``rows`` is unchanged when raised.
+    """
+    step = _check_step(step)
+    _check_row_update(rows, dim, slots, grads, update)
+    if slots.numel() == 0:
+        return
+    rule = update.rule
+    lr = update.lr
+    if rule == OptimRule.ADAGRAD:
+        lr = update.lr / (1 + (step - 1) * update.lr_decay)
+    elif rule == OptimRule.ADAM:
+        # torch.optim.SparseAdam's step size, computed in double as torch does.
+        lr = update.lr * math.sqrt(1 - update.beta2**step) / (1 - update.beta1**step)
+
+    if use_triton(rows):
+        row_update_triton(
+            rows,
+            dim,
+            slots,
+            grads,
+            rule,
+            lr,
+            update.eps,
+            update.beta1,
+            update.beta2,
+            update.weight_decay,
+        )
+    elif rule == OptimRule.SGD:
+        sgd_update_ref(rows, dim, slots, grads, lr, update.weight_decay)
+    elif rule == OptimRule.ADAGRAD:
+        adagrad_update_ref(rows, dim, slots, grads, lr, update.eps, update.weight_decay)
+    elif rule == OptimRule.ROWWISE_ADAGRAD:
+        rowwise_adagrad_update_ref(rows, dim, slots, grads, lr, update.eps, update.weight_decay)
+    else:
+        adam_update_ref(
+            rows, dim, slots, grads, lr, update.beta1, update.beta2, update.eps, update.weight_decay
+        )
+
+
+def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the gradient rows of equal ids, deterministically.
+
+    Each id's rows are added in their order in ``ids``, starting from zero (a stable sort then
+    a sequential segment sum; no float atomics), so the result never depends on the run, and
+    the Triton kernel and the CPU twin agree bit for bit.
+
+    Args:
+        ids: int64 ``[n]``, any values, duplicates allowed.
+        grads: float32 ``[n, dim]``.
+
+    Returns:
+        ``(unique_ids, summed)``: int64 ``[u]`` in ascending order and float32 ``[u, dim]``,
+        ``summed[j]`` the sum of ``grads[i]`` over ``ids[i] == unique_ids[j]``.
+
+    Raises:
+        TypeError: a wrong type or dtype.
+        ValueError: a wrong shape or mismatched devices.
+    """
+    for name, t in (("ids", ids), ("grads", grads)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ids.dtype != torch.int64:
+        raise TypeError(f"ids must be int64, got {ids.dtype}")
+    if grads.dtype != torch.float32:
+        raise TypeError(f"grads must be float32, got {grads.dtype}")
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D [n], got shape {tuple(ids.shape)}")
+    if grads.dim() != 2 or grads.shape[0] != ids.numel():
+        raise ValueError(
+            f"grads must have shape [n, dim] with n = {ids.numel()}, got {tuple(grads.shape)}"
+        )
+    if ids.device != grads.device:
+        raise ValueError(f"ids and grads must share a device, got {ids.device}, {grads.device}")
+    if use_triton(grads):
+        return aggregate_grads_triton(ids, grads)
+    return aggregate_grads_ref(ids, grads)

@@ -1,0 +1,461 @@
+"""Pooling: bags of cache rows -> pooled output, and its gradient -> one row per unique id.
+
+The forward reads rows straight from the cache slots: value j of a batch is the row
+``rows[slots[inverse[j]], :dim]`` (the cache row is ``[weights | optimizer state]``; only the
+first ``dim`` columns are read). Bags are feature-major: bag ``q = i * B + b`` is feature i of
+sample b and writes ``out[b, col_offsets[i] : col_offsets[i] + dim]``, so tables of different
+dims fill one ``[B, sum(dims)]`` output, one call per table.
+
+Modes, with per-sample weights ``w_j`` (1 when absent) over the values j of a bag of length L:
+
+* SUM: ``Σ w_j x_j``.
+* MEAN: ``Σ w_j x_j / L``. Weighted MEAN divides by the bag length, not by ``Σ w_j``: the same
+  as a weighted SUM scaled by ``1 / L``, which is what FBGEMM's TBE computes.
+* MAX: the elementwise ``max_j w_j x_j``. The forward also returns, per bag and column, the
+  first value index j reaching the max; the backward routes that column's gradient to it alone.
+
+An empty bag gives zeros in every mode.
+
+The backward is deterministic: value positions are stably sorted by unique id, and one program
+per block of unique ids walks each id's segment in that fixed order, so the same inputs give
+the same bits on every run; no float atomics, and nothing of table size is allocated.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import triton
+import triton.language as tl
+
+from embcache.kernels import reference
+from embcache.kernels.backend import use_triton
+
+
+class PoolingMode(enum.IntEnum):
+    """How a bag's rows are reduced (values match torch's ``embedding_bag`` modes)."""
+
+    SUM = reference.POOL_SUM
+    MEAN = reference.POOL_MEAN
+    MAX = reference.POOL_MAX
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pool_forward_kernel(
+    rows_ptr,
+    slots_ptr,
+    inverse_ptr,
+    offsets_ptr,
+    weights_ptr,
+    col_offsets_ptr,
+    out_ptr,
+    argmax_ptr,
+    batch_size,
+    dim,
+    stride_row,
+    stride_row_col,
+    stride_out_b,
+    stride_out_col,
+    MODE: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One bag, BLOCK_D columns: ``out[b, col + d] = pool_j(w_j * rows[slots[inverse[j]], d])``.
+
+    MODE 0 SUM, 1 MEAN (sum / length), 2 MAX (also stores the first arg-max value index, -1 for
+    an empty bag). Accumulates in fp32.
+    """
+    i_bag = tl.program_id(0).to(tl.int64)
+    i_d = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    m_d = o_d < dim
+    bag_start = tl.load(offsets_ptr + i_bag)
+    bag_end = tl.load(offsets_ptr + i_bag + 1)
+    if MODE == 2:
+        b_acc = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        b_arg = tl.full([BLOCK_D], -1, tl.int64)
+    else:
+        b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for o_start in range(bag_start, bag_end, BLOCK_N):
+        o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        m_n = o_n < bag_end
+        b_unique = tl.load(inverse_ptr + o_n, mask=m_n, other=0)
+        b_slot = tl.load(slots_ptr + b_unique, mask=m_n, other=0).to(tl.int64)
+        p_x = rows_ptr + b_slot[:, None] * stride_row + o_d[None, :] * stride_row_col
+        m_x = m_n[:, None] & m_d[None, :]  # [BLOCK_N, BLOCK_D]
+        b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        if HAS_WEIGHTS:
+            b_w = tl.load(weights_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+            b_x = b_x * b_w[:, None]
+        if MODE == 2:
+            b_x = tl.where(m_x, b_x, float("-inf"))
+            # Ties go to the lowest index, within the block and (strict >) across blocks.
+            b_max, b_idx = tl.max(b_x, axis=0, return_indices=True)  # [BLOCK_D]
+            m_new = (b_max > b_acc) | (b_arg < 0)
+            b_arg = tl.where(m_new, o_start + b_idx.to(tl.int64), b_arg)
+            b_acc = tl.where(m_new, b_max, b_acc)
+        else:
+            b_acc += tl.sum(b_x, axis=0)
+    length = bag_end - bag_start
+    if MODE == 1:
+        b_acc = b_acc / tl.maximum(length, 1).to(tl.float32)
+    if MODE == 2:
+        b_acc = tl.where(length > 0, b_acc, 0.0)
+        tl.store(argmax_ptr + i_bag * dim + o_d, b_arg, mask=m_d)
+    i_feature = i_bag // batch_size
+    i_sample = i_bag % batch_size
+    col = tl.load(col_offsets_ptr + i_feature)
+    p_out = out_ptr + i_sample * stride_out_b + (col + o_d) * stride_out_col
+    tl.store(p_out, b_acc, mask=m_d)
+
+
+@triton.jit
+def _pool_backward_kernel(
+    grad_out_ptr,
+    order_ptr,
+    segment_starts_ptr,
+    bag_of_value_ptr,
+    offsets_ptr,
+    weights_ptr,
+    col_offsets_ptr,
+    argmax_ptr,
+    grad_unique_ptr,
+    num_unique,
+    batch_size,
+    dim,
+    stride_grad_b,
+    stride_grad_col,
+    MODE: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """BLOCK_U unique ids, BLOCK_D columns: ``grad_unique[u] = Σ_{j: inverse[j] = u} s_j g_bag(j)``.
+
+    ``order[segment_starts[u] : segment_starts[u + 1]]`` are the value positions j of unique id u,
+    ascending; ``s_j`` is ``w_j`` (SUM), ``w_j / L`` (MEAN) or ``w_j [argmax[bag, d] == j]``
+    (MAX). The fixed walk order makes the sum bit-reproducible. Accumulates in fp32.
+    """
+    i_u = tl.program_id(0).to(tl.int64)
+    i_d = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    m_d = o_d < dim
+    for k in range(BLOCK_U):
+        o_u = i_u * BLOCK_U + k
+        m_u = o_u < num_unique
+        seg_start = tl.load(segment_starts_ptr + o_u, mask=m_u, other=0)
+        seg_end = tl.load(segment_starts_ptr + o_u + 1, mask=m_u, other=0)
+        b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for o_start in range(seg_start, seg_end, BLOCK_N):
+            o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            m_n = o_n < seg_end
+            b_j = tl.load(order_ptr + o_n, mask=m_n, other=0)
+            b_bag = tl.load(bag_of_value_ptr + b_j, mask=m_n, other=0)
+            b_col = tl.load(col_offsets_ptr + b_bag // batch_size, mask=m_n, other=0)
+            b_sample = b_bag % batch_size
+            m_g = m_n[:, None] & m_d[None, :]  # [BLOCK_N, BLOCK_D]
+            p_g = (
+                grad_out_ptr
+                + b_sample[:, None] * stride_grad_b
+                + (b_col[:, None] + o_d[None, :]) * stride_grad_col
+            )
+            b_g = tl.load(p_g, mask=m_g, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            if MODE == 2:
+                p_arg = argmax_ptr + b_bag[:, None] * dim + o_d[None, :]
+                b_arg = tl.load(p_arg, mask=m_g, other=-1)  # [BLOCK_N, BLOCK_D]
+                b_g = tl.where(b_arg == b_j[:, None], b_g, 0.0)
+            if MODE == 1:
+                b_bag_start = tl.load(offsets_ptr + b_bag, mask=m_n, other=0)
+                b_bag_end = tl.load(offsets_ptr + b_bag + 1, mask=m_n, other=1)
+                b_len = tl.maximum(b_bag_end - b_bag_start, 1).to(tl.float32)  # [BLOCK_N]
+                b_g = b_g / b_len[:, None]
+            if HAS_WEIGHTS:
+                b_w = tl.load(weights_ptr + b_j, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+                b_g = b_g * b_w[:, None]
+            b_acc += tl.sum(b_g, axis=0)
+        tl.store(grad_unique_ptr + o_u * dim + o_d, b_acc, mask=m_u & m_d)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _blocks(dim: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_D): up to 256 columns a program, about 4096 elements a tile."""
+    block_d = min(max(triton.next_power_of_2(dim), 16), 256)
+    block_n = min(max(4096 // block_d, 1), 64)
+    return block_n, block_d
+
+
+def _pool_forward_triton(
+    rows: torch.Tensor,
+    dim: int,
+    slots: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mode: PoolingMode,
+    out: torch.Tensor,
+    batch_size: int,
+    col_offsets: torch.Tensor,
+) -> torch.Tensor | None:
+    """Triton twin of `reference.pool_forward_ref` (same arguments and results)."""
+    num_bags = offsets.numel() - 1
+    argmax = None
+    if mode == PoolingMode.MAX:
+        argmax = torch.empty(num_bags, dim, dtype=torch.int64, device=rows.device)
+    if num_bags == 0:
+        return argmax
+    block_n, block_d = _blocks(dim)
+    grid = (num_bags, triton.cdiv(dim, block_d))
+    _pool_forward_kernel[grid](
+        rows,
+        slots,
+        inverse,
+        offsets,
+        per_sample_weights if per_sample_weights is not None else rows,
+        col_offsets,
+        out,
+        argmax if argmax is not None else offsets,
+        batch_size,
+        dim,
+        rows.stride(0),
+        rows.stride(1),
+        out.stride(0),
+        out.stride(1),
+        MODE=int(mode),
+        HAS_WEIGHTS=per_sample_weights is not None,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+    )
+    return argmax
+
+
+def _pool_backward_triton(
+    grad_out: torch.Tensor,
+    dim: int,
+    inverse: torch.Tensor,
+    num_unique: int,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mode: PoolingMode,
+    batch_size: int,
+    col_offsets: torch.Tensor,
+    argmax: torch.Tensor | None,
+) -> torch.Tensor:
+    """Triton twin of `reference.pool_backward_ref`: stable sort by unique id, segment walk."""
+    device = grad_out.device
+    nnz = inverse.numel()
+    grad_unique = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
+    if num_unique == 0:
+        return grad_unique
+    sorted_inverse, order = torch.sort(inverse, stable=True)
+    segment_starts = torch.searchsorted(
+        sorted_inverse, torch.arange(num_unique + 1, dtype=torch.int64, device=device)
+    )  # [U + 1]
+    num_bags = offsets.numel() - 1
+    bags = torch.arange(num_bags, dtype=torch.int64, device=device)
+    bag_of_value = torch.repeat_interleave(bags, offsets[1:] - offsets[:-1], output_size=nnz)
+    block_n, block_d = _blocks(dim)
+    # One id per program on a GPU; the interpreter pays per program, so it gets wide ones.
+    block_u = 1 if device.type == "cuda" else 64
+    grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
+    _pool_backward_kernel[grid](
+        grad_out,
+        order,
+        segment_starts,
+        bag_of_value,
+        offsets,
+        per_sample_weights if per_sample_weights is not None else grad_out,
+        col_offsets,
+        argmax if argmax is not None else offsets,
+        grad_unique,
+        num_unique,
+        batch_size,
+        dim,
+        grad_out.stride(0),
+        grad_out.stride(1),
+        MODE=int(mode),
+        HAS_WEIGHTS=per_sample_weights is not None,
+        BLOCK_U=block_u,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+    )
+    return grad_unique
+
+
+# ----------------------------------------------------------------------------------------------
+# public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _as_index(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32):
+        got = getattr(t, "dtype", type(t).__name__)
+        raise TypeError(f"{name} must be an int64 (or int32) tensor, got {got}")
+    _check(t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    _check(t.device == device, f"{name} is on {t.device}, expected {device}")
+    return t.to(torch.int64).contiguous()
+
+
+def _check_bags(
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    batch_size: int,
+    col_offsets: torch.Tensor,
+) -> None:
+    num_features = col_offsets.numel()
+    _check(batch_size >= 0, f"batch_size={batch_size} must be >= 0")
+    _check(
+        offsets.numel() == num_features * batch_size + 1,
+        f"offsets has {offsets.numel()} entries, expected F * B + 1 = "
+        f"{num_features} * {batch_size} + 1 for F = col_offsets.numel()",
+    )
+    if per_sample_weights is not None:
+        if per_sample_weights.dtype != torch.float32:
+            raise TypeError(f"per_sample_weights must be float32, got {per_sample_weights.dtype}")
+        _check(
+            per_sample_weights.shape == inverse.shape,
+            f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
+            f"expected {tuple(inverse.shape)} like inverse",
+        )
+        _check(
+            per_sample_weights.device == inverse.device,
+            f"per_sample_weights is on {per_sample_weights.device}, expected {inverse.device}",
+        )
+
+
+def pool_forward(
+    rows: torch.Tensor,
+    dim: int,
+    slots: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mode: PoolingMode,
+    out: torch.Tensor,
+    batch_size: int,
+    col_offsets: torch.Tensor,
+) -> torch.Tensor | None:
+    """Pool F * B bags of cache rows into their columns of ``out``, in place.
+
+    Example: a table of dim 4 with features f0, f1 at columns 0 and 4 of an ``out`` of
+    ``[B, 12]``, and a table of dim 4 for f2 at column 8: two calls fill the whole output.
+
+    Args:
+        rows: float32 ``[R, W]``, ``W >= dim``, the cache rows (may be a strided view).
+        dim: embedding dim of this table; columns ``[0, dim)`` of a row are read.
+        slots: int64 ``[U]``, cache row of each unique id.
+        inverse: int64 ``[nnz]``, unique index of each value.
+        offsets: int64 ``[F * B + 1]``, CSR over bags, feature-major (bag ``i * B + b``).
+        per_sample_weights: float32 ``[nnz]`` or None.
+        mode: `PoolingMode` (SUM, MEAN: weighted sum over bag length, MAX).
+        out: float32 ``[B, C]``; bag ``i * B + b`` writes every element of
+            ``out[b, col_offsets[i] : col_offsets[i] + dim]`` (zeros for an empty bag).
+        batch_size: B.
+        col_offsets: int64 ``[F]``, first column of each feature in ``out``.
+
+    Returns:
+        MAX: int64 ``[F * B, dim]``, the value index j giving each bag's max per column (-1 for
+        an empty bag), to pass to `pool_backward`. Triton gives the first such j; the torch twin
+        the first j holding the row that ``embedding_bag`` picked, which differs only when two
+        different rows tie exactly. Otherwise None.
+    """
+    mode = PoolingMode(mode)
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.float32 or rows.dim() != 2:
+        raise TypeError("rows must be a float32 [R, W] tensor")
+    device = rows.device
+    _check(1 <= dim <= rows.shape[1], f"dim={dim} must be in [1, {rows.shape[1]}] (row width)")
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2:
+        raise TypeError("out must be a float32 [B, C] tensor")
+    _check(out.device == device, f"out is on {out.device}, rows on {device}")
+    _check(out.shape[0] == batch_size, f"out has {out.shape[0]} rows, batch_size={batch_size}")
+    slots = _as_index("slots", slots, device)
+    inverse = _as_index("inverse", inverse, device)
+    offsets = _as_index("offsets", offsets, device)
+    col_offsets = _as_index("col_offsets", col_offsets, device)
+    _check_bags(inverse, offsets, per_sample_weights, batch_size, col_offsets)
+    if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights.contiguous()
+    args = (rows, dim, slots, inverse, offsets, per_sample_weights, mode, out, batch_size)
+    if use_triton(rows):
+        return _pool_forward_triton(*args, col_offsets)
+    return reference.pool_forward_ref(*args, col_offsets)
+
+
+def pool_backward(
+    grad_out: torch.Tensor,
+    dim: int,
+    inverse: torch.Tensor,
+    num_unique: int,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mode: PoolingMode,
+    batch_size: int,
+    col_offsets: torch.Tensor,
+    argmax: torch.Tensor | None,
+) -> torch.Tensor:
+    """Gradient of each unique row from the gradient of the pooled output; deterministic.
+
+    Args:
+        grad_out: float32 ``[B, C]``, gradient of the loss w.r.t. ``out`` of `pool_forward`.
+        dim: embedding dim of this table.
+        inverse: int64 ``[nnz]``, unique index of each value, in ``[0, num_unique)``.
+        num_unique: U.
+        offsets: int64 ``[F * B + 1]``, as in the forward.
+        per_sample_weights: float32 ``[nnz]`` or None, as in the forward.
+        mode: `PoolingMode`, as in the forward.
+        batch_size: B.
+        col_offsets: int64 ``[F]``, as in the forward.
+        argmax: int64 ``[F * B, dim]`` returned by the forward for MAX; None otherwise.
+
+    Returns:
+        float32 ``[U, dim]``: row u sums the gradients of every occurrence of unique id u (for
+        MAX, only of the occurrences that won their bag's column).
+    """
+    mode = PoolingMode(mode)
+    if not isinstance(grad_out, torch.Tensor) or grad_out.dim() != 2:
+        raise TypeError("grad_out must be a float32 [B, C] tensor")
+    if grad_out.dtype != torch.float32:
+        grad_out = grad_out.to(torch.float32)
+    device = grad_out.device
+    _check(dim >= 1, f"dim={dim} must be >= 1")
+    _check(num_unique >= 0, f"num_unique={num_unique} must be >= 0")
+    _check(
+        grad_out.shape[0] == batch_size,
+        f"grad_out has {grad_out.shape[0]} rows, batch_size={batch_size}",
+    )
+    inverse = _as_index("inverse", inverse, device)
+    offsets = _as_index("offsets", offsets, device)
+    col_offsets = _as_index("col_offsets", col_offsets, device)
+    _check_bags(inverse, offsets, per_sample_weights, batch_size, col_offsets)
+    if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights.contiguous()
+    if mode == PoolingMode.MAX:
+        num_bags = offsets.numel() - 1
+        if argmax is None or tuple(argmax.shape) != (num_bags, dim):
+            raise ValueError(
+                f"MAX backward needs the forward's argmax of shape ({num_bags}, {dim})"
+            )
+        argmax = argmax.contiguous()
+    else:
+        argmax = None
+    args = (grad_out, dim, inverse, num_unique, offsets, per_sample_weights, mode, batch_size)
+    if use_triton(grad_out):
+        return _pool_backward_triton(*args, col_offsets, argmax)
+    return reference.pool_backward_ref(*args, col_offsets, argmax)

@@ -1,0 +1,195 @@
+"""TrainPipeline: the prefetch of batch i+1 overlaps batch i's forward, backward and step.
+
+    pipe = TrainPipeline(model, sparse_opt, dense_opt,
+                         features=lambda batch: batch.sparse,          # the KJT of a batch
+                         loss=lambda model, batch: model(batch))       # forward -> loss
+    losses = pipe.run(batches)
+
+For each step, a worker thread runs `issue_fused_prefetch` for the next batch — fuse, dedup,
+cache resolve: tier writes of dirty victims, tier reads of misses, copies into their slots (on a
+GPU, on a side stream with an event) — while the training thread runs the current batch with
+the handle prefetched during the previous step.
+
+Why the numbers do not change (DESIGN.md invariant I5), the rules:
+
+* Every row has one authoritative copy. A row that batch i updates and batch i+1 needs is a hit
+  for the prefetch (batch i holds its slot locked), so batch i+1 reads the same slot after
+  batch i's step has written it: the updated value.
+* The slots of batch i are locked from its resolve to its step, so the prefetch of batch i+1
+  never evicts them; the slots the prefetch takes are locked too, so batch i's step never
+  evicts them when it re-resolves.
+* Resolves are serialised (one at a time) and do their tier I/O outside the cache's lock; the
+  training thread only pools and updates rows it holds locked, under that lock.
+* A prefetch that does not fit because batch i's locked slots leave too little room (cache plus
+  scratch area) is abandoned with a warning that says which capacity would avoid it; the batch
+  is then resolved synchronously by its forward, after batch i released its slots.
+
+`run` ends cleanly on the last batch, on an exception in the loop and on KeyboardInterrupt: the
+worker thread is joined, prefetched slots that will not be used are unlocked, the interrupted
+batch's gradients are dropped (its slots unlocked), and rows already updated stay dirty in the
+cache until `flush()`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from embcache.cache.hot_cache import CacheCapacityError
+from embcache.models.collection import CachedEmbeddingBagCollection, FusedPrefetchHandle
+from embcache.optim.sparse import SparseOptimizer
+
+_END = object()
+
+
+class PrefetchFallbackWarning(UserWarning):
+    """A prefetch did not fit beside the batch in flight; the batch ran synchronously."""
+
+
+class TrainPipeline:
+    """Train a model with cached collections, prefetching each next batch on a worker thread.
+
+    Args:
+        model: the model; its `CachedEmbeddingBagCollection` submodules are found by walking it.
+        sparse_optimizer: the embcache optimizer of those collections.
+        dense_optimizer: a torch optimizer of the dense parameters, or None.
+        features: ``features(batch)`` -> the batch's KJT (one collection) or a sequence of KJTs,
+            one per collection in ``model.modules()`` order.
+        loss: ``loss(model, batch)`` -> scalar loss tensor (runs the forward).
+        prefetch: False runs every batch synchronously (same numbers; for comparison).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sparse_optimizer: SparseOptimizer,
+        dense_optimizer: torch.optim.Optimizer | None,
+        features: Callable[[Any], KeyedJaggedTensor | Sequence[KeyedJaggedTensor]],
+        loss: Callable[[nn.Module, Any], torch.Tensor],
+        prefetch: bool = True,
+    ) -> None:
+        self.model = model
+        self.collections = [
+            m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)
+        ]
+        if not self.collections:
+            raise ValueError("TrainPipeline: the model holds no CachedEmbeddingBagCollection")
+        self.sparse_optimizer = sparse_optimizer
+        self.dense_optimizer = dense_optimizer
+        self.features = features
+        self.loss = loss
+        self.prefetch = prefetch
+        self.fallbacks = 0  # batches whose prefetch did not fit and ran synchronously
+        self._pending: Future | None = None  # the next batch's prefetch, while it runs
+
+    def _features_of(self, batch: Any) -> list[KeyedJaggedTensor]:
+        found = self.features(batch)
+        kjts = [found] if isinstance(found, KeyedJaggedTensor) else list(found)
+        if len(kjts) != len(self.collections):
+            raise ValueError(
+                f"features(batch) gave {len(kjts)} KJTs for {len(self.collections)} collections"
+            )
+        return kjts
+
+    def _issue(self, batch: Any) -> list[FusedPrefetchHandle] | CacheCapacityError:
+        """Worker-thread body: prefetch every collection's share of ``batch``."""
+        handles: list[FusedPrefetchHandle] = []
+        try:
+            for coll, kjt in zip(self.collections, self._features_of(batch), strict=True):
+                handles.append(coll.issue_fused_prefetch(kjt))
+        except CacheCapacityError as e:
+            self._cancel(handles)
+            return e
+        except BaseException:
+            self._cancel(handles)
+            raise
+        return handles
+
+    def _cancel(self, handles: Sequence[FusedPrefetchHandle]) -> None:
+        for coll, handle in zip(self.collections, handles, strict=False):
+            coll.cancel_fused_prefetch(handle)
+
+    def _settle(self, pending: Future | None) -> None:
+        """Wait for an in-flight prefetch and release what it locked."""
+        if pending is None:
+            return
+        try:
+            result = pending.result()
+        except BaseException:  # the loop is already ending with its own error
+            return
+        if isinstance(result, list):
+            self._cancel(result)
+
+    def _train_step(self, batch: Any) -> torch.Tensor:
+        loss = self.loss(self.model, batch)
+        loss.backward()
+        if self.dense_optimizer is not None:
+            self.dense_optimizer.step()
+            self.dense_optimizer.zero_grad()
+        self.sparse_optimizer.step()
+        return loss.detach()
+
+    def run(
+        self,
+        batches: Iterable[Any],
+        max_steps: int | None = None,
+        on_step: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> list[float]:
+        """Train on ``batches`` (at most ``max_steps``); returns the losses.
+
+        ``on_step(step, loss)`` is called after each step (progress bars, logging).
+        """
+        losses: list[float] = []
+        it = iter(batches)
+        current = next(it, _END)
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcache-prefetch")
+        pending: Future | None = None
+        try:
+            if current is not _END and self.prefetch:
+                pending = worker.submit(self._issue, current)
+            while current is not _END and (max_steps is None or len(losses) < max_steps):
+                prefetched = pending.result() if pending is not None else None
+                pending = None
+                last = max_steps is not None and len(losses) + 1 >= max_steps
+                following = _END if last else next(it, _END)
+                fallback = isinstance(prefetched, CacheCapacityError)
+                # After a fallback the next prefetch waits for this batch's synchronous resolve,
+                # which would otherwise compete with it for the same room.
+                if following is not _END and self.prefetch and not fallback:
+                    pending = worker.submit(self._issue, following)
+                self._pending = pending
+                if fallback:
+                    self.fallbacks += 1
+                    warnings.warn(
+                        "the cache is too small for two batches in flight, so this batch runs "
+                        f"without prefetch ({prefetched}); a capacity of about twice the unique "
+                        "rows of one batch avoids this",
+                        PrefetchFallbackWarning,
+                        stacklevel=2,
+                    )
+                elif prefetched is not None:
+                    for coll, handle in zip(self.collections, prefetched, strict=True):
+                        coll.set_fused_prefetch_handle(handle)
+                loss = self._train_step(current)
+                if following is not _END and self.prefetch and fallback:
+                    pending = worker.submit(self._issue, following)
+                losses.append(float(loss))
+                if on_step is not None:
+                    on_step(len(losses), loss)
+                current = following
+        finally:
+            self._pending = None
+            self._settle(pending)
+            for coll in self.collections:
+                handle = coll._prefetch
+                if handle is not None:
+                    coll.cancel_fused_prefetch(handle)
+            self.sparse_optimizer.zero_grad()
+            worker.shutdown(wait=True)
+        return losses

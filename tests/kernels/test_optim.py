@@ -1,0 +1,398 @@
+"""Optimizer row updates and gradient aggregation, both backends.
+
+Each rule is checked three ways: against its formula in float64 on random rows (untouched rows
+poisoned with NaN must come back bit-identical), against torch's own optimizer (SGD, Adagrad,
+SparseAdam) driving an ``nn.EmbeddingBag(sparse=True)`` for several steps, and, for row-wise
+Adagrad, against FBGEMM's CPU table-batched embedding with EXACT_ROWWISE_ADAGRAD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+
+from embcache.kernels.optim import (
+    OptimRule,
+    RowUpdate,
+    aggregate_grads,
+    apply_row_update,
+    state_dim,
+)
+
+RTOL, ATOL = 1e-5, 1e-6  # float32 rounding of a few chained ops
+
+UPDATES = {
+    OptimRule.SGD: RowUpdate(OptimRule.SGD, lr=0.1),
+    OptimRule.ADAGRAD: RowUpdate(OptimRule.ADAGRAD, lr=0.1, eps=1e-10, lr_decay=0.05),
+    OptimRule.ROWWISE_ADAGRAD: RowUpdate(OptimRule.ROWWISE_ADAGRAD, lr=0.1, eps=1e-8),
+    OptimRule.ADAM: RowUpdate(OptimRule.ADAM, lr=0.01, eps=1e-8, beta1=0.8, beta2=0.99),
+}
+RULE_IDS = [r.name.lower() for r in OptimRule]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """allclose in float64, with the worst element in the message."""
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    err = (actual - expected).abs() - RTOL * expected.abs()
+    if actual.shape != expected.shape or not bool((err <= ATOL).all()):
+        i = int(err.argmax())
+        raise AssertionError(
+            f"{what}: {int((err > ATOL).sum())} of {err.numel()} elements differ; worst at flat "
+            f"{i}: {actual.flatten()[i].item()!r} vs {expected.flatten()[i].item()!r}"
+        )
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bit-for-bit equality of float32 tensors, NaN payloads included."""
+    same = actual.cpu().view(torch.int32) == expected.cpu().view(torch.int32)
+    assert bool(same.all()), f"{what}: {int((~same).sum())} elements changed"
+
+
+def formula_float64(
+    rows: torch.Tensor,
+    dim: int,
+    slots: torch.Tensor,
+    grads: torch.Tensor,
+    update: RowUpdate,
+    step: int,
+) -> torch.Tensor:
+    """The touched rows' first ``dim + S`` columns after an update, float64 ``[n, dim + S]``."""
+    r = rows.double()[slots]
+    g = grads.double()
+    w = r[:, :dim]
+    g = g + update.weight_decay * w
+    lr, eps = update.lr, update.eps
+    if update.rule == OptimRule.SGD:
+        return w - lr * g
+    if update.rule == OptimRule.ADAGRAD:
+        clr = lr / (1 + (step - 1) * update.lr_decay)
+        acc = r[:, dim : 2 * dim] + g * g
+        return torch.cat([w - clr * g / (acc.sqrt() + eps), acc], 1)
+    if update.rule == OptimRule.ROWWISE_ADAGRAD:
+        acc = r[:, dim] + (g * g).mean(1)
+        return torch.cat([w - lr * g / (acc.sqrt() + eps).unsqueeze(1), acc.unsqueeze(1)], 1)
+    b1, b2 = update.beta1, update.beta2
+    m = b1 * r[:, dim : 2 * dim] + (1 - b1) * g
+    v = b2 * r[:, 2 * dim : 3 * dim] + (1 - b2) * g * g
+    step_size = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+    return torch.cat([w - step_size * m / (v.sqrt() + eps), m, v], 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# each rule against its formula
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05], ids=["no_wd", "wd"])
+@pytest.mark.parametrize("dim", [1, 3, 17, 130])
+@pytest.mark.parametrize("rule", list(OptimRule), ids=RULE_IDS)
+def test_rule_matches_formula(
+    backend: str, device: torch.device, rule: OptimRule, dim: int, weight_decay: float
+) -> None:
+    gen = torch.Generator().manual_seed(1000 * int(rule) + dim)
+    n_rows, n = 23, 9
+    update = dataclasses.replace(UPDATES[rule], weight_decay=weight_decay)
+    width = dim + state_dim(rule, dim)
+    # One spare column past the state, NaN, that must stay so.
+    rows = torch.full((n_rows, width + 1), float("nan"))
+    slots = torch.cat(
+        [torch.randperm(n_rows - 1, generator=gen)[: n - 1], torch.tensor([n_rows - 1])]
+    )
+    slots = slots[torch.randperm(n, generator=gen)]
+    rows[slots, :dim] = torch.randn(n, dim, generator=gen)
+    # Accumulators and second moments are non-negative; first moments any sign.
+    rows[slots, dim:width] = torch.rand(n, width - dim, generator=gen) + 0.1
+    if rule == OptimRule.ADAM:
+        rows[slots, dim : 2 * dim] = torch.randn(n, dim, generator=gen) * 0.1
+    grads = torch.randn(dim, n, generator=gen).t()  # non-contiguous on purpose
+    step = 3
+    expected = formula_float64(rows, dim, slots, grads, update, step)
+    before = rows.clone()
+
+    rows, slots, grads = rows.to(device), slots.to(device), grads.to(device)
+    apply_row_update(rows, dim, slots, grads, update, step)
+
+    rows, slots = rows.cpu(), slots.cpu()
+    assert_close(rows[slots, :width], expected, f"{rule.name} touched rows")
+    untouched = torch.ones(n_rows, dtype=torch.bool)
+    untouched[slots] = False
+    assert_bits_equal(rows[untouched], before[untouched], "untouched rows")
+    assert_bits_equal(rows[:, width:], before[:, width:], "columns past the state")
+
+
+@pytest.mark.parametrize("rule", list(OptimRule), ids=RULE_IDS)
+def test_no_slots_is_a_no_op(backend: str, device: torch.device, rule: OptimRule) -> None:
+    dim = 4
+    rows = torch.randn(5, dim + state_dim(rule, dim), device=device)
+    before = rows.clone()
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    apply_row_update(rows, dim, empty, torch.empty(0, dim, device=device), UPDATES[rule], 1)
+    assert_bits_equal(rows, before, "rows")
+
+
+def test_state_dim() -> None:
+    assert [state_dim(r, 5) for r in OptimRule] == [0, 5, 1, 10]
+    assert UPDATES[OptimRule.ADAM].state_dim(3) == 6
+
+
+# ----------------------------------------------------------------------------------------------
+# against torch's optimizers on an nn.EmbeddingBag(sparse=True)
+# ----------------------------------------------------------------------------------------------
+
+TORCH_CASES = {
+    "sgd": (
+        RowUpdate(OptimRule.SGD, lr=0.1),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        [],
+        0.0,
+    ),
+    "adagrad": (
+        RowUpdate(OptimRule.ADAGRAD, lr=0.1, eps=1e-10, lr_decay=0.1),
+        lambda p: torch.optim.Adagrad(
+            p, lr=0.1, lr_decay=0.1, eps=1e-10, initial_accumulator_value=0.1
+        ),
+        ["sum"],
+        0.1,
+    ),
+    "adam": (
+        RowUpdate(OptimRule.ADAM, lr=0.05, eps=1e-8, beta1=0.9, beta2=0.999),
+        lambda p: torch.optim.SparseAdam(p, lr=0.05, betas=(0.9, 0.999), eps=1e-8),
+        ["exp_avg", "exp_avg_sq"],
+        0.0,
+    ),
+}
+
+
+def random_bags(
+    gen: torch.Generator, num_embeddings: int, bags: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids with duplicates (always the last row) and bag offsets, one bag empty."""
+    lengths = torch.randint(1, 6, (bags,), generator=gen)
+    lengths[1] = 0
+    ids = torch.randint(0, num_embeddings // 2, (int(lengths.sum()),), generator=gen)
+    ids[0] = num_embeddings - 1
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return ids, offsets
+
+
+# torch's Adagrad builds its sparse tensors without invariant checks and says so each time.
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_matches_torch_optimizer(backend: str, device: torch.device, case: str) -> None:
+    update, make_optimizer, state_names, state_init = TORCH_CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    num_embeddings, dim, bags = 20, 5, 6
+    bag = torch.nn.EmbeddingBag(num_embeddings, dim, mode="sum", sparse=True).to(device)
+    optimizer = make_optimizer(bag.parameters())
+    state = torch.full((num_embeddings, state_dim(update.rule, dim)), state_init, device=device)
+    rows = torch.cat([bag.weight.detach().clone(), state], 1)
+
+    for step in range(1, 6):
+        ids, offsets = random_bags(gen, num_embeddings, bags)
+        ids, offsets = ids.to(device), offsets.to(device)
+        target = torch.randn(bags, dim, generator=gen).to(device)
+        optimizer.zero_grad()
+        (bag(ids, offsets) * target).sum().backward()
+        grad = bag.weight.grad  # sparse, one row per occurrence of an id
+        unique_ids, summed = aggregate_grads(grad._indices()[0], grad._values())
+        assert torch.equal(unique_ids, torch.unique(ids))
+        coalesced = grad.coalesce()
+        assert_close(summed, coalesced._values(), f"step {step} aggregated grads")
+        optimizer.step()
+
+        apply_row_update(rows, dim, unique_ids, summed, update, step)
+        assert_close(rows[:, :dim], bag.weight.detach(), f"{case} step {step} weights")
+        torch_state = optimizer.state[bag.weight]
+        for k, name in enumerate(state_names):
+            ours = rows[:, dim * (k + 1) : dim * (k + 2)]
+            assert_close(ours, torch_state[name], f"{case} step {step} {name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# row-wise Adagrad against FBGEMM's CPU table-batched embedding
+# ----------------------------------------------------------------------------------------------
+
+
+def test_rowwise_adagrad_matches_fbgemm(backend: str, device: torch.device) -> None:
+    # No weight decay here: FBGEMM's CPU TBE (fbgemm-gpu-cpu 1.8.0) ignores weight_decay with
+    # WeightDecayMode.L2 (its update equals the undecayed one), so it cannot be the reference
+    # for that; test_rule_matches_formula checks L2 against the formula of FBGEMM's GPU kernel.
+    pytest.importorskip("fbgemm_gpu")
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    gen = torch.Generator().manual_seed(11)
+    num_embeddings, dim, bags = 20, 8, 6  # FBGEMM wants dim % 4 == 0
+    lr, eps = 0.1, 1e-8
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(num_embeddings, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=lr,
+        eps=eps,
+    )
+    initial = torch.randn(num_embeddings, dim, generator=gen) * 0.1
+    tbe.split_embedding_weights()[0].copy_(initial)
+    update = RowUpdate(OptimRule.ROWWISE_ADAGRAD, lr=lr, eps=eps)
+    rows = torch.cat([initial, torch.zeros(num_embeddings, 1)], 1).to(device)
+    bag = torch.nn.EmbeddingBag(num_embeddings, dim, mode="sum", sparse=True).to(device)
+
+    for step in range(1, 5):
+        ids, offsets = random_bags(gen, num_embeddings, bags)
+        grad_out = torch.randn(bags, dim, generator=gen)
+        tbe(ids, torch.cat([offsets, torch.tensor([ids.numel()])])).backward(grad_out)
+
+        with torch.no_grad():
+            bag.weight.copy_(rows[:, :dim])
+        bag.weight.grad = None
+        bag(ids.to(device), offsets.to(device)).backward(grad_out.to(device))
+        grad = bag.weight.grad
+        unique_ids, summed = aggregate_grads(grad._indices()[0], grad._values())
+        apply_row_update(rows, dim, unique_ids, summed, update, step)
+
+        assert_close(rows[:, :dim], tbe.split_embedding_weights()[0], f"step {step} weights")
+        momentum = tbe.split_optimizer_states()[0][0]
+        assert_close(rows[:, dim], momentum, f"step {step} row accumulators")
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregate_grads
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [1, 17])
+def test_aggregate_grads_sums_duplicates(backend: str, device: torch.device, dim: int) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    ids = torch.randint(-3, 9, (40,), generator=gen)
+    ids[5] = 2**40  # fused ids are large
+    grads = torch.randn(40, dim, generator=gen)
+    unique_ids, summed = aggregate_grads(ids.to(device), grads.to(device))
+    expected_ids = torch.unique(ids)
+    expected = torch.zeros(expected_ids.numel(), dim, dtype=torch.float64)
+    expected.index_add_(0, torch.searchsorted(expected_ids, ids), grads.double())
+    assert torch.equal(unique_ids.cpu(), expected_ids)
+    assert_close(summed, expected, "summed grads")
+
+
+def test_aggregate_grads_empty(backend: str, device: torch.device) -> None:
+    ids = torch.empty(0, dtype=torch.int64, device=device)
+    unique_ids, summed = aggregate_grads(ids, torch.empty(0, 3, device=device))
+    assert unique_ids.shape == (0,) and summed.shape == (0, 3)
+
+
+def test_aggregate_grads_backends_agree_bitwise(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    if device.type == "cuda":
+        pytest.skip("the torch twin's index_add_ uses float atomics on CUDA")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (50,), generator=gen)
+    # Magnitudes far apart, so any change in the order of the additions shows.
+    grads = torch.randn(50, 5, generator=gen) * torch.logspace(-4, 4, 50).unsqueeze(1)
+    results = []
+    for name in ("torch", "triton", "triton"):
+        monkeypatch.setenv("EMBCACHE_BACKEND", name)
+        results.append(aggregate_grads(ids, grads))
+    for unique_ids, summed in results[1:]:
+        assert torch.equal(unique_ids, results[0][0])
+        assert_bits_equal(summed, results[0][1], "summed grads")
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input: raise, name the problem, change nothing
+# ----------------------------------------------------------------------------------------------
+
+
+def _good_call(device: torch.device) -> dict:
+    dim = 4
+    return {
+        "rows": torch.randn(6, dim + 2 * dim, device=device),
+        "dim": dim,
+        "slots": torch.tensor([5, 0, 2], device=device),
+        "grads": torch.randn(3, dim, device=device),
+        "update": UPDATES[OptimRule.ADAM],
+        "step": 1,
+    }
+
+
+BAD_CALLS = {
+    "rows_float64": (lambda c: {"rows": c["rows"].double()}, TypeError, "rows must be float32"),
+    "rows_1d": (lambda c: {"rows": c["rows"][0]}, ValueError, "rows must be 2-D"),
+    "rows_too_narrow": (lambda c: {"rows": c["rows"][:, :11]}, ValueError, "needs 12"),
+    "slots_int32": (lambda c: {"slots": c["slots"].int()}, TypeError, "slots must be int64"),
+    "slots_2d": (lambda c: {"slots": c["slots"][None]}, ValueError, "slots must be 1-D"),
+    "slot_too_big": (lambda c: {"slots": c["slots"] + 1}, ValueError, "[0, 6)"),
+    "slot_negative": (lambda c: {"slots": c["slots"] - 1}, ValueError, "min -1"),
+    "slots_repeated": (
+        lambda c: {"slots": c["slots"].clone().fill_(2)},
+        ValueError,
+        "row 2 appears more than once",
+    ),
+    "grads_float64": (lambda c: {"grads": c["grads"].double()}, TypeError, "grads must be float32"),
+    "grads_wrong_dim": (lambda c: {"grads": c["grads"][:, :3]}, ValueError, "[3, 4]"),
+    "grads_wrong_n": (lambda c: {"grads": c["grads"][:2]}, ValueError, "[3, 4]"),
+    "dim_zero": (lambda c: {"dim": 0}, ValueError, "dim must be"),
+    "step_zero": (lambda c: {"step": 0}, ValueError, "step must be >= 1"),
+    "step_float": (lambda c: {"step": 1.5}, TypeError, "step must be an int"),
+    "update_dict": (lambda c: {"update": {"rule": 3}}, TypeError, "RowUpdate"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input_raises_and_changes_nothing(
+    backend: str, device: torch.device, case: str
+) -> None:
+    make_bad, error, message = BAD_CALLS[case]
+    call = _good_call(device)
+    call.update(make_bad(call))
+    rows = call["rows"]
+    before = rows.clone()
+    with pytest.raises(error, match=re.escape(message)):
+        apply_row_update(**call)
+    assert torch.equal(rows, before)
+
+
+BAD_UPDATES = {
+    "rule_str": (dict(rule="adam", lr=0.1), TypeError, "OptimRule"),
+    "rule_unknown": (dict(rule=7, lr=0.1), ValueError, "not one of"),
+    "lr_negative": (dict(rule=OptimRule.SGD, lr=-0.1), ValueError, "lr must be"),
+    "lr_nan": (dict(rule=OptimRule.SGD, lr=float("nan")), ValueError, "lr must be"),
+    "lr_str": (dict(rule=OptimRule.SGD, lr="0.1"), TypeError, "lr must be a float"),
+    "beta1_one": (dict(rule=OptimRule.ADAM, lr=0.1, beta1=1.0), ValueError, "beta1"),
+    "lr_decay_adam": (dict(rule=OptimRule.ADAM, lr=0.1, lr_decay=0.1), ValueError, "ADAGRAD"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_UPDATES))
+def test_bad_row_update_raises(case: str) -> None:
+    kwargs, error, message = BAD_UPDATES[case]
+    with pytest.raises(error, match=message):
+        RowUpdate(**kwargs)
+
+
+def test_row_update_accepts_int_rule() -> None:
+    assert RowUpdate(2, lr=1).rule is OptimRule.ROWWISE_ADAGRAD
+
+
+@pytest.mark.parametrize(
+    ("ids", "grads", "error"),
+    [
+        (torch.zeros(3, dtype=torch.int32), torch.zeros(3, 2), TypeError),
+        (torch.zeros(3, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.float64), TypeError),
+        (torch.zeros(3, dtype=torch.int64), torch.zeros(4, 2), ValueError),
+        (torch.zeros(3, 1, dtype=torch.int64), torch.zeros(3, 2), ValueError),
+    ],
+    ids=["ids_int32", "grads_float64", "n_mismatch", "ids_2d"],
+)
+def test_aggregate_grads_bad_input(
+    backend: str, ids: torch.Tensor, grads: torch.Tensor, error: type
+) -> None:
+    with pytest.raises(error):
+        aggregate_grads(ids, grads)

@@ -1,0 +1,230 @@
+"""TrainPipeline: prefetch changes time, not numbers (invariant I5), and ends cleanly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+import embcache
+from embcache.pipeline import PrefetchFallbackWarning, TrainPipeline
+
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=300, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=200, feature_names=["f2"]),
+]
+FEATURES = ["f0", "f1", "f2"]
+BATCH = 6
+
+
+class TinyModel(nn.Module):
+    def __init__(self, cache: embcache.CacheConfig, store, update_in_backward=False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.sparse = embcache.CachedEmbeddingBagCollection(
+            tables=TABLES, cache=cache, store=store, update_in_backward=update_in_backward
+        )
+        self.head = nn.Linear(11, 1)
+
+    def forward(self, batch) -> torch.Tensor:
+        kjt, target = batch
+        logits = self.head(self.sparse(kjt).values()).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, target)
+
+
+def make_batches(n: int, seed: int = 0) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        lengths = torch.randint(0, 5, (len(FEATURES) * BATCH,), generator=gen)
+        limits = torch.tensor([300, 300, 200]).repeat_interleave(BATCH).repeat_interleave(lengths)
+        u = torch.rand(int(lengths.sum()), generator=gen)
+        values = (limits.double() * u.pow(3)).long()  # skewed: rows repeat across batches
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES, values=values, lengths=lengths)
+        batches.append((kjt, (torch.rand(BATCH, generator=gen) < 0.5).float()))
+    return batches
+
+
+def build(cache, update_in_backward=False, store=None):
+    model = TinyModel(cache, store if store is not None else embcache.HostKV(), update_in_backward)
+    sparse = embcache.SparseAdaGrad([model.sparse], lr=0.1)
+    dense = torch.optim.SGD(model.head.parameters(), lr=0.05)
+    return model, sparse, dense
+
+
+def train_plain(model, sparse, dense, batches) -> list[float]:
+    losses = []
+    for batch in batches:
+        loss = model(batch)
+        loss.backward()
+        dense.step()
+        dense.zero_grad()
+        sparse.step()
+        losses.append(loss.item())
+    return losses
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def pipeline(model, sparse, dense, prefetch=True) -> TrainPipeline:
+    return TrainPipeline(
+        model, sparse, dense, features=lambda b: b[0], loss=lambda m, b: m(b), prefetch=prefetch
+    )
+
+
+CACHES = {
+    "1pct": dict(load_factor=0.01, ways=2),
+    "10pct": dict(load_factor=0.1, ways=4),
+    "100pct": dict(load_factor=1.0),
+}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("size", list(CACHES), ids=list(CACHES))
+def test_pipeline_is_bit_identical(size: str, policy: str) -> None:
+    batches = make_batches(10)
+    cache = embcache.CacheConfig(policy=policy, **CACHES[size])
+    model, sparse, dense = build(cache)
+    reference_losses = train_plain(model, sparse, dense, batches)
+    reference = snapshot(model)
+
+    runs = {
+        "prefetch": dict(prefetch=True),
+        "no_prefetch": dict(prefetch=False),
+        "prefetch_update_in_backward": dict(prefetch=True, update_in_backward=True),
+    }
+    for name, opts in runs.items():
+        model, sparse, dense = build(
+            cache, update_in_backward=opts.get("update_in_backward", False)
+        )
+        losses = pipeline(model, sparse, dense, prefetch=opts["prefetch"]).run(batches)
+        assert losses == reference_losses, f"{name}: losses differ"
+        for key, value in snapshot(model).items():
+            assert torch.equal(value, reference[key]), f"{name}: {key} differs"
+        assert all(c.locked_slots() == 0 for c in model.sparse.caches())
+
+
+def test_update_in_backward_matches_trace_and_step() -> None:
+    batches = make_batches(6, seed=3)
+    cache = embcache.CacheConfig(load_factor=0.1, ways=4)
+    model, sparse, dense = build(cache)
+    train_plain(model, sparse, dense, batches)
+    fused, fsparse, fdense = build(cache, update_in_backward=True)
+    train_plain(fused, fsparse, fdense, batches)
+    assert not fused.sparse._trace
+    for key, value in snapshot(fused).items():
+        assert torch.equal(value, snapshot(model)[key]), key
+
+
+class SlowHostKV(embcache.HostKV):
+    """A host tier with per-call latency, as a remote tier has; records who read from it."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.readers: list[str] = []
+
+    def get(self, table, ids):
+        time.sleep(self.delay_s)
+        self.readers.append(threading.current_thread().name)
+        return super().get(table, ids)
+
+
+def test_prefetch_reads_run_on_the_worker_thread() -> None:
+    store = SlowHostKV(0.001)
+    model, sparse, dense = build(embcache.CacheConfig(load_factor=0.1, ways=4), store=store)
+    store.readers.clear()
+    pipeline(model, sparse, dense).run(make_batches(5))
+    assert store.readers, "training must read rows from the tier"
+    assert all(name.startswith("embcache-prefetch") for name in store.readers), store.readers
+
+
+def test_prefetch_that_does_not_fit_falls_back_with_a_warning() -> None:
+    batches = make_batches(6, seed=1)
+    # The scratch area holds any one batch's rows of a table, not two batches' rows.
+    per_table = [
+        max(int(torch.unique(b[0][f].values()).numel()) for b in batches) for f in ("f0", "f2")
+    ]
+    per_table[0] = max(
+        int(torch.unique(torch.cat([b[0]["f0"].values(), b[0]["f1"].values()])).numel())
+        for b in batches
+    )
+    cache = embcache.CacheConfig(capacity=1, ways=1, max_scratch_rows=max(per_table))
+    model, sparse, dense = build(cache)
+    reference_losses = train_plain(model, sparse, dense, batches)
+    reference = snapshot(model)
+
+    model, sparse, dense = build(cache)
+
+    def loss_after_prefetch(m, b):
+        # Let the next batch's prefetch finish first, so it always meets this batch's locks.
+        if pipe._pending is not None:
+            pipe._pending.result()
+        return m(b)
+
+    pipe = TrainPipeline(model, sparse, dense, features=lambda b: b[0], loss=loss_after_prefetch)
+    with pytest.warns(PrefetchFallbackWarning, match="too small for two batches"):
+        losses = pipe.run(batches)
+    assert pipe.fallbacks > 0
+    assert losses == reference_losses
+    for key, value in snapshot(model).items():
+        assert torch.equal(value, reference[key]), key
+
+
+def assert_clean(model) -> None:
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("embcache-prefetch")]
+    assert not alive, f"prefetch threads left running: {alive}"
+    assert all(c.locked_slots() == 0 for c in model.sparse.caches()), "slots left locked"
+    assert not model.sparse._trace
+    assert model.sparse._prefetch is None
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_interrupted_run_ends_cleanly_and_keeps_updates(error: type[BaseException]) -> None:
+    batches = make_batches(6, seed=2)
+    cache = embcache.CacheConfig(load_factor=0.1, ways=4)
+    model, sparse, dense = build(cache)
+    train_plain(model, sparse, dense, batches[:3])
+    reference = snapshot(model)
+
+    model, sparse, dense = build(cache)
+    calls = {"n": 0}
+
+    def loss(m, b):
+        calls["n"] += 1
+        out = m(b)
+        if calls["n"] == 4:  # fails after the forward of the 4th batch, before its backward
+            raise error("stop")
+        return out
+
+    pipe = TrainPipeline(model, sparse, dense, features=lambda b: b[0], loss=loss)
+    with pytest.raises(error):
+        pipe.run(batches)
+    assert_clean(model)
+    model.sparse.flush()
+    for key, value in snapshot(model).items():
+        assert torch.equal(value, reference[key]), f"{key}: the 3 finished steps must be kept"
+
+
+def test_run_stops_at_max_steps_and_on_step_sees_each_loss() -> None:
+    model, sparse, dense = build(embcache.CacheConfig(load_factor=0.1, ways=4))
+    seen = []
+    losses = pipeline(model, sparse, dense).run(
+        make_batches(8), max_steps=3, on_step=lambda i, loss: seen.append((i, float(loss)))
+    )
+    assert len(losses) == 3
+    assert seen == list(enumerate(losses, start=1))
+    assert_clean(model)
+
+
+def test_empty_iterator_and_model_without_collection() -> None:
+    model, sparse, dense = build(embcache.CacheConfig(load_factor=0.1))
+    assert pipeline(model, sparse, dense).run([]) == []
+    with pytest.raises(ValueError, match="no CachedEmbeddingBagCollection"):
+        TrainPipeline(nn.Linear(2, 2), sparse, None, features=lambda b: b, loss=lambda m, b: b)
