@@ -7,6 +7,7 @@ eviction or flush.
 """
 
 from embcache.cache import CacheConfig, CachePolicy, HotCache
+from embcache.checkpoint import load, save
 from embcache.distributed import DistTensor, KVClient, get_kv_client, reset_kv_client
 from embcache.kernels.pooling import PoolingMode
 from embcache.kv import HostKV, Store, TableSpec, open_store
@@ -23,6 +24,7 @@ from embcache.optim import (
     SparseRowWiseAdaGrad,
     SparseSGD,
 )
+from embcache.pipeline import PrefetchFallbackWarning, TrainPipeline
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ __all__ = [
     "HotCache",
     "KVClient",
     "PoolingMode",
+    "PrefetchFallbackWarning",
     "RecStoreEmbeddingBagCollection",
     "SparseAdaGrad",
     "SparseAdam",
@@ -45,7 +48,10 @@ __all__ = [
     "SparseSGD",
     "Store",
     "TableSpec",
+    "TrainPipeline",
     "get_kv_client",
+    "load",
     "open_store",
     "reset_kv_client",
+    "save",
 ]

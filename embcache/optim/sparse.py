@@ -216,6 +216,38 @@ class SparseOptimizer:
     # ------------------------------------------------------------------------------------------
     # state
 
+    def hyper_state_dict(self) -> dict[str, Any]:
+        """The rule, its hyper-parameters and the step counts (per module, per table): what
+        a checkpoint needs beside the table rows, which hold the optimizer state."""
+        return {
+            "rule": self.update.rule.name,
+            "hyperparameters": {
+                k: getattr(self.update, k)
+                for k in ("lr", "eps", "beta1", "beta2", "weight_decay", "lr_decay")
+            },
+            "steps": [
+                {t: n for (mid, t), n in self._steps.items() if mid == id(m)} for m in self.modules
+            ],
+        }
+
+    def load_hyper_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore step counts from `hyper_state_dict` (same rule, same module order)."""
+        if state.get("rule") != self.update.rule.name:
+            raise ValueError(
+                f"optimizer state is for rule {state.get('rule')!r}, this optimizer is "
+                f"{self.update.rule.name}"
+            )
+        if len(state["steps"]) != len(self.modules):
+            raise ValueError(
+                f"optimizer state covers {len(state['steps'])} modules, this optimizer "
+                f"{len(self.modules)}"
+            )
+        self._steps = {
+            (id(m), t): int(n)
+            for m, steps in zip(self.modules, state["steps"], strict=True)
+            for t, n in steps.items()
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Hyper-parameters, step counts and the state of every row of every table.
 
@@ -229,15 +261,7 @@ class SparseOptimizer:
             for t in m.tables:
                 rows = m.table_rows(t.name)
                 state[t.name] = self._split_state(rows[:, t.dim :], t.dim)
-        return {
-            "rule": self.update.rule.name,
-            "hyperparameters": {
-                k: getattr(self.update, k)
-                for k in ("lr", "eps", "beta1", "beta2", "weight_decay", "lr_decay")
-            },
-            "steps": {table: n for (_, table), n in self._steps.items()},
-            "state": state,
-        }
+        return {**self.hyper_state_dict(), "state": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (same rule; tables matched by name)."""
@@ -266,10 +290,7 @@ class SparseOptimizer:
             if names:
                 joined = torch.cat([parts[name] for name in names], dim=1)
                 m.write_table_rows(table, joined, slice(t.dim, None))
-        self._steps = {}
-        for table, n in state_dict["steps"].items():
-            if table in tables:
-                self._steps[(id(tables[table][0]), table)] = int(n)
+        self.load_hyper_state_dict(state_dict)
 
     def _split_state(self, state: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
         names = _STATE_NAMES[self.update.rule]
