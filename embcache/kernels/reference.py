@@ -105,6 +105,19 @@ def _pool_columns(col_offsets: torch.Tensor, dim: int) -> torch.Tensor:
     return (col_offsets.to(torch.int64).unsqueeze(1) + o_d).reshape(-1)
 
 
+def _pool_column_block(t: torch.Tensor, col_offsets: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """``t[:, c0 : c0 + F*dim]`` viewed as ``[B, F, dim]`` when feature i's columns start at
+    ``c0 + i*dim`` (the usual layout), else None. A view: writing it writes ``t``."""
+    num_features = col_offsets.numel()
+    if num_features == 0 or t.stride(1) != 1:
+        return None
+    c0 = int(col_offsets[0])
+    expected = c0 + dim * torch.arange(num_features, device=col_offsets.device)
+    if c0 + num_features * dim > t.shape[1] or not torch.equal(col_offsets, expected):
+        return None
+    return t.narrow(1, c0, num_features * dim).unflatten(1, (num_features, dim))
+
+
 def _pool_first_value_of(
     inverse: torch.Tensor,
     num_unique: int,
@@ -202,8 +215,12 @@ def pool_forward_ref(
             argmax = _pool_first_value_of(inverse, slots.numel(), bag_of_value, bags, max_unique)
             argmax = argmax.masked_fill(empty, -1)
     # [F*B, D] -> [B, F*D], feature-major columns, matching _pool_columns.
-    src = pooled.reshape(num_features, batch_size, dim).transpose(0, 1).reshape(batch_size, -1)
-    out.index_copy_(1, _pool_columns(col_offsets, dim), src.to(out.dtype))
+    by_sample = pooled.reshape(num_features, batch_size, dim).transpose(0, 1)  # [B, F, D]
+    block = _pool_column_block(out, col_offsets, dim)
+    if block is not None:
+        block.copy_(by_sample)
+    else:
+        out.index_copy_(1, _pool_columns(col_offsets, dim), by_sample.reshape(batch_size, -1))
     return argmax
 
 
@@ -247,8 +264,12 @@ def pool_backward_ref(
     grad_unique = torch.zeros(num_unique, dim, dtype=torch.float32, device=grad_out.device)
     if nnz == 0 or num_unique == 0:
         return grad_unique
-    g = grad_out.index_select(1, _pool_columns(col_offsets, dim)).to(torch.float32)  # [B, F*D]
-    g = g.reshape(batch_size, num_features, dim).transpose(0, 1).reshape(num_bags, dim)
+    g_block = None
+    if mode != POOL_MAX and grad_out.dtype == torch.float32:
+        g_block = _pool_column_block(grad_out, col_offsets, dim)  # [B, F, D] view
+    if g_block is None:
+        g = grad_out.index_select(1, _pool_columns(col_offsets, dim)).to(torch.float32)
+        g = g.reshape(batch_size, num_features, dim).transpose(0, 1).reshape(num_bags, dim)
     if mode == POOL_MAX:
         if argmax is None:
             raise ValueError("MAX pooling backward needs the argmax returned by the forward")
@@ -269,10 +290,16 @@ def pool_backward_ref(
     if per_sample_weights is not None:
         w = per_sample_weights.to(torch.float32)
         scale = w if scale is None else scale * w
-    contrib = g.index_select(0, bag_of_value)  # [nnz, D]
+    if g_block is not None:
+        # Bag q = i*B + b reads g_block[b, i]: gather straight from grad_out, no transpose.
+        row = (bag_of_value % batch_size) * num_features + bag_of_value // batch_size
+        contrib = g_block.reshape(batch_size * num_features, dim).index_select(0, row)
+    else:
+        contrib = g.index_select(0, bag_of_value)  # [nnz, D]
     if scale is not None:
         contrib = contrib * scale.unsqueeze(1)
-    grad_unique.index_add_(0, inverse, contrib)
+    # scatter_add_ is serial on the CPU (deterministic) and faster there than index_add_.
+    grad_unique.scatter_add_(0, inverse.unsqueeze(1).expand(nnz, dim), contrib)
     return grad_unique
 
 
@@ -315,8 +342,9 @@ def sgd_update_ref(
         weight_decay: L2 coefficient added to the gradient (0 disables it).
     """
     if weight_decay == 0.0:
-        # The same op torch.optim.SGD applies for a sparse gradient: w + (-lr) * g.
-        rows.narrow(1, 0, dim).index_add_(0, slots, grads, alpha=-lr)
+        # The same arithmetic torch.optim.SGD applies for a sparse gradient: w + (-lr) * g;
+        # gather + scatter of distinct slots is faster on the CPU than index_add_.
+        _optim_scatter(rows, slots, _optim_gather(rows, slots, dim).add_(grads, alpha=-lr))
         return
     block = _optim_gather(rows, slots, dim)  # [n, dim]
     block.add_(grads.add(block, alpha=weight_decay), alpha=-lr)

@@ -683,9 +683,9 @@ class _PooledLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module = ctx.module
-        grad_rows = module._grad_rows(
-            ctx.gi, ctx.resolved, ctx.batch_size, grad_out.contiguous(), ctx.argmaxes
-        )
+        if grad_out.stride(-1) != 1 or grad_out.stride(0) < grad_out.shape[1]:
+            grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
+        grad_rows = module._grad_rows(ctx.gi, ctx.resolved, ctx.batch_size, grad_out, ctx.argmaxes)
         module._on_backward(ctx.gi, ctx.resolved, ctx.batch, grad_rows)
         return None, None, None, None, None, None
 
