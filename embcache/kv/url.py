@@ -1,0 +1,99 @@
+"""`open_store`: a `Store` from a short spec string (a CLI flag, a config field).
+
+Accepted forms:
+
+    None, "host"                          HostKV(): in-process host memory (the default)
+    "redis://host:port/db"                RedisKV on one server (also rediss://, unix://)
+    "redis+cluster://host:port"           RedisKV on a Redis Cluster (any node's address)
+    "tiered+redis://host:port/db"         TieredKV(RedisKV(...)): a host-memory write-back
+    "tiered+redis+cluster://host:port"    row cache of capacity_rows rows in front of Redis
+    a Store instance                      returned as is
+
+Options go in the query string and are taken out before the rest reaches redis-py:
+``namespace`` (default "embcache"), ``chunk_rows`` (4096), ``retry_timeout_s`` (10) and, for
+the tiered forms, ``capacity_rows`` (default 1_000_000). Any other query parameter is a redis-py
+connection option. Example: ``tiered+redis://127.0.0.1:6379/0?namespace=dlrm&capacity_rows=200000``.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+from embcache.kv.base import Store
+
+DEFAULT_TIERED_CAPACITY_ROWS = 1_000_000
+
+ACCEPTED_FORMS = (
+    "None or 'host' (HostKV in this process)",
+    "'redis://host:port/db' (also rediss://, unix://)",
+    "'redis+cluster://host:port'",
+    "'tiered+redis://host:port/db' or 'tiered+redis+cluster://host:port' "
+    "(TieredKV host row cache in front of RedisKV; ?capacity_rows=N)",
+    "a Store instance",
+)
+
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+_STORE_OPTIONS = {"namespace": str, "chunk_rows": int, "retry_timeout_s": float}
+
+
+def open_store(spec: str | Store | None) -> Store:
+    """The `Store` that ``spec`` names (see the module docstring for the forms).
+
+    Raises:
+        ValueError: an unknown form or a malformed option, with the accepted forms listed.
+        TierUnavailableError: a Redis form whose server does not answer.
+    """
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "host"):
+        from embcache.kv.host import HostKV
+
+        return HostKV()
+    if not isinstance(spec, str):
+        if isinstance(spec, Store):
+            return spec
+        raise ValueError(_unaccepted(spec))
+    scheme, sep, _ = spec.partition("://")
+    tiered = scheme.startswith("tiered+")
+    if tiered:
+        scheme = scheme.removeprefix("tiered+")
+    if not sep or scheme not in _REDIS_SCHEMES:
+        raise ValueError(_unaccepted(spec))
+    url, options = _split_options(f"{scheme}://{spec.partition('://')[2]}", spec)
+    capacity = options.pop("capacity_rows", None)
+    if capacity is not None and not tiered:
+        raise ValueError(f"store {spec!r}: capacity_rows is an option of the tiered+ forms only")
+
+    from embcache.kv.redis_kv import RedisKV
+
+    back = RedisKV(url, **options)
+    if not tiered:
+        return back
+    from embcache.kv.tiered import TieredKV
+
+    return TieredKV(
+        back, capacity_rows=DEFAULT_TIERED_CAPACITY_ROWS if capacity is None else capacity
+    )
+
+
+def _split_options(url: str, original: str) -> tuple[str, dict[str, Any]]:
+    """``url`` without our options in its query string, and those options, typed."""
+    parts = urllib.parse.urlsplit(url)
+    kept, options = [], {}
+    types = {**_STORE_OPTIONS, "capacity_rows": int}
+    for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        if key not in types:
+            kept.append((key, value))
+            continue
+        try:
+            options[key] = types[key](value)
+        except ValueError:
+            raise ValueError(
+                f"store {original!r}: option {key}={value!r} is not a valid {types[key].__name__}"
+            ) from None
+    query = urllib.parse.urlencode(kept)
+    return urllib.parse.urlunsplit(parts._replace(query=query)), options
+
+
+def _unaccepted(spec: object) -> str:
+    forms = "\n  ".join(ACCEPTED_FORMS)
+    return f"unknown store {spec!r}; accepted forms:\n  {forms}"
