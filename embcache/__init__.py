@@ -8,7 +8,13 @@ eviction or flush.
 
 from embcache.cache import CacheConfig, CachePolicy, HotCache
 from embcache.checkpoint import load, save
-from embcache.distributed import DistTensor, KVClient, get_kv_client, reset_kv_client
+from embcache.distributed import (
+    DistTensor,
+    KVClient,
+    ShardedEmbeddingBagCollection,
+    get_kv_client,
+    reset_kv_client,
+)
 from embcache.kernels.pooling import PoolingMode
 from embcache.kv import HostKV, Store, TableSpec, open_store
 from embcache.models import (
@@ -41,6 +47,7 @@ __all__ = [
     "PoolingMode",
     "PrefetchFallbackWarning",
     "RecStoreEmbeddingBagCollection",
+    "ShardedEmbeddingBagCollection",
     "SparseAdaGrad",
     "SparseAdam",
     "SparseOptimizer",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -52,7 +53,7 @@ class _Plan:
     load_ids: torch.Tensor  # ids to read from the tier ...
     load_slots: torch.Tensor  # ... into these slots
     victim_ids: torch.Tensor  # dirty rows evicted: ids ...
-    victim_rows: torch.Tensor | None  # ... and their rows (host copy), to write to the tier
+    victim_slots: torch.Tensor  # ... and the reserved slots still holding them until the commit
     reserved: torch.Tensor = field(default=None)  # slots given new keys (rollback)
     old_keys: torch.Tensor = field(default=None)
     old_scores: torch.Tensor | None = None
@@ -106,6 +107,7 @@ class HotCache:
         self.lock = threading.RLock()
         self._resolve_mutex = threading.RLock()  # serialises resolves (and flush, read)
         self._copy_stream: torch.cuda.Stream | None = None
+        self._io_pool: ThreadPoolExecutor | None = None  # concurrent per-table tier calls
         self._specs = {idx: spec for idx, spec in tables}
         self.state_dim = tables[0][1].state_dim
 
@@ -207,13 +209,30 @@ class HotCache:
             start += count
         return groups
 
+    def _per_table(self, fn, groups: list) -> list:
+        """``fn(group)`` for each table group; concurrently when there are several, so a tier
+        with per-call latency (a network round trip) pays it about once, not once per table."""
+        if len(groups) <= 1:
+            return [fn(g) for g in groups]
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(
+                max_workers=min(8, len(self._specs)), thread_name_prefix="embcache-tier"
+            )
+        return list(self._io_pool.map(fn, groups))
+
     def _read_tier(self, fused: torch.Tensor) -> torch.Tensor:
         """Rows ``[n, width]`` of ``fused`` ids from the tier, in host memory (pinned when the
         cache is on a GPU, so the copy to the device is asynchronous)."""
         pin = self.device.type == "cuda"
         out = torch.empty(fused.numel(), self.width, dtype=torch.float32, pin_memory=pin)
-        for idx, pos, raw in self._split_by_table(fused):
-            out[pos.cpu()] = self.store.get(self._specs[idx].name, raw)
+        groups = self._split_by_table(fused)
+
+        def fetch(group):
+            idx, _, raw = group
+            return self.store.get(self._specs[idx].name, raw)
+
+        for (_, pos, _), rows in zip(groups, self._per_table(fetch, groups), strict=True):
+            out[pos.cpu()] = rows
         return out
 
     def _copy_in(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
@@ -235,8 +254,13 @@ class HotCache:
 
     def _write_rows(self, fused: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` (``[n, width]``, any device) to the tier under their ``fused`` ids."""
-        for idx, pos, raw in self._split_by_table(fused):
-            self.store.put(self._specs[idx].name, raw, rows[pos.to(rows.device)].cpu())
+        host_rows = rows.cpu()
+
+        def write(group):
+            idx, pos, raw = group
+            self.store.put(self._specs[idx].name, raw, host_rows[pos.cpu()])
+
+        self._per_table(write, self._split_by_table(fused))
 
     def _write_tier(self, fused: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the rows held at ``slots`` back to the tier under their ``fused`` ids."""
@@ -272,23 +296,27 @@ class HotCache:
         with self._resolve_mutex:
             with self.lock:
                 plan = self._plan_direct(ids) if self.direct else self._plan_sets(ids)
+            # Outside the lock: the reserved slots are locked by this resolve and no other
+            # resolve runs (mutex), so nobody else reads or writes them, and `rows` is only
+            # ever replaced by a resolve. The training thread keeps using its own slots.
             try:
                 if plan.victim_ids.numel():
-                    self._write_rows(plan.victim_ids, plan.victim_rows)
-                loaded = self._read_tier(plan.load_ids) if plan.load_ids.numel() else None
+                    self._write_rows(plan.victim_ids, self.rows[plan.victim_slots])
+                if plan.load_ids.numel():
+                    self._copy_in(plan.load_slots, self._read_tier(plan.load_ids))
             except BaseException:
                 with self.lock:
                     self._rollback(plan)
                 raise
             with self.lock:
-                self._commit(plan, loaded, lock)
+                self._commit(plan, lock)
             return plan.slots
 
     def _plan_direct(self, ids: torch.Tensor) -> _Plan:
         slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
         miss = self.slot_keys[slots] < 0
         load_slots = slots[miss]
-        plan = _Plan(ids, slots, ids[miss], load_slots, self._empty_ids(), None)
+        plan = _Plan(ids, slots, ids[miss], load_slots, self._empty_ids(), self._empty_ids())
         plan.reserved, plan.old_keys = load_slots, self.slot_keys[load_slots].clone()
         plan.old_scores = plan.old_dirty = None
         self.slot_keys[load_slots] = plan.load_ids
@@ -308,16 +336,33 @@ class HotCache:
         if not miss_pos.numel():
             self.locks[slots] += 1
             self._touch(ids, slots)
-            return _Plan(ids, slots, self._empty_ids(), self._empty_ids(), self._empty_ids(), None)
+            empty = self._empty_ids()
+            return _Plan(ids, slots, empty, empty, empty, empty)
 
         # Ways this batch hits are as good as locked while its misses choose victims.
         self.locks[slots[slots >= 0]] += 1
+        # Misses compete for a set's ways in an order that changes every batch: dedup hands
+        # ids sorted, and a fixed order would give the same rows the ways each time. LFU:
+        # the most frequent first.
+        miss_pos = miss_pos[torch.argsort(mix64(ids[miss_pos] ^ self._tick))]
+        lfu = self.policy is CachePolicy.LFU
+        if lfu:
+            miss_freq = self._freq[self._freq_index(ids[miss_pos])] + 1  # with this request
+            by_freq = torch.argsort(miss_freq, descending=True, stable=True)
+            miss_pos, miss_freq = miss_pos[by_freq], miss_freq[by_freq]
         miss_sets, order = torch.sort(sets[miss_pos], stable=True)
         miss_pos = miss_pos[order]
         touched, owner = torch.unique_consecutive(miss_sets, return_inverse=True)
         locks_view = self.locks[: self.num_slots].view(self.num_sets, W)
         scores_view = self.scores.view(self.num_sets, W)
         assigned = assign_ways(scores_view[touched], locks_view[touched] > 0, owner)
+        if lfu:
+            # Admission: a miss displaces a resident row only if asked for more often (an
+            # empty way has score -1); the others are served from scratch for this batch,
+            # while their counts keep growing, so popular rows get in and stay.
+            victim_score = scores_view[touched[owner], assigned.clamp(min=0)]
+            admit = (assigned >= 0) & (victim_score < miss_freq[order])
+            assigned = torch.where(admit, assigned, torch.full_like(assigned, -1))
         placed = assigned >= 0
         place_slots = touched[owner[placed]] * W + assigned[placed]
         overflow_pos = miss_pos[~placed]
@@ -343,7 +388,7 @@ class HotCache:
             ids[new_pos],
             new_slots,
             self.slot_keys[dirty_victims].clone(),
-            self.rows[dirty_victims].cpu() if dirty_victims.numel() else None,
+            dirty_victims,
         )
         plan.reserved, plan.old_keys = new_slots, self.slot_keys[new_slots].clone()
         plan.old_scores = self.scores[place_slots].clone()
@@ -370,9 +415,7 @@ class HotCache:
         self._scratch_used -= plan.n_scratch
         self.locks[plan.slots] -= 1
 
-    def _commit(self, plan: _Plan, loaded: torch.Tensor | None, lock: bool) -> None:
-        if loaded is not None:
-            self._copy_in(plan.load_slots, loaded)
+    def _commit(self, plan: _Plan, lock: bool) -> None:
         if not lock:
             self.locks[plan.slots] -= 1
         n_miss = plan.load_ids.numel()
@@ -391,6 +434,14 @@ class HotCache:
         found = (sorted_keys[pos] == ids) & (slots < 0)
         slots[found] = self.num_slots + perm[pos[found]]
 
+    def _freq_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """Where each id's LFU count lives: one counter per row of a bounded table (kept across
+        evictions, as FBGEMM does), a hashed sketch counter for unbounded tables."""
+        raw = ids & ((1 << self.fusion_k) - 1)
+        table = ids >> self.fusion_k
+        hashed = self._sketch_base + (mix64(raw) & _INT64_MAX) % _LFU_SKETCH
+        return torch.where(self._is_bounded[table], self._row_offset[table] + raw, hashed)
+
     def _touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Update the eviction scores of the resident slots of a batch."""
         main = slots < self.num_slots
@@ -399,10 +450,7 @@ class HotCache:
             self.scores[main_slots] = self._tick
             return
         assert self._freq is not None
-        raw = ids & ((1 << self.fusion_k) - 1)
-        table = ids >> self.fusion_k
-        hashed = self._sketch_base + (mix64(raw) & _INT64_MAX) % _LFU_SKETCH
-        index = torch.where(self._is_bounded[table], self._row_offset[table] + raw, hashed)
+        index = self._freq_index(ids)
         self._freq.index_add_(0, index, torch.ones_like(index))
         decay = self.config.lfu_decay
         if decay is not None and self._lookups % self.config.lfu_decay_interval == 0:

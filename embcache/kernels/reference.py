@@ -45,8 +45,15 @@ def fuse_ids_ref(
         ``ID_OVERFLOWS_K``). ``fused`` is meaningless where the verdict is not ``ID_OK``.
     """
     ids = values.to(torch.int64)
-    limit = num_embeddings.index_select(0, value_features)
     table = table_idx.index_select(0, value_features)
+    fused = ids | (table << fusion_k)
+    # Good path: one bound per feature, min(num_embeddings, 2**fusion_k), and one mask.
+    fits = (1 << fusion_k) if fusion_k < 63 else torch.iinfo(torch.int64).max
+    bound = torch.where(num_embeddings >= 0, num_embeddings.clamp(max=fits), fits)
+    bad = (ids < 0) | (ids >= bound.index_select(0, value_features))
+    if not bool(bad.any()):
+        return fused, torch.zeros_like(ids, dtype=torch.int8)
+    limit = num_embeddings.index_select(0, value_features)
     verdict = torch.where(
         ids < 0,
         ID_NEGATIVE,
@@ -56,7 +63,7 @@ def fuse_ids_ref(
             torch.where((ids >> fusion_k) != 0, ID_OVERFLOWS_K, ID_OK),
         ),
     ).to(torch.int8)
-    return ids | (table << fusion_k), verdict
+    return fused, verdict
 
 
 def unfuse_ids_ref(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:

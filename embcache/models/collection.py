@@ -350,18 +350,24 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Pooled embeddings of every feature: a `KeyedTensor` ``[B, sum of dims]`` whose keys
         are the tables' feature names in table order (as torchrec orders them)."""
         training = torch.is_grad_enabled()
-        handle = self._take_prefetch(features)
         if training:
-            self._begin_batch()
+            try:
+                self._begin_batch()
+            except RuntimeError:
+                if self._prefetch is not None:  # its locks would belong to no batch
+                    self.cancel_fused_prefetch(self._prefetch)
+                raise
+        handle = self._take_prefetch(features)
         resolved = handle.resolved if handle else self._resolve_all(features, lock=training)
         batch = _Batch(resolved) if training else None
         if batch is not None:
             self._inflight.append(batch)
         B = features.stride()
         try:
+            # One autograd node for every group, so one backward sees all their gradients.
+            outs = _PooledLookup.apply(self._grad_anchor, self, resolved, batch, B)
             blocks: dict[str, torch.Tensor] = {}
-            for gi, (group, r) in enumerate(zip(self._groups, resolved, strict=True)):
-                out = _PooledLookup.apply(self._grad_anchor, self, gi, r, batch, B)
+            for group, out in zip(self._groups, outs, strict=True):
                 for i, f in enumerate(group.features):
                     blocks[f] = out[:, i * group.dim : (i + 1) * group.dim]
         finally:
@@ -410,23 +416,25 @@ class CachedEmbeddingBagCollection(nn.Module):
         group = self._groups[gi]
         out = torch.empty(B, len(group.features) * group.dim, device=self.device)
         argmaxes = []
-        with group.cache.lock:
-            for lk, inputs in zip(group.lookups, self._lookup_inputs(group, r, B), strict=True):
-                inverse, offsets, weights, cols = inputs
-                argmaxes.append(
-                    pool_forward(
-                        group.cache.rows,
-                        group.dim,
-                        r.slots,
-                        inverse,
-                        offsets,
-                        weights,
-                        lk.mode,
-                        out,
-                        B,
-                        cols,
-                    )
+        # No cache lock: this batch's slots are locked, so no resolve writes them, and a
+        # resolve that replaces `rows` (growing the scratch area) copies them unchanged.
+        rows = group.cache.rows
+        for lk, inputs in zip(group.lookups, self._lookup_inputs(group, r, B), strict=True):
+            inverse, offsets, weights, cols = inputs
+            argmaxes.append(
+                pool_forward(
+                    rows,
+                    group.dim,
+                    r.slots,
+                    inverse,
+                    offsets,
+                    weights,
+                    lk.mode,
+                    out,
+                    B,
+                    cols,
                 )
+            )
         return out, argmaxes
 
     def _lookup_inputs(self, group: _CacheGroup, r: _Resolved, B: int):
@@ -465,26 +473,35 @@ class CachedEmbeddingBagCollection(nn.Module):
             grad = g if grad is None else grad + g
         return grad
 
-    def _on_backward(self, gi: int, r: _Resolved, batch: _Batch, grad_rows: torch.Tensor) -> None:
-        """Record one group's gradient rows (or apply them at once)."""
+    def _on_backward(self, batch: _Batch, grad_rows: list[torch.Tensor]) -> None:
+        """Record every group's gradient rows of one backward (or apply them all at once)."""
         batch.backward_done = True
-        group = self._groups[gi]
-        entries = []
-        starts = torch.tensor([t.index << self.fusion_k for t in group.tables], device=self.device)
-        bounds = [*torch.searchsorted(r.unique, starts).tolist(), r.unique.numel()]
         mask = (1 << self.fusion_k) - 1
-        for i, t in enumerate(group.tables):
-            lo, hi = bounds[i], bounds[i + 1]
-            entries.append(
-                TraceEntry(t.name, r.unique[lo:hi] & mask, grad_rows[lo:hi], gi, batch, lo, hi)
+        entries = []
+        for gi, (group, r, grads) in enumerate(
+            zip(self._groups, batch.resolved, grad_rows, strict=True)
+        ):
+            starts = torch.tensor(
+                [t.index << self.fusion_k for t in group.tables], device=self.device
             )
+            bounds = [*torch.searchsorted(r.unique, starts).tolist(), r.unique.numel()]
+            for i, t in enumerate(group.tables):
+                lo, hi = bounds[i], bounds[i + 1]
+                entries.append(
+                    TraceEntry(t.name, r.unique[lo:hi] & mask, grads[lo:hi], gi, batch, lo, hi)
+                )
         if self.update_in_backward:
             if self._optimizer is None:
                 raise RuntimeError(
                     "update_in_backward=True needs a sparse optimizer attached to the collection "
                     "(construct e.g. SparseSGD([collection], lr=...) before the first backward)"
                 )
-            self._optimizer._apply_entries(self, entries)
+            try:
+                # All groups at once: a bad gradient anywhere is refused before any update.
+                self._optimizer._apply_entries(self, entries)
+            except ValueError:
+                self._release(batch)
+                raise
         else:
             self._trace.extend(entries)
 
@@ -636,10 +653,9 @@ class CachedEmbeddingBagCollection(nn.Module):
                 error_msgs.append(f"{key} holds NaN or Inf values")
                 continue
             updates.append((t, value))
-        for key in state_dict:
-            if key.startswith(f"{prefix}embedding_bags.") and key not in expected:
-                unexpected_keys.append(key)
-        if error_msgs or (strict and missing_keys):
+        # Every key under this module's prefix is ours: it has no parameters or children.
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+        if error_msgs or (strict and (missing_keys or unexpected_keys)):
             return  # nn.Module raises with these messages; nothing was written
         for t, value in updates:
             self.write_table_rows(t.name, value.detach(), slice(0, t.dim))
@@ -670,24 +686,31 @@ class CachedEmbeddingBagCollection(nn.Module):
 
 
 class _PooledLookup(torch.autograd.Function):
-    """Pool one cache group's bags from its slots; backward yields one gradient row per unique
-    id, handed to the collection (trace or immediate update), never a table-sized gradient."""
+    """Pool every cache group's bags from its slots; backward yields one gradient row per unique
+    id and group, handed to the collection (trace or immediate update), never a table-sized
+    gradient."""
 
     @staticmethod
-    def forward(ctx, anchor, module, gi, resolved, batch, batch_size):
-        out, argmaxes = module._pool(gi, resolved, batch_size)
-        ctx.module, ctx.gi, ctx.resolved, ctx.batch = module, gi, resolved, batch
+    def forward(ctx, anchor, module, resolved, batch, batch_size):
+        outs, argmaxes = [], []
+        for gi, r in enumerate(resolved):
+            out, argmax = module._pool(gi, r, batch_size)
+            outs.append(out)
+            argmaxes.append(argmax)
+        ctx.module, ctx.resolved, ctx.batch = module, resolved, batch
         ctx.batch_size, ctx.argmaxes = batch_size, argmaxes
-        return out
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grad_outs):
         module = ctx.module
-        if grad_out.stride(-1) != 1 or grad_out.stride(0) < grad_out.shape[1]:
-            grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
-        grad_rows = module._grad_rows(ctx.gi, ctx.resolved, ctx.batch_size, grad_out, ctx.argmaxes)
-        module._on_backward(ctx.gi, ctx.resolved, ctx.batch, grad_rows)
-        return None, None, None, None, None, None
+        grad_rows = []
+        for gi, (r, grad_out) in enumerate(zip(ctx.resolved, grad_outs, strict=True)):
+            if grad_out.stride(-1) != 1 or grad_out.stride(0) < grad_out.shape[1]:
+                grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
+            grad_rows.append(module._grad_rows(gi, r, ctx.batch_size, grad_out, ctx.argmaxes[gi]))
+        module._on_backward(ctx.batch, grad_rows)
+        return None, None, None, None, None
 
 
 class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):

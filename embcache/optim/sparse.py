@@ -241,6 +241,14 @@ class SparseOptimizer:
 
     def load_hyper_state_dict(self, state: dict[str, Any]) -> None:
         """Restore step counts from `hyper_state_dict` (same rule, same module order)."""
+        self._check_hyper(state)
+        self._steps = {
+            (id(m), t): int(n)
+            for m, steps in zip(self.modules, state["steps"], strict=True)
+            for t, n in steps.items()
+        }
+
+    def _check_hyper(self, state: dict[str, Any]) -> None:
         if state.get("rule") != self.update.rule.name:
             raise ValueError(
                 f"optimizer state is for rule {state.get('rule')!r}, this optimizer is "
@@ -251,54 +259,58 @@ class SparseOptimizer:
                 f"optimizer state covers {len(state['steps'])} modules, this optimizer "
                 f"{len(self.modules)}"
             )
-        self._steps = {
-            (id(m), t): int(n)
-            for m, steps in zip(self.modules, state["steps"], strict=True)
-            for t, n in steps.items()
-        }
+        if "state" in state and len(state["state"]) != len(self.modules):
+            raise ValueError(
+                f"optimizer state covers {len(state['state'])} modules, this optimizer "
+                f"{len(self.modules)}"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Hyper-parameters, step counts and the state of every row of every table.
 
-        State tensors are read from the tier after a flush (``{"table": {"sum": [N, D]}}``);
-        they are as large as the tables.
+        ``"state"`` holds one dict per module (in the optimizer's module order), mapping each
+        table to its state tensors (``{"t0": {"sum": [N, D]}}``), read from the tier after a
+        flush; they are as large as the tables.
         """
-        state: dict[str, dict[str, torch.Tensor]] = {}
+        state: list[dict[str, dict[str, torch.Tensor]]] = []
         for m in self.modules:
-            if not _is_collection(m):
-                continue
-            for t in m.tables:
-                rows = m.table_rows(t.name)
-                state[t.name] = self._split_state(rows[:, t.dim :], t.dim)
+            tables = m.tables if _is_collection(m) else []
+            state.append(
+                {t.name: self._split_state(m.table_rows(t.name)[:, t.dim :], t.dim) for t in tables}
+            )
         return {**self.hyper_state_dict(), "state": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned (same rule; tables matched by name)."""
-        if state_dict.get("rule") != self.update.rule.name:
-            raise ValueError(
-                f"optimizer state is for rule {state_dict.get('rule')!r}, this optimizer is "
-                f"{self.update.rule.name}"
-            )
-        tables = {t.name: (m, t) for m in self.modules if _is_collection(m) for t in m.tables}
+        """Restore what `state_dict` returned: same rule, same modules in the same order.
+        Everything is checked before anything is written."""
+        self._check_hyper(state_dict)
         names = _STATE_NAMES[self.update.rule]
-        for table, parts in state_dict["state"].items():
-            if table not in tables:
-                raise ValueError(f"optimizer state names unknown table {table!r}")
-            m, t = tables[table]
-            if sorted(parts) != sorted(names):
-                raise ValueError(f"table {table!r}: expected state {names}, got {sorted(parts)}")
-            width = state_dim(self.update.rule, t.dim) // max(len(names), 1)
-            for name in names:
-                if tuple(parts[name].shape) != (t.num_embeddings, width):
+        per_module = state_dict["state"]
+        writes = []
+        for i, (m, parts_by_table) in enumerate(zip(self.modules, per_module, strict=True)):
+            tables = {t.name: t for t in m.tables} if _is_collection(m) else {}
+            if set(parts_by_table) != set(tables):
+                raise ValueError(
+                    f"optimizer state of module {i} covers tables {sorted(parts_by_table)}, "
+                    f"the module has {sorted(tables)}"
+                )
+            for table, parts in parts_by_table.items():
+                t = tables[table]
+                if sorted(parts) != sorted(names):
                     raise ValueError(
-                        f"table {table!r}: state {name!r} has shape {tuple(parts[name].shape)}, "
-                        f"expected {(t.num_embeddings, width)}"
+                        f"module {i}, table {table!r}: expected state {names}, got {sorted(parts)}"
                     )
-        for table, parts in state_dict["state"].items():
-            m, t = tables[table]
-            if names:
-                joined = torch.cat([parts[name] for name in names], dim=1)
-                m.write_table_rows(table, joined, slice(t.dim, None))
+                width = state_dim(self.update.rule, t.dim) // max(len(names), 1)
+                for name in names:
+                    if tuple(parts[name].shape) != (t.num_embeddings, width):
+                        raise ValueError(
+                            f"module {i}, table {table!r}: state {name!r} has shape "
+                            f"{tuple(parts[name].shape)}, expected {(t.num_embeddings, width)}"
+                        )
+                if names:
+                    writes.append((m, t, torch.cat([parts[name] for name in names], dim=1)))
+        for m, t, joined in writes:
+            m.write_table_rows(t.name, joined, slice(t.dim, None))
         self.load_hyper_state_dict(state_dict)
 
     def _split_state(self, state: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:

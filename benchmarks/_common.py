@@ -1,0 +1,178 @@
+"""Helpers shared by the benchmark scripts: threads, skewed ids, timing, CSV, run header.
+
+Imported as ``_common`` by scripts run from anywhere (``python benchmarks/bench_x.py``): Python
+puts the script's folder first on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import embcache  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's CPU threads (default 1: stable numbers on a shared machine); returns it."""
+    n = 1 if threads is None else threads
+    torch.set_num_threads(n)
+    return n
+
+
+def pick_device(name: str | None) -> torch.device:
+    """``name`` when given (refusing ``cuda`` without a GPU), else CUDA when present."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda asked for, but torch sees no CUDA device here")
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def run_header(device: torch.device) -> str:
+    """One line naming what the numbers were measured on."""
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        load = os.getloadavg()[0]
+        where = (
+            f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
+            f"thread(s), {os.cpu_count()} cores, load average {load:.1f}"
+        )
+    try:
+        import triton
+
+        tri = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency
+        tri = "absent"
+    return f"# device: {device.type} ({where}); torch {torch.__version__}; triton {tri}"
+
+
+@contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Force ``EMBCACHE_BACKEND`` (read at every call) inside the block."""
+    old = os.environ.get("EMBCACHE_BACKEND")
+    os.environ["EMBCACHE_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("EMBCACHE_BACKEND", None)
+        else:
+            os.environ["EMBCACHE_BACKEND"] = old
+
+
+# ----------------------------------------------------------------------------------------------
+# skewed ids
+# ----------------------------------------------------------------------------------------------
+
+
+class ZipfIds:
+    """Ids of a table of ``num_rows`` rows, rank ``k`` drawn with mass ``∝ (k + 1)**-alpha``.
+
+    Ranks map to ids through a fixed affine bijection ``(a * k + b) % num_rows`` (``a`` coprime
+    with ``num_rows``), so the hot ids are scattered over the table, not packed at its start.
+    """
+
+    def __init__(self, num_rows: int, alpha: float, gen: torch.Generator) -> None:
+        self.num_rows = num_rows
+        mass = torch.arange(1, num_rows + 1, dtype=torch.float64).pow_(-alpha)
+        self.cdf = torch.cumsum(mass, 0)
+        self.cdf /= self.cdf[-1].item()
+        a = int(torch.randint(1, max(num_rows, 2), (1,), generator=gen))
+        while math.gcd(a, num_rows) != 1:
+            a += 1
+        self.a, self.b = a, int(torch.randint(0, num_rows, (1,), generator=gen))
+
+    def sample(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """int64 ``[n]`` ids in ``[0, num_rows)``."""
+        u = torch.rand(n, dtype=torch.float64, generator=gen)
+        ranks = torch.searchsorted(self.cdf, u, right=True).clamp_(max=self.num_rows - 1)
+        return (ranks * self.a + self.b) % self.num_rows
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------
+
+
+def interleaved_seconds(
+    fns: Sequence[Callable[[], object]], device: torch.device, reps: int
+) -> list[float]:
+    """Seconds per call of each of ``fns``, measured side by side.
+
+    On CPU the calls take turns (one warm-up round, then ``reps`` rounds of one call each), and
+    each gets the median of its ``reps`` times: a neighbour's load that comes and goes then
+    falls on every function alike, so ratios between them stay fair on a shared machine. On
+    CUDA each is timed by `seconds` (``triton.testing.do_bench``).
+    """
+    if device.type == "cuda":
+        return [seconds(fn, device, reps) for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
+    for round_ in range(reps + 1):
+        for fn, acc in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            if round_:
+                acc.append(time.perf_counter() - t0)
+    return [statistics.median(acc) for acc in times]
+
+
+def seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Seconds per call of ``fn``: ``triton.testing.do_bench`` (its median) on CUDA; on CPU one
+    warm-up call, then the median of ``reps`` timed calls."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------------------
+
+
+def write_csv(rows: Iterable[Any], path: Path, extra: Iterable[str] = ()) -> None:
+    """One CSV line per dataclass row: its fields, then the named properties in ``extra``."""
+    rows = list(rows)
+    if not rows or not is_dataclass(rows[0]):
+        raise ValueError("write_csv needs a non-empty list of dataclass rows")
+    extra = list(extra)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = [f.name for f in fields(rows[0])] + extra
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**asdict(r), **{name: getattr(r, name) for name in extra}})
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

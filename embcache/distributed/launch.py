@@ -1,0 +1,300 @@
+"""Start N local ranks of a torch.distributed job, and fail fast when one of them fails.
+
+    def train(rank: int, steps: int) -> dict:          # a module-level function (picklable)
+        ebc = ShardedEmbeddingBagCollection(tables)     # the default process group is ready
+        ...
+        return {"loss": loss}                           # any picklable value
+
+    results = spawn(train, nproc=2, args=(100,))       # [rank 0's return, rank 1's return]
+
+Each rank is a new process (torch.multiprocessing) that joins a process group over a free
+loopback TCP port (``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``; ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` are set as torchrun sets them), calls ``fn(rank, *args)`` and sends its return
+value (or its error) back. The default start method is "forkserver": a clean single-threaded
+server process imports torch, torchrec and embcache once, and every rank of every later `spawn`
+is forked from it in milliseconds instead of importing them again (seconds each); ranks get the
+parent's environment as it is at the call. ``start_method="spawn"`` starts each rank from
+scratch.
+
+Failure handling. The process group is created with ``timeout``: a collective that waits longer
+for a peer raises. A rank that raises reports its traceback and exits at once, which makes a peer
+blocked in a collective with it fail immediately (connection closed), and a peer that waits for a
+rank that hangs fail after ``timeout``. As soon as one rank fails the parent gives the others
+``grace`` seconds (default: ``timeout``) to finish or fail, terminates the rest, and raises
+`SpawnError` naming the rank that failed first with its traceback (ranks that only failed because
+a peer did are listed after it). `SpawnError.elapsed_s` says how long after that first failure
+the parent raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import queue as queue_module
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_POLL_S = 0.05
+_PRELOAD = ["torch", "torch.distributed", "embcache.distributed.sharded"]
+
+# Error texts of a collective that failed because of a peer, not because of this rank's code.
+_PEER_FAILURE_MARKS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out",
+    "timed out",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
+@dataclass
+class RankFailure:
+    """How one rank failed."""
+
+    rank: int
+    error: str  # the traceback, or what the parent saw (an exit code, a signal)
+    at: float  # time.time() of the failure (or of its detection by the parent)
+    secondary: bool  # a collective failed because of a peer (probably not the root cause)
+
+
+class SpawnError(RuntimeError):
+    """A rank of `spawn` failed.
+
+    Attributes:
+        rank: the rank that failed first (preferring a root cause over a rank that only lost
+            its peer).
+        failures: every failure seen, by rank.
+        elapsed_s: seconds from that first failure to this error being raised.
+    """
+
+    def __init__(self, failures: dict[int, RankFailure], elapsed_s: float) -> None:
+        primary = [f for f in failures.values() if not f.secondary] or list(failures.values())
+        first = min(primary, key=lambda f: (f.at, f.rank))
+        self.rank = first.rank
+        self.failures = failures
+        self.elapsed_s = elapsed_s
+        others = [f for r, f in sorted(failures.items()) if r != first.rank]
+        text = f"rank {first.rank} of the spawned job failed:\n{first.error.rstrip()}"
+        for f in others:
+            head = f.error.strip().splitlines()[0] if f.error.strip() else f.error
+            text += f"\n(then rank {f.rank} failed too: {head})"
+        super().__init__(text)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nproc: int,
+    backend: str = "gloo",
+    args: Sequence[Any] = (),
+    timeout: float = 30.0,
+    grace: float | None = None,
+    threads_per_rank: int | None = None,
+    start_method: str = "forkserver",
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``nproc`` local ranks joined in one process group.
+
+    Args:
+        fn: a module-level (picklable) function; its return value must be picklable.
+        nproc: number of ranks (world size), >= 1.
+        backend: ``"gloo"`` (CPU, any machine) or ``"nccl"`` (one CUDA device per rank: rank r
+            uses device r).
+        args: extra arguments of ``fn`` (picklable).
+        timeout: seconds a collective may wait for a peer before it raises (the process
+            group's timeout).
+        grace: seconds the parent waits for the other ranks once one failed (default
+            ``timeout``) before it terminates them.
+        threads_per_rank: torch intra-op threads of each rank (default: the CPU count divided
+            by ``nproc``, at least 1), so ranks do not oversubscribe the cores.
+        start_method: ``"forkserver"`` (default, see the module docstring) or ``"spawn"``.
+
+    Returns:
+        The return values of ``fn``, by rank.
+
+    Raises:
+        SpawnError: a rank raised, exited without reporting, or was killed.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < nproc:
+        raise ValueError(
+            f"backend='nccl' needs one CUDA device per rank: {nproc} ranks, "
+            f"{torch.cuda.device_count()} devices"
+        )
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    grace = timeout if grace is None else grace
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Takes effect when the server starts (the first call); it stays up for later calls.
+        ctx.set_forkserver_preload(_PRELOAD)
+    env = dict(os.environ)
+    reports = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_run_rank,
+            args=(rank, nproc, backend, port, timeout, threads, env, fn, tuple(args), reports),
+            name=f"embcache-rank-{rank}",
+        )
+        for rank in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _supervise(procs, reports, grace)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        reports.close()
+
+
+def _supervise(procs: list, reports, grace: float) -> list[Any]:
+    """Collect every rank's report; on a failure, wait ``grace`` then give up on the rest."""
+    results: dict[int, Any] = {}
+    failures: dict[int, RankFailure] = {}
+    deadline: float | None = None
+    first_failure: float | None = None
+    while len(results) + len(failures) < len(procs):
+        try:
+            kind, rank, payload, at = reports.get(timeout=_POLL_S)
+        except queue_module.Empty:
+            kind = None
+        if kind == "ok":
+            results[rank] = pickle.loads(payload)
+        elif kind == "error":
+            text, secondary = payload
+            failures[rank] = RankFailure(rank, text, at, secondary)
+        elif kind is None:
+            for rank, p in enumerate(procs):
+                if rank in results or rank in failures or p.is_alive():
+                    continue
+                # Exited: its report may still be in flight, so look once more before judging.
+                if not _drain_one(reports, results, failures):
+                    failures[rank] = RankFailure(
+                        rank, _exit_text(p.exitcode), time.time(), secondary=False
+                    )
+                break
+        if failures and deadline is None:
+            first_failure = min(f.at for f in failures.values())
+            deadline = time.time() + grace
+        if deadline is not None and time.time() > deadline:
+            for rank in range(len(procs)):
+                if rank not in results and rank not in failures:
+                    failures[rank] = RankFailure(
+                        rank,
+                        f"still running {grace:.0f} s after another rank failed; terminated",
+                        time.time(),
+                        secondary=True,
+                    )
+            break
+    if failures:
+        raise SpawnError(failures, time.time() - (first_failure or time.time()))
+    return [results[r] for r in range(len(procs))]
+
+
+def _drain_one(reports, results: dict, failures: dict) -> bool:
+    try:
+        kind, rank, payload, at = reports.get(timeout=0.5)
+    except queue_module.Empty:
+        return False
+    if kind == "ok":
+        results[rank] = pickle.loads(payload)
+    else:
+        failures[rank] = RankFailure(rank, payload[0], at, payload[1])
+    return True
+
+
+def _exit_text(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by signal {-exitcode} without reporting an error"
+    return f"exited with code {exitcode} without reporting an error"
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    # By name: importing embcache.distributed.sharded here would import torchrec in a rank
+    # that may have failed before needing it.
+    names = {c.__name__ for c in type(e).__mro__}
+    if names & {"CollectiveError", "DistError"}:
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILURE_MARKS)
+
+
+def _run_rank(
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    timeout: float,
+    threads: int,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple,
+    reports,
+) -> None:
+    """One rank: join the group, run ``fn``, report, and exit without waiting on peers."""
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    code = 0
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        result = fn(rank, *args)
+        reports.put(("ok", rank, pickle.dumps(result), time.time()))
+    except BaseException as e:
+        text = f"{type(e).__name__} on rank {rank}: {e}\n\n{traceback.format_exc()}"
+        reports.put(("error", rank, (text, _is_peer_failure(e)), time.time()))
+        code = 1
+    reports.close()
+    reports.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == 0:
+        # A clean shutdown; a peer that failed meanwhile must not turn success into a hang.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    # os._exit: the process group's destructors may abort (or wait) when a peer is gone.
+    os._exit(code)

@@ -1,0 +1,859 @@
+"""Row-wise sharding over torch.distributed: every row lives on exactly one rank, its owner.
+
+Owner of a row. A collection row is named by its fused id ``id | (table_idx << fusion_k)``; its
+owner is the rank
+
+    owner(fused) = (mix64(fused ^ OWNER_SALT) & (2**63 - 1)) % world_size
+
+with ``mix64`` splitmix64's finaliser (`embcache.kernels.reference.mix64`) and
+``OWNER_SALT = 0x2545F4914F6CDD1D``. The salt decorrelates the owner from the cache set
+(`HotCache` hashes the same fused id with the unsalted ``mix64``): unsalted, with 2 ranks and an
+even number of sets, each rank's rows would fall into half of its sets. A `ShardedKVClient`
+tensor row ``id`` of tensor ``name`` is owned by ``owner(id ^ (crc32(name) << 32))``.
+
+`ShardedEmbeddingBagCollection` is a `CachedEmbeddingBagCollection` whose caches (one per dim)
+and store hold only the rows this rank owns. A training step with G caches (embedding dims)
+makes 2 + 2G all_to_alls:
+
+* forward, on every rank: validate, fuse and dedup its own batch per cache; send every unique id
+  to its owner (1: a ``[W, 4]`` header of counts, op code, tag and status; 2: the ids, grouped
+  by owner). Each owner dedups what it received, resolves those ids to slots in its own
+  `HotCache` (locked until the step, as in one process) and, per cache, sends each requester
+  its rows ``[n, dim]`` in the order asked, behind one status row (3: G exchanges). The
+  requester pools its bags locally from the received rows (`pool_forward`, the slots being the
+  rows' positions in what it received).
+* backward, per cache: `pool_backward` gives one gradient row per unique id of the requester,
+  sent to the owners (4: G exchanges). Each owner sums the rows of an id over the ranks in rank
+  order (`aggregate_grads`, deterministic) and records them in its ``_trace``.
+
+The optimizer is the ordinary one: ``SparseAdaGrad([sharded_ebc], lr=...)``. Its ``step()`` only
+reads the owner's trace and applies `apply_row_update` in the owner's cache slots, so every row
+has one writer and no step needs communication. Results equal one process trained on the
+concatenated global batch up to the order of float32 additions (a row's gradient is summed per
+rank, then over ranks).
+
+Collectives. ``forward``, its backward, ``table_rows``/``state_dict`` and
+``cache_stats(all_ranks=True)`` are collectives: every rank makes them in the same order (an
+empty batch included; a rank's ``backward`` must reach its output, e.g. ``kt.values().sum()``).
+A rank whose input is refused (bad ids, a pending trace) still takes part in the header, so every
+rank raises (the others a `CollectiveError` naming it) and nothing changes anywhere. Calls that do
+not match across ranks (a forward against a KV pull, training against ``no_grad``) raise on
+every rank. A peer that dies or times out turns into a `CollectiveError` naming the exchange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+
+from embcache.cache.config import CacheConfig
+from embcache.distributed.kv_client import InitFunc, KVClient, KVHandle
+from embcache.kernels.ids import dedup
+from embcache.kernels.optim import aggregate_grads
+from embcache.kernels.pooling import pool_backward, pool_forward
+from embcache.kernels.reference import mix64
+from embcache.kv.base import Store, table_hash
+from embcache.models.collection import CachedEmbeddingBagCollection, _Batch, _Resolved
+
+OWNER_SALT = 0x2545F4914F6CDD1D
+_LOW63 = (1 << 63) - 1
+
+_OP_FORWARD, _OP_INIT, _OP_PULL, _OP_PUSH, _OP_UPDATE = 1, 2, 3, 4, 5
+_OP_NAMES = {
+    _OP_FORWARD: "ShardedEmbeddingBagCollection.forward",
+    _OP_INIT: "ShardedKVClient.init_data",
+    _OP_PULL: "ShardedKVClient.pull",
+    _OP_PUSH: "ShardedKVClient.push",
+    _OP_UPDATE: "ShardedKVClient.update_async",
+}
+
+
+def owner_of(fused_ids: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Owner rank of each fused id (see the module docstring). int64 ``[n]`` -> int64 ``[n]``."""
+    return (mix64(fused_ids.to(torch.int64) ^ OWNER_SALT) & _LOW63) % world_size
+
+
+def kv_owner_of(name: str, ids: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Owner rank of each row of the `ShardedKVClient` tensor ``name``."""
+    return owner_of(ids.to(torch.int64) ^ (table_hash(name) << 32), world_size)
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete because of another rank: it died, timed out, refused
+    its input, or failed to serve the rows asked of it."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the exchanges
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Route:
+    """Where one rank's unique ids went and what it received from every rank."""
+
+    order: torch.Tensor  # int64 [U]: send position -> local index (send_ids = ids[order])
+    send_counts: list[int]  # ids sent to each rank
+    recv_counts: list[int]  # ids received from each rank
+    recv_ids: torch.Tensor  # int64 [R], grouped by source rank, each in the sender's order
+
+
+class _Comm:
+    """all_to_all over a process group, with the header checks and a byte count.
+
+    Tensors travel on the CPU when the group has a gloo backend and on the current CUDA device
+    when it is NCCL alone; callers hand tensors on any device and get them back on theirs.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group "
+                "first (or start the ranks with embcache.distributed.launch.spawn)"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        backend = str(dist.get_backend(self.group)).lower()
+        if "gloo" in backend or not torch.cuda.is_available():
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.collectives = 0
+        self.bytes_sent = 0  # payload of every all_to_all, the chunk to this rank included
+        self.bytes_to_peers = 0  # the part that leaves this rank
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "collectives": self.collectives,
+            "bytes_sent": self.bytes_sent,
+            "bytes_to_peers": self.bytes_to_peers,
+        }
+
+    def _run(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as e:
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world_size}: the {what} failed; "
+                f"another rank probably died, raised before reaching it, or did not answer "
+                f"within the process group's timeout ({type(e).__name__}: {e})"
+            ) from e
+
+    def exchange(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], what: str
+    ) -> torch.Tensor:
+        """all_to_all of the rows of ``send`` (``send_counts[r]`` rows to rank r, in rank
+        order); returns the rows received, on ``send``'s device."""
+        out_device = send.device
+        send = send.to(self.device).contiguous()
+        row = math.prod(send.shape[1:]) * send.element_size()
+        if self.world_size == 1:  # gloo's all_to_all costs a millisecond or two even alone
+            out = send  # callers only read what they receive
+        else:
+            out = torch.empty(
+                (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.device
+            )
+            self._run(
+                f"all_to_all of {what}",
+                lambda: dist.all_to_all_single(
+                    out, send, recv_counts, send_counts, group=self.group
+                ),
+            )
+        self.collectives += 1
+        self.bytes_sent += send.shape[0] * row
+        self.bytes_to_peers += (send.shape[0] - send_counts[self.rank]) * row
+        return out.to(out_device)
+
+    def header(
+        self, counts: torch.Tensor, op: int, tag: int, error: BaseException | None, names=None
+    ) -> list[int]:
+        """Exchange per-peer item counts with the op code, a tag and a status; returns the
+        counts received. Raises on every rank when the calls do not match or a rank's input was
+        refused (that rank raises ``error``)."""
+        W = self.world_size
+        sent = torch.stack(
+            [
+                counts.cpu(),
+                torch.full((W,), op),
+                torch.full((W,), tag),
+                torch.full((W,), int(error is not None)),
+            ],
+            dim=1,
+        )
+        got = self.exchange(sent, [1] * W, [1] * W, f"{_OP_NAMES[op]}'s header")
+        if bool((got[:, 1] != op).any() or (got[:, 2] != tag).any()):
+            calls = ", ".join(
+                f"rank {r}: {_describe(int(o), int(t), names)}"
+                for r, (o, t) in enumerate(got[:, 1:3].tolist())
+            )
+            raise RuntimeError(
+                f"rank {self.rank}: mismatched collective calls ({calls}); every rank must make "
+                f"the same sharded calls in the same order"
+            )
+        if error is not None:
+            raise error
+        refused = got[:, 3].nonzero().flatten().tolist()
+        if refused:
+            raise CollectiveError(
+                f"rank {self.rank}: rank(s) {refused} refused their input to {_OP_NAMES[op]} "
+                f"(see their error); nothing was changed on any rank"
+            )
+        return got[:, 0].tolist()
+
+    def route(
+        self,
+        ids: torch.Tensor,
+        owners: torch.Tensor,
+        op: int,
+        tag: int,
+        error: BaseException | None,
+        names=None,
+    ) -> _Route:
+        """Send each of ``ids`` (int64 ``[U]``) to its owner: header, then the ids."""
+        counts = torch.bincount(owners, minlength=self.world_size)
+        order = torch.argsort(owners, stable=True)
+        recv_counts = self.header(counts, op, tag, error, names)
+        send_counts = counts.tolist()
+        recv_ids = self.exchange(ids[order], send_counts, recv_counts, f"{_OP_NAMES[op]}'s ids")
+        return _Route(order, send_counts, recv_counts, recv_ids)
+
+    def reply(
+        self,
+        reply: torch.Tensor,
+        recv_counts: list[int],
+        send_counts: list[int],
+        error: BaseException | None,
+        what: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owners answer the ids they received with a `_with_status` buffer; a failed owner
+        (``error``) makes every rank raise.
+
+        Returns:
+            The buffer received and the positions in it of the rows this rank asked for, in the
+            order it sent the ids.
+        """
+        got = self.exchange(reply, [c + 1 for c in recv_counts], [c + 1 for c in send_counts], what)
+        data, status = _status_layout(send_counts, got.device)
+        failed = got[status, 0].nonzero().flatten().tolist()
+        if error is not None:
+            raise error
+        if failed:
+            raise CollectiveError(
+                f"rank {self.rank}: owner rank(s) {failed} failed to serve the rows of {what} "
+                f"(see their error); this call changed nothing"
+            )
+        return got, data
+
+
+def _with_status(
+    source: torch.Tensor | None, index: torch.Tensor, counts: list[int], width: int
+) -> torch.Tensor:
+    """An owner's reply: per rank r, one status row (0 served; all 1 when ``source`` is None,
+    the owner failed) then the ``counts[r]`` rows ``source[index, :width]`` asked by r, in one
+    gather."""
+    device = index.device
+    data, status = _status_layout(counts, device)
+    if source is None or not index.numel():
+        reply = torch.zeros(data.numel() + len(counts), width, device=device)
+    else:
+        rows = torch.zeros(data.numel() + len(counts), dtype=torch.int64, device=device)
+        rows[data] = index
+        reply = source[rows, :width]
+    reply[status] = float(source is None)
+    return reply
+
+
+def _status_layout(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the data rows and of the status rows in a buffer of per-rank chunks, chunk
+    r holding a status row then ``counts[r]`` data rows."""
+    sizes = torch.tensor(counts, device=device) + 1
+    status = torch.cumsum(sizes, 0) - sizes
+    chunk = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes - 1)
+    return torch.arange(chunk.numel(), device=device) + chunk + 1, status
+
+
+def _describe(op: int, tag: int, names: Mapping[int, str] | None) -> str:
+    name = _OP_NAMES.get(op, f"op {op}")
+    if op == _OP_FORWARD:
+        return f"{name} ({'training' if tag else 'no_grad'})"
+    return f"{name}({(names or {}).get(tag, f'tensor #{tag}')!r})"
+
+
+# ----------------------------------------------------------------------------------------------
+# the collection
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Request:
+    """One cache's share of this rank's batch, as the requester pools it."""
+
+    inverse: torch.Tensor  # int64 [nnz] unique index of each value
+    offsets: torch.Tensor  # int64 [F*B + 1]
+    weights: torch.Tensor | None
+    order: torch.Tensor  # int64 [U]: reply position -> unique index (sorted by owner, stable)
+    position: torch.Tensor  # int64 [U]: unique index -> reply position
+    counts: list[int]  # unique ids sent to each rank
+    argmaxes: list = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class _Owned:
+    """One cache's share of the ids this rank received as their owner."""
+
+    ids: torch.Tensor  # int64 [n] in the order received (by source rank)
+    counts: list[int]  # how many came from each rank
+    resolved: _Resolved | None = None  # their unique ids (ascending) and slots
+
+
+@dataclass
+class _Step:
+    """A forward's exchanges, kept for its backward."""
+
+    batch_size: int
+    requests: list[_Request]
+    owned: list[_Owned]
+    batch: _Batch | None
+
+
+def _one_source(counts: list[int]) -> bool:
+    """Whether every id came from one rank: then they are that rank's unique ids of a cache,
+    distinct and ascending, so the owner needs no dedup and no gradient sum."""
+    return sum(1 for c in counts if c) <= 1
+
+
+def _shard_cache_config(cache: CacheConfig | None, world_size: int) -> CacheConfig:
+    """Each rank's cache config: capacity as given (rows per rank and cache), load_factor as a
+    fraction of the rows a rank owns (about 1/world_size of the table), None: every row."""
+    cache = cache or CacheConfig()
+    if cache.load_factor is not None:
+        return dataclasses.replace(cache, load_factor=cache.load_factor / world_size)
+    return cache
+
+
+class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
+    """`CachedEmbeddingBagCollection` over several ranks, each owning a shard of the rows.
+
+    Same input, output, keys and values as one `CachedEmbeddingBagCollection` given the same
+    tables, seed and batch; every rank passes its own batch (any size, empty included) and gets
+    its own pooled output. Train it with the ordinary sparse optimizers
+    (``SparseAdaGrad([ebc], lr=...)``); ``step()`` updates, on each rank, the rows it owns.
+    See the module docstring for the owner hash and the exchanges.
+
+    Args:
+        tables, is_weighted, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr,
+            seed: as in `CachedEmbeddingBagCollection` (every rank must give the same).
+        cache: per rank: ``capacity`` is the rows of each of this rank's caches;
+            ``load_factor`` a fraction of the rows this rank owns (about ``1/world_size`` of the
+            tables); None keeps every owned row resident (direct-mapped slots sized by the whole
+            table, of which a rank fills only its share: give a load_factor to bound memory).
+        store: this rank's tier: a `Store`, a URL, None (an in-process `HostKV`), or a callable
+            ``store(rank) -> Store | URL``. A shared store (one Redis) also works: each rank
+            writes only the rows it owns.
+        device: where this rank's caches and outputs live (``cuda`` with NCCL or gloo).
+        process_group: the ranks sharing the tables (None: the default group).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig | Mapping[str, Any]],
+        is_weighted: bool = False,
+        cache: CacheConfig | None = None,
+        store: Store | str | Callable[[int], Store | str] | None = None,
+        device: torch.device | str | None = None,
+        enable_fusion: bool = True,
+        fusion_k: int = 30,
+        update_in_backward: bool = False,
+        accumulate_grads: bool = False,
+        lr: float | None = None,
+        seed: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        comm = _Comm(process_group)
+        if callable(store) and not isinstance(store, Store):
+            store = store(comm.rank)
+        super().__init__(
+            tables,
+            is_weighted=is_weighted,
+            cache=_shard_cache_config(cache, comm.world_size),
+            store=store,
+            device=device,
+            enable_fusion=enable_fusion,
+            fusion_k=fusion_k,
+            update_in_backward=update_in_backward,
+            accumulate_grads=accumulate_grads,
+            lr=lr,
+            seed=seed,
+        )
+        self._comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        group_of = {t.name: gi for gi, g in enumerate(self._groups) for t in g.tables}
+        self._table_dim = torch.tensor([t.dim for t in self.tables], device=self.device)
+        self._table_group = torch.tensor(
+            [group_of[t.name] for t in self.tables], device=self.device
+        )
+        column, col = {}, 0
+        for f, d in zip(self.output_keys, self.output_dims, strict=True):
+            column[f], col = col, col + d
+        self._num_columns = col
+        self._feature_cols = [
+            torch.tensor([column[f] for f in g.features], device=self.device) for g in self._groups
+        ]
+
+    # ------------------------------------------------------------------------------------------
+    # forward and backward
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """This rank's pooled embeddings, a `KeyedTensor` ``[B, sum of dims]`` (collective)."""
+        if torch.is_grad_enabled():
+            values = _ShardedLookup.apply(self._grad_anchor, self, features)
+        else:
+            values, _ = self._lookup(features, training=False)
+        return KeyedTensor(keys=self.output_keys, length_per_key=self.output_dims, values=values)
+
+    def _lookup(self, features: KeyedJaggedTensor, training: bool) -> tuple[torch.Tensor, _Step]:
+        error: BaseException | None = None
+        prepared, uniques = [], []
+        try:
+            if training and self._trace and not self.accumulate_grads:
+                self._begin_batch()  # raises: an un-stepped trace
+            self._check_features(features)
+            for group in self._groups:
+                fused, lengths, weights = self._fuse_group(features, group)
+                unique, inverse, _ = dedup(fused)
+                offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self.device)
+                torch.cumsum(lengths, 0, out=offsets[1:])
+                prepared.append((inverse, offsets, weights))
+                uniques.append(unique)
+        except Exception as e:
+            error = e
+        ids = torch.cat(uniques) if error is None else self._no_ids()
+        owners = owner_of(ids, self.world_size)
+        route = self._comm.route(ids, owners, _OP_FORWARD, int(training), error)
+        if training:
+            self._begin_batch()  # drops the locks of forwards never backpropagated
+        requests = []
+        for owners_g, (inverse, offsets, weights) in zip(
+            torch.split(owners, [u.numel() for u in uniques]), prepared, strict=True
+        ):
+            order = torch.argsort(owners_g, stable=True)
+            position = torch.empty_like(order)
+            position[order] = torch.arange(order.numel(), device=self.device)
+            counts = torch.bincount(owners_g, minlength=self.world_size).tolist()
+            requests.append(_Request(inverse, offsets, weights, order, position, counts))
+
+        owned, error = self._serve(route, training)
+        try:
+            replies = [self._reply(gi, o, error) for gi, o in enumerate(owned)]
+            if not training:
+                self._unlock(owned)
+            got = [
+                self._comm.reply(r, o.counts, q.counts, error, "the forward's rows")
+                for r, o, q in zip(replies, owned, requests, strict=True)
+            ]
+        except BaseException:
+            self._unlock(owned)  # an owner failed: this forward holds no slot
+            raise
+        batch = _Batch([o.resolved for o in owned]) if training else None
+        if batch is not None:
+            self._inflight.append(batch)
+        step = _Step(features.stride(), requests, owned, batch)
+        return self._pool(step, got), step
+
+    def _no_ids(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def _serve(self, route: _Route, lock: bool) -> tuple[list[_Owned], Exception | None]:
+        """Resolve the received ids in this rank's caches (the owner's side of a forward)."""
+        W = self.world_size
+        recv_ids = route.recv_ids
+        source = torch.repeat_interleave(
+            torch.arange(W, device=self.device), torch.tensor(route.recv_counts, device=self.device)
+        )
+        groups = self._table_group[recv_ids >> self.fusion_k]
+        owned = []
+        for gi in range(len(self._groups)):
+            mine = groups == gi
+            counts = torch.bincount(source[mine], minlength=W).tolist()
+            owned.append(_Owned(recv_ids[mine], counts))
+        try:
+            for group, o in zip(self._groups, owned, strict=True):
+                if _one_source(o.counts):  # one requester's unique ids: distinct, ascending
+                    unique, inverse = o.ids, torch.arange(o.ids.numel(), device=self.device)
+                else:
+                    unique, inverse, _ = dedup(o.ids)
+                slots = group.cache.resolve(unique, lock=lock)
+                o.resolved = _Resolved(unique, inverse, slots, self._no_ids(), None, lock)
+        except Exception as e:
+            self._unlock(owned)
+            return owned, e
+        return owned, None
+
+    def _reply(self, gi: int, o: _Owned, error: BaseException | None) -> torch.Tensor:
+        cache = self._groups[gi].cache
+        if error is not None:
+            return _with_status(None, self._no_ids(), o.counts, cache.dim)
+        with cache.lock:
+            return _with_status(
+                cache.rows, o.resolved.slots[o.resolved.inverse], o.counts, cache.dim
+            )
+
+    def _unlock(self, owned: list[_Owned]) -> None:
+        for group, o in zip(self._groups, owned, strict=True):
+            if o.resolved is not None and o.resolved.locked:
+                group.cache.unlock(o.resolved.slots)
+                o.resolved.locked = False
+            group.cache.release()
+
+    def _pool(self, step: _Step, got: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Pool this rank's bags straight from the buffers its owners sent (one per cache)."""
+        B = step.batch_size
+        out = torch.empty(B, self._num_columns, device=self.device)
+        for gi, (group, req, (rows, data)) in enumerate(
+            zip(self._groups, step.requests, got, strict=True)
+        ):
+            slots = data[req.position]  # where each unique id's row landed in `rows`
+            for lk, (inverse, offsets, weights, cols) in zip(
+                group.lookups, self._bags(gi, req, B), strict=True
+            ):
+                req.argmaxes.append(
+                    pool_forward(
+                        rows, group.dim, slots, inverse, offsets, weights, lk.mode, out, B, cols
+                    )
+                )
+        return out
+
+    def _bags(self, gi: int, req: _Request, B: int):
+        """Per lookup (pooling mode) of a cache: its values' inverse, rebased offsets, weights
+        and output columns."""
+        group, cols = self._groups[gi], self._feature_cols[gi]
+        if len(group.lookups) == 1:
+            return [(req.inverse, req.offsets, req.weights, cols)]
+        cut = [lk.feature_lo * B for lk in group.lookups] + [req.offsets.numel() - 1]
+        bounds = req.offsets[cut].tolist()
+        bags = []
+        for i, lk in enumerate(group.lookups):
+            lo, hi = bounds[i], bounds[i + 1]
+            offsets = req.offsets[lk.feature_lo * B : lk.feature_hi * B + 1] - lo
+            weights = None if req.weights is None else req.weights[lo:hi]
+            bags.append((req.inverse[lo:hi], offsets, weights, cols[lk.feature_lo : lk.feature_hi]))
+        return bags
+
+    def _backward(self, step: _Step, grad_out: torch.Tensor) -> None:
+        """Gradient rows per unique id -> their owners, who sum them and record the trace."""
+        B = step.batch_size
+        grad_out = grad_out.to(torch.float32).contiguous()
+        received = []
+        for gi, (group, req, o) in enumerate(
+            zip(self._groups, step.requests, step.owned, strict=True)
+        ):
+            grad = torch.zeros(req.order.numel(), group.dim, device=self.device)
+            for lk, (inverse, offsets, weights, cols), argmax in zip(
+                group.lookups, self._bags(gi, req, B), req.argmaxes, strict=True
+            ):
+                grad += pool_backward(
+                    grad_out, group.dim, inverse, grad.shape[0], offsets, weights, lk.mode, B,
+                    cols, argmax,
+                )  # fmt: skip
+            received.append(
+                self._comm.exchange(grad[req.order], req.counts, o.counts, "the gradients")
+            )
+        # Every exchange first: an error below (a NaN refused by update_in_backward) must not
+        # leave a peer waiting in one.
+        summed = [
+            grads if _one_source(o.counts) else aggregate_grads(o.ids, grads)[1]
+            for o, grads in zip(step.owned, received, strict=True)
+        ]
+        self._on_backward(step.batch, summed)
+
+    # ------------------------------------------------------------------------------------------
+    # whole tables (collective reads, local writes), statistics
+
+    def _owned_ids(self, table: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids in [lo, hi), their owners)`` of a table."""
+        ids = torch.arange(lo, hi)
+        fused = ids | (self._table_index[table] << self.fusion_k)
+        return ids, owner_of(fused, self.world_size)
+
+    def table_rows(self, table: str, chunk_rows: int = 1 << 16) -> torch.Tensor:
+        """Every row ``[num_embeddings, dim + state_dim]`` of a table, gathered from the owners
+        to every rank (collective). CPU float32."""
+        self._group_of(table).cache.flush()
+        spec = self.store.table_spec(table)
+        out = torch.empty(spec.num_embeddings, spec.row_width)
+        W = self.world_size
+        for lo in range(0, spec.num_embeddings, chunk_rows):
+            ids, owners = self._owned_ids(table, lo, min(lo + chunk_rows, spec.num_embeddings))
+            counts = torch.bincount(owners, minlength=W)
+            mine = self.store.get(table, ids[owners == self.rank])
+            padded = torch.zeros(int(counts.max()), spec.row_width)
+            padded[: mine.shape[0]] = mine
+            parts = [torch.empty_like(padded, device=self._comm.device) for _ in range(W)]
+            self._comm._run(
+                f"all_gather of table_rows({table!r})",
+                lambda parts=parts, padded=padded: dist.all_gather(
+                    parts, padded.to(self._comm.device), group=self._comm.group
+                ),
+            )
+            rows = torch.cat([p[:c].cpu() for p, c in zip(parts, counts.tolist(), strict=True)])
+            out[ids[torch.argsort(owners, stable=True)]] = rows
+        return out
+
+    def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
+        """Overwrite ``columns`` of the rows this rank owns (``rows`` holds every row of the
+        table, as on every rank); empties the table's cache. Not a collective."""
+        if self._inflight or self._trace:
+            raise RuntimeError("cannot overwrite tables while a batch is in flight")
+        self._group_of(table).cache.invalidate()
+        self._generation += 1
+        n = self.store.table_spec(table).num_embeddings
+        rows = rows.detach().to(torch.float32).cpu()
+        chunk = 1 << 16
+        for lo in range(0, n, chunk):
+            ids, owners = self._owned_ids(table, lo, min(lo + chunk, n))
+            mine = ids[owners == self.rank]
+            current = self.store.get(table, mine)
+            current[:, columns] = rows[mine]
+            self.store.put(table, mine, current)
+
+    def issue_fused_prefetch(self, features: KeyedJaggedTensor):
+        raise NotImplementedError("ShardedEmbeddingBagCollection does not prefetch (yet)")
+
+    def set_fused_prefetch_handle(self, handle) -> None:
+        raise NotImplementedError("ShardedEmbeddingBagCollection does not prefetch (yet)")
+
+    def cache_stats(self, all_ranks: bool = False) -> dict[str, float]:
+        """This rank's cache counters (hits/misses count the unique ids it was asked for as
+        owner); ``all_ranks=True`` sums them over the ranks (a collective)."""
+        stats = super().cache_stats()
+        if all_ranks:
+            keys = ("hits", "misses", "evictions", "writebacks")
+            total = torch.tensor([stats[k] for k in keys], device=self._comm.device)
+            self._comm._run(
+                "all_reduce of cache_stats", lambda: dist.all_reduce(total, group=self._comm.group)
+            )
+            stats = dict(zip(keys, (int(v) for v in total.tolist()), strict=True))
+            looked_up = stats["hits"] + stats["misses"]
+            stats["hit_rate"] = stats["hits"] / looked_up if looked_up else 0.0
+        return stats
+
+    def comm_stats(self) -> dict[str, int]:
+        """all_to_alls made and bytes this rank sent (``bytes_to_peers``: excluding the chunk
+        to itself) since creation or `reset_comm_stats`."""
+        return self._comm.stats()
+
+    def reset_comm_stats(self) -> None:
+        self._comm.reset_stats()
+
+
+class _ShardedLookup(torch.autograd.Function):
+    """The exchanges and the pooling of one forward; backward sends the gradient rows to their
+    owners. One function for all caches, so that a backward makes its exchanges in one place,
+    in cache order, on every rank."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, features):
+        out, ctx.step = module._lookup(features, training=True)
+        ctx.module = module
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.module._backward(ctx.step, grad_out)
+        return None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# the KV client
+# ----------------------------------------------------------------------------------------------
+
+
+class ShardedKVClient:
+    """`KVClient`'s calls over rows sharded across ranks; every call is a collective.
+
+    Each rank keeps the rows it owns (``kv_owner_of``) in a local `KVClient`; ``pull``,
+    ``push`` and ``update_async`` send each id to its owner by all_to_all. Every rank calls each
+    method in the same order with its own ids (possibly none).
+
+    Semantics across ranks: ``pull`` sees every earlier call of every rank. ``push`` of the same
+    id by several ranks keeps the highest rank's row. ``update_async`` returns once its deltas
+    have reached their owners, which add them (duplicates summed, over ranks too) on their worker
+    threads in call order, so any later call sees them; ``wait(handle)`` waits for this rank's
+    share (the rows it owns), ``flush()`` for every rank's.
+
+    Args:
+        store: this rank's tier (a `Store`, a URL or None for an in-process `HostKV`).
+        process_group: the ranks sharing the tensors (None: the default group).
+    """
+
+    def __init__(self, store: Store | str | None = None, process_group=None) -> None:
+        self._comm = _Comm(process_group)
+        self.rank, self.world_size = self._comm.rank, self._comm.world_size
+        self.local = KVClient(store)
+        self._names: dict[int, str] = {}
+
+    def _owners(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return kv_owner_of(name, ids, self.world_size)
+
+    def _ids(self, name: str, ids) -> torch.Tensor:
+        """Checked CPU int64 ids; an empty list (a rank with nothing to ask) is fine."""
+        ids = torch.as_tensor(ids)
+        return self.local._ids(name, ids.long() if ids.numel() == 0 else ids)
+
+    def init_data(
+        self,
+        name: str,
+        shape: tuple[int, int],
+        dtype: torch.dtype = torch.float32,
+        init_func: InitFunc | None = None,
+    ) -> None:
+        """Declare a tensor on every rank (collective). ``init_func`` runs on rank 0 only, and
+        its rows are sent to their owners, so it need not be deterministic across ranks."""
+        error, initial = None, None
+        fresh = name not in self.local._tensors
+        try:
+            self.local.init_data(name, shape, dtype)
+            if init_func is not None and fresh and self.rank == 0:
+                initial = init_func(self.local.shape(name), dtype)
+                if tuple(initial.shape) != self.local.shape(name):
+                    raise ValueError(
+                        f"tensor {name!r}: init_func returned shape {tuple(initial.shape)}, "
+                        f"expected {self.local.shape(name)}"
+                    )
+        except Exception as e:
+            error = e
+        self._names[table_hash(name)] = name
+        wants_init = int(init_func is not None and fresh)
+        flags = self._comm.header(
+            torch.full((self.world_size,), wants_init), _OP_INIT, table_hash(name), error,
+            self._names,
+        )  # fmt: skip
+        if len(set(flags)) != 1:
+            raise RuntimeError(
+                f"rank {self.rank}: init_data({name!r}) needs the same arguments on every rank; "
+                f"ranks {[r for r, f in enumerate(flags) if f]} (only) would initialise it from "
+                f"an init_func"
+            )
+        if not wants_init:
+            return
+        rows = self.local.shape(name)[0]
+        ids = torch.arange(rows) if self.rank == 0 else torch.empty(0, dtype=torch.int64)
+        values = initial.float().cpu() if self.rank == 0 else None
+        self._send(_OP_INIT, name, ids, values, lambda i, v: self.local.push(name, i, v))
+
+    def _send(self, op: int, name: str, ids, values, apply, error=None):
+        """Route ``ids`` and their ``values`` rows to the owners, who call ``apply``."""
+        if error is not None:
+            ids, values = torch.empty(0, dtype=torch.int64), None
+        dim = self.local.shape(name)[1] if error is None else 0
+        route = self._comm.route(
+            ids, self._owners(name, ids), op, table_hash(name), error, self._names
+        )
+        if values is None:
+            values = torch.empty(0, dim)
+        got = self._comm.exchange(
+            values[route.order], route.send_counts, route.recv_counts, f"{_OP_NAMES[op]}'s rows"
+        )
+        return apply(route.recv_ids, got)
+
+    def pull(self, name: str, ids) -> torch.Tensor:
+        """Rows ``[n, dim]`` of ``ids`` (any shape, flattened; duplicates allowed)."""
+        error = None
+        try:
+            ids = self._ids(name, ids)
+        except Exception as e:
+            error, ids = e, torch.empty(0, dtype=torch.int64)
+        unique, inverse, _ = dedup(ids)
+        self._names[table_hash(name)] = name
+        route = self._comm.route(
+            unique, self._owners(name, unique), _OP_PULL, table_hash(name), error, self._names
+        )
+        served, failure = None, None
+        try:
+            served = self.local.pull(name, route.recv_ids).to(torch.float32)
+        except Exception as e:
+            failure = e
+        dim = self.local.shape(name)[1]
+        reply = _with_status(served, torch.arange(route.recv_ids.numel()), route.recv_counts, dim)
+        got, data = self._comm.reply(
+            reply, route.recv_counts, route.send_counts, failure, f"pull({name!r})"
+        )
+        rows = torch.empty(unique.numel(), dim)
+        rows[route.order] = got[data]
+        return rows[inverse].to(self.local._meta(name).dtype)
+
+    def push(self, name: str, ids, rows) -> None:
+        """Overwrite rows; a rank's ids must be distinct (several ranks: the highest rank's row
+        wins)."""
+        error = None
+        try:
+            ids = self._ids(name, ids)
+            rows = self.local._rows(name, ids, rows, "rows")
+            if torch.unique(ids).numel() != ids.numel():
+                raise ValueError(f"tensor {name!r}: push got duplicate ids")
+        except Exception as e:
+            error = e
+
+        def apply(recv_ids: torch.Tensor, recv_rows: torch.Tensor) -> None:
+            unique, inverse = torch.unique(recv_ids, return_inverse=True)
+            last = torch.full_like(unique, -1).scatter_reduce_(
+                0, inverse, torch.arange(recv_ids.numel()), "amax"
+            )
+            self.local.push(name, unique, recv_rows[last])
+
+        self._names[table_hash(name)] = name
+        self._send(_OP_PUSH, name, ids, rows, apply, error)
+
+    def update_async(self, name: str, ids, grads) -> KVHandle:
+        """Add ``grads`` to the rows of ``ids`` at their owners (see the class docstring)."""
+        error = None
+        try:
+            ids = self._ids(name, ids)
+            grads = self.local._rows(name, ids, grads, "grads")
+            if not bool(torch.isfinite(grads).all()):
+                raise ValueError(f"tensor {name!r}: update_async got NaN or Inf values")
+        except Exception as e:
+            error = e
+        self._names[table_hash(name)] = name
+        return self._send(
+            _OP_UPDATE, name, ids, grads, lambda i, g: self.local.update_async(name, i, g), error
+        )
+
+    def wait(self, handle: KVHandle) -> None:
+        """Block until this rank has applied its share of an `update_async`."""
+        self.local.wait(handle)
+
+    def prefetch(self, name: str, ids) -> KVHandle:
+        """`pull` now (it is a collective); `wait_and_get` returns the rows."""
+        future: Future = Future()
+        future.set_result(self.pull(name, ids))
+        return KVHandle(future)
+
+    def wait_and_get(self, handle: KVHandle) -> torch.Tensor:
+        return self.local.wait_and_get(handle)
+
+    def flush(self) -> None:
+        """Block until every rank has applied every operation submitted so far (collective)."""
+        self.local.flush()
+        self._comm._run("barrier of flush", lambda: dist.barrier(group=self._comm.group))
+
+    def shape(self, name: str) -> tuple[int, int]:
+        return self.local.shape(name)
+
+    def comm_stats(self) -> dict[str, int]:
+        return self._comm.stats()
+
+    def close(self) -> None:
+        self.local.close()

@@ -1,0 +1,160 @@
+"""DLRM over the cached collection: shapes, interaction, learning, and cache-size invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchmetrics.functional import auroc
+
+import embcache
+from embcache.models.dlrm import (
+    DLRM,
+    SPARSE_OPTIMIZERS,
+    dot_interaction,
+    make_dense_optimizer,
+    make_sparse_optimizer,
+    roc_auc,
+    train,
+)
+from embcache.models.synthetic import SyntheticConfig, SyntheticCriteo
+
+DIM = 8
+# (sparse, dense) learning rates that learn visibly within 30 steps of 128 samples.
+FAST_LR = {
+    "sgd": (5.0, 0.5),
+    "adagrad": (0.05, 0.01),
+    "rowwise_adagrad": (0.05, 0.01),
+    "adam": (0.02, 0.01),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: one CPU thread is faster than two spin-waiting on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data() -> SyntheticCriteo:
+    return SyntheticCriteo(SyntheticConfig(scale=0.001, batch_size=128, seed=1))
+
+
+def _model(data: SyntheticCriteo, device: torch.device, **cache_kw) -> DLRM:
+    return DLRM(
+        data.tables(DIM),
+        cache=embcache.CacheConfig(**cache_kw) if cache_kw else None,
+        device=device,
+        bottom_mlp=(16, DIM),
+        top_mlp=(16,),
+        seed=7,
+    )
+
+
+def _losses(
+    data: SyntheticCriteo, device: torch.device, steps: int, optimizer: str = "adagrad", **cache_kw
+) -> list[float]:
+    model = _model(data, device, **cache_kw)
+    sparse = make_sparse_optimizer(optimizer, model.sparse_arch, lr=0.05)
+    dense = make_dense_optimizer(optimizer, model.dense_parameters(), lr=0.01)
+    losses = []
+    for i in range(steps):
+        batch = data.batch(i).to(device)
+        loss = model.loss(model(batch.dense_features, batch.sparse_features), batch.labels)
+        loss.backward()
+        sparse.step()
+        dense.step()
+        dense.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_forward_shapes(data: SyntheticCriteo, device: torch.device) -> None:
+    model = _model(data, device)
+    batch = data.batch(0).to(device)
+    logits = model(batch.dense_features, batch.sparse_features)
+    assert logits.shape == (128,)
+    assert logits.device.type == device.type
+    assert bool(torch.isfinite(logits).all())
+    loss = model.loss(logits, batch.labels)
+    assert loss.shape == ()
+    loss.backward()
+    assert all(p.grad is not None for p in model.dense_parameters())
+    assert model.num_sparse == 26
+    # bottom: 13 -> 16 -> 8; top input: 8 + 27 * 26 / 2 = 359.
+    assert model.top_mlp[0].in_features == DIM + 27 * 26 // 2
+
+
+def test_dot_interaction_matches_loops() -> None:
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    sparse = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    out = dot_interaction(dense, sparse)
+    assert out.shape == (3, 5 + 10)
+    vectors = [dense, *sparse.unbind(1)]
+    expected = [dense] + [
+        (vectors[i] * vectors[j]).sum(1, keepdim=True) for i in range(5) for j in range(i + 1, 5)
+    ]
+    torch.testing.assert_close(out, torch.cat(expected, dim=1))
+
+
+@pytest.mark.parametrize("optimizer", list(SPARSE_OPTIMIZERS))
+def test_training_reduces_loss(data: SyntheticCriteo, device: torch.device, optimizer: str) -> None:
+    lr, dense_lr = FAST_LR[optimizer]
+    model = _model(data, device, load_factor=0.2)
+    sparse = make_sparse_optimizer(optimizer, model.sparse_arch, lr=lr)
+    dense = make_dense_optimizer(optimizer, model.dense_parameters(), lr=dense_lr)
+    losses = []
+    for i in range(30):
+        batch = data.batch(i).to(device)
+        loss = model.loss(model(batch.dense_features, batch.sparse_features), batch.labels)
+        loss.backward()
+        sparse.step()
+        dense.step()
+        dense.zero_grad()
+        losses.append(loss.item())
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.03, (optimizer, first, last)
+
+
+def test_cache_size_changes_nothing(data: SyntheticCriteo, device: torch.device) -> None:
+    small = _losses(data, device, 12, load_factor=0.1)
+    whole = _losses(data, device, 12, load_factor=1.0)
+    assert small == whole
+
+
+def test_prefetch_changes_nothing(data: SyntheticCriteo, device: torch.device) -> None:
+    runs = []
+    for prefetch in (False, True):
+        model = _model(data, device, load_factor=0.1, policy="lfu")
+        sparse = make_sparse_optimizer("rowwise_adagrad", model.sparse_arch, lr=0.05)
+        dense = make_dense_optimizer("rowwise_adagrad", model.dense_parameters(), lr=0.01)
+        runs.append(train(model, data, sparse, dense, 8, prefetch=prefetch, progress=False))
+    assert runs[0].losses == runs[1].losses
+    assert runs[1].io_stats is not None and runs[1].io_stats["rows_read"] > 0
+
+
+def test_bottom_mlp_must_end_in_dim(data: SyntheticCriteo) -> None:
+    with pytest.raises(ValueError, match="bottom MLP must end in the embedding dim 8"):
+        DLRM(data.tables(DIM), bottom_mlp=(16, 4))
+
+
+def test_unknown_optimizer(data: SyntheticCriteo) -> None:
+    model = _model(data, torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown sparse optimizer 'lamb'"):
+        make_sparse_optimizer("lamb", model.sparse_arch, lr=0.1)
+
+
+@pytest.mark.parametrize("n", [2, 7, 500], ids=lambda n: f"n{n}")
+def test_roc_auc_matches_torchmetrics(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    labels = torch.arange(n) % 2
+    scores = torch.randint(0, 5, (n,), generator=gen).float()  # many ties
+    expected = float(auroc(scores, labels, task="binary"))
+    assert roc_auc(scores, labels.float()) == pytest.approx(expected, abs=1e-6)
+
+
+def test_roc_auc_one_class_is_nan() -> None:
+    assert roc_auc(torch.rand(4), torch.zeros(4)) != roc_auc(torch.rand(4), torch.zeros(4))

@@ -1,0 +1,159 @@
+"""`embcache train` and `embcache bench`, run in-process through `main`."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from embcache.cli import available_benchmarks, main
+from embcache.models.dlrm import DLRM
+from embcache.models.synthetic import SyntheticConfig, SyntheticCriteo
+
+TINY = [
+    "train",
+    "--scale", "0.0005",
+    "--steps", "6",
+    "--batch-size", "64",
+    "--dim", "8",
+    "--eval-batches", "2",
+    "--no-progress",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """`embcache train` sets torch's thread count (--threads); restore it for other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _exit_code(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code
+
+
+def test_train_prints_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(TINY) == 0
+    out = capsys.readouterr().out
+    assert "embcache train: summary" in out
+    for key in ("loss", "held-out", "AUC", "hit rate", "evictions", "tier traffic", "samples/s"):
+        assert key in out, key
+    assert "(first 10% of steps) ->" in out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--optimizer", "sgd", "--policy", "lfu", "--no-prefetch"],
+        ["--optimizer", "adam", "--cache-capacity", "1", "--eval-batches", "0"],
+    ],
+    ids=["sgd-lfu-noprefetch", "adam-capacity1"],
+)
+def test_train_variants(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TINY, *extra]) == 0
+    assert "embcache train: summary" in capsys.readouterr().out
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    png = tmp_path / "curves.png"
+    assert main([*TINY, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checkpoint_loads(tmp_path: Path) -> None:
+    path = tmp_path / "dlrm.pt"
+    assert main([*TINY, "--checkpoint", str(path)]) == 0
+    state = torch.load(path, weights_only=True)
+    assert set(state) == {"model", "dense_optimizer", "sparse_optimizer", "args"}
+    weight = state["model"]["sparse_arch.embedding_bags.t_cat_2.weight"]
+    assert weight.shape == (max(1, -(-10131227 * 5 // 10000)), 8)
+    assert state["sparse_optimizer"]["rule"] == "ADAGRAD"
+    assert state["args"]["steps"] == 6
+    assert [p.name for p in tmp_path.iterdir()] == ["dlrm.pt"]  # no temporary file left
+    # The model part loads back into a fresh DLRM of the same shape.
+    data = SyntheticCriteo(SyntheticConfig(scale=0.0005, batch_size=4))
+    model = DLRM(data.tables(8), bottom_mlp=(64, 8), top_mlp=(64, 32))
+    model.load_state_dict(state["model"])
+    assert torch.equal(model.state_dict()["sparse_arch.embedding_bags.t_cat_2.weight"], weight)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--optimizer", "lamb"], "invalid choice: 'lamb'"),
+        (["train", "--cache-capacity", "0"], "--cache-capacity must be >= 1"),
+        (["train", "--load-factor", "1.5"], "--load-factor must be in (0, 1]"),
+        (["train", "--cache-capacity", "5", "--load-factor", "0.5"], "not allowed with"),
+        (["train", "--scale", "0"], "--scale must be in (0, 1]"),
+        (["train", "--steps", "0"], "--steps must be >= 1"),
+        (["train", "--store", "memcached://x"], "--store: unknown store"),
+        (["bench", "nosuch"], "unknown benchmark(s) ['nosuch']"),
+        ([], "the following arguments are required"),
+    ],
+    ids=[
+        "optimizer",
+        "capacity0",
+        "load_factor",
+        "both_sizes",
+        "scale",
+        "steps",
+        "store_form",
+        "bench_name",
+        "no_command",
+    ],
+)
+def test_bad_options_exit_2(argv, message, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_redis_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{_closed_port()}/0"
+    assert _exit_code([*TINY, "--store", url]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert url in lines[0] and lines[0].startswith("embcache train: error:")
+    assert "Traceback" not in err
+
+
+def test_help_mentions_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--scale", "--dim", "--cache-capacity", "--load-factor", "--policy", "--optimizer",
+        "--lr", "--dense-lr", "--store", "--steps", "--batch-size", "--zipf", "--seed",
+        "--checkpoint", "--device", "--plot", "--prefetch", "--eval-batches", "--threads",
+    ):  # fmt: skip
+        assert flag in out, flag
+
+
+def test_bench_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    names = [line.split()[0] for line in out.strip().splitlines()]
+    assert names == sorted(available_benchmarks())
+    assert {"cache_index", "e2e"} <= set(names)
+
+
+def test_train_on_redis(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.kv.redis_servers import running_server
+
+    with running_server(tmp_path) as server:
+        url = f"{server.url}?namespace=cli_test"
+        assert main([*TINY, "--store", url]) == 0
+        out = capsys.readouterr().out
+        assert f"store {url}" in out
+        assert "tier traffic" in out
+        assert len(server.client().keys("cli_test:meta:*")) == 26
