@@ -91,6 +91,7 @@ def save(
     model: nn.Module,
     optimizers: Sequence[Any] = (),
     chunk_rows: int = 1 << 16,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of ``model`` (and ``optimizers``) into directory ``path``.
 
@@ -100,6 +101,8 @@ def save(
         optimizers: embcache sparse optimizers and/or torch optimizers, in a fixed order that
             `load` receives again.
         chunk_rows: rows per table chunk file (bounds the memory a save needs).
+        extra: JSON-serialisable facts to keep with the checkpoint (e.g. steps done); `load`
+            returns them.
 
     Returns:
         The snapshot directory written.
@@ -117,7 +120,12 @@ def save(
         shutil.rmtree(tmp)
     (tmp / "tables").mkdir(parents=True)
 
-    manifest: dict[str, Any] = {"version": FORMAT_VERSION, "tables": [], "optimizers": []}
+    manifest: dict[str, Any] = {
+        "version": FORMAT_VERSION,
+        "tables": [],
+        "optimizers": [],
+        "extra": extra or {},
+    }
     for m_index, (m_name, coll) in enumerate(_collections(model)):
         coll.flush()
         for t in coll.tables:
@@ -181,8 +189,11 @@ def latest_snapshot(path: str | os.PathLike) -> Path:
     return snap
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizers: Sequence[Any] = ()) -> None:
-    """Restore a checkpoint written by `save` into ``model`` and ``optimizers``.
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizers: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """Restore a checkpoint written by `save` into ``model`` and ``optimizers``; returns the
+    ``extra`` dict given to `save`.
 
     The optimizers must be constructed (attached to the model) before loading, in the order
     given to `save`. Tables are matched by module path and name and must have the same dims.
@@ -255,3 +266,4 @@ def load(path: str | os.PathLike, model: nn.Module, optimizers: Sequence[Any] = 
             opt.load_hyper_state_dict(state)
         else:
             opt.load_state_dict(state)
+    return manifest.get("extra", {})

@@ -3,7 +3,8 @@ cache) and ``embcache bench`` (the scripts in ``benchmarks/``).
 
     embcache train                                  # ~1 minute on a 2-core CPU
     embcache train --load-factor 0.05 --policy lfu --optimizer rowwise_adagrad --plot run.png
-    embcache train --store redis://127.0.0.1:6379/0 --checkpoint dlrm.pt
+    embcache train --store redis://127.0.0.1:6379/0 --checkpoint ckpt/
+    embcache train --resume ckpt/ --steps 200
     embcache bench --list
     embcache bench e2e --quick
 """
@@ -13,10 +14,8 @@ from __future__ import annotations
 import argparse
 import ast
 import math
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 
 from embcache.cache.config import CacheConfig
+from embcache.checkpoint import load as embcache_load
+from embcache.checkpoint import save as embcache_save
 from embcache.kv.base import Store
 from embcache.kv.url import open_store
 from embcache.models.dlrm import (
@@ -181,9 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         type=Path,
         default=None,
-        metavar="PATH",
-        help="at the end, save {model, dense_optimizer, sparse_optimizer, args} with torch.save "
-        "(written to a temporary file, then renamed)",
+        metavar="DIR",
+        help="at the end, save every table row (weights and optimizer state), both optimizers "
+        "and the MLPs into this directory with embcache.save: streamed, fsynced and switched "
+        "atomically, so a crash mid-save keeps the previous checkpoint",
+    )
+    run.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="before training, load a checkpoint written by --checkpoint with the same model "
+        "options (tables, dim, optimizer)",
     )
     run.add_argument(
         "--plot",
@@ -269,6 +279,7 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: torch sees no CUDA device here; use --device cpu")
     for flag, path in (("--checkpoint", args.checkpoint), ("--plot", args.plot)):
+        # --checkpoint is a directory created if missing; its parent must exist.
         if path is not None and not path.resolve().parent.is_dir():
             fail(f"{flag} {path}: directory {path.resolve().parent} does not exist")
 
@@ -321,14 +332,28 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     try:
         sparse_opt = make_sparse_optimizer(args.optimizer, model.sparse_arch, lr)
         dense_opt = make_dense_optimizer(args.optimizer, model.dense_parameters(), dense_lr)
+        first_step = 0
+        if args.resume is not None:
+            try:
+                extra = embcache_load(args.resume, model, [sparse_opt, dense_opt])
+            except (FileNotFoundError, ValueError) as err:
+                parser.exit(2, f"{parser.prog}: error: --resume {args.resume}: {err}\n")
+            first_step = int(extra.get("steps_done", 0))
         result = train(
-            model, data, sparse_opt, dense_opt, args.steps, args.prefetch, not args.no_progress
+            model,
+            data,
+            sparse_opt,
+            dense_opt,
+            args.steps,
+            args.prefetch,
+            not args.no_progress,
+            first_step=first_step,
         )
         if args.eval_batches:
             result.eval = evaluate(model, data, args.eval_batches)
         model.sparse_arch.flush()
         if args.checkpoint is not None:
-            save_checkpoint(args.checkpoint, model, dense_opt, sparse_opt, args)
+            save_checkpoint(args.checkpoint, model, dense_opt, sparse_opt, first_step + args.steps)
         if args.plot is not None:
             write_plot(result, args.plot)
     except ConnectionError as err:  # the tier went away mid-run (TierUnavailableError)
@@ -341,28 +366,11 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def save_checkpoint(
-    path: Path, model: DLRM, dense_opt: torch.optim.Optimizer, sparse_opt: Any, args: Any
+    path: Path, model: DLRM, dense_opt: Any, sparse_opt: Any, steps_done: int
 ) -> None:
-    """``torch.save`` of model, both optimizers and the run's options; written to a temporary
-    file beside ``path`` and renamed, so ``path`` is never a half-written checkpoint."""
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    options.pop("func", None)
-    options.pop("parser", None)
-    state = {
-        "model": model.state_dict(),
-        "dense_optimizer": dense_opt.state_dict(),
-        "sparse_optimizer": sparse_opt.state_dict(),
-        "args": options,
-    }
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`embcache.save` of the model with both optimizers (sparse first) and the number of
+    training batches consumed, so `--resume` continues with the next one."""
+    embcache_save(path, model, [sparse_opt, dense_opt], extra={"steps_done": steps_done})
 
 
 def write_plot(result: TrainResult, path: Path) -> None:

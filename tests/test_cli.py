@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import embcache
+from embcache.checkpoint import latest_snapshot
 from embcache.cli import available_benchmarks, main
-from embcache.models.dlrm import DLRM
+from embcache.models.dlrm import DLRM, make_dense_optimizer, make_sparse_optimizer
 from embcache.models.synthetic import SyntheticConfig, SyntheticCriteo
 
 TINY = [
@@ -65,21 +67,44 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_checkpoint_loads(tmp_path: Path) -> None:
-    path = tmp_path / "dlrm.pt"
-    assert main([*TINY, "--checkpoint", str(path)]) == 0
-    state = torch.load(path, weights_only=True)
-    assert set(state) == {"model", "dense_optimizer", "sparse_optimizer", "args"}
-    weight = state["model"]["sparse_arch.embedding_bags.t_cat_2.weight"]
-    assert weight.shape == (max(1, -(-10131227 * 5 // 10000)), 8)
-    assert state["sparse_optimizer"]["rule"] == "ADAGRAD"
-    assert state["args"]["steps"] == 6
-    assert [p.name for p in tmp_path.iterdir()] == ["dlrm.pt"]  # no temporary file left
-    # The model part loads back into a fresh DLRM of the same shape.
-    data = SyntheticCriteo(SyntheticConfig(scale=0.0005, batch_size=4))
-    model = DLRM(data.tables(8), bottom_mlp=(64, 8), top_mlp=(64, 32))
-    model.load_state_dict(state["model"])
-    assert torch.equal(model.state_dict()["sparse_arch.embedding_bags.t_cat_2.weight"], weight)
+def test_checkpoint_then_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "ckpt"
+    assert main([*TINY, "--checkpoint", str(ckpt)]) == 0
+    snapshot = latest_snapshot(ckpt)
+    assert (snapshot / "manifest.json").exists()
+    # It loads into a fresh DLRM with the same options, and training really changed it.
+    data = SyntheticCriteo(SyntheticConfig(scale=0.0005, batch_size=64))
+    fresh = DLRM(data.tables(8), bottom_mlp=(64, 8), top_mlp=(64, 32))
+    sparse = make_sparse_optimizer("adagrad", fresh.sparse_arch, 0.05)
+    dense = make_dense_optimizer("adagrad", fresh.dense_parameters(), 0.01)
+    untrained = fresh.state_dict()
+    embcache.load(ckpt, fresh, [sparse, dense])
+    loaded = fresh.state_dict()
+    assert loaded.keys() == untrained.keys()
+    assert any(not torch.equal(loaded[k], untrained[k]) for k in loaded)
+    # --resume continues from it: 6 + 6 steps equal 12 steps in one run.
+    capsys.readouterr()
+    assert main([*TINY, "--resume", str(ckpt), "--checkpoint", str(tmp_path / "b")]) == 0
+    twelve = [a if a != "6" else "12" for a in TINY]
+    assert main([*twelve, "--checkpoint", str(tmp_path / "c")]) == 0
+    resumed, straight = (DLRM(data.tables(8), bottom_mlp=(64, 8), top_mlp=(64, 32)) for _ in "bc")
+    for model, name in ((resumed, "b"), (straight, "c")):
+        opts = [
+            make_sparse_optimizer("adagrad", model.sparse_arch, 0.05),
+            make_dense_optimizer("adagrad", model.dense_parameters(), 0.01),
+        ]
+        embcache.load(tmp_path / name, model, opts)
+    for key, value in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def test_resume_from_nothing_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*TINY, "--resume", str(tmp_path)])
+    assert info.value.code == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

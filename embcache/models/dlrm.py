@@ -251,8 +251,10 @@ def train(
     steps: int,
     prefetch: bool,
     progress: bool = True,
+    first_step: int = 0,
 ) -> TrainResult:
-    """Train ``model`` on batches ``0 .. steps-1`` of ``data``'s training split."""
+    """Train ``model`` on batches ``first_step .. first_step + steps - 1`` of ``data``'s
+    training split."""
     from tqdm import tqdm
 
     from embcache.pipeline import TrainPipeline
@@ -295,7 +297,8 @@ def train(
             )
 
     start = time.perf_counter()
-    losses = pipe.run((data.batch(i).to(device) for i in range(steps)), on_step=on_step)
+    batches = (data.batch(first_step + i).to(device) for i in range(steps))
+    losses = pipe.run(batches, on_step=on_step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
