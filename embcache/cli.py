@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import math
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torchrec import KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
 
 from embcache.cache.config import CacheConfig
 from embcache.checkpoint import load as embcache_load
@@ -196,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         "options (tables, dim, optimizer)",
     )
     run.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="train on N local processes (gloo on CPU, NCCL with --device cuda): tables "
+        "sharded by row over the ranks, MLPs data-parallel (DistributedDataParallel), each rank "
+        "a slice of every global batch. Under torchrun (WORLD_SIZE set) the ranks come from it",
+    )
+    run.add_argument(
         "--plot",
         type=Path,
         default=None,
@@ -267,6 +278,13 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             fail(f"{flag} must be >= 1, got {value}")
     if args.threads < 0:
         fail(f"--threads must be >= 0, got {args.threads}")
+    if args.nproc < 1:
+        fail(f"--nproc must be >= 1, got {args.nproc}")
+    distributed = args.nproc > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed and (args.checkpoint is not None or args.resume is not None):
+        fail("--checkpoint and --resume are single-process for now (each rank holds its rows)")
+    if distributed and args.batch_size % max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):
+        fail(f"--batch-size {args.batch_size} must be a multiple of the number of ranks")
     if args.eval_batches < 0:
         fail(f"--eval-batches must be >= 0, got {args.eval_batches}")
     if args.seed < 0:
@@ -300,6 +318,17 @@ def _open_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> St
 
 def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_train_args(args, parser)
+    if args.nproc > 1:
+        return _spawn_ranks(args, parser)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        try:
+            _train_rank(dist.get_rank(), _plain(args))
+        finally:
+            dist.destroy_process_group()
+        return 0
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -363,6 +392,124 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             store.close()
     _print_summary(args, data, model, result, lr, dense_lr, time.perf_counter() - t_start)
     return 0
+
+
+def _plain(args: argparse.Namespace) -> dict[str, Any]:
+    """The options without the parser objects, to send to other processes."""
+    return {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
+
+
+def _spawn_ranks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from embcache.distributed.launch import SpawnError, spawn
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    try:
+        spawn(
+            _train_rank,
+            args.nproc,
+            backend=backend,
+            args=(_plain(args),),
+            timeout=120.0,
+            threads_per_rank=args.threads or None,
+        )
+    except SpawnError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        parser.exit(1, f"{parser.prog}: error: rank {err.rank} failed: {first}\n")
+    return 0
+
+
+class _RankData:
+    """Rank r of W reads rows ``[r*B/W, (r+1)*B/W)`` of every global batch of B samples."""
+
+    def __init__(self, data: SyntheticCriteo, rank: int, world: int) -> None:
+        self.data, self.rank, self.world = data, rank, world
+        self.config = data.config
+        self.rows = data.rows
+
+    def batch(self, i: int, split: str = "train") -> Batch:
+        full = self.data.batch(i, split=split)
+        per_rank = full.labels.numel() // self.world
+        lo, hi = self.rank * per_rank, (self.rank + 1) * per_rank
+        return Batch(
+            dense_features=full.dense_features[lo:hi],
+            sparse_features=_slice_kjt(full.sparse_features, lo, hi),
+            labels=full.labels[lo:hi],
+        )
+
+
+def _slice_kjt(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
+    """Samples ``[lo, hi)`` of every feature of a KJT."""
+    keys, batch = kjt.keys(), kjt.stride()
+    offsets = kjt.offsets().view(-1)
+    starts = offsets[:-1].view(len(keys), batch)[:, lo].tolist()
+    ends = offsets[1:].view(len(keys), batch)[:, hi - 1].tolist()
+    pieces = list(zip(starts, ends, strict=True))
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.cat([kjt.values()[a:b] for a, b in pieces]),
+        lengths=kjt.lengths().view(len(keys), batch)[:, lo:hi].reshape(-1),
+        weights=None if weights is None else torch.cat([weights[a:b] for a, b in pieces]),
+    )
+
+
+def _train_rank(rank: int, options: dict[str, Any]) -> None:
+    """One rank of a distributed run: sharded tables, DistributedDataParallel MLPs.
+
+    Embedding gradients are summed over ranks by their owners and dense ones averaged by DDP,
+    as torchrec's DistributedModelParallel does.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from embcache.distributed.sharded import ShardedEmbeddingBagCollection
+
+    args = argparse.Namespace(**options)
+    t_start = time.perf_counter()
+    world = dist.get_world_size()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    dense_lr = args.dense_lr if args.dense_lr is not None else DEFAULT_DENSE_LR[args.optimizer]
+    if args.cache_capacity is not None:
+        cache = CacheConfig(capacity=args.cache_capacity, policy=args.policy)
+    else:
+        cache = CacheConfig(load_factor=args.load_factor or DEFAULT_LOAD_FACTOR, policy=args.policy)
+    data = SyntheticCriteo(
+        SyntheticConfig(
+            scale=args.scale, batch_size=args.batch_size, zipf=args.zipf, seed=args.seed
+        )
+    )
+    model = DLRM(
+        data.tables(args.dim),
+        cache=cache,
+        store=None if args.store == "host" else args.store,
+        device=device,
+        bottom_mlp=(64, args.dim),
+        top_mlp=(64, 32),
+        seed=args.seed,
+        collection_cls=ShardedEmbeddingBagCollection,
+    )
+    ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
+    sparse_opt = make_sparse_optimizer(args.optimizer, model.sparse_arch, lr)
+    dense_opt = make_dense_optimizer(args.optimizer, model.dense_parameters(), dense_lr)
+    rank_data = _RankData(data, rank, world)
+    progress = rank == 0 and not args.no_progress
+    # Prefetch is not sharded yet: every rank resolves in its forward.
+    result = train(
+        model, rank_data, sparse_opt, dense_opt, args.steps, False, progress, wrapper=ddp
+    )
+    result.samples *= world
+    if args.eval_batches:
+        result.eval = evaluate(model, data, args.eval_batches)  # collective: same batches
+    model.sparse_arch.flush()
+    if args.plot is not None and rank == 0:
+        write_plot(result, args.plot)
+    if rank == 0:
+        args.prefetch = False
+        args.store = f"{args.store} (per rank), {world} ranks"
+        _print_summary(args, data, model, result, lr, dense_lr, time.perf_counter() - t_start)
 
 
 def save_checkpoint(

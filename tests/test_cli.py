@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -182,3 +183,32 @@ def test_train_on_redis(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert f"store {url}" in out
         assert "tier traffic" in out
         assert len(server.client().keys("cli_test:meta:*")) == 26
+
+
+def test_train_on_two_ranks(capfd: pytest.CaptureFixture[str]) -> None:
+    """--nproc 2: the tables sharded by row over two spawned ranks, the MLPs under DDP."""
+    steps = [a if a != "6" else "30" for a in TINY]
+    assert main([*steps, "--nproc", "2"]) == 0
+    out = capfd.readouterr().out
+    assert out.count("embcache train: summary") == 1, "rank 0 alone prints the summary"
+    assert "2 ranks" in out
+    found = re.search(r"loss\s+([\d.]+) \(first 10% of steps\) -> ([\d.]+)", out)
+    assert found, out
+    assert float(found[2]) < float(found[1]), "training on two ranks must lower the loss"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--nproc", "0"], "--nproc must be >= 1"),
+        (["--nproc", "2", "--checkpoint", "ck"], "single-process for now"),
+        (["--nproc", "3"], "multiple of the number of ranks"),
+    ],
+)
+def test_bad_distributed_options(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*TINY, *extra])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

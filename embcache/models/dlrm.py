@@ -144,6 +144,8 @@ class DLRM(nn.Module):
         bottom_mlp: layer sizes of the bottom MLP; the last must be D.
         top_mlp: hidden layer sizes of the top MLP (a final layer of size 1 is added).
         seed: seeds the MLP weights and the embedding rows' initialiser.
+        collection_cls: the collection class (e.g. ``ShardedEmbeddingBagCollection`` to shard
+            the tables by row over the ranks of torch.distributed).
         **collection_kwargs: any other `CachedEmbeddingBagCollection` argument.
 
     ``forward(dense [B, 13], sparse KJT) -> logits [B]``.
@@ -159,6 +161,7 @@ class DLRM(nn.Module):
         bottom_mlp: Sequence[int] = (64, 16),
         top_mlp: Sequence[int] = (64, 32),
         seed: int = 0,
+        collection_cls: type[CachedEmbeddingBagCollection] = CachedEmbeddingBagCollection,
         **collection_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -172,7 +175,7 @@ class DLRM(nn.Module):
                 f"the bottom MLP must end in the embedding dim {self.embedding_dim}, "
                 f"got sizes {list(bottom_mlp)}"
             )
-        self.sparse_arch = CachedEmbeddingBagCollection(
+        self.sparse_arch = collection_cls(
             tables, cache=cache, store=store, device=self.device, seed=seed, **collection_kwargs
         )
         self.num_sparse = len(self.sparse_arch.output_keys)
@@ -252,9 +255,10 @@ def train(
     prefetch: bool,
     progress: bool = True,
     first_step: int = 0,
+    wrapper: nn.Module | None = None,
 ) -> TrainResult:
     """Train ``model`` on batches ``first_step .. first_step + steps - 1`` of ``data``'s
-    training split."""
+    training split; forwards go through ``wrapper`` when given (DistributedDataParallel)."""
     from tqdm import tqdm
 
     from embcache.pipeline import TrainPipeline
@@ -269,11 +273,13 @@ def train(
     bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True, leave=True)
     model.train()
     pipe = TrainPipeline(
-        model,
+        wrapper if wrapper is not None else model,
         sparse_opt,
         dense_opt,
         features=lambda batch: batch.sparse_features,
-        loss=lambda m, batch: m.loss(m(batch.dense_features, batch.sparse_features), batch.labels),
+        loss=lambda m, batch: model.loss(
+            m(batch.dense_features, batch.sparse_features), batch.labels
+        ),
         prefetch=prefetch,
     )
     # Per-step hit rate: the lookups between two steps (with prefetch, the next batch's).
