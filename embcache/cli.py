@@ -330,21 +330,8 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             dist.destroy_process_group()
         return 0
     t_start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
-    dense_lr = args.dense_lr if args.dense_lr is not None else DEFAULT_DENSE_LR[args.optimizer]
-    if args.cache_capacity is not None:
-        cache = CacheConfig(capacity=args.cache_capacity, policy=args.policy)
-    else:
-        cache = CacheConfig(load_factor=args.load_factor or DEFAULT_LOAD_FACTOR, policy=args.policy)
-
-    data = SyntheticCriteo(
-        SyntheticConfig(
-            scale=args.scale, batch_size=args.batch_size, zipf=args.zipf, seed=args.seed
-        )
-    )
+    lr, dense_lr, cache, data = _settings(args)
     store = _open_store(args, parser)
     try:
         model = DLRM(
@@ -392,6 +379,24 @@ def _cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             store.close()
     _print_summary(args, data, model, result, lr, dense_lr, time.perf_counter() - t_start)
     return 0
+
+
+def _settings(
+    args: argparse.Namespace,
+) -> tuple[float, float, CacheConfig, SyntheticCriteo]:
+    """Learning rates, cache config and data set of a run (and torch's thread count)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    dense_lr = args.dense_lr if args.dense_lr is not None else DEFAULT_DENSE_LR[args.optimizer]
+    if args.cache_capacity is not None:
+        cache = CacheConfig(capacity=args.cache_capacity, policy=args.policy)
+    else:
+        cache = CacheConfig(load_factor=args.load_factor or DEFAULT_LOAD_FACTOR, policy=args.policy)
+    config = SyntheticConfig(
+        scale=args.scale, batch_size=args.batch_size, zipf=args.zipf, seed=args.seed
+    )
+    return lr, dense_lr, cache, SyntheticCriteo(config)
 
 
 def _plain(args: argparse.Namespace) -> dict[str, Any]:
@@ -467,20 +472,8 @@ def _train_rank(rank: int, options: dict[str, Any]) -> None:
     args = argparse.Namespace(**options)
     t_start = time.perf_counter()
     world = dist.get_world_size()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
-    dense_lr = args.dense_lr if args.dense_lr is not None else DEFAULT_DENSE_LR[args.optimizer]
-    if args.cache_capacity is not None:
-        cache = CacheConfig(capacity=args.cache_capacity, policy=args.policy)
-    else:
-        cache = CacheConfig(load_factor=args.load_factor or DEFAULT_LOAD_FACTOR, policy=args.policy)
-    data = SyntheticCriteo(
-        SyntheticConfig(
-            scale=args.scale, batch_size=args.batch_size, zipf=args.zipf, seed=args.seed
-        )
-    )
+    lr, dense_lr, cache, data = _settings(args)
     model = DLRM(
         data.tables(args.dim),
         cache=cache,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,11 +187,21 @@ def test_train_on_redis(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert len(server.client().keys("cli_test:meta:*")) == 26
 
 
-def test_train_on_two_ranks(capfd: pytest.CaptureFixture[str]) -> None:
-    """--nproc 2: the tables sharded by row over two spawned ranks, the MLPs under DDP."""
+def test_train_on_two_ranks() -> None:
+    """--nproc 2: the tables sharded by row over two spawned ranks, the MLPs under DDP.
+
+    Run as a command: the ranks print through the process that started them, which a test's
+    output capture does not see when an earlier test started the fork server.
+    """
     steps = [a if a != "6" else "30" for a in TINY]
-    assert main([*steps, "--nproc", "2"]) == 0
-    out = capfd.readouterr().out
+    done = subprocess.run(
+        [sys.executable, "-m", "embcache.cli", *steps, "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert out.count("embcache train: summary") == 1, "rank 0 alone prints the summary"
     assert "2 ranks" in out
     found = re.search(r"loss\s+([\d.]+) \(first 10% of steps\) -> ([\d.]+)", out)

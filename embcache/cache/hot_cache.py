@@ -160,6 +160,7 @@ class HotCache:
         return self.rows.shape[0] - self.num_slots
 
     def _allocate(self, scratch_rows: int) -> None:
+        self._filled = False  # direct mapping: every row loaded
         total = self.num_slots + scratch_rows
         self.rows = torch.zeros(total, self.width, dtype=torch.float32, device=self.device)
         self.slot_keys = torch.full((total,), -1, dtype=torch.int64, device=self.device)
@@ -210,9 +211,10 @@ class HotCache:
         return groups
 
     def _per_table(self, fn, groups: list) -> list:
-        """``fn(group)`` for each table group; concurrently when there are several, so a tier
-        with per-call latency (a network round trip) pays it about once, not once per table."""
-        if len(groups) <= 1:
+        """``fn(group)`` for each table group; concurrently when there are several and the
+        tier says its calls overlap (``parallel_io``: a network round trip each), so it pays
+        the latency about once, not once per table. In-process tiers run them in turn."""
+        if len(groups) <= 1 or not getattr(self.store, "parallel_io", False):
             return [fn(g) for g in groups]
         if self._io_pool is None:
             self._io_pool = ThreadPoolExecutor(
@@ -312,7 +314,22 @@ class HotCache:
                 self._commit(plan, lock)
             return plan.slots
 
+    def _prefill_direct(self, chunk_rows: int = 1 << 16) -> None:
+        """Direct mapping holds every row: read them all from the tier at once, in chunks,
+        instead of paying a tier call per batch for first touches over the whole run."""
+        for idx, spec in self._specs.items():
+            base = int(self._row_offset[idx])
+            for lo in range(0, spec.num_embeddings, chunk_rows):
+                raw = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
+                slots = (base + raw).to(self.device)
+                self._copy_in(slots, self.store.get(spec.name, raw))
+                self.slot_keys[slots] = (raw | (idx << self.fusion_k)).to(self.device)
+                self.dirty[slots] = False
+        self._filled = True
+
     def _plan_direct(self, ids: torch.Tensor) -> _Plan:
+        if not self._filled:
+            self._prefill_direct()
         slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
         miss = self.slot_keys[slots] < 0
         load_slots = slots[miss]
@@ -510,6 +527,7 @@ class HotCache:
             self.slot_keys.fill_(-1)
             self.scores.fill_(-1)
             self._scratch_used = 0
+            self._filled = False
 
     def set_state(self, state_dim: int, state_init: float) -> None:
         """Change the optimizer-state columns of every row (tier included), keeping weights.

@@ -116,6 +116,9 @@ class Store(Protocol):
     ``put`` returns, a later ``get`` sees the rows.
     """
 
+    # Optional attribute ``parallel_io: bool``: True when concurrent calls overlap their
+    # latency (a remote tier); the cache then issues its per-table calls concurrently.
+
     def init_table(self, spec: TableSpec) -> None:
         """Declare a table. Declaring it again with another ``state_dim``/``state_init`` keeps
         the weights and resets the state columns; another ``dim`` or ``num_embeddings`` is a

@@ -147,6 +147,8 @@ class RedisKV:
         torch.Size([2, 4])
     """
 
+    parallel_io = True  # each call is a network round trip: concurrent calls overlap
+
     def __init__(
         self,
         url: str = "redis://127.0.0.1:6379/0",

@@ -216,6 +216,8 @@ class TieredKV:
         0
     """
 
+    parallel_io = False  # one lock around every call: concurrent calls would queue
+
     def __init__(self, back: Store, capacity_rows: int) -> None:
         if not isinstance(back, Store):
             raise TypeError(f"TieredKV back must implement Store, got {type(back).__name__}")
