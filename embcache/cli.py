@@ -472,7 +472,11 @@ def _train_rank(rank: int, options: dict[str, Any]) -> None:
     args = argparse.Namespace(**options)
     t_start = time.perf_counter()
     world = dist.get_world_size()
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun sets it on every node
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
     lr, dense_lr, cache, data = _settings(args)
     model = DLRM(
         data.tables(args.dim),
@@ -484,7 +488,7 @@ def _train_rank(rank: int, options: dict[str, Any]) -> None:
         seed=args.seed,
         collection_cls=ShardedEmbeddingBagCollection,
     )
-    ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
+    ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     sparse_opt = make_sparse_optimizer(args.optimizer, model.sparse_arch, lr)
     dense_opt = make_dense_optimizer(args.optimizer, model.dense_parameters(), dense_lr)
     rank_data = _RankData(data, rank, world)
@@ -520,13 +524,13 @@ def write_plot(result: TrainResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = range(1, len(result.losses) + 1)
     window = max(1, len(result.losses) // 50)
     fig, (ax_loss, ax_hit) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for ax, values, name in (
         (ax_loss, result.losses, "training loss (BCE)"),
-        (ax_hit, result.hit_rates, "cache hit rate"),
+        (ax_hit, result.hit_rates, "cache hit rate"),  # steps that looked rows up
     ):
+        steps = range(1, len(values) + 1)
         ax.plot(steps, values, alpha=0.3, linewidth=0.8, label="per step")
         ax.plot(steps, _moving_average(values, window), linewidth=1.5, label=f"mean of {window}")
         ax.set_ylabel(name)

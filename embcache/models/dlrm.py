@@ -288,13 +288,14 @@ def train(
 
     def on_step(i: int, loss: torch.Tensor) -> None:
         after = ebc.cache_stats()
-        hit_rates.append(_hit_rate(before[0], after))
+        if after["hits"] + after["misses"] > before[0]["hits"] + before[0]["misses"]:
+            hit_rates.append(_hit_rate(before[0], after))  # the last step has no prefetch
         before[0] = after
         recent_losses.append(float(loss))
         bar.update(1)
         if progress and (i % 10 == 0 or i == steps):
             elapsed = time.perf_counter() - start
-            recent = hit_rates[-50:]
+            recent = hit_rates[-50:] or [0.0]
             bar.set_postfix(
                 loss=f"{sum(recent_losses[-10:]) / len(recent_losses[-10:]):.4f}",
                 samples_s=f"{i * data.config.batch_size / elapsed:,.0f}",
