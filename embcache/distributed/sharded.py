@@ -1,15 +1,11 @@
 """Row-wise sharding over torch.distributed: every row lives on exactly one rank, its owner.
 
-Owner of a row. A collection row is named by its fused id ``id | (table_idx << fusion_k)``; its
-owner is the rank
-
-    owner(fused) = (mix64(fused ^ OWNER_SALT) & (2**63 - 1)) % world_size
-
-with ``mix64`` splitmix64's finaliser (`embcache.kernels.reference.mix64`) and
-``OWNER_SALT = 0x2545F4914F6CDD1D``. The salt decorrelates the owner from the cache set
-(`HotCache` hashes the same fused id with the unsalted ``mix64``): unsalted, with 2 ranks and an
-even number of sets, each rank's rows would fall into half of its sets. A `ShardedKVClient`
-tensor row ``id`` of tensor ``name`` is owned by ``owner(id ^ (crc32(name) << 32))``.
+Owner of a row. A collection row is named by its fused id ``id | (table_idx << fusion_k)``;
+`owner_of` maps it to its owner rank, and `kv_owner_of` does the same for the rows of a
+`ShardedKVClient` tensor. The owner hash (splitmix64's finaliser of the salted id, modulo the
+world size) and why it is salted are documented in `embcache.distributed.exchange`, with the
+all_to_all helper (`_Comm`) and `CollectiveError`; `ShardedKVClient` lives in
+`embcache.distributed.sharded_kv`. All of them are importable from here too.
 
 `ShardedEmbeddingBagCollection` is a `CachedEmbeddingBagCollection` whose caches (one per dim)
 and store hold only the rows this rank owns. A training step with G caches (embedding dims)
@@ -44,9 +40,7 @@ every rank. A peer that dies or times out turns into a `CollectiveError` naming 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,245 +49,31 @@ import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from embcache.cache.config import CacheConfig
-from embcache.distributed.kv_client import InitFunc, KVClient, KVHandle
+from embcache.distributed.exchange import (
+    _OP_FORWARD,
+    OWNER_SALT,
+    CollectiveError,
+    _Comm,
+    _Route,
+    _with_status,
+    kv_owner_of,
+    owner_of,
+)
+from embcache.distributed.sharded_kv import ShardedKVClient
 from embcache.kernels.ids import dedup
 from embcache.kernels.optim import aggregate_grads
 from embcache.kernels.pooling import pool_backward, pool_forward
-from embcache.kernels.reference import mix64
-from embcache.kv.base import Store, table_hash
+from embcache.kv.base import Store
 from embcache.models.collection import CachedEmbeddingBagCollection, _Batch, _Resolved
 
-OWNER_SALT = 0x2545F4914F6CDD1D
-_LOW63 = (1 << 63) - 1
-
-_OP_FORWARD, _OP_INIT, _OP_PULL, _OP_PUSH, _OP_UPDATE = 1, 2, 3, 4, 5
-_OP_NAMES = {
-    _OP_FORWARD: "ShardedEmbeddingBagCollection.forward",
-    _OP_INIT: "ShardedKVClient.init_data",
-    _OP_PULL: "ShardedKVClient.pull",
-    _OP_PUSH: "ShardedKVClient.push",
-    _OP_UPDATE: "ShardedKVClient.update_async",
-}
-
-
-def owner_of(fused_ids: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Owner rank of each fused id (see the module docstring). int64 ``[n]`` -> int64 ``[n]``."""
-    return (mix64(fused_ids.to(torch.int64) ^ OWNER_SALT) & _LOW63) % world_size
-
-
-def kv_owner_of(name: str, ids: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Owner rank of each row of the `ShardedKVClient` tensor ``name``."""
-    return owner_of(ids.to(torch.int64) ^ (table_hash(name) << 32), world_size)
-
-
-class CollectiveError(RuntimeError):
-    """A collective could not complete because of another rank: it died, timed out, refused
-    its input, or failed to serve the rows asked of it."""
-
-
-# ----------------------------------------------------------------------------------------------
-# the exchanges
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Route:
-    """Where one rank's unique ids went and what it received from every rank."""
-
-    order: torch.Tensor  # int64 [U]: send position -> local index (send_ids = ids[order])
-    send_counts: list[int]  # ids sent to each rank
-    recv_counts: list[int]  # ids received from each rank
-    recv_ids: torch.Tensor  # int64 [R], grouped by source rank, each in the sender's order
-
-
-class _Comm:
-    """all_to_all over a process group, with the header checks and a byte count.
-
-    Tensors travel on the CPU when the group has a gloo backend and on the current CUDA device
-    when it is NCCL alone; callers hand tensors on any device and get them back on theirs.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call torch.distributed.init_process_group "
-                "first (or start the ranks with embcache.distributed.launch.spawn)"
-            )
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        backend = str(dist.get_backend(self.group)).lower()
-        if "gloo" in backend or not torch.cuda.is_available():
-            self.device = torch.device("cpu")
-        else:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.reset_stats()
-
-    def reset_stats(self) -> None:
-        self.collectives = 0
-        self.bytes_sent = 0  # payload of every all_to_all, the chunk to this rank included
-        self.bytes_to_peers = 0  # the part that leaves this rank
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "collectives": self.collectives,
-            "bytes_sent": self.bytes_sent,
-            "bytes_to_peers": self.bytes_to_peers,
-        }
-
-    def _run(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except Exception as e:
-            raise CollectiveError(
-                f"rank {self.rank} of {self.world_size}: the {what} failed; "
-                f"another rank probably died, raised before reaching it, or did not answer "
-                f"within the process group's timeout ({type(e).__name__}: {e})"
-            ) from e
-
-    def exchange(
-        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], what: str
-    ) -> torch.Tensor:
-        """all_to_all of the rows of ``send`` (``send_counts[r]`` rows to rank r, in rank
-        order); returns the rows received, on ``send``'s device."""
-        out_device = send.device
-        send = send.to(self.device).contiguous()
-        row = math.prod(send.shape[1:]) * send.element_size()
-        if self.world_size == 1:  # gloo's all_to_all costs a millisecond or two even alone
-            out = send  # callers only read what they receive
-        else:
-            out = torch.empty(
-                (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.device
-            )
-            self._run(
-                f"all_to_all of {what}",
-                lambda: dist.all_to_all_single(
-                    out, send, recv_counts, send_counts, group=self.group
-                ),
-            )
-        self.collectives += 1
-        self.bytes_sent += send.shape[0] * row
-        self.bytes_to_peers += (send.shape[0] - send_counts[self.rank]) * row
-        return out.to(out_device)
-
-    def header(
-        self, counts: torch.Tensor, op: int, tag: int, error: BaseException | None, names=None
-    ) -> list[int]:
-        """Exchange per-peer item counts with the op code, a tag and a status; returns the
-        counts received. Raises on every rank when the calls do not match or a rank's input was
-        refused (that rank raises ``error``)."""
-        W = self.world_size
-        sent = torch.stack(
-            [
-                counts.cpu(),
-                torch.full((W,), op),
-                torch.full((W,), tag),
-                torch.full((W,), int(error is not None)),
-            ],
-            dim=1,
-        )
-        got = self.exchange(sent, [1] * W, [1] * W, f"{_OP_NAMES[op]}'s header")
-        if bool((got[:, 1] != op).any() or (got[:, 2] != tag).any()):
-            calls = ", ".join(
-                f"rank {r}: {_describe(int(o), int(t), names)}"
-                for r, (o, t) in enumerate(got[:, 1:3].tolist())
-            )
-            raise RuntimeError(
-                f"rank {self.rank}: mismatched collective calls ({calls}); every rank must make "
-                f"the same sharded calls in the same order"
-            )
-        if error is not None:
-            raise error
-        refused = got[:, 3].nonzero().flatten().tolist()
-        if refused:
-            raise CollectiveError(
-                f"rank {self.rank}: rank(s) {refused} refused their input to {_OP_NAMES[op]} "
-                f"(see their error); nothing was changed on any rank"
-            )
-        return got[:, 0].tolist()
-
-    def route(
-        self,
-        ids: torch.Tensor,
-        owners: torch.Tensor,
-        op: int,
-        tag: int,
-        error: BaseException | None,
-        names=None,
-    ) -> _Route:
-        """Send each of ``ids`` (int64 ``[U]``) to its owner: header, then the ids."""
-        counts = torch.bincount(owners, minlength=self.world_size)
-        order = torch.argsort(owners, stable=True)
-        recv_counts = self.header(counts, op, tag, error, names)
-        send_counts = counts.tolist()
-        recv_ids = self.exchange(ids[order], send_counts, recv_counts, f"{_OP_NAMES[op]}'s ids")
-        return _Route(order, send_counts, recv_counts, recv_ids)
-
-    def reply(
-        self,
-        reply: torch.Tensor,
-        recv_counts: list[int],
-        send_counts: list[int],
-        error: BaseException | None,
-        what: str,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Owners answer the ids they received with a `_with_status` buffer; a failed owner
-        (``error``) makes every rank raise.
-
-        Returns:
-            The buffer received and the positions in it of the rows this rank asked for, in the
-            order it sent the ids.
-        """
-        got = self.exchange(reply, [c + 1 for c in recv_counts], [c + 1 for c in send_counts], what)
-        data, status = _status_layout(send_counts, got.device)
-        failed = got[status, 0].nonzero().flatten().tolist()
-        if error is not None:
-            raise error
-        if failed:
-            raise CollectiveError(
-                f"rank {self.rank}: owner rank(s) {failed} failed to serve the rows of {what} "
-                f"(see their error); this call changed nothing"
-            )
-        return got, data
-
-
-def _with_status(
-    source: torch.Tensor | None, index: torch.Tensor, counts: list[int], width: int
-) -> torch.Tensor:
-    """An owner's reply: per rank r, one status row (0 served; all 1 when ``source`` is None,
-    the owner failed) then the ``counts[r]`` rows ``source[index, :width]`` asked by r, in one
-    gather."""
-    device = index.device
-    data, status = _status_layout(counts, device)
-    if source is None or not index.numel():
-        reply = torch.zeros(data.numel() + len(counts), width, device=device)
-    else:
-        rows = torch.zeros(data.numel() + len(counts), dtype=torch.int64, device=device)
-        rows[data] = index
-        reply = source[rows, :width]
-    reply[status] = float(source is None)
-    return reply
-
-
-def _status_layout(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of the data rows and of the status rows in a buffer of per-rank chunks, chunk
-    r holding a status row then ``counts[r]`` data rows."""
-    sizes = torch.tensor(counts, device=device) + 1
-    status = torch.cumsum(sizes, 0) - sizes
-    chunk = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes - 1)
-    return torch.arange(chunk.numel(), device=device) + chunk + 1, status
-
-
-def _describe(op: int, tag: int, names: Mapping[int, str] | None) -> str:
-    name = _OP_NAMES.get(op, f"op {op}")
-    if op == _OP_FORWARD:
-        return f"{name} ({'training' if tag else 'no_grad'})"
-    return f"{name}({(names or {}).get(tag, f'tensor #{tag}')!r})"
-
-
-# ----------------------------------------------------------------------------------------------
-# the collection
-# ----------------------------------------------------------------------------------------------
+__all__ = [
+    "OWNER_SALT",
+    "CollectiveError",
+    "ShardedEmbeddingBagCollection",
+    "ShardedKVClient",
+    "kv_owner_of",
+    "owner_of",
+]
 
 
 @dataclass
@@ -350,7 +130,7 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
     tables, seed and batch; every rank passes its own batch (any size, empty included) and gets
     its own pooled output. Train it with the ordinary sparse optimizers
     (``SparseAdaGrad([ebc], lr=...)``); ``step()`` updates, on each rank, the rows it owns.
-    See the module docstring for the owner hash and the exchanges.
+    See the module docstring for the exchanges (the owner hash: `embcache.distributed.exchange`).
 
     Args:
         tables, is_weighted, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr,
@@ -673,187 +453,3 @@ class _ShardedLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         ctx.module._backward(ctx.step, grad_out)
         return None, None, None
-
-
-# ----------------------------------------------------------------------------------------------
-# the KV client
-# ----------------------------------------------------------------------------------------------
-
-
-class ShardedKVClient:
-    """`KVClient`'s calls over rows sharded across ranks; every call is a collective.
-
-    Each rank keeps the rows it owns (``kv_owner_of``) in a local `KVClient`; ``pull``,
-    ``push`` and ``update_async`` send each id to its owner by all_to_all. Every rank calls each
-    method in the same order with its own ids (possibly none).
-
-    Semantics across ranks: ``pull`` sees every earlier call of every rank. ``push`` of the same
-    id by several ranks keeps the highest rank's row. ``update_async`` returns once its deltas
-    have reached their owners, which add them (duplicates summed, over ranks too) on their worker
-    threads in call order, so any later call sees them; ``wait(handle)`` waits for this rank's
-    share (the rows it owns), ``flush()`` for every rank's.
-
-    Args:
-        store: this rank's tier (a `Store`, a URL or None for an in-process `HostKV`).
-        process_group: the ranks sharing the tensors (None: the default group).
-    """
-
-    def __init__(self, store: Store | str | None = None, process_group=None) -> None:
-        self._comm = _Comm(process_group)
-        self.rank, self.world_size = self._comm.rank, self._comm.world_size
-        self.local = KVClient(store)
-        self._names: dict[int, str] = {}
-
-    def _owners(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        return kv_owner_of(name, ids, self.world_size)
-
-    def _ids(self, name: str, ids) -> torch.Tensor:
-        """Checked CPU int64 ids; an empty list (a rank with nothing to ask) is fine."""
-        ids = torch.as_tensor(ids)
-        return self.local._ids(name, ids.long() if ids.numel() == 0 else ids)
-
-    def init_data(
-        self,
-        name: str,
-        shape: tuple[int, int],
-        dtype: torch.dtype = torch.float32,
-        init_func: InitFunc | None = None,
-    ) -> None:
-        """Declare a tensor on every rank (collective). ``init_func`` runs on rank 0 only, and
-        its rows are sent to their owners, so it need not be deterministic across ranks."""
-        error, initial = None, None
-        fresh = name not in self.local._tensors
-        try:
-            self.local.init_data(name, shape, dtype)
-            if init_func is not None and fresh and self.rank == 0:
-                initial = init_func(self.local.shape(name), dtype)
-                if tuple(initial.shape) != self.local.shape(name):
-                    raise ValueError(
-                        f"tensor {name!r}: init_func returned shape {tuple(initial.shape)}, "
-                        f"expected {self.local.shape(name)}"
-                    )
-        except Exception as e:
-            error = e
-        self._names[table_hash(name)] = name
-        wants_init = int(init_func is not None and fresh)
-        flags = self._comm.header(
-            torch.full((self.world_size,), wants_init), _OP_INIT, table_hash(name), error,
-            self._names,
-        )  # fmt: skip
-        if len(set(flags)) != 1:
-            raise RuntimeError(
-                f"rank {self.rank}: init_data({name!r}) needs the same arguments on every rank; "
-                f"ranks {[r for r, f in enumerate(flags) if f]} (only) would initialise it from "
-                f"an init_func"
-            )
-        if not wants_init:
-            return
-        rows = self.local.shape(name)[0]
-        ids = torch.arange(rows) if self.rank == 0 else torch.empty(0, dtype=torch.int64)
-        values = initial.float().cpu() if self.rank == 0 else None
-        self._send(_OP_INIT, name, ids, values, lambda i, v: self.local.push(name, i, v))
-
-    def _send(self, op: int, name: str, ids, values, apply, error=None):
-        """Route ``ids`` and their ``values`` rows to the owners, who call ``apply``."""
-        if error is not None:
-            ids, values = torch.empty(0, dtype=torch.int64), None
-        dim = self.local.shape(name)[1] if error is None else 0
-        route = self._comm.route(
-            ids, self._owners(name, ids), op, table_hash(name), error, self._names
-        )
-        if values is None:
-            values = torch.empty(0, dim)
-        got = self._comm.exchange(
-            values[route.order], route.send_counts, route.recv_counts, f"{_OP_NAMES[op]}'s rows"
-        )
-        return apply(route.recv_ids, got)
-
-    def pull(self, name: str, ids) -> torch.Tensor:
-        """Rows ``[n, dim]`` of ``ids`` (any shape, flattened; duplicates allowed)."""
-        error = None
-        try:
-            ids = self._ids(name, ids)
-        except Exception as e:
-            error, ids = e, torch.empty(0, dtype=torch.int64)
-        unique, inverse, _ = dedup(ids)
-        self._names[table_hash(name)] = name
-        route = self._comm.route(
-            unique, self._owners(name, unique), _OP_PULL, table_hash(name), error, self._names
-        )
-        served, failure = None, None
-        try:
-            served = self.local.pull(name, route.recv_ids).to(torch.float32)
-        except Exception as e:
-            failure = e
-        dim = self.local.shape(name)[1]
-        reply = _with_status(served, torch.arange(route.recv_ids.numel()), route.recv_counts, dim)
-        got, data = self._comm.reply(
-            reply, route.recv_counts, route.send_counts, failure, f"pull({name!r})"
-        )
-        rows = torch.empty(unique.numel(), dim)
-        rows[route.order] = got[data]
-        return rows[inverse].to(self.local._meta(name).dtype)
-
-    def push(self, name: str, ids, rows) -> None:
-        """Overwrite rows; a rank's ids must be distinct (several ranks: the highest rank's row
-        wins)."""
-        error = None
-        try:
-            ids = self._ids(name, ids)
-            rows = self.local._rows(name, ids, rows, "rows")
-            if torch.unique(ids).numel() != ids.numel():
-                raise ValueError(f"tensor {name!r}: push got duplicate ids")
-        except Exception as e:
-            error = e
-
-        def apply(recv_ids: torch.Tensor, recv_rows: torch.Tensor) -> None:
-            unique, inverse = torch.unique(recv_ids, return_inverse=True)
-            last = torch.full_like(unique, -1).scatter_reduce_(
-                0, inverse, torch.arange(recv_ids.numel()), "amax"
-            )
-            self.local.push(name, unique, recv_rows[last])
-
-        self._names[table_hash(name)] = name
-        self._send(_OP_PUSH, name, ids, rows, apply, error)
-
-    def update_async(self, name: str, ids, grads) -> KVHandle:
-        """Add ``grads`` to the rows of ``ids`` at their owners (see the class docstring)."""
-        error = None
-        try:
-            ids = self._ids(name, ids)
-            grads = self.local._rows(name, ids, grads, "grads")
-            if not bool(torch.isfinite(grads).all()):
-                raise ValueError(f"tensor {name!r}: update_async got NaN or Inf values")
-        except Exception as e:
-            error = e
-        self._names[table_hash(name)] = name
-        return self._send(
-            _OP_UPDATE, name, ids, grads, lambda i, g: self.local.update_async(name, i, g), error
-        )
-
-    def wait(self, handle: KVHandle) -> None:
-        """Block until this rank has applied its share of an `update_async`."""
-        self.local.wait(handle)
-
-    def prefetch(self, name: str, ids) -> KVHandle:
-        """`pull` now (it is a collective); `wait_and_get` returns the rows."""
-        future: Future = Future()
-        future.set_result(self.pull(name, ids))
-        return KVHandle(future)
-
-    def wait_and_get(self, handle: KVHandle) -> torch.Tensor:
-        return self.local.wait_and_get(handle)
-
-    def flush(self) -> None:
-        """Block until every rank has applied every operation submitted so far (collective)."""
-        self.local.flush()
-        self._comm._run("barrier of flush", lambda: dist.barrier(group=self._comm.group))
-
-    def shape(self, name: str) -> tuple[int, int]:
-        return self.local.shape(name)
-
-    def comm_stats(self) -> dict[str, int]:
-        return self._comm.stats()
-
-    def close(self) -> None:
-        self.local.close()

@@ -18,6 +18,19 @@ import torch
 
 from embcache.kernels.reference import mix64
 
+_INTEGER_DTYPES = frozenset(  # accepted for ids, which are converted to int64
+    {
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    }
+)
+
 RowInit = Callable[[torch.Tensor, int], torch.Tensor]
 """``init(ids, dim) -> rows``: int64 ``[n]`` ids to float32 ``[n, dim]`` initial weights."""
 
@@ -104,6 +117,53 @@ def default_init(spec: TableSpec) -> RowInit:
         return ((2.0 * unit - 1.0) * bound).to(torch.float32)
 
     return init
+
+
+def checked_ids(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` as contiguous CPU int64 ``[n]``, or a TypeError/ValueError saying what is wrong."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(
+            f"table {spec.name!r}: ids must be a torch.Tensor, got {type(ids).__name__}"
+        )
+    if ids.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"table {spec.name!r}: ids must have an integer dtype, got {ids.dtype}")
+    if ids.dim() != 1:
+        raise ValueError(f"table {spec.name!r}: ids must be 1-D, got shape {tuple(ids.shape)}")
+    ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
+    if ids.numel() == 0:
+        return ids
+    low, high = torch.aminmax(ids)
+    limit = spec.num_embeddings
+    if low < 0:
+        at = int((ids < 0).nonzero()[0])
+        raise ValueError(
+            f"table {spec.name!r}: id {int(ids[at])} at position {at} is negative; ids must be "
+            + (f"in [0, {limit})" if limit is not None else ">= 0")
+        )
+    if limit is not None and high >= limit:
+        at = int((ids >= limit).nonzero()[0])
+        raise ValueError(
+            f"table {spec.name!r}: id {int(ids[at])} at position {at} is out of range; "
+            f"ids must be in [0, {limit}) (num_embeddings={limit})"
+        )
+    return ids
+
+
+def checked_rows(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as contiguous CPU float32 ``[n, dim + state_dim]``, or a TypeError/ValueError."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(
+            f"table {spec.name!r}: rows must be a torch.Tensor, got {type(rows).__name__}"
+        )
+    if not rows.is_floating_point():
+        raise TypeError(f"table {spec.name!r}: rows must be floating point, got {rows.dtype}")
+    expected = (ids.numel(), spec.row_width)
+    if tuple(rows.shape) != expected:
+        raise ValueError(
+            f"table {spec.name!r}: rows have shape {tuple(rows.shape)}, expected {expected} "
+            f"({ids.numel()} ids x (dim={spec.dim} + state_dim={spec.state_dim}))"
+        )
+    return rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
 @runtime_checkable

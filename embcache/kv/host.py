@@ -23,25 +23,12 @@ from collections.abc import Iterator
 import torch
 
 from embcache.kernels.reference import mix64
-from embcache.kv.base import TableSpec
+from embcache.kv.base import TableSpec, checked_ids, checked_rows
 
 _EMPTY = -1  # key of a free hash slot; ids are non-negative, so it never collides with one
 _MAX_LOAD = 0.5  # linear probing stays short (expected ~1.5 probes per hit) up to half full
 _MIN_SLOTS = 64
 _MIN_ROWS = 64
-
-_INTEGER_DTYPES = frozenset(
-    {
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-    }
-)
 
 
 def _next_pow2(n: int) -> int:
@@ -387,7 +374,7 @@ class HostKV:
         """
         with self._lock:
             t = self._table(table)
-            ids = _checked_ids(t.spec, ids)
+            ids = checked_ids(t.spec, ids)
             out = torch.empty(
                 ids.numel(), t.spec.row_width, dtype=torch.float32, pin_memory=self.pin_memory
             )
@@ -406,8 +393,8 @@ class HostKV:
         """
         with self._lock:
             t = self._table(table)
-            ids = _checked_ids(t.spec, ids)
-            rows = _checked_rows(t.spec, ids, rows)
+            ids = checked_ids(t.spec, ids)
+            rows = checked_rows(t.spec, ids, rows)
             t.put(ids, rows)
             self._count("written", ids.numel(), t.spec)
 
@@ -443,8 +430,8 @@ class HostKV:
         """Load checkpointed rows: `put` without counting in `io_stats`."""
         with self._lock:
             t = self._table(table)
-            ids = _checked_ids(t.spec, ids)
-            rows = _checked_rows(t.spec, ids, rows)
+            ids = checked_ids(t.spec, ids)
+            rows = checked_rows(t.spec, ids, rows)
             t.put(ids, rows)
 
     # -- accounting and life cycle ---------------------------------------------------------
@@ -504,50 +491,3 @@ _STAT_KEYS = (
     "put_calls",
     "rows_created",
 )
-
-
-def _checked_ids(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
-    """``ids`` as contiguous CPU int64 ``[n]``, or a TypeError/ValueError saying what is wrong."""
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(
-            f"table {spec.name!r}: ids must be a torch.Tensor, got {type(ids).__name__}"
-        )
-    if ids.dtype not in _INTEGER_DTYPES:
-        raise TypeError(f"table {spec.name!r}: ids must have an integer dtype, got {ids.dtype}")
-    if ids.dim() != 1:
-        raise ValueError(f"table {spec.name!r}: ids must be 1-D, got shape {tuple(ids.shape)}")
-    ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
-    if ids.numel() == 0:
-        return ids
-    low, high = torch.aminmax(ids)
-    limit = spec.num_embeddings
-    if low < 0:
-        at = int((ids < 0).nonzero()[0])
-        raise ValueError(
-            f"table {spec.name!r}: id {int(ids[at])} at position {at} is negative; ids must be "
-            + (f"in [0, {limit})" if limit is not None else ">= 0")
-        )
-    if limit is not None and high >= limit:
-        at = int((ids >= limit).nonzero()[0])
-        raise ValueError(
-            f"table {spec.name!r}: id {int(ids[at])} at position {at} is out of range; "
-            f"ids must be in [0, {limit}) (num_embeddings={limit})"
-        )
-    return ids
-
-
-def _checked_rows(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` as contiguous CPU float32 ``[n, dim + state_dim]``, or a TypeError/ValueError."""
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(
-            f"table {spec.name!r}: rows must be a torch.Tensor, got {type(rows).__name__}"
-        )
-    if not rows.is_floating_point():
-        raise TypeError(f"table {spec.name!r}: rows must be floating point, got {rows.dtype}")
-    expected = (ids.numel(), spec.row_width)
-    if tuple(rows.shape) != expected:
-        raise ValueError(
-            f"table {spec.name!r}: rows have shape {tuple(rows.shape)}, expected {expected} "
-            f"({ids.numel()} ids x (dim={spec.dim} + state_dim={spec.state_dim}))"
-        )
-    return rows.detach().to(device="cpu", dtype=torch.float32).contiguous()

@@ -1,20 +1,14 @@
 """RedisKV: tables kept in a Redis server or a Redis Cluster, through redis-py (hiredis parser).
 
-Key layout, for namespace ``ns``, table ``T``, row id ``i``:
+Each row is one key holding ``dim + state_dim`` little-endian float32 values; keys carry
+hash-tag buckets, so on a cluster a batch costs one MGET/MSET per slot touched and on a single
+server one per chunk. The key layout, the spec record, the row encoding and the slot-grouped
+commands are in `embcache.kv.redis_wire`.
 
-    ns:meta:T             JSON: the spec (name, dim, num_embeddings, state_dim, state_init,
-                          seed; never the init callable) and the table's bucket count B
-    ns:{h.b}:T:i          row i: ``dim + state_dim`` little-endian float32, ``[weights | state]``
-
-with ``h = table_hash(T)`` (a CRC of the name) and ``b = i % B`` (B = 256 unless the server's
-record says otherwise). The braces are Redis Cluster's hash tag: the rows of one bucket share a
-slot, so on a cluster a batch costs one MGET/MSET per slot touched (at most B) rather than one
-command per row, while a table's B buckets still spread over the slots and hence the nodes. On a
-single server the tag is just part of the name and a chunk is one MGET/MSET. Row values are
-created by ``spec.initial_rows`` (the same per-id seeding as `HostKV`, so a model gives the same
-numbers on either tier) and written only where absent (``MSETNX`` per slot group, ``SET NX`` key
-by key when some already exist): two clients creating a row at once keep one value, and both
-return it.
+Row values are created by ``spec.initial_rows`` (the same per-id seeding as `HostKV`, so a model
+gives the same numbers on either tier) and written only where absent (``MSETNX`` per slot group,
+``SET NX`` key by key when some already exist): two clients creating a row at once keep one
+value, and both return it.
 
 Every network operation runs in chunks of at most ``chunk_rows`` rows (one round trip per node) and
 is retried on connection errors with exponential backoff for up to ``retry_timeout_s`` seconds
@@ -28,10 +22,8 @@ import array
 import contextlib
 import dataclasses
 import json
-import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -40,16 +32,26 @@ import redis
 import redis.cluster
 import torch
 from redis.backoff import NoBackoff
-from redis.crc import key_slot
 from redis.retry import Retry
 
-from embcache.kv.base import TableSpec, table_hash
-from embcache.kv.host import _checked_ids, _checked_rows
+from embcache.kv.base import TableSpec, checked_ids, checked_rows
+from embcache.kv.redis_wire import (
+    DEFAULT_BUCKETS,
+    NAMESPACE_RE,
+    ROW_DTYPE,
+    TableLayout,
+    from_blobs,
+    key_batch,
+    meta_key,
+    mget,
+    mset,
+    redact_url,
+    set_nx,
+    spec_record,
+    table_layout,
+    to_blobs,
+)
 
-DEFAULT_BUCKETS = 256
-_ROW_DTYPE = np.dtype("<f4")  # fixed byte order: clients on any machine read the same rows
-_META_FORMAT = 1
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-/]+")
 _SCAN_COUNT = 1000
 _SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
@@ -73,43 +75,6 @@ class TierUnavailableError(ConnectionError):
 
     The message names the URL (password hidden) and, mid-run, the table and operation.
     """
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, fit for error messages and logs."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-@dataclasses.dataclass
-class _Table:
-    """A declared table and the precomputed parts of its keys."""
-
-    spec: TableSpec
-    buckets: int
-    meta_key: bytes
-    prefixes: list[bytes]  # per bucket b: b"ns:{h.b}:T:"
-    bucket_slot: torch.Tensor  # int64 [B], cluster slot of each bucket
-    scan_match: bytes  # SCAN MATCH pattern of the table's row keys
-    id_re: re.Pattern[bytes]  # a row key of exactly this table -> its id
-
-    @property
-    def row_bytes(self) -> int:
-        return self.spec.row_width * _ROW_DTYPE.itemsize
-
-
-@dataclasses.dataclass
-class _KeyBatch:
-    """Keys of a chunk of ids as sent: ``keys[a:b]`` is one multi-key command per group."""
-
-    keys: list[bytes]
-    order: torch.Tensor | None  # keys[k] is the key of ids[order[k]]; None: ids order
-    groups: list[tuple[int, int, int]]  # (slot or -1, a, b)
 
 
 class RedisKV:
@@ -163,7 +128,7 @@ class RedisKV:
     ) -> None:
         if not isinstance(url, str) or not url.startswith(_SCHEMES):
             raise ValueError(f"RedisKV url must start with one of {_SCHEMES}, got {url!r}")
-        if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
+        if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace):
             raise ValueError(
                 f"namespace must be letters, digits and '_.-/' (no ':' or braces, which would "
                 f"change the key layout), got {namespace!r}"
@@ -188,7 +153,7 @@ class RedisKV:
         self.default_buckets = buckets
         self.cluster = "+cluster://" in url
         self._ns = namespace.encode()
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, TableLayout] = {}
         self._lock = threading.Lock()
         self._declare_lock = threading.Lock()  # one init_table at a time (it may rewrite rows)
         self._closed = False
@@ -233,16 +198,14 @@ class RedisKV:
                 self._check_open()
                 known = self._tables.get(spec.name)
             if known is not None:
-                self._check_compatible(spec, _spec_record(known.spec, known.buckets), "here")
-            meta_key = self._ns + b":meta:" + spec.name.encode()
-            record = _spec_record(spec, self.default_buckets)
+                self._check_compatible(spec, spec_record(known.spec, known.buckets), "here")
+            key = meta_key(self._ns, spec.name)
+            record = spec_record(spec, self.default_buckets)
             payload = json.dumps(record, sort_keys=True).encode()
-            stored = self._call(
-                "init_table", spec.name, lambda: self._claim_meta(meta_key, payload)
-            )
+            stored = self._call("init_table", spec.name, lambda: self._claim_meta(key, payload))
             if stored is not None:
                 self._check_compatible(spec, stored, "on the server")
-                table = self._layout(spec, int(stored["buckets"]))
+                table = table_layout(self._ns, spec, int(stored["buckets"]))
                 if (stored["state_dim"], stored["state_init"]) != (
                     spec.state_dim,
                     spec.state_init,
@@ -251,9 +214,9 @@ class RedisKV:
                 if any(stored[k] != record[k] for k in ("state_dim", "state_init", "seed")):
                     record["buckets"] = table.buckets
                     payload = json.dumps(record, sort_keys=True).encode()
-                    self._call("init_table", spec.name, lambda: self._client.set(meta_key, payload))
+                    self._call("init_table", spec.name, lambda: self._client.set(key, payload))
             else:
-                table = self._layout(spec, self.default_buckets)
+                table = table_layout(self._ns, spec, self.default_buckets)
             with self._lock:
                 self._tables[spec.name] = table
 
@@ -283,7 +246,7 @@ class RedisKV:
         """
         with self._lock:
             t = self._table(table)
-        ids = _checked_ids(t.spec, ids)
+        ids = checked_ids(t.spec, ids)
         out = torch.empty(ids.numel(), t.spec.row_width, dtype=torch.float32)
         created = 0
         for start in range(0, ids.numel(), self.chunk_rows):
@@ -330,7 +293,7 @@ class RedisKV:
         return self._export_chunks(t, ids, chunk_rows)
 
     def _export_chunks(
-        self, t: _Table, ids: torch.Tensor, chunk_rows: int
+        self, t: TableLayout, ids: torch.Tensor, chunk_rows: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, ids.numel(), chunk_rows):
             part = ids[start : start + chunk_rows]
@@ -432,13 +395,13 @@ class RedisKV:
         try:
             pipe = self._client.pipeline(transaction=False)
             for t in tables:
-                payload = json.dumps(_spec_record(t.spec, t.buckets), sort_keys=True).encode()
+                payload = json.dumps(spec_record(t.spec, t.buckets), sort_keys=True).encode()
                 pipe.set(t.meta_key, payload, nx=True)
             pipe.execute()
         except _TRANSIENT:
             pass  # down again: the next successful retry restores them
 
-    # -- wire helpers (called without the lock; each builds its own pipelines) --------------
+    # -- row I/O (called without the lock; each call builds its own pipelines) --------------
 
     def _claim_meta(self, key: bytes, payload: bytes) -> dict[str, Any] | None:
         """Record a spec unless one is there; returns the one there (None when ours won)."""
@@ -459,127 +422,10 @@ class RedisKV:
                     f"Give each model its own namespace."
                 )
 
-    def _layout(self, spec: TableSpec, buckets: int) -> _Table:
-        name = spec.name.encode()
-        tag = b"%d" % table_hash(spec.name)
-        prefixes = [self._ns + b":{" + tag + b".%d}:" % b + name + b":" for b in range(buckets)]
-        escaped = re.sub(rb"([*?\[\]\\])", rb"\\\1", name)
-        return _Table(
-            spec=spec,
-            buckets=buckets,
-            meta_key=self._ns + b":meta:" + name,
-            prefixes=prefixes,
-            bucket_slot=torch.tensor([key_slot(p) for p in prefixes], dtype=torch.int64),
-            scan_match=self._ns + b":{" + tag + b".*}:" + escaped + b":*",
-            id_re=re.compile(
-                re.escape(self._ns + b":{" + tag + b".") + rb"\d+\}:" + re.escape(name) + rb":(\d+)"
-            ),
-        )
-
-    def _keys(self, t: _Table, ids: torch.Tensor) -> _KeyBatch:
-        """Keys of ``ids``, grouped so that one multi-key command serves each group.
-
-        Single server: one group, keys in the order of ``ids``. Cluster: one group per slot,
-        keys sorted by slot (``order`` says which id each key is).
-        """
-        buckets, prefixes = t.buckets, t.prefixes
-        if not self.cluster:
-            keys = [prefixes[i % buckets] + b"%d" % i for i in ids.tolist()]
-            return _KeyBatch(keys, None, [(-1, 0, len(keys))])
-        slots = t.bucket_slot[ids % buckets]
-        order = torch.argsort(slots, stable=True)
-        keys = [prefixes[i % buckets] + b"%d" % i for i in ids[order].tolist()]
-        group_slots, counts = torch.unique_consecutive(slots[order], return_counts=True)
-        stops = torch.cumsum(counts, 0)
-        groups = list(
-            zip(group_slots.tolist(), (stops - counts).tolist(), stops.tolist(), strict=True)
-        )
-        return _KeyBatch(keys, order, groups)
-
-    def _run(self, commands: list[tuple[int, tuple[Any, ...]]]) -> list[Any]:
-        """Replies to ``(slot, command)`` pairs, in order: one pipeline (a round trip) per node.
-
-        On a cluster, commands go straight to the node that owns their slot, as redis-py's own
-        cluster pipeline would send them but without its per-key slot checks (they cost more
-        than the round trip). A slot that moved raises MovedError/AskError; `_call` refreshes
-        the slot map and retries.
-        """
-        if not self.cluster:
-            if len(commands) == 1:
-                return [self._client.execute_command(*commands[0][1])]
-            pipe = self._client.pipeline(transaction=False)
-            for _, command in commands:
-                pipe.execute_command(*command)
-            return pipe.execute()
-        assert isinstance(self._client, redis.cluster.RedisCluster)
-        nodes = self._client.nodes_manager
-        by_node: dict[str, tuple[redis.cluster.ClusterNode, list[int]]] = {}
-        for k, (slot, _) in enumerate(commands):
-            node = nodes.get_node_from_slot(slot)
-            by_node.setdefault(node.name, (node, []))[1].append(k)
-        replies: list[Any] = [None] * len(commands)
-        for node, positions in by_node.values():
-            pipe = self._client.get_redis_connection(node).pipeline(transaction=False)
-            for k in positions:
-                pipe.execute_command(*commands[k][1])
-            for k, reply in zip(positions, pipe.execute(), strict=True):
-                replies[k] = reply
-        return replies
-
-    def _mget(self, batch: _KeyBatch) -> list[bytes | None]:
-        """Values of ``batch.keys`` (None where absent), in the batch's key order."""
-        if not batch.keys:
-            return []
-        commands = [(slot, ("MGET", *batch.keys[a:b])) for slot, a, b in batch.groups]
-        return [value for values in self._run(commands) for value in values]
-
-    def _mset(self, batch: _KeyBatch, blobs: list[bytes]) -> None:
-        """Write ``blobs`` (in the batch's key order) to ``batch.keys``."""
-        commands = []
-        for slot, a, b in batch.groups:
-            args: list[bytes] = [b""] * (2 * (b - a))
-            args[0::2] = batch.keys[a:b]
-            args[1::2] = blobs[a:b]
-            commands.append((slot, ("MSET", *args)))
-        if commands:
-            self._run(commands)
-
-    def _set_nx(self, batch: _KeyBatch, positions: list[int], blobs: list[bytes]) -> list[bool]:
-        """Create the keys at ``positions`` of the batch unless they exist: True where created.
-
-        One MSETNX per slot group sets the whole group when none of its keys exists (the usual
-        case, one command); a group where some key exists (another writer got there first) is
-        redone key by key with ``SET NX``, so each key keeps whichever value came first.
-        """
-        slot_at = [-1] * len(batch.keys)
-        for slot, a, b in batch.groups:
-            slot_at[a:b] = [slot] * (b - a)
-        groups: dict[int, list[int]] = {}
-        for j, k in enumerate(positions):
-            groups.setdefault(slot_at[k], []).append(j)
-        commands = []
-        for slot, members in groups.items():
-            args: list[bytes] = [b""] * (2 * len(members))
-            args[0::2] = [batch.keys[positions[j]] for j in members]
-            args[1::2] = [blobs[j] for j in members]
-            commands.append((slot, ("MSETNX", *args)))
-        created = [True] * len(positions)
-        retry = []
-        for (slot, members), reply in zip(groups.items(), self._run(commands), strict=True):
-            if not reply:
-                retry.extend((slot, j) for j in members)
-        if retry:
-            one_by_one = [
-                (slot, ("SET", batch.keys[positions[j]], blobs[j], "NX")) for slot, j in retry
-            ]
-            for (_, j), reply in zip(retry, self._run(one_by_one), strict=True):
-                created[j] = bool(reply)
-        return created
-
-    def _mget_in_order(self, t: _Table, ids: torch.Tensor) -> list[bytes | None]:
+    def _mget_in_order(self, t: TableLayout, ids: torch.Tensor) -> list[bytes | None]:
         """Values of the rows of ``ids`` (None where absent), in the order of ``ids``."""
-        batch = self._keys(t, ids)
-        values = self._mget(batch)
+        batch = key_batch(t, ids, self.cluster)
+        values = mget(self._client, batch)
         if batch.order is None:
             return values
         ordered: list[bytes | None] = [None] * len(values)
@@ -587,23 +433,23 @@ class RedisKV:
             ordered[position] = value
         return ordered
 
-    def _put_blobs(self, t: _Table, ids: torch.Tensor, blobs: list[bytes]) -> None:
-        batch = self._keys(t, ids)
+    def _put_blobs(self, t: TableLayout, ids: torch.Tensor, blobs: list[bytes]) -> None:
+        batch = key_batch(t, ids, self.cluster)
         if batch.order is not None:
             blobs = [blobs[k] for k in batch.order.tolist()]
-        self._mset(batch, blobs)
+        mset(self._client, batch, blobs)
 
-    def _get_chunk(self, t: _Table, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _get_chunk(self, t: TableLayout, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Rows of one chunk of ids (creating the missing ones), and how many were created."""
-        batch = self._keys(t, ids)
-        values = self._mget(batch)
+        batch = key_batch(t, ids, self.cluster)
+        values = mget(self._client, batch)
         if batch.order is not None:
             ids = ids[batch.order]  # work in key order, restore the caller's at the end
         missing = [k for k, value in enumerate(values) if value is None]
         created = 0
         if missing:
-            fresh = _to_blobs(t.spec.initial_rows(ids[torch.tensor(missing)]))
-            won = self._set_nx(batch, missing, fresh)
+            fresh = to_blobs(t.spec.initial_rows(ids[torch.tensor(missing)]))
+            won = set_nx(self._client, batch, missing, fresh)
             lost = []
             for k, blob, ok in zip(missing, fresh, won, strict=True):
                 if ok:
@@ -620,29 +466,31 @@ class RedisKV:
                             f"server while being created"
                         )
                     values[k] = value
-        rows = _from_blobs(values, t)
+        rows = from_blobs(values, t)
         if batch.order is None:
             return rows, created
         out = torch.empty_like(rows)
         out[batch.order] = rows
         return out, created
 
-    def _fetch_existing(self, t: _Table, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fetch_existing(
+        self, t: TableLayout, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids found, their rows)`` of ``ids``, in their order, skipping rows not there."""
         values = self._mget_in_order(t, ids)
         present = [k for k, value in enumerate(values) if value is not None]
-        rows = _from_blobs([values[k] for k in present], t)
+        rows = from_blobs([values[k] for k in present], t)
         return ids[torch.tensor(present, dtype=torch.int64)], rows
 
-    def _write(self, t: _Table, op: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        ids = _checked_ids(t.spec, ids)
-        rows = _checked_rows(t.spec, ids, rows)
+    def _write(self, t: TableLayout, op: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        ids = checked_ids(t.spec, ids)
+        rows = checked_rows(t.spec, ids, rows)
         for start in range(0, ids.numel(), self.chunk_rows):
             part = slice(start, start + self.chunk_rows)
-            blobs = _to_blobs(rows[part])
+            blobs = to_blobs(rows[part])
             self._call(op, t.spec.name, lambda i=ids[part], b=blobs: self._put_blobs(t, i, b))
 
-    def _scan_ids(self, t: _Table) -> torch.Tensor:
+    def _scan_ids(self, t: TableLayout) -> torch.Tensor:
         """Ids of every row of the table on the server, ascending (SCAN over all primaries)."""
         found = array.array("q")
         for key in self._client.scan_iter(match=t.scan_match, count=_SCAN_COUNT):
@@ -653,15 +501,15 @@ class RedisKV:
         # A cluster SCAN may list a key twice when a slot migrates while it runs.
         return torch.unique(ids)
 
-    def _reset_state(self, t: _Table) -> None:
+    def _reset_state(self, t: TableLayout) -> None:
         """Rewrite every row of ``t`` on the server as its first ``dim`` weights + fresh state.
 
         Idempotent (the weights are always the leading ``dim`` columns), so a rewrite cut short
         by a fault is finished by declaring the table again.
         """
         ids = self._call("init_table", t.spec.name, lambda: self._scan_ids(t))
-        weight_bytes = t.spec.dim * _ROW_DTYPE.itemsize
-        state = np.full(t.spec.state_dim, t.spec.state_init, dtype=_ROW_DTYPE).tobytes()
+        weight_bytes = t.spec.dim * ROW_DTYPE.itemsize
+        state = np.full(t.spec.state_dim, t.spec.state_init, dtype=ROW_DTYPE).tobytes()
 
         def rewrite(part: torch.Tensor) -> None:
             values = self._mget_in_order(t, part)
@@ -681,14 +529,14 @@ class RedisKV:
         if self._closed:
             raise RuntimeError(f"RedisKV({self.url}) is closed")
 
-    def _table(self, name: str) -> _Table:
+    def _table(self, name: str) -> TableLayout:
         self._check_open()
         table = self._tables.get(name)
         if table is None:
             raise KeyError(f"unknown table {name!r}; known tables: {sorted(self._tables)}")
         return table
 
-    def _count(self, direction: str, n: int, t: _Table, created: int = 0) -> None:
+    def _count(self, direction: str, n: int, t: TableLayout, created: int = 0) -> None:
         with self._lock:
             self._stats[f"rows_{direction}"] += n
             self._stats[f"bytes_{direction}"] += n * t.row_bytes
@@ -705,38 +553,3 @@ _STAT_KEYS = (
     "put_calls",
     "rows_created",
 )
-
-
-def _spec_record(spec: TableSpec, buckets: int) -> dict[str, Any]:
-    """What the server keeps about a table (everything but the init callable)."""
-    return {
-        "format": _META_FORMAT,
-        "name": spec.name,
-        "dim": spec.dim,
-        "num_embeddings": spec.num_embeddings,
-        "state_dim": spec.state_dim,
-        "state_init": float(spec.state_init),
-        "seed": spec.seed,
-        "buckets": buckets,
-    }
-
-
-def _to_blobs(rows: torch.Tensor) -> list[bytes]:
-    """One bytes object per row of float32 ``[n, W]``, little-endian."""
-    data = rows.numpy().astype(_ROW_DTYPE, copy=False).tobytes()
-    width = rows.shape[1] * _ROW_DTYPE.itemsize
-    return [data[k : k + width] for k in range(0, len(data), width)]
-
-
-def _from_blobs(values: list[Any], t: _Table) -> torch.Tensor:
-    """float32 ``[n, W]`` from ``n`` row blobs, checking each has the table's width."""
-    data = b"".join(values)
-    if len(data) != len(values) * t.row_bytes:
-        bad = next(v for v in values if len(v) != t.row_bytes)
-        raise RuntimeError(
-            f"table {t.spec.name!r}: a row on the server has {len(bad)} bytes, expected "
-            f"{t.row_bytes} (dim={t.spec.dim} + state_dim={t.spec.state_dim} float32); was the "
-            f"table re-declared with another state layout by another client?"
-        )
-    flat = np.frombuffer(data, dtype=_ROW_DTYPE).astype(np.float32)
-    return torch.from_numpy(flat).reshape(len(values), t.spec.row_width)

@@ -29,8 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from embcache.kernels.reference import mix64
-from embcache.kv.base import Store, TableSpec
-from embcache.kv.host import _checked_ids, _checked_rows
+from embcache.kv.base import Store, TableSpec, checked_ids, checked_rows
 
 _MIN_SLOTS = 64
 _FREE = -1  # slot_id of a free slot
@@ -285,7 +284,7 @@ class TieredKV:
         """
         with self._lock:
             held = self._table(table)
-            ids = _checked_ids(held.spec, ids)
+            ids = checked_ids(held.spec, ids)
             stamp = self._tick()
             slots = held.lookup(ids)
             hit = slots >= 0
@@ -309,8 +308,8 @@ class TieredKV:
         """Write rows into host memory (dirty); they reach ``back`` on eviction or `flush`."""
         with self._lock:
             held = self._table(table)
-            ids = _checked_ids(held.spec, ids)
-            rows = _checked_rows(held.spec, ids, rows)
+            ids = checked_ids(held.spec, ids)
+            rows = checked_rows(held.spec, ids, rows)
             stamp = self._tick()
             slots = held.lookup(ids)
             hit = slots >= 0
@@ -352,8 +351,8 @@ class TieredKV:
         """Load rows into ``back``; copies held here take the new values (clean)."""
         with self._lock:
             held = self._table(table)
-            ids = _checked_ids(held.spec, ids)
-            rows = _checked_rows(held.spec, ids, rows)
+            ids = checked_ids(held.spec, ids)
+            rows = checked_rows(held.spec, ids, rows)
             self.back.import_rows(table, ids, rows)
             slots = held.lookup(ids)
             hit = slots >= 0

@@ -26,12 +26,15 @@ Backward turns the pooled gradient into one row per unique id and appends
 attached optimizer at once). A forward whose output is never backpropagated holds its locks only
 until the next forward; a forward while an un-stepped trace exists is an error unless
 ``accumulate_grads=True``.
+
+The pieces live beside this file: the layout of features over caches in ``cache_group``, a
+batch's state between forward and step in ``batch_state``, the KJT checks in ``kjt_input`` and
+the pooling autograd op (step 3 and the backward) in ``pooled_lookup``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,98 +44,18 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
 from embcache.kernels.ids import dedup, fuse_ids
-from embcache.kernels.pooling import PoolingMode, pool_backward, pool_forward
 from embcache.kv.base import Store, TableSpec
 from embcache.kv.url import open_store
-from embcache.models.tables import TableConfig, normalize_tables
+
+# Other modules (sharded, pipeline, the sparse optimizers) import these types from here.
+from embcache.models.batch_state import FusedPrefetchHandle, TraceEntry, _Batch, _Resolved
+from embcache.models.cache_group import _CacheGroup
+from embcache.models.cache_group import _Lookup as _Lookup
+from embcache.models.kjt_input import check_kjt, group_inputs
+from embcache.models.pooled_lookup import _PooledLookup
+from embcache.models.tables import normalize_tables
 
 _UNFUSED_K = 48  # enable_fusion=False: internal fusion with room for ids below 2**48
-
-
-@dataclass
-class _Lookup:
-    """The features of one cache that share a pooling mode, laid out contiguously."""
-
-    mode: PoolingMode
-    features: list[str]
-    feature_lo: int  # first feature of this lookup within its cache's feature order
-    feature_hi: int
-
-
-@dataclass
-class _CacheGroup:
-    """The tables of one embedding dim, their cache, and their features in lookup order."""
-
-    dim: int
-    cache: HotCache
-    tables: list[TableConfig]
-    features: list[str]
-    feature_table: list[TableConfig]
-    lookups: list[_Lookup]
-    table_index: torch.Tensor = field(init=False)  # int64 [F] table of each feature
-    table_rows: torch.Tensor = field(init=False)  # int64 [F] num_embeddings of that table
-    table_names: list[str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.table_index = torch.tensor([t.index for t in self.feature_table])
-        self.table_rows = torch.tensor([t.num_embeddings for t in self.feature_table])
-        self.table_names = [t.name for t in self.feature_table]
-
-
-@dataclass
-class _Resolved:
-    """One cache's share of a batch: unique ids, their slots, and the bag layout."""
-
-    unique: torch.Tensor  # int64 [U] fused ids, ascending
-    inverse: torch.Tensor  # int64 [nnz]
-    slots: torch.Tensor  # int64 [U]
-    offsets: torch.Tensor  # int64 [F*B + 1]
-    weights: torch.Tensor | None
-    locked: bool
-
-
-@dataclass
-class FusedPrefetchHandle:
-    """What `issue_fused_prefetch` resolved for one batch: pass it to
-    `set_fused_prefetch_handle` and run the forward on the same features."""
-
-    module_id: int
-    generation: int
-    keys: list[str]
-    lengths: torch.Tensor
-    values: torch.Tensor
-    resolved: list[_Resolved]
-    used: bool = False
-
-
-@dataclass
-class _Batch:
-    """A forward in flight: its locked slots, whether backward ran, whether it was released."""
-
-    resolved: list[_Resolved]
-    backward_done: bool = False
-    released: bool = False
-
-
-class TraceEntry:
-    """One table's gradients from one backward; unpacks as ``(table_name, ids, grads)``."""
-
-    __slots__ = ("batch", "grads", "group", "ids", "table_name", "unique_hi", "unique_lo")
-
-    def __init__(self, table_name, ids, grads, group, batch, unique_lo, unique_hi) -> None:
-        self.table_name = table_name
-        self.ids = ids  # int64 [n] raw ids, ascending, distinct
-        self.grads = grads  # float32 [n, D]
-        self.group = group  # index of the cache group
-        self.batch = batch  # the _Batch whose slots hold these rows
-        self.unique_lo = unique_lo  # slice of the batch's unique ids in that group
-        self.unique_hi = unique_hi
-
-    def __iter__(self):
-        return iter((self.table_name, self.ids, self.grads))
-
-    def __repr__(self) -> str:
-        return f"TraceEntry({self.table_name!r}, ids[{self.ids.numel()}])"
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -223,15 +146,6 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _make_group(self, dim: int) -> _CacheGroup:
         tables = [t for t in self.tables if t.dim == dim]
-        pairs = [(f, t) for t in tables for f in t.feature_names]
-        pairs.sort(key=lambda p: int(p[1].pooling))  # stable: same-mode features contiguous
-        lookups: list[_Lookup] = []
-        for i, (f, t) in enumerate(pairs):
-            if lookups and lookups[-1].mode == t.pooling:
-                lookups[-1].features.append(f)
-                lookups[-1].feature_hi = i + 1
-            else:
-                lookups.append(_Lookup(t.pooling, [f], i, i + 1))
         cache = HotCache(
             [(t.index, self.specs[t.name]) for t in tables],
             self.cache_config,
@@ -239,77 +153,19 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.device,
             self.fusion_k,
         )
-        return _CacheGroup(
-            dim, cache, tables, [f for f, _ in pairs], [t for _, t in pairs], lookups
-        )
+        return _CacheGroup.of_tables(dim, cache, tables)
 
     # ------------------------------------------------------------------------------------------
     # input checks and id preparation
 
     def _check_features(self, features: KeyedJaggedTensor) -> None:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"expected a torchrec KeyedJaggedTensor, got {type(features).__name__}")
-        keys = features.keys()
-        unknown = [k for k in keys if k not in self.feature_to_table]
-        if unknown:
-            raise ValueError(
-                f"unknown feature keys {unknown}; this collection looks up {self.output_keys}"
-            )
-        missing = [k for k in self.output_keys if k not in keys]
-        if missing:
-            raise ValueError(f"KeyedJaggedTensor lacks features {missing}")
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"duplicate feature keys in {keys}")
-        if features.variable_stride_per_key():
-            raise ValueError("KJTs with a variable batch size per feature are not supported")
-        values, lengths = features.values(), features.lengths()
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise TypeError(f"KJT values must be integer ids, got dtype {values.dtype}")
-        if lengths.numel() != len(keys) * features.stride():
-            raise ValueError(
-                f"KJT lengths has {lengths.numel()} entries, expected "
-                f"{len(keys)} features x batch {features.stride()}"
-            )
-        if bool((lengths < 0).any()):
-            raise ValueError("KJT lengths must be >= 0")
-        if int(lengths.sum()) != values.numel():
-            raise ValueError(
-                f"KJT lengths sum to {int(lengths.sum())} but there are {values.numel()} values"
-            )
-        weights = features.weights_or_none()
-        if self.is_weighted and weights is None:
-            raise ValueError("this collection is_weighted=True but the KJT carries no weights")
-        if not self.is_weighted and weights is not None:
-            raise ValueError("the KJT carries weights but the collection is_weighted=False")
-        if weights is not None:
-            if not weights.is_floating_point():
-                raise TypeError(f"KJT weights must be floating point, got {weights.dtype}")
-            if weights.numel() != values.numel():
-                raise ValueError(f"KJT has {weights.numel()} weights for {values.numel()} values")
-
-    def _group_inputs(self, features: KeyedJaggedTensor, group: _CacheGroup):
-        """Values, lengths and weights of a group's features, in the group's feature order."""
-        keys = features.keys()
-        B = features.stride()
-        values, lengths = features.values(), features.lengths()
-        weights = features.weights_or_none()
-        if keys == group.features:
-            return values, lengths, weights
-        offsets = features.offset_per_key()
-        pos = {k: i for i, k in enumerate(keys)}
-        order = [pos[f] for f in group.features]
-        v = torch.cat([values[offsets[i] : offsets[i + 1]] for i in order])
-        ln = torch.cat([lengths[i * B : (i + 1) * B] for i in order])
-        w = None
-        if weights is not None:
-            w = torch.cat([weights[offsets[i] : offsets[i + 1]] for i in order])
-        return v, ln, w
+        check_kjt(features, self.output_keys, self.is_weighted)
 
     def _fuse_group(
         self, features: KeyedJaggedTensor, group: _CacheGroup
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Validated fused ids, bag lengths and weights of a group (device tensors)."""
-        values, lengths, weights = self._group_inputs(features, group)
+        values, lengths, weights = group_inputs(features, group.features)
         per_feature = lengths.view(len(group.features), -1).sum(dim=1)
         fused = fuse_ids(
             values,
@@ -412,67 +268,6 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._release(batch)
         self._inflight = []
 
-    def _pool(self, gi: int, r: _Resolved, B: int) -> tuple[torch.Tensor, list]:
-        group = self._groups[gi]
-        out = torch.empty(B, len(group.features) * group.dim, device=self.device)
-        argmaxes = []
-        # No cache lock: this batch's slots are locked, so no resolve writes them, and a
-        # resolve that replaces `rows` (growing the scratch area) copies them unchanged.
-        rows = group.cache.rows
-        for lk, inputs in zip(group.lookups, self._lookup_inputs(group, r, B), strict=True):
-            inverse, offsets, weights, cols = inputs
-            argmaxes.append(
-                pool_forward(
-                    rows,
-                    group.dim,
-                    r.slots,
-                    inverse,
-                    offsets,
-                    weights,
-                    lk.mode,
-                    out,
-                    B,
-                    cols,
-                )
-            )
-        return out, argmaxes
-
-    def _lookup_inputs(self, group: _CacheGroup, r: _Resolved, B: int):
-        """Per lookup of a group: its values' inverse, rebased offsets, weights and columns."""
-        if len(group.lookups) == 1:
-            cols = torch.arange(len(group.features), device=self.device) * group.dim
-            return [(r.inverse, r.offsets, r.weights, cols)]
-        bounds = r.offsets[[lk.feature_lo * B for lk in group.lookups] + [r.offsets.numel() - 1]]
-        bounds = bounds.tolist()
-        inputs = []
-        for i, lk in enumerate(group.lookups):
-            lo, hi = bounds[i], bounds[i + 1]
-            offsets = r.offsets[lk.feature_lo * B : lk.feature_hi * B + 1] - lo
-            weights = None if r.weights is None else r.weights[lo:hi]
-            cols = torch.arange(lk.feature_lo, lk.feature_hi, device=self.device) * group.dim
-            inputs.append((r.inverse[lo:hi], offsets, weights, cols))
-        return inputs
-
-    def _grad_rows(self, gi: int, r: _Resolved, B: int, grad_out, argmaxes) -> torch.Tensor:
-        group = self._groups[gi]
-        grad = None
-        lookups = zip(group.lookups, self._lookup_inputs(group, r, B), argmaxes, strict=True)
-        for lk, (inverse, offsets, weights, cols), argmax in lookups:
-            g = pool_backward(
-                grad_out,
-                group.dim,
-                inverse,
-                r.unique.numel(),
-                offsets,
-                weights,
-                lk.mode,
-                B,
-                cols,
-                argmax,
-            )
-            grad = g if grad is None else grad + g
-        return grad
-
     def _on_backward(self, batch: _Batch, grad_rows: list[torch.Tensor]) -> None:
         """Record every group's gradient rows of one backward (or apply them all at once)."""
         batch.backward_done = True
@@ -571,14 +366,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if handle is None:
             return None
         self._check_handle(handle)
-        same = list(features.keys()) == handle.keys and (
-            (features.values() is handle.values and features.lengths() is handle.lengths)
-            or (
-                torch.equal(features.lengths(), handle.lengths)
-                and torch.equal(features.values(), handle.values)
-            )
-        )
-        if not same:
+        if not handle.issued_for(features):
             self.cancel_fused_prefetch(handle)
             raise ValueError(
                 "prefetch handle was issued for other features than this forward's; "
@@ -683,34 +471,6 @@ class CachedEmbeddingBagCollection(nn.Module):
     def reset_stats(self) -> None:
         for group in self._groups:
             group.cache.reset_stats()
-
-
-class _PooledLookup(torch.autograd.Function):
-    """Pool every cache group's bags from its slots; backward yields one gradient row per unique
-    id and group, handed to the collection (trace or immediate update), never a table-sized
-    gradient."""
-
-    @staticmethod
-    def forward(ctx, anchor, module, resolved, batch, batch_size):
-        outs, argmaxes = [], []
-        for gi, r in enumerate(resolved):
-            out, argmax = module._pool(gi, r, batch_size)
-            outs.append(out)
-            argmaxes.append(argmax)
-        ctx.module, ctx.resolved, ctx.batch = module, resolved, batch
-        ctx.batch_size, ctx.argmaxes = batch_size, argmaxes
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grad_outs):
-        module = ctx.module
-        grad_rows = []
-        for gi, (r, grad_out) in enumerate(zip(ctx.resolved, grad_outs, strict=True)):
-            if grad_out.stride(-1) != 1 or grad_out.stride(0) < grad_out.shape[1]:
-                grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
-            grad_rows.append(module._grad_rows(gi, r, ctx.batch_size, grad_out, ctx.argmaxes[gi]))
-        module._on_backward(ctx.batch, grad_rows)
-        return None, None, None, None, None
 
 
 class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):

@@ -1,0 +1,208 @@
+"""`ShardedKVClient`: the RecStore-style KV calls over tensors whose rows are sharded across
+ranks.
+
+Row ``id`` of tensor ``name`` lives on rank ``kv_owner_of(name, id)`` (the hash is documented in
+`embcache.distributed.exchange`), in that rank's local `KVClient`. Every call is a collective
+made of the exchanges of `embcache.distributed.exchange`: a header, the ids routed to their
+owners, then the rows (pushed rows and deltas to the owners, pulled rows back from them).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from embcache.distributed.exchange import (
+    _OP_INIT,
+    _OP_NAMES,
+    _OP_PULL,
+    _OP_PUSH,
+    _OP_UPDATE,
+    _Comm,
+    _with_status,
+    kv_owner_of,
+)
+from embcache.distributed.kv_client import InitFunc, KVClient, KVHandle
+from embcache.kernels.ids import dedup
+from embcache.kv.base import Store, table_hash
+
+
+class ShardedKVClient:
+    """`KVClient`'s calls over rows sharded across ranks; every call is a collective.
+
+    Each rank keeps the rows it owns (``kv_owner_of``) in a local `KVClient`; ``pull``,
+    ``push`` and ``update_async`` send each id to its owner by all_to_all. Every rank calls each
+    method in the same order with its own ids (possibly none).
+
+    Semantics across ranks: ``pull`` sees every earlier call of every rank. ``push`` of the same
+    id by several ranks keeps the highest rank's row. ``update_async`` returns once its deltas
+    have reached their owners, which add them (duplicates summed, over ranks too) on their worker
+    threads in call order, so any later call sees them; ``wait(handle)`` waits for this rank's
+    share (the rows it owns), ``flush()`` for every rank's.
+
+    Args:
+        store: this rank's tier (a `Store`, a URL or None for an in-process `HostKV`).
+        process_group: the ranks sharing the tensors (None: the default group).
+    """
+
+    def __init__(self, store: Store | str | None = None, process_group=None) -> None:
+        self._comm = _Comm(process_group)
+        self.rank, self.world_size = self._comm.rank, self._comm.world_size
+        self.local = KVClient(store)
+        self._names: dict[int, str] = {}
+
+    def _owners(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return kv_owner_of(name, ids, self.world_size)
+
+    def _ids(self, name: str, ids) -> torch.Tensor:
+        """Checked CPU int64 ids; an empty list (a rank with nothing to ask) is fine."""
+        ids = torch.as_tensor(ids)
+        return self.local._ids(name, ids.long() if ids.numel() == 0 else ids)
+
+    def init_data(
+        self,
+        name: str,
+        shape: tuple[int, int],
+        dtype: torch.dtype = torch.float32,
+        init_func: InitFunc | None = None,
+    ) -> None:
+        """Declare a tensor on every rank (collective). ``init_func`` runs on rank 0 only, and
+        its rows are sent to their owners, so it need not be deterministic across ranks."""
+        error, initial = None, None
+        fresh = name not in self.local._tensors
+        try:
+            self.local.init_data(name, shape, dtype)
+            if init_func is not None and fresh and self.rank == 0:
+                initial = init_func(self.local.shape(name), dtype)
+                if tuple(initial.shape) != self.local.shape(name):
+                    raise ValueError(
+                        f"tensor {name!r}: init_func returned shape {tuple(initial.shape)}, "
+                        f"expected {self.local.shape(name)}"
+                    )
+        except Exception as e:
+            error = e
+        self._names[table_hash(name)] = name
+        wants_init = int(init_func is not None and fresh)
+        flags = self._comm.header(
+            torch.full((self.world_size,), wants_init), _OP_INIT, table_hash(name), error,
+            self._names,
+        )  # fmt: skip
+        if len(set(flags)) != 1:
+            raise RuntimeError(
+                f"rank {self.rank}: init_data({name!r}) needs the same arguments on every rank; "
+                f"ranks {[r for r, f in enumerate(flags) if f]} (only) would initialise it from "
+                f"an init_func"
+            )
+        if not wants_init:
+            return
+        rows = self.local.shape(name)[0]
+        ids = torch.arange(rows) if self.rank == 0 else torch.empty(0, dtype=torch.int64)
+        values = initial.float().cpu() if self.rank == 0 else None
+        self._send(_OP_INIT, name, ids, values, lambda i, v: self.local.push(name, i, v))
+
+    def _send(self, op: int, name: str, ids, values, apply, error=None):
+        """Route ``ids`` and their ``values`` rows to the owners, who call ``apply``."""
+        if error is not None:
+            ids, values = torch.empty(0, dtype=torch.int64), None
+        dim = self.local.shape(name)[1] if error is None else 0
+        route = self._comm.route(
+            ids, self._owners(name, ids), op, table_hash(name), error, self._names
+        )
+        if values is None:
+            values = torch.empty(0, dim)
+        got = self._comm.exchange(
+            values[route.order], route.send_counts, route.recv_counts, f"{_OP_NAMES[op]}'s rows"
+        )
+        return apply(route.recv_ids, got)
+
+    def pull(self, name: str, ids) -> torch.Tensor:
+        """Rows ``[n, dim]`` of ``ids`` (any shape, flattened; duplicates allowed)."""
+        error = None
+        try:
+            ids = self._ids(name, ids)
+        except Exception as e:
+            error, ids = e, torch.empty(0, dtype=torch.int64)
+        unique, inverse, _ = dedup(ids)
+        self._names[table_hash(name)] = name
+        route = self._comm.route(
+            unique, self._owners(name, unique), _OP_PULL, table_hash(name), error, self._names
+        )
+        served, failure = None, None
+        try:
+            served = self.local.pull(name, route.recv_ids).to(torch.float32)
+        except Exception as e:
+            failure = e
+        dim = self.local.shape(name)[1]
+        reply = _with_status(served, torch.arange(route.recv_ids.numel()), route.recv_counts, dim)
+        got, data = self._comm.reply(
+            reply, route.recv_counts, route.send_counts, failure, f"pull({name!r})"
+        )
+        rows = torch.empty(unique.numel(), dim)
+        rows[route.order] = got[data]
+        return rows[inverse].to(self.local._meta(name).dtype)
+
+    def push(self, name: str, ids, rows) -> None:
+        """Overwrite rows; a rank's ids must be distinct (several ranks: the highest rank's row
+        wins)."""
+        error = None
+        try:
+            ids = self._ids(name, ids)
+            rows = self.local._rows(name, ids, rows, "rows")
+            if torch.unique(ids).numel() != ids.numel():
+                raise ValueError(f"tensor {name!r}: push got duplicate ids")
+        except Exception as e:
+            error = e
+
+        def apply(recv_ids: torch.Tensor, recv_rows: torch.Tensor) -> None:
+            unique, inverse = torch.unique(recv_ids, return_inverse=True)
+            last = torch.full_like(unique, -1).scatter_reduce_(
+                0, inverse, torch.arange(recv_ids.numel()), "amax"
+            )
+            self.local.push(name, unique, recv_rows[last])
+
+        self._names[table_hash(name)] = name
+        self._send(_OP_PUSH, name, ids, rows, apply, error)
+
+    def update_async(self, name: str, ids, grads) -> KVHandle:
+        """Add ``grads`` to the rows of ``ids`` at their owners (see the class docstring)."""
+        error = None
+        try:
+            ids = self._ids(name, ids)
+            grads = self.local._rows(name, ids, grads, "grads")
+            if not bool(torch.isfinite(grads).all()):
+                raise ValueError(f"tensor {name!r}: update_async got NaN or Inf values")
+        except Exception as e:
+            error = e
+        self._names[table_hash(name)] = name
+        return self._send(
+            _OP_UPDATE, name, ids, grads, lambda i, g: self.local.update_async(name, i, g), error
+        )
+
+    def wait(self, handle: KVHandle) -> None:
+        """Block until this rank has applied its share of an `update_async`."""
+        self.local.wait(handle)
+
+    def prefetch(self, name: str, ids) -> KVHandle:
+        """`pull` now (it is a collective); `wait_and_get` returns the rows."""
+        future: Future = Future()
+        future.set_result(self.pull(name, ids))
+        return KVHandle(future)
+
+    def wait_and_get(self, handle: KVHandle) -> torch.Tensor:
+        return self.local.wait_and_get(handle)
+
+    def flush(self) -> None:
+        """Block until every rank has applied every operation submitted so far (collective)."""
+        self.local.flush()
+        self._comm._run("barrier of flush", lambda: dist.barrier(group=self._comm.group))
+
+    def shape(self, name: str) -> tuple[int, int]:
+        return self.local.shape(name)
+
+    def comm_stats(self) -> dict[str, int]:
+        return self._comm.stats()
+
+    def close(self) -> None:
+        self.local.close()

@@ -1,0 +1,240 @@
+"""How `RedisKV` lays tables out on a Redis server: key names, the spec record, row bytes.
+
+Key layout, for namespace ``ns``, table ``T``, row id ``i``:
+
+    ns:meta:T             JSON: the spec (name, dim, num_embeddings, state_dim, state_init,
+                          seed; never the init callable) and the table's bucket count B
+    ns:{h.b}:T:i          row i: ``dim + state_dim`` little-endian float32, ``[weights | state]``
+
+with ``h = table_hash(T)`` (a CRC of the name) and ``b = i % B`` (B = 256 unless the server's
+record says otherwise). The braces are Redis Cluster's hash tag: the rows of one bucket share a
+slot, so on a cluster a batch costs one MGET/MSET per slot touched (at most B) rather than one
+command per row, while a table's B buckets still spread over the slots and hence the nodes. On a
+single server the tag is just part of the name and a chunk is one MGET/MSET.
+
+The multi-key commands (MGET, MSET, MSETNX) go out one per slot group of a `KeyBatch`, in one
+pipeline per node. Nothing here retries: a connection error propagates to `RedisKV`, which
+retries the whole chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import urllib.parse
+from typing import Any
+
+import numpy as np
+import redis
+import redis.cluster
+import torch
+from redis.crc import key_slot
+
+from embcache.kv.base import TableSpec, table_hash
+
+DEFAULT_BUCKETS = 256
+ROW_DTYPE = np.dtype("<f4")  # fixed byte order: clients on any machine read the same rows
+META_FORMAT = 1
+# No ':' or braces: they would change the key layout.
+NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-/]+")
+
+Client = redis.Redis | redis.cluster.RedisCluster
+Command = tuple[int, tuple[Any, ...]]  # (cluster slot, or -1 on a single server; command)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, fit for error messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclasses.dataclass
+class TableLayout:
+    """A declared table and the precomputed parts of its keys."""
+
+    spec: TableSpec
+    buckets: int
+    meta_key: bytes
+    prefixes: list[bytes]  # per bucket b: b"ns:{h.b}:T:"
+    bucket_slot: torch.Tensor  # int64 [B], cluster slot of each bucket
+    scan_match: bytes  # SCAN MATCH pattern of the table's row keys
+    id_re: re.Pattern[bytes]  # a row key of exactly this table -> its id
+
+    @property
+    def row_bytes(self) -> int:
+        return self.spec.row_width * ROW_DTYPE.itemsize
+
+
+@dataclasses.dataclass
+class KeyBatch:
+    """Keys of a chunk of ids as sent: ``keys[a:b]`` is one multi-key command per group."""
+
+    keys: list[bytes]
+    order: torch.Tensor | None  # keys[k] is the key of ids[order[k]]; None: ids order
+    groups: list[tuple[int, int, int]]  # (slot or -1, a, b)
+
+
+def meta_key(namespace: bytes, table: str) -> bytes:
+    """Key of the spec record of ``table``: ``ns:meta:T``."""
+    return namespace + b":meta:" + table.encode()
+
+
+def table_layout(namespace: bytes, spec: TableSpec, buckets: int) -> TableLayout:
+    """The keys of ``spec``'s table in ``namespace``, spread over ``buckets`` hash tags."""
+    name = spec.name.encode()
+    tag = b"%d" % table_hash(spec.name)
+    prefixes = [namespace + b":{" + tag + b".%d}:" % b + name + b":" for b in range(buckets)]
+    escaped = re.sub(rb"([*?\[\]\\])", rb"\\\1", name)
+    return TableLayout(
+        spec=spec,
+        buckets=buckets,
+        meta_key=meta_key(namespace, spec.name),
+        prefixes=prefixes,
+        bucket_slot=torch.tensor([key_slot(p) for p in prefixes], dtype=torch.int64),
+        scan_match=namespace + b":{" + tag + b".*}:" + escaped + b":*",
+        id_re=re.compile(
+            re.escape(namespace + b":{" + tag + b".") + rb"\d+\}:" + re.escape(name) + rb":(\d+)"
+        ),
+    )
+
+
+def key_batch(t: TableLayout, ids: torch.Tensor, cluster: bool) -> KeyBatch:
+    """Keys of ``ids``, grouped so that one multi-key command serves each group.
+
+    Single server: one group, keys in the order of ``ids``. Cluster: one group per slot,
+    keys sorted by slot (``order`` says which id each key is).
+    """
+    buckets, prefixes = t.buckets, t.prefixes
+    if not cluster:
+        keys = [prefixes[i % buckets] + b"%d" % i for i in ids.tolist()]
+        return KeyBatch(keys, None, [(-1, 0, len(keys))])
+    slots = t.bucket_slot[ids % buckets]
+    order = torch.argsort(slots, stable=True)
+    keys = [prefixes[i % buckets] + b"%d" % i for i in ids[order].tolist()]
+    group_slots, counts = torch.unique_consecutive(slots[order], return_counts=True)
+    stops = torch.cumsum(counts, 0)
+    groups = list(zip(group_slots.tolist(), (stops - counts).tolist(), stops.tolist(), strict=True))
+    return KeyBatch(keys, order, groups)
+
+
+def spec_record(spec: TableSpec, buckets: int) -> dict[str, Any]:
+    """What the server keeps about a table (everything but the init callable)."""
+    return {
+        "format": META_FORMAT,
+        "name": spec.name,
+        "dim": spec.dim,
+        "num_embeddings": spec.num_embeddings,
+        "state_dim": spec.state_dim,
+        "state_init": float(spec.state_init),
+        "seed": spec.seed,
+        "buckets": buckets,
+    }
+
+
+def to_blobs(rows: torch.Tensor) -> list[bytes]:
+    """One bytes object per row of float32 ``[n, W]``, little-endian."""
+    data = rows.numpy().astype(ROW_DTYPE, copy=False).tobytes()
+    width = rows.shape[1] * ROW_DTYPE.itemsize
+    return [data[k : k + width] for k in range(0, len(data), width)]
+
+
+def from_blobs(values: list[Any], t: TableLayout) -> torch.Tensor:
+    """float32 ``[n, W]`` from ``n`` row blobs, checking each has the table's width."""
+    data = b"".join(values)
+    if len(data) != len(values) * t.row_bytes:
+        bad = next(v for v in values if len(v) != t.row_bytes)
+        raise RuntimeError(
+            f"table {t.spec.name!r}: a row on the server has {len(bad)} bytes, expected "
+            f"{t.row_bytes} (dim={t.spec.dim} + state_dim={t.spec.state_dim} float32); was the "
+            f"table re-declared with another state layout by another client?"
+        )
+    flat = np.frombuffer(data, dtype=ROW_DTYPE).astype(np.float32)
+    return torch.from_numpy(flat).reshape(len(values), t.spec.row_width)
+
+
+def run_commands(client: Client, commands: list[Command]) -> list[Any]:
+    """Replies to ``(slot, command)`` pairs, in order: one pipeline (a round trip) per node.
+
+    On a cluster, commands go straight to the node that owns their slot, as redis-py's own
+    cluster pipeline would send them but without its per-key slot checks (they cost more
+    than the round trip). A slot that moved raises MovedError/AskError; `RedisKV` refreshes
+    the slot map and retries.
+    """
+    if not isinstance(client, redis.cluster.RedisCluster):
+        if len(commands) == 1:
+            return [client.execute_command(*commands[0][1])]
+        pipe = client.pipeline(transaction=False)
+        for _, command in commands:
+            pipe.execute_command(*command)
+        return pipe.execute()
+    nodes = client.nodes_manager
+    by_node: dict[str, tuple[redis.cluster.ClusterNode, list[int]]] = {}
+    for k, (slot, _) in enumerate(commands):
+        node = nodes.get_node_from_slot(slot)
+        by_node.setdefault(node.name, (node, []))[1].append(k)
+    replies: list[Any] = [None] * len(commands)
+    for node, positions in by_node.values():
+        pipe = client.get_redis_connection(node).pipeline(transaction=False)
+        for k in positions:
+            pipe.execute_command(*commands[k][1])
+        for k, reply in zip(positions, pipe.execute(), strict=True):
+            replies[k] = reply
+    return replies
+
+
+def mget(client: Client, batch: KeyBatch) -> list[bytes | None]:
+    """Values of ``batch.keys`` (None where absent), in the batch's key order."""
+    if not batch.keys:
+        return []
+    commands = [(slot, ("MGET", *batch.keys[a:b])) for slot, a, b in batch.groups]
+    return [value for values in run_commands(client, commands) for value in values]
+
+
+def mset(client: Client, batch: KeyBatch, blobs: list[bytes]) -> None:
+    """Write ``blobs`` (in the batch's key order) to ``batch.keys``."""
+    commands = []
+    for slot, a, b in batch.groups:
+        args: list[bytes] = [b""] * (2 * (b - a))
+        args[0::2] = batch.keys[a:b]
+        args[1::2] = blobs[a:b]
+        commands.append((slot, ("MSET", *args)))
+    if commands:
+        run_commands(client, commands)
+
+
+def set_nx(client: Client, batch: KeyBatch, positions: list[int], blobs: list[bytes]) -> list[bool]:
+    """Create the keys at ``positions`` of the batch unless they exist: True where created.
+
+    One MSETNX per slot group sets the whole group when none of its keys exists (the usual
+    case, one command); a group where some key exists (another writer got there first) is
+    redone key by key with ``SET NX``, so each key keeps whichever value came first.
+    """
+    slot_at = [-1] * len(batch.keys)
+    for slot, a, b in batch.groups:
+        slot_at[a:b] = [slot] * (b - a)
+    groups: dict[int, list[int]] = {}
+    for j, k in enumerate(positions):
+        groups.setdefault(slot_at[k], []).append(j)
+    commands = []
+    for slot, members in groups.items():
+        args: list[bytes] = [b""] * (2 * len(members))
+        args[0::2] = [batch.keys[positions[j]] for j in members]
+        args[1::2] = [blobs[j] for j in members]
+        commands.append((slot, ("MSETNX", *args)))
+    created = [True] * len(positions)
+    retry = []
+    for (slot, members), reply in zip(groups.items(), run_commands(client, commands), strict=True):
+        if not reply:
+            retry.extend((slot, j) for j in members)
+    if retry:
+        one_by_one = [
+            (slot, ("SET", batch.keys[positions[j]], blobs[j], "NX")) for slot, j in retry
+        ]
+        for (_, j), reply in zip(retry, run_commands(client, one_by_one), strict=True):
+            created[j] = bool(reply)
+    return created
