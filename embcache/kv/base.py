@@ -215,3 +215,32 @@ class Store(Protocol):
     def close(self) -> None:
         """Release resources (connections, files). The store is unusable afterwards."""
         ...
+
+
+class IOStats(dict):
+    """Traffic counters of a tier's ``get``/``put`` (what its ``io_stats()`` returns): rows and
+    bytes read and written, calls, rows created on first touch, plus any ``extra`` keys."""
+
+    KEYS = (
+        "rows_read",
+        "rows_written",
+        "bytes_read",
+        "bytes_written",
+        "get_calls",
+        "put_calls",
+        "rows_created",
+    )
+
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        super().__init__(dict.fromkeys(self.KEYS + extra, 0))
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        for key in self:
+            self[key] = 0
+
+    def count(self, direction: str, rows: int, row_bytes: int) -> None:
+        """One ``get`` (``direction="read"``) or ``put`` (``"written"``) of ``rows`` rows."""
+        self[f"rows_{direction}"] += rows
+        self[f"bytes_{direction}"] += rows * row_bytes
+        self["get_calls" if direction == "read" else "put_calls"] += 1

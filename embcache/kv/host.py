@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from embcache.kernels.reference import mix64
-from embcache.kv.base import TableSpec, checked_ids, checked_rows
+from embcache.kv.base import IOStats, TableSpec, checked_ids, checked_rows
 
 _EMPTY = -1  # key of a free hash slot; ids are non-negative, so it never collides with one
 _MAX_LOAD = 0.5  # linear probing stays short (expected ~1.5 probes per hit) up to half full
@@ -314,7 +314,7 @@ class HostKV:
         self._tables: dict[str, _Table] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._stats = dict.fromkeys(_STAT_KEYS, 0)
+        self._stats = IOStats()
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -447,7 +447,7 @@ class HostKV:
 
     def reset_io_stats(self) -> None:
         with self._lock:
-            self._stats = dict.fromkeys(_STAT_KEYS, 0)
+            self._stats.reset()
 
     def memory_bytes(self) -> int:
         """Bytes allocated for all tables (rows, masks, hash index).
@@ -477,17 +477,4 @@ class HostKV:
         return table
 
     def _count(self, direction: str, n: int, spec: TableSpec) -> None:
-        self._stats[f"rows_{direction}"] += n
-        self._stats[f"bytes_{direction}"] += n * spec.row_width * 4
-        self._stats["get_calls" if direction == "read" else "put_calls"] += 1
-
-
-_STAT_KEYS = (
-    "rows_read",
-    "rows_written",
-    "bytes_read",
-    "bytes_written",
-    "get_calls",
-    "put_calls",
-    "rows_created",
-)
+        self._stats.count(direction, n, spec.row_width * 4)

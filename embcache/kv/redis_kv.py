@@ -34,7 +34,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from embcache.kv.base import TableSpec, checked_ids, checked_rows
+from embcache.kv.base import IOStats, TableSpec, checked_ids, checked_rows
 from embcache.kv.redis_wire import (
     DEFAULT_BUCKETS,
     NAMESPACE_RE,
@@ -157,7 +157,7 @@ class RedisKV:
         self._lock = threading.Lock()
         self._declare_lock = threading.Lock()  # one init_table at a time (it may rewrite rows)
         self._closed = False
-        self._stats = dict.fromkeys(_STAT_KEYS, 0)
+        self._stats = IOStats()
         # Retries are ours (bounded by time, across reconnects); redis-py's own would stack
         # their backoff on top of ours, so they are off.
         options: dict[str, Any] = {
@@ -326,7 +326,7 @@ class RedisKV:
 
     def reset_io_stats(self) -> None:
         with self._lock:
-            self._stats = dict.fromkeys(_STAT_KEYS, 0)
+            self._stats.reset()
 
     def close(self) -> None:
         """Close the connections. Any later call but `close` raises ``RuntimeError``."""
@@ -538,18 +538,5 @@ class RedisKV:
 
     def _count(self, direction: str, n: int, t: TableLayout, created: int = 0) -> None:
         with self._lock:
-            self._stats[f"rows_{direction}"] += n
-            self._stats[f"bytes_{direction}"] += n * t.row_bytes
-            self._stats["get_calls" if direction == "read" else "put_calls"] += 1
+            self._stats.count(direction, n, t.row_bytes)
             self._stats["rows_created"] += created
-
-
-_STAT_KEYS = (
-    "rows_read",
-    "rows_written",
-    "bytes_read",
-    "bytes_written",
-    "get_calls",
-    "put_calls",
-    "rows_created",
-)

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from embcache.kernels.reference import mix64
-from embcache.kv.base import Store, TableSpec, checked_ids, checked_rows
+from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
 
 _MIN_SLOTS = 64
 _FREE = -1  # slot_id of a free slot
@@ -230,7 +230,7 @@ class TieredKV:
         self._lock = threading.RLock()
         self._clock = 0
         self._closed = False
-        self._stats = dict.fromkeys(_STAT_KEYS, 0)
+        self._stats = IOStats(("hits", "misses", "evictions", "writebacks"))
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -375,7 +375,7 @@ class TieredKV:
 
     def reset_io_stats(self) -> None:
         with self._lock:
-            self._stats = dict.fromkeys(_STAT_KEYS, 0)
+            self._stats.reset()
 
     def held_rows(self, table: str | None = None) -> int:
         """Rows held in host memory (of one table, or all)."""
@@ -457,20 +457,4 @@ class TieredKV:
             self._stats["evictions"] += mine.numel()
 
     def _count(self, direction: str, n: int, spec: TableSpec) -> None:
-        self._stats[f"rows_{direction}"] += n
-        self._stats[f"bytes_{direction}"] += n * spec.row_width * 4
-        self._stats["get_calls" if direction == "read" else "put_calls"] += 1
-
-
-_STAT_KEYS = (
-    "rows_read",
-    "rows_written",
-    "bytes_read",
-    "bytes_written",
-    "get_calls",
-    "put_calls",
-    "hits",
-    "misses",
-    "evictions",
-    "writebacks",
-)
+        self._stats.count(direction, n, spec.row_width * 4)
