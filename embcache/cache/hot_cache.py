@@ -361,13 +361,19 @@ class HotCache:
         # Misses compete for a set's ways in an order that changes every batch: dedup hands
         # ids sorted, and a fixed order would give the same rows the ways each time. LFU:
         # the most frequent first.
-        miss_pos = miss_pos[torch.argsort(mix64(ids[miss_pos] ^ self._tick))]
+        shuffle = mix64(ids[miss_pos] ^ self._tick)
         lfu = self.policy is CachePolicy.LFU
         if lfu:
+            miss_pos = miss_pos[torch.argsort(shuffle)]
             miss_freq = self._freq[self._freq_index(ids[miss_pos])] + 1  # with this request
             by_freq = torch.argsort(miss_freq, descending=True, stable=True)
             miss_pos, miss_freq = miss_pos[by_freq], miss_freq[by_freq]
-        miss_sets, order = torch.sort(sets[miss_pos], stable=True)
+            miss_sets, order = torch.sort(sets[miss_pos], stable=True)
+        else:
+            # One sort: by set, then by the batch's shuffle (20 low bits; num_sets < 2**43).
+            key = (sets[miss_pos] << 20) | (shuffle & 0xFFFFF)
+            order = torch.sort(key, stable=True).indices
+            miss_sets = sets[miss_pos][order]
         miss_pos = miss_pos[order]
         touched, owner = torch.unique_consecutive(miss_sets, return_inverse=True)
         locks_view = self.locks[: self.num_slots].view(self.num_sets, W)

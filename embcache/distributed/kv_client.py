@@ -145,13 +145,13 @@ class KVClient:
     def _get(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         if not ids.numel():
             return torch.empty(0, self._meta(name).shape[1], dtype=self._meta(name).dtype)
-        unique, inverse, _ = dedup(ids)
+        unique, inverse, _ = dedup(ids, with_counts=False)
         return self.store.get(name, unique)[inverse].to(self._meta(name).dtype)
 
     def _add(self, name: str, ids: torch.Tensor, deltas: torch.Tensor) -> None:
         if not ids.numel():
             return
-        unique, inverse, _ = dedup(ids)
+        unique, inverse, _ = dedup(ids, with_counts=False)
         summed = torch.zeros(unique.numel(), deltas.shape[1]).index_add_(0, inverse, deltas)
         self.store.put(name, unique, self.store.get(name, unique) + summed)
 

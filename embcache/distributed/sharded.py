@@ -212,7 +212,7 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
             self._check_features(features)
             for group in self._groups:
                 fused, lengths, weights = self._fuse_group(features, group)
-                unique, inverse, _ = dedup(fused)
+                unique, inverse, _ = dedup(fused, with_counts=False)
                 offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self.device)
                 torch.cumsum(lengths, 0, out=offsets[1:])
                 prepared.append((inverse, offsets, weights))
@@ -273,7 +273,7 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
                 if _one_source(o.counts):  # one requester's unique ids: distinct, ascending
                     unique, inverse = o.ids, torch.arange(o.ids.numel(), device=self.device)
                 else:
-                    unique, inverse, _ = dedup(o.ids)
+                    unique, inverse, _ = dedup(o.ids, with_counts=False)
                 slots = group.cache.resolve(unique, lock=lock)
                 o.resolved = _Resolved(unique, inverse, slots, self._no_ids(), None, lock)
         except Exception as e:

@@ -124,7 +124,7 @@ class ShardedKVClient:
             ids = self._ids(name, ids)
         except Exception as e:
             error, ids = e, torch.empty(0, dtype=torch.int64)
-        unique, inverse, _ = dedup(ids)
+        unique, inverse, _ = dedup(ids, with_counts=False)
         self._names[table_hash(name)] = name
         route = self._comm.route(
             unique, self._owners(name, unique), _OP_PULL, table_hash(name), error, self._names

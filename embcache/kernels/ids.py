@@ -356,19 +356,23 @@ def unfuse_ids(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.
     return reference.unfuse_ids_ref(fused, fusion_k)
 
 
-def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dedup(
+    ids: torch.Tensor, with_counts: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Unique ids of a batch, sorted ascending, with the inverse index and counts.
 
     Example: ``[7, 3, 7, 9]`` gives ``([3, 7, 9], [1, 0, 1, 2], [1, 2, 1])``.
 
     Args:
         ids: int64 or int32 ``[n]`` (fused) ids.
+        with_counts: also count occurrences (the CPU path is ~30% cheaper without).
 
     Returns:
         ``(unique_ids, inverse, counts)``: int64 ``[U]`` ascending, int64 ``[n]`` with
-        ``unique_ids[inverse] == ids``, int64 ``[U]`` occurrences of each unique id.
+        ``unique_ids[inverse] == ids``, int64 ``[U]`` occurrences of each unique id (None
+        when not asked for on the CPU path).
     """
     _check_int("ids", ids)
     if use_triton(ids):
         return _dedup_triton(ids.contiguous())
-    return reference.dedup_ref(ids)
+    return reference.dedup_ref(ids, with_counts)

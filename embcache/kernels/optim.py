@@ -409,6 +409,7 @@ def _check_row_update(
     slots: torch.Tensor,
     grads: torch.Tensor,
     update: RowUpdate,
+    check_slots: bool = True,
 ) -> None:
     """Raise TypeError/ValueError naming the first bad input; reads rows, never writes."""
     if not isinstance(update, RowUpdate):
@@ -442,7 +443,7 @@ def _check_row_update(
             f"rows, slots and grads must share a device, got {rows.device}, {slots.device}, "
             f"{grads.device}"
         )
-    if n == 0:
+    if n == 0 or not check_slots:
         return
     # One host sync for the range and distinctness checks; details only on the error path.
     sorted_slots = torch.sort(slots).values
@@ -467,6 +468,7 @@ def apply_row_update(
     grads: torch.Tensor,
     update: RowUpdate,
     step: int,
+    check_slots: bool = True,
 ) -> None:
     """Apply one optimizer step to the rows ``slots`` of ``rows``, in place.
 
@@ -483,6 +485,8 @@ def apply_row_update(
         update: the rule and its hyper-parameters.
         step: the optimizer's step count after incrementing (1 on the first step); used by
             ADAM's bias corrections and ADAGRAD's ``lr_decay``.
+        check_slots: verify that slots are in range and distinct (a sort and a host sync).
+            Callers whose slots come from a cache resolve, distinct by construction, skip it.
 
     Raises:
         TypeError: a wrong type or dtype.
@@ -490,7 +494,7 @@ def apply_row_update(
             repeated, mismatched devices, ``step < 1``. ``rows`` is unchanged when raised.
     """
     step = _check_step(step)
-    _check_row_update(rows, dim, slots, grads, update)
+    _check_row_update(rows, dim, slots, grads, update, check_slots)
     if slots.numel() == 0:
         return
     rule = update.rule

@@ -72,16 +72,22 @@ def unfuse_ids_ref(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, to
     return fused >> fusion_k, fused & ((1 << fusion_k) - 1)
 
 
-def dedup_ref(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dedup_ref(
+    ids: torch.Tensor, with_counts: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Unique ids, sorted ascending, with the inverse index and counts.
 
     Args:
         ids: int64 ``[n]``.
+        with_counts: also count occurrences; else counts is None.
 
     Returns:
         ``(unique_ids, inverse, counts)``: int64 ``[U]``, int64 ``[n]`` with
         ``unique_ids[inverse] == ids``, and int64 ``[U]`` occurrences of each unique id.
     """
+    if not with_counts:
+        unique_ids, inverse = torch.unique(ids.to(torch.int64), sorted=True, return_inverse=True)
+        return unique_ids, inverse.reshape(-1), None
     unique_ids, inverse, counts = torch.unique(
         ids.to(torch.int64), sorted=True, return_inverse=True, return_counts=True
     )

@@ -187,7 +187,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         resolved: list[_Resolved] = []
         try:
             for group, (fused, lengths, weights) in zip(self._groups, prepared, strict=True):
-                unique, inverse, _ = dedup(fused)
+                unique, inverse, _ = dedup(fused, with_counts=False)
                 slots = group.cache.resolve(unique, lock=lock)
                 offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self.device)
                 torch.cumsum(lengths, 0, out=offsets[1:])

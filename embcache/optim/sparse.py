@@ -191,8 +191,15 @@ class SparseOptimizer:
         table_steps = {steps[t.name] for t in group.tables if t.name in steps}
         with cache.lock:
             if len(table_steps) == 1:
+                # Slots from a resolve are distinct by construction: skip the sorted check.
                 apply_row_update(
-                    cache.rows, group.dim, slots, grads, self.update, table_steps.pop()
+                    cache.rows,
+                    group.dim,
+                    slots,
+                    grads,
+                    self.update,
+                    table_steps.pop(),
+                    check_slots=False,
                 )
             else:
                 starts = torch.tensor(
@@ -209,6 +216,7 @@ class SparseOptimizer:
                             grads[lo:hi],
                             self.update,
                             steps[t.name],
+                            check_slots=False,
                         )
             cache.mark_dirty(slots)
 

@@ -227,6 +227,10 @@ def test_dedup_matches_reference(
     assert inverse.tolist() == expected[1]
     assert counts.tolist() == expected[2]
     assert torch.equal(t_ids.cpu(), ids)
+    # Without counts: the same unique ids and inverse.
+    unique_only, inverse_only, _ = dedup(t_ids, with_counts=False)
+    assert unique_only.tolist() == expected[0]
+    assert inverse_only.tolist() == expected[1]
 
 
 def test_dedup_accepts_int32(backend: str, device: torch.device) -> None:
