@@ -339,6 +339,26 @@ def fuse_ids(
     )
 
 
+def dedup_grouped(
+    ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`dedup` plus the value positions grouped by unique id, for a one-pass backward.
+
+    Sort-based with torch ops on every device (``torch.sort`` is the bandwidth-bound core on a
+    GPU too, as in `dedup`'s Triton path).
+
+    Args:
+        ids: int64 or int32 ``[n]`` (fused) ids.
+
+    Returns:
+        ``(unique_ids, inverse, order, segments)``: as `dedup` for the first two; ``order``
+        int64 ``[n]`` positions sorted by id (ascending within an id) and ``segments`` int64
+        ``[U + 1]``: id u owns ``order[segments[u] : segments[u + 1]]``.
+    """
+    _check_int("ids", ids)
+    return reference.dedup_grouped_ref(ids)
+
+
 def unfuse_ids(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split fused ids into their table index and id; the inverse of `fuse_ids`.
 

@@ -409,6 +409,7 @@ def pool_backward(
     batch_size: int,
     col_offsets: torch.Tensor,
     argmax: torch.Tensor | None,
+    grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Gradient of each unique row from the gradient of the pooled output; deterministic.
 
@@ -423,6 +424,8 @@ def pool_backward(
         batch_size: B.
         col_offsets: int64 ``[F]``, as in the forward.
         argmax: int64 ``[F * B, dim]`` returned by the forward for MAX; None otherwise.
+        grouping: optional ``(order, segments)`` from `ids.dedup_grouped` over these values;
+            the CPU path then sums each id's rows in one pass (same result).
 
     Returns:
         float32 ``[U, dim]``: row u sums the gradients of every occurrence of unique id u (for
@@ -458,4 +461,11 @@ def pool_backward(
     args = (grad_out, dim, inverse, num_unique, offsets, per_sample_weights, mode, batch_size)
     if use_triton(grad_out):
         return _pool_backward_triton(*args, col_offsets, argmax)
-    return reference.pool_backward_ref(*args, col_offsets, argmax)
+    if grouping is not None:
+        order, segments = grouping
+        _check(
+            order.numel() == inverse.numel() and segments.numel() == num_unique + 1,
+            f"grouping covers {order.numel()} values and {segments.numel() - 1} ids, expected "
+            f"{inverse.numel()} and {num_unique}",
+        )
+    return reference.pool_backward_ref(*args, col_offsets, argmax, grouping)

@@ -94,6 +94,33 @@ def dedup_ref(
     return unique_ids, inverse.reshape(-1), counts
 
 
+def dedup_grouped_ref(
+    ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`dedup_ref` that also returns the positions grouped by unique id.
+
+    Args:
+        ids: int64 ``[n]``.
+
+    Returns:
+        ``(unique_ids, inverse, order, segments)``: unique ids ascending ``[U]``, the inverse
+        ``[n]``, ``order`` ``[n]``: positions sorted by id (stable: ascending within an id), and
+        ``segments`` ``[U + 1]``: unique id u owns ``order[segments[u] : segments[u + 1]]``.
+    """
+    ids = ids.to(torch.int64)
+    n = ids.numel()
+    sorted_ids, order = torch.sort(ids, stable=True)
+    starts = torch.ones(n, dtype=torch.bool, device=ids.device)
+    if n > 1:
+        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=starts[1:])
+    unique_ids = sorted_ids[starts]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.cumsum(starts, 0) - 1
+    segments = torch.nonzero(starts).squeeze(1)
+    segments = torch.cat([segments, segments.new_full((1,), n)])
+    return unique_ids, inverse, order, segments
+
+
 # ----------------------------------------------------------------------------------------------
 # pooling: forward and backward over cache slots (used by kernels/pooling.py)
 # ----------------------------------------------------------------------------------------------
@@ -248,6 +275,7 @@ def pool_backward_ref(
     batch_size: int,
     col_offsets: torch.Tensor,
     argmax: torch.Tensor | None,
+    grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Gradient of each unique row from the gradient of the pooled output.
 
@@ -267,6 +295,10 @@ def pool_backward_ref(
         batch_size: B.
         col_offsets: int64 ``[F]``.
         argmax: int64 ``[F * B, dim]`` from the forward (MAX only), else None.
+        grouping: ``(order, segments)`` of `dedup_grouped_ref` for these values, or None.
+            With it, SUM and MEAN sum each unique id's gradient rows with one
+            ``embedding_bag`` over the grouped values (a fused gather-sum, in the same order
+            as the scatter) instead of gathering them and scattering the sums.
 
     Returns:
         float32 ``[U, dim]``.
@@ -303,6 +335,21 @@ def pool_backward_ref(
     if per_sample_weights is not None:
         w = per_sample_weights.to(torch.float32)
         scale = w if scale is None else scale * w
+    if g_block is not None and grouping is not None:
+        # Bag q = i*B + b reads g_block[b, i]; each unique id sums its grouped values' rows.
+        order, segments = grouping
+        row = (bag_of_value % batch_size) * num_features + bag_of_value // batch_size
+        weights = None if scale is None else scale.index_select(0, order)
+        return torch.embedding_bag(
+            g_block.reshape(batch_size * num_features, dim),
+            row.index_select(0, order),
+            segments,
+            False,
+            POOL_SUM,
+            False,
+            weights,
+            True,
+        )[0]
     if g_block is not None:
         # Bag q = i*B + b reads g_block[b, i]: gather straight from grad_out, no transpose.
         row = (bag_of_value % batch_size) * num_features + bag_of_value // batch_size

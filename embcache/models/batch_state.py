@@ -20,6 +20,10 @@ class _Resolved:
     offsets: torch.Tensor  # int64 [F*B + 1]
     weights: torch.Tensor | None
     locked: bool
+    # (order, segments) of `kernels.ids.dedup_grouped`: the values grouped by unique id, for
+    # a one-pass backward on the CPU. None where the group has several lookups (pooling
+    # modes), whose backward sees slices of the values.
+    grouping: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

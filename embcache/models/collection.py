@@ -43,7 +43,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
-from embcache.kernels.ids import dedup, fuse_ids
+from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
 from embcache.kv.base import Store, TableSpec
 from embcache.kv.url import open_store
 
@@ -187,11 +187,17 @@ class CachedEmbeddingBagCollection(nn.Module):
         resolved: list[_Resolved] = []
         try:
             for group, (fused, lengths, weights) in zip(self._groups, prepared, strict=True):
-                unique, inverse, _ = dedup(fused, with_counts=False)
+                grouping = None
+                if fused.device.type == "cpu" and len(group.lookups) == 1:
+                    # The CPU backward sums each id's rows in one pass over the grouped values.
+                    unique, inverse, order, segments = dedup_grouped(fused)
+                    grouping = (order, segments)
+                else:
+                    unique, inverse, _ = dedup(fused, with_counts=False)
                 slots = group.cache.resolve(unique, lock=lock)
                 offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self.device)
                 torch.cumsum(lengths, 0, out=offsets[1:])
-                resolved.append(_Resolved(unique, inverse, slots, offsets, weights, lock))
+                resolved.append(_Resolved(unique, inverse, slots, offsets, weights, lock, grouping))
         except BaseException:
             if lock:
                 for group, r in zip(self._groups, resolved, strict=False):

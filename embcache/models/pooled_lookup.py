@@ -84,6 +84,7 @@ def grad_rows(
             B,
             cols,
             argmax,
+            r.grouping,
         )
         grad = g if grad is None else grad + g
     return grad

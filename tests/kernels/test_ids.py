@@ -11,7 +11,7 @@ import collections
 import pytest
 import torch
 
-from embcache.kernels.ids import dedup, fuse_ids, unfuse_ids
+from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids, unfuse_ids
 
 # Four features over three tables: two share a large table, one has a tiny table (so its last
 # row is hit often), one is unbounded (-1) and only limited by fusion_k.
@@ -240,3 +240,20 @@ def test_dedup_accepts_int32(backend: str, device: torch.device) -> None:
     assert unique_ids.tolist() == [-5, 7, 2**31 - 1]
     assert inverse.tolist() == [2, 0, 1, 0, 2]
     assert counts.tolist() == [2, 1, 2]
+
+
+@pytest.mark.parametrize("n", [0, 1, 50, 400], ids=lambda n: f"n{n}")
+def test_dedup_grouped_orders_positions_by_id(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(-(2**40), 2**40, (n,), generator=gen)
+    if n > 10:
+        ids[5:9] = ids[0]  # repeats
+    unique_ids, inverse, order, segments = dedup_grouped(ids)
+    expected = _dedup_reference(ids.tolist())
+    assert unique_ids.tolist() == expected[0]
+    assert inverse.tolist() == expected[1]
+    assert segments.tolist()[0] == 0 and segments.tolist()[-1] == n
+    assert (segments[1:] - segments[:-1]).tolist() == expected[2]
+    for u in range(unique_ids.numel()):
+        positions = order[segments[u] : segments[u + 1]].tolist()
+        assert positions == [j for j, v in enumerate(ids.tolist()) if v == unique_ids[u]]
