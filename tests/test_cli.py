@@ -213,7 +213,6 @@ def test_train_on_two_ranks() -> None:
     ("extra", "message"),
     [
         (["--nproc", "0"], "--nproc must be >= 1"),
-        (["--nproc", "2", "--checkpoint", "ck"], "single-process for now"),
         (["--nproc", "3"], "multiple of the number of ranks"),
     ],
 )
@@ -224,3 +223,38 @@ def test_bad_distributed_options(
         main([*TINY, *extra])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _checkpoint_tensors(root: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every rank's latest snapshot under ``root``, by file and key."""
+    out = {}
+    for rank_dir in sorted(root.glob("rank-*")):
+        snap = latest_snapshot(rank_dir)
+        for f in sorted(snap.rglob("*.pt")):
+            for key, value in torch.load(f, weights_only=False).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{rank_dir.name}/{f.relative_to(snap)}:{key}"] = value
+    return out
+
+
+def test_two_ranks_checkpoint_and_resume(tmp_path: Path) -> None:
+    """Each rank saves the rows it owns; 4 + 4 resumed steps equal 8 steps in one run."""
+
+    def run(*extra: str) -> None:
+        argv = [a for a in TINY if a not in ("6", "--steps")]
+        done = subprocess.run(
+            [sys.executable, "-m", "embcache.cli", *argv, "--nproc", "2", *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+
+    run("--steps", "4", "--checkpoint", str(tmp_path / "a"))
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["rank-0", "rank-1"]
+    run("--steps", "4", "--resume", str(tmp_path / "a"), "--checkpoint", str(tmp_path / "b"))
+    run("--steps", "8", "--checkpoint", str(tmp_path / "c"))
+    resumed, straight = _checkpoint_tensors(tmp_path / "b"), _checkpoint_tensors(tmp_path / "c")
+    assert resumed.keys() == straight.keys() and resumed
+    for key, value in straight.items():
+        assert torch.equal(resumed[key], value), key

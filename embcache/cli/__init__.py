@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="at the end, save every table row (weights and optimizer state), both optimizers "
         "and the MLPs into this directory with embcache.save: streamed, fsynced and switched "
-        "atomically, so a crash mid-save keeps the previous checkpoint",
+        "atomically, so a crash mid-save keeps the previous checkpoint. With --nproc each rank "
+        "writes the rows it owns to DIR/rank-<r>",
     )
     run.add_argument(
         "--resume",

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
+from embcache.checkpoint import load as embcache_load
+from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
 from embcache.cli.train import plain_options, run_settings
 from embcache.models.dlrm import DLRM, evaluate, make_dense_optimizer, make_sparse_optimizer, train
@@ -71,6 +74,11 @@ def _slice_kjt(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
     )
 
 
+def _rank_dir(path: Path, rank: int) -> Path:
+    """Each rank checkpoints the rows it owns (and the replicated MLPs) in its own directory."""
+    return Path(path) / f"rank-{rank}"
+
+
 def train_rank(rank: int, options: dict[str, Any]) -> None:
     """One rank of a distributed run: sharded tables, DistributedDataParallel MLPs.
 
@@ -106,14 +114,38 @@ def train_rank(rank: int, options: dict[str, Any]) -> None:
     dense_opt = make_dense_optimizer(args.optimizer, model.dense_parameters(), dense_lr)
     rank_data = _RankData(data, rank, world)
     progress = rank == 0 and not args.no_progress
+    first_step = 0
+    if args.resume is not None:
+        extra = embcache_load(_rank_dir(args.resume, rank), model, [sparse_opt, dense_opt])
+        if extra.get("world_size") != world:
+            raise ValueError(
+                f"--resume {args.resume} was written by {extra.get('world_size')} ranks, this "
+                f"run has {world}: each rank holds the rows it owns"
+            )
+        first_step = int(extra.get("steps_done", 0))
     # Prefetch is not sharded yet: every rank resolves in its forward.
     result = train(
-        model, rank_data, sparse_opt, dense_opt, args.steps, False, progress, wrapper=ddp
+        model,
+        rank_data,
+        sparse_opt,
+        dense_opt,
+        args.steps,
+        False,
+        progress,
+        first_step=first_step,
+        wrapper=ddp,
     )
     result.samples *= world
     if args.eval_batches:
         result.eval = evaluate(model, data, args.eval_batches)  # collective: same batches
     model.sparse_arch.flush()
+    if args.checkpoint is not None:
+        embcache_save(
+            _rank_dir(args.checkpoint, rank),
+            model,
+            [sparse_opt, dense_opt],
+            extra={"steps_done": first_step + args.steps, "world_size": world},
+        )
     if args.plot is not None and rank == 0:
         write_plot(result, args.plot)
     if rank == 0:

@@ -57,8 +57,6 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     if args.nproc < 1:
         fail(f"--nproc must be >= 1, got {args.nproc}")
     distributed = args.nproc > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed and (args.checkpoint is not None or args.resume is not None):
-        fail("--checkpoint and --resume are single-process for now (each rank holds its rows)")
     if distributed and args.batch_size % max(args.nproc, int(os.environ.get("WORLD_SIZE", "1"))):
         fail(f"--batch-size {args.batch_size} must be a multiple of the number of ranks")
     if args.eval_batches < 0:
