@@ -31,6 +31,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -210,32 +211,49 @@ class HotCache:
             start += count
         return groups
 
-    def _per_table(self, fn, groups: list) -> list:
-        """``fn(group)`` for each table group; concurrently when there are several and the
+    def _tier_calls(self, calls: list) -> list:
+        """Run tier calls (zero-argument callables); concurrently when there are several and the
         tier says its calls overlap (``parallel_io``: a network round trip each), so it pays
-        the latency about once, not once per table. In-process tiers run them in turn."""
-        if len(groups) <= 1 or not getattr(self.store, "parallel_io", False):
-            return [fn(g) for g in groups]
+        the latency about once, not once per call. In-process tiers run them in turn."""
+        if len(calls) <= 1 or not getattr(self.store, "parallel_io", False):
+            return [call() for call in calls]
         if self._io_pool is None:
             self._io_pool = ThreadPoolExecutor(
-                max_workers=min(8, len(self._specs)), thread_name_prefix="embcache-tier"
+                max_workers=min(16, 2 * len(self._specs)), thread_name_prefix="embcache-tier"
             )
-        return list(self._io_pool.map(fn, groups))
+        return list(self._io_pool.map(lambda call: call(), calls))
 
-    def _read_tier(self, fused: torch.Tensor) -> torch.Tensor:
-        """Rows ``[n, width]`` of ``fused`` ids from the tier, in host memory (pinned when the
-        cache is on a GPU, so the copy to the device is asynchronous)."""
+    def _put_calls(self, fused: torch.Tensor, rows: torch.Tensor) -> list:
+        """One ``put`` per table writing ``rows`` (``[n, width]``) under their ``fused`` ids."""
+        host_rows = rows.cpu()
+        return [
+            partial(self.store.put, self._specs[idx].name, raw, host_rows[pos.cpu()])
+            for idx, pos, raw in self._split_by_table(fused)
+        ]
+
+    def _transfer(
+        self, write_ids: torch.Tensor, write_rows: torch.Tensor | None, read_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Write rows back and read others, all in one round of tier calls (the ids differ, so
+        the order between them does not matter). Returns the read rows ``[n, width]`` in host
+        memory (pinned when the cache is on a GPU, so the copy to the device is
+        asynchronous), or None when nothing is read."""
+        calls = self._put_calls(write_ids, write_rows) if write_ids.numel() else []
+        n_puts = len(calls)
+        groups = self._split_by_table(read_ids) if read_ids.numel() else []
+        calls += [partial(self.store.get, self._specs[idx].name, raw) for idx, _, raw in groups]
+        results = self._tier_calls(calls)
+        if not groups:
+            return None
         pin = self.device.type == "cuda"
-        out = torch.empty(fused.numel(), self.width, dtype=torch.float32, pin_memory=pin)
-        groups = self._split_by_table(fused)
-
-        def fetch(group):
-            idx, _, raw = group
-            return self.store.get(self._specs[idx].name, raw)
-
-        for (_, pos, _), rows in zip(groups, self._per_table(fetch, groups), strict=True):
+        out = torch.empty(read_ids.numel(), self.width, dtype=torch.float32, pin_memory=pin)
+        for (_, pos, _), rows in zip(groups, results[n_puts:], strict=True):
             out[pos.cpu()] = rows
         return out
+
+    def _read_tier(self, fused: torch.Tensor) -> torch.Tensor:
+        """Rows ``[n, width]`` of ``fused`` ids from the tier, in host memory."""
+        return self._transfer(self._empty_ids(), None, fused)
 
     def _copy_in(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
         """Copy host rows into ``slots``. On a GPU the copy runs on a side stream; the default
@@ -256,13 +274,7 @@ class HotCache:
 
     def _write_rows(self, fused: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` (``[n, width]``, any device) to the tier under their ``fused`` ids."""
-        host_rows = rows.cpu()
-
-        def write(group):
-            idx, pos, raw = group
-            self.store.put(self._specs[idx].name, raw, host_rows[pos.cpu()])
-
-        self._per_table(write, self._split_by_table(fused))
+        self._tier_calls(self._put_calls(fused, rows))
 
     def _write_tier(self, fused: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the rows held at ``slots`` back to the tier under their ``fused`` ids."""
@@ -302,10 +314,10 @@ class HotCache:
             # resolve runs (mutex), so nobody else reads or writes them, and `rows` is only
             # ever replaced by a resolve. The training thread keeps using its own slots.
             try:
-                if plan.victim_ids.numel():
-                    self._write_rows(plan.victim_ids, self.rows[plan.victim_slots])
-                if plan.load_ids.numel():
-                    self._copy_in(plan.load_slots, self._read_tier(plan.load_ids))
+                victim_rows = self.rows[plan.victim_slots] if plan.victim_ids.numel() else None
+                loaded = self._transfer(plan.victim_ids, victim_rows, plan.load_ids)
+                if loaded is not None:
+                    self._copy_in(plan.load_slots, loaded)
             except BaseException:
                 with self.lock:
                     self._rollback(plan)

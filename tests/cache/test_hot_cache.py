@@ -9,6 +9,7 @@ equals the dense copy bit for bit (I3) for capacities from one row per set to th
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 
 import pytest
@@ -294,3 +295,37 @@ def test_config_errors() -> None:
         CacheConfig(load_factor=1.5)
     with pytest.raises(ValueError, match="explicit capacity"):
         CacheConfig(load_factor=0.5).rows_for(None)
+
+
+class RemoteLikeStore(HostKV):
+    """HostKV that declares ``parallel_io`` (as RedisKV does) and records the calling threads."""
+
+    parallel_io = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[str] = set()
+
+    def get(self, table, ids):
+        self.threads.add(threading.current_thread().name)
+        return super().get(table, ids)
+
+    def put(self, table, ids, rows):
+        self.threads.add(threading.current_thread().name)
+        super().put(table, ids, rows)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_concurrent_tier_calls_are_exact(policy: str) -> None:
+    """With a tier whose calls overlap, write-backs and reads of all tables go out together,
+    on the cache's I/O threads; the numbers are the dense reference's."""
+    update = UPDATES["adam"]
+    store = RemoteLikeStore()
+    cache, store, specs = make_cache(
+        CacheConfig(capacity=8, ways=2, policy=policy), update.rule, store=store
+    )
+    dense = dense_reference(specs)
+    train(cache, dense, update, steps=10, seed=4)
+    cache.flush()
+    assert torch.equal(tier_rows(store, specs), dense)
+    assert any(name.startswith("embcache-tier") for name in store.threads), store.threads
