@@ -228,3 +228,28 @@ def test_empty_iterator_and_model_without_collection() -> None:
     assert pipeline(model, sparse, dense).run([]) == []
     with pytest.raises(ValueError, match="no CachedEmbeddingBagCollection"):
         TrainPipeline(nn.Linear(2, 2), sparse, None, features=lambda b: b, loss=lambda m, b: b)
+
+
+class FailingHostKV(embcache.HostKV):
+    """A tier whose reads start failing after a number of calls, as a lost connection."""
+
+    def __init__(self, good_calls: int) -> None:
+        super().__init__()
+        self.good_calls = good_calls
+
+    def get(self, table, ids):
+        self.good_calls -= 1
+        if self.good_calls < 0:
+            raise ConnectionError("tier unavailable")
+        return super().get(table, ids)
+
+
+def test_a_failing_prefetch_ends_the_run_cleanly() -> None:
+    """The tier fails inside the worker's prefetch: the error reaches the caller, the worker
+    is joined and nothing stays locked."""
+    store = FailingHostKV(good_calls=0)
+    model, sparse, dense = build(embcache.CacheConfig(load_factor=0.1, ways=4), store=store)
+    store.good_calls = 12  # construction is done; a few batches succeed, then reads fail
+    with pytest.raises(ConnectionError, match="tier unavailable"):
+        pipeline(model, sparse, dense).run(make_batches(12))
+    assert_clean(model)
