@@ -569,11 +569,19 @@ class HotCache:
         """
         with self._resolve_mutex, self.lock:
             ids = fused_ids.to(self.device, torch.int64)
-            sorted_keys, perm = torch.sort(self.slot_keys)
-            pos = torch.searchsorted(sorted_keys, ids).clamp(max=sorted_keys.numel() - 1)
-            found = sorted_keys[pos] == ids
+            if self.direct:
+                slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
+                slots = torch.where(self.slot_keys[slots] == ids, slots, -1)
+            else:
+                sets = set_index(ids, self.num_sets)
+                keys = self.slot_keys[: self.num_slots].view(self.num_sets, self.ways)
+                ways = cache_lookup(keys, ids, sets)
+                slots = torch.where(ways >= 0, sets * self.ways + ways, -1)
+                if self._scratch_used:
+                    self._find_in_scratch(ids, slots)
+            found = slots >= 0
             out = torch.empty(ids.numel(), self.width, device=self.device)
-            out[found] = self.rows[perm[pos[found]]]
+            out[found] = self.rows[slots[found]]
             if not bool(found.all()):
                 out[~found] = self._read_tier(ids[~found]).to(self.device)
             return out

@@ -184,6 +184,11 @@ def test_locked_slots_are_never_victims() -> None:
     assert set(slots.tolist()).isdisjoint(held.tolist())
     assert torch.equal(cache.rows[slots], dense[second]), "overflow rows served wrong"
     assert bool((slots >= cache.num_slots).all()), "every way is locked: all go to scratch"
+    # read() finds rows in slots, in scratch and in the tier alike, and changes nothing.
+    everywhere = torch.cat([first, second, torch.tensor([50, 7 | (1 << FUSION_K)])])
+    keys_before = cache.slot_keys.clone()
+    assert torch.equal(cache.read(everywhere), dense[dense_index(everywhere)])
+    assert torch.equal(cache.slot_keys, keys_before)
     cache.release()
     cache.unlock(held)
     assert cache.locked_slots() == 0
