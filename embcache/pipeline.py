@@ -80,6 +80,12 @@ class TrainPipeline:
         ]
         if not self.collections:
             raise ValueError("TrainPipeline: the model holds no CachedEmbeddingBagCollection")
+        unable = [type(c).__name__ for c in self.collections if not c.supports_prefetch]
+        if prefetch and unable:
+            raise ValueError(
+                f"TrainPipeline: {', '.join(sorted(set(unable)))} cannot prefetch; "
+                "pass prefetch=False"
+            )
         self.sparse_optimizer = sparse_optimizer
         self.dense_optimizer = dense_optimizer
         self.features = features

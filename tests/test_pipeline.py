@@ -253,3 +253,14 @@ def test_a_failing_prefetch_ends_the_run_cleanly() -> None:
     with pytest.raises(ConnectionError, match="tier unavailable"):
         pipeline(model, sparse, dense).run(make_batches(12))
     assert_clean(model)
+
+
+def test_collections_that_cannot_prefetch_are_refused_up_front() -> None:
+    """A collection whose lookups cannot run on a worker (ShardedEmbeddingBagCollection: they
+    are collectives) is refused with prefetch=True, and trains with prefetch=False."""
+    model, sparse, dense = build(embcache.CacheConfig(load_factor=0.1, ways=4))
+    model.sparse.supports_prefetch = False
+    with pytest.raises(ValueError, match="cannot prefetch; pass prefetch=False"):
+        pipeline(model, sparse, dense)
+    assert len(pipeline(model, sparse, dense, prefetch=False).run(make_batches(3))) == 3
+    assert_clean(model)

@@ -408,11 +408,22 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
             current[:, columns] = rows[mine]
             self.store.put(table, mine, current)
 
+    # A prefetch here would be a collective (ids to owners, rows back) running on a worker
+    # thread beside the training thread's own collectives, which gloo and NCCL do not order
+    # across threads; until it has a process group of its own, lookups run in the forward.
+    supports_prefetch = False
+
     def issue_fused_prefetch(self, features: KeyedJaggedTensor):
-        raise NotImplementedError("ShardedEmbeddingBagCollection does not prefetch (yet)")
+        raise NotImplementedError(
+            "ShardedEmbeddingBagCollection does not prefetch yet: its lookups are collectives "
+            "and run in the forward (use TrainPipeline(prefetch=False))"
+        )
 
     def set_fused_prefetch_handle(self, handle) -> None:
-        raise NotImplementedError("ShardedEmbeddingBagCollection does not prefetch (yet)")
+        raise NotImplementedError(
+            "ShardedEmbeddingBagCollection does not prefetch yet "
+            "(use TrainPipeline(prefetch=False))"
+        )
 
     def cache_stats(self, all_ranks: bool = False) -> dict[str, float]:
         """This rank's cache counters (hits/misses count the unique ids it was asked for as

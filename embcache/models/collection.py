@@ -86,6 +86,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         seed: seed of the default row initialiser.
     """
 
+    supports_prefetch = True  # issue_fused_prefetch can run on a worker thread
+
     def __init__(
         self,
         tables: Sequence[EmbeddingBagConfig | Mapping[str, Any]],
