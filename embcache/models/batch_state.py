@@ -53,26 +53,23 @@ class FusedPrefetchHandle:
 
 @dataclass
 class _Batch:
-    """A forward in flight: its locked slots, whether backward ran, whether it was released."""
+    """A forward in flight: its locked slots and whether backward ran."""
 
     resolved: list[_Resolved]
     backward_done: bool = False
-    released: bool = False
 
 
 class TraceEntry:
     """One table's gradients from one backward; unpacks as ``(table_name, ids, grads)``."""
 
-    __slots__ = ("batch", "grads", "group", "ids", "table_name", "unique_hi", "unique_lo")
+    __slots__ = ("batch", "grads", "group", "ids", "table_name")
 
-    def __init__(self, table_name, ids, grads, group, batch, unique_lo, unique_hi) -> None:
+    def __init__(self, table_name, ids, grads, group, batch) -> None:
         self.table_name = table_name
         self.ids = ids  # int64 [n] raw ids, ascending, distinct
         self.grads = grads  # float32 [n, D]
         self.group = group  # index of the cache group
         self.batch = batch  # the _Batch whose slots hold these rows
-        self.unique_lo = unique_lo  # slice of the batch's unique ids in that group
-        self.unique_hi = unique_hi
 
     def __iter__(self):
         return iter((self.table_name, self.ids, self.grads))

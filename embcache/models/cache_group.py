@@ -41,6 +41,12 @@ class _CacheGroup:
         self.table_rows = torch.tensor([t.num_embeddings for t in self.feature_table])
         self.table_names = [t.name for t in self.feature_table]
 
+    def table_bounds(self, unique: torch.Tensor, fusion_k: int) -> list[int]:
+        """Where each table's ids start in ascending fused ``unique`` ids (``[T + 1]``, the last
+        entry ``len(unique)``): table i owns ``unique[bounds[i] : bounds[i + 1]]``."""
+        starts = torch.tensor([t.index << fusion_k for t in self.tables], device=unique.device)
+        return [*torch.searchsorted(unique, starts).tolist(), unique.numel()]
+
     @classmethod
     def of_tables(cls, dim: int, cache: HotCache, tables: list[TableConfig]) -> _CacheGroup:
         """The group of ``tables`` (all of dim ``dim``) over ``cache``: their features in table

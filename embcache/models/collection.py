@@ -269,7 +269,6 @@ class CachedEmbeddingBagCollection(nn.Module):
             if r.locked:
                 group.cache.unlock(r.slots)
                 r.locked = False
-        batch.released = True
 
     def _release_all(self) -> None:
         for batch in self._inflight:
@@ -284,15 +283,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         for gi, (group, r, grads) in enumerate(
             zip(self._groups, batch.resolved, grad_rows, strict=True)
         ):
-            starts = torch.tensor(
-                [t.index << self.fusion_k for t in group.tables], device=self.device
-            )
-            bounds = [*torch.searchsorted(r.unique, starts).tolist(), r.unique.numel()]
+            bounds = group.table_bounds(r.unique, self.fusion_k)
             for i, t in enumerate(group.tables):
                 lo, hi = bounds[i], bounds[i + 1]
-                entries.append(
-                    TraceEntry(t.name, r.unique[lo:hi] & mask, grads[lo:hi], gi, batch, lo, hi)
-                )
+                entries.append(TraceEntry(t.name, r.unique[lo:hi] & mask, grads[lo:hi], gi, batch))
         if self.update_in_backward:
             if self._optimizer is None:
                 raise RuntimeError(

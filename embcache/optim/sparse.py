@@ -202,10 +202,7 @@ class SparseOptimizer:
                     check_slots=False,
                 )
             else:
-                starts = torch.tensor(
-                    [t.index << module.fusion_k for t in group.tables], device=unique.device
-                )
-                bounds = [*torch.searchsorted(unique, starts).tolist(), unique.numel()]
+                bounds = group.table_bounds(unique, module.fusion_k)
                 for i, t in enumerate(group.tables):
                     lo, hi = bounds[i], bounds[i + 1]
                     if hi > lo:
