@@ -30,7 +30,7 @@ import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -55,8 +55,8 @@ class _Plan:
     load_slots: torch.Tensor  # ... into these slots
     victim_ids: torch.Tensor  # dirty rows evicted: ids ...
     victim_slots: torch.Tensor  # ... and the reserved slots still holding them until the commit
-    reserved: torch.Tensor = field(default=None)  # slots given new keys (rollback)
-    old_keys: torch.Tensor = field(default=None)
+    reserved: torch.Tensor | None = None  # slots given new keys (None: all hits), for rollback
+    old_keys: torch.Tensor | None = None
     old_scores: torch.Tensor | None = None
     old_dirty: torch.Tensor | None = None
     n_scratch: int = 0
@@ -442,8 +442,9 @@ class HotCache:
 
     def _rollback(self, plan: _Plan) -> None:
         """Undo `_plan_*` after a failed tier transfer (victims stay resident and dirty)."""
-        self.slot_keys[plan.reserved] = plan.old_keys
-        if plan.old_dirty is not None:
+        if plan.reserved is not None:
+            self.slot_keys[plan.reserved] = plan.old_keys
+        if plan.old_dirty is not None:  # set together with reserved
             self.dirty[plan.reserved] = plan.old_dirty
         if plan.old_scores is not None:
             self.scores[plan.reserved[: plan.old_scores.numel()]] = plan.old_scores
