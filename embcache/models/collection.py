@@ -439,6 +439,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                 missing_keys.append(key)
                 continue
             value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                error_msgs.append(
+                    f"{key} has dtype {getattr(value, 'dtype', type(value).__name__)}; table "
+                    f"weights must be floating point"
+                )
+                continue
             if tuple(value.shape) != (t.num_embeddings, t.dim):
                 error_msgs.append(
                     f"size mismatch for {key}: checkpoint has {tuple(value.shape)}, table "
