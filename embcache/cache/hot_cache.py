@@ -35,8 +35,8 @@ import torch
 
 from embcache.cache.config import CacheConfig, CachePolicy
 from embcache.cache.transfer import TierTransfer
+from embcache.hashing import mix64
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
-from embcache.kernels.reference import mix64
 from embcache.kv.base import Store, TableSpec
 
 
