@@ -41,7 +41,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import embcache
 from embcache.kv.base import Store, TableSpec
-from embcache.pipeline import PrefetchFallbackWarning, TrainPipeline
+from embcache.train.pipeline import PrefetchFallbackWarning, TrainPipeline
 
 NUM_DENSE = 13
 ALPHA = 1.05

@@ -15,7 +15,8 @@ import embcache
 from embcache.checkpoint import latest_snapshot
 from embcache.cli import available_benchmarks, main
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
-from embcache.models.dlrm import DLRM, make_dense_optimizer, make_sparse_optimizer
+from embcache.models.dlrm import DLRM
+from embcache.train.loop import make_dense_optimizer, make_sparse_optimizer
 
 TINY = [
     "train",

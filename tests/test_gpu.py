@@ -14,7 +14,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import embcache
 from embcache.kernels.backend import use_triton
-from embcache.pipeline import TrainPipeline
+from embcache.train.pipeline import TrainPipeline
 
 pytestmark = pytest.mark.gpu
 

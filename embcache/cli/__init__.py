@@ -27,7 +27,7 @@ from embcache.cli.train import (
     cmd_train,
     save_checkpoint,
 )
-from embcache.models.dlrm import SPARSE_OPTIMIZERS
+from embcache.train.loop import SPARSE_OPTIMIZERS
 
 __all__ = ["available_benchmarks", "build_parser", "main", "save_checkpoint", "write_plot"]
 

@@ -17,7 +17,8 @@ from embcache.cli.train import plain_options, run_settings
 from embcache.data.batch import Batch
 from embcache.data.synthetic import SyntheticCriteo
 from embcache.engine.inputs import JaggedBatch
-from embcache.models.dlrm import DLRM, evaluate, make_dense_optimizer, make_sparse_optimizer, train
+from embcache.models.dlrm import DLRM
+from embcache.train.loop import evaluate, make_dense_optimizer, make_sparse_optimizer, train
 
 
 def spawn_ranks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from embcache.models.dlrm import TrainResult
+from embcache.train.loop import TrainResult
 
 
 def write_plot(result: TrainResult, path: Path) -> None:

@@ -18,13 +18,8 @@ from embcache.cli.report import print_summary, write_plot
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
 from embcache.kv.base import Store
 from embcache.kv.url import open_store
-from embcache.models.dlrm import (
-    DLRM,
-    evaluate,
-    make_dense_optimizer,
-    make_sparse_optimizer,
-    train,
-)
+from embcache.models.dlrm import DLRM
+from embcache.train.loop import evaluate, make_dense_optimizer, make_sparse_optimizer, train
 
 # Defaults sized so that `embcache train` (what `make demo` runs) ends in about a minute on a
 # 2-core CPU, start-up included, with a cache that has to evict.

@@ -24,9 +24,9 @@ from embcache.distributed.exchange import (
     _with_status,
     kv_owner_of,
 )
-from embcache.distributed.kv_client import InitFunc, KVClient, KVHandle
 from embcache.kernels.ids import dedup
 from embcache.kv.base import Store, table_hash
+from embcache.recstore.kv_client import InitFunc, KVClient, KVHandle
 
 
 class ShardedKVClient:
