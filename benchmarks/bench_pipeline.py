@@ -17,7 +17,7 @@ speedup, the tier time of each run, and the fraction of the tier's time hidden b
 than the rest of the step can hide only behind that rest). The two modes run ``--repeats``
 times, alternated, and each mode's median-time run is reported, so a shared machine's load
 falls on both alike. The final weights and optimizer
-state of both runs must be bit-identical (DESIGN.md invariant I5): the script asserts it and
+state of both runs must be bit-identical (invariant I5 of docs/design.md): the script asserts it and
 prints ``identical: True``. Prints a table; writes ``benchmarks/results/pipeline.csv`` and
 ``pipeline.png``.
 

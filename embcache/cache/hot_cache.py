@@ -19,9 +19,9 @@ the cache's tables, each row gets its own slot instead (direct mapping: no looku
 Every tier call happens before any index change, so a tier that fails mid-resolve leaves the
 cache as it was: no row is lost, nothing is half-applied, and the call can be retried.
 
-Invariants (DESIGN.md section 4): every row has one authoritative copy — its slot while
-resident (scratch included), the tier otherwise; a locked slot is never a victim; `flush`
-writes every dirty row back, after which the tier alone holds the model.
+Invariants (docs/design.md, "Cache invariants"): every row has one authoritative copy — its
+slot while resident (scratch included), the tier otherwise; a locked slot is never a victim;
+`flush` writes every dirty row back, after which the tier alone holds the model.
 """
 
 from __future__ import annotations

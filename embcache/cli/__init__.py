@@ -16,7 +16,7 @@ from pathlib import Path
 
 from embcache.cli.bench import available_benchmarks, cmd_bench
 from embcache.cli.report import write_plot
-from embcache.cli.train import (
+from embcache.cli.settings import (
     DEFAULT_BATCH,
     DEFAULT_DENSE_LR,
     DEFAULT_DIM,
@@ -24,9 +24,8 @@ from embcache.cli.train import (
     DEFAULT_LR,
     DEFAULT_SCALE,
     DEFAULT_STEPS,
-    cmd_train,
-    save_checkpoint,
 )
+from embcache.cli.train import cmd_train, save_checkpoint
 from embcache.train.loop import SPARSE_OPTIMIZERS
 
 __all__ = ["available_benchmarks", "build_parser", "main", "save_checkpoint", "write_plot"]

@@ -13,7 +13,7 @@ import torch
 from embcache.checkpoint import load as embcache_load
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
-from embcache.cli.train import plain_options, run_settings
+from embcache.cli.settings import plain_options, run_settings
 from embcache.data.batch import Batch
 from embcache.data.synthetic import SyntheticCriteo
 from embcache.engine.inputs import JaggedBatch
