@@ -16,7 +16,16 @@ from embcache.distributed import (
     reset_kv_client,
 )
 from embcache.kernels.pooling import PoolingMode
-from embcache.kv import HostKV, Store, TableSpec, open_store
+from embcache.kv import (
+    HostKV,
+    Store,
+    TableSpec,
+    TierDataLossError,
+    TierError,
+    TierOwnershipError,
+    TierUnavailableError,
+    open_store,
+)
 from embcache.models import (
     CachedEmbeddingBagCollection,
     DistEmbedding,
@@ -55,6 +64,10 @@ __all__ = [
     "SparseSGD",
     "Store",
     "TableSpec",
+    "TierDataLossError",
+    "TierError",
+    "TierOwnershipError",
+    "TierUnavailableError",
     "TrainPipeline",
     "get_kv_client",
     "load",
