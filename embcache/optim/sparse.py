@@ -104,7 +104,13 @@ class SparseOptimizer:
     # ------------------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Apply every recorded gradient once, then clear the traces and release the slots."""
+        """Apply every recorded gradient once, then clear the traces and release the slots.
+
+        Retriable: a tier error (reading rows of an accumulated trace) is raised before the
+        module it concerns changes, with its trace kept; modules before it are done and their
+        traces cleared. Calling ``step()`` again once the tier is back applies each gradient
+        exactly once.
+        """
         for m in self.modules:
             if _is_collection(m):
                 self._check_finite(m._trace)
@@ -112,8 +118,8 @@ class SparseOptimizer:
                 self._check_finite([(m.name, ids, g) for ids, g in m._trace])
         for m in self.modules:
             if _is_collection(m):
-                entries, m._trace = m._trace, []
-                self._apply_entries(m, entries, check=False)
+                self._apply_entries(m, m._trace, check=False)
+                m._trace = []
                 m._release_all()
             else:
                 self._step_dist_embedding(m)
@@ -147,44 +153,53 @@ class SparseOptimizer:
     def _apply_entries(
         self, module: CachedEmbeddingBagCollection, entries: list[TraceEntry], check: bool = True
     ) -> None:
-        """Aggregate trace entries per id and update their rows in the cache, per cache."""
+        """Aggregate trace entries per id and update their rows in the cache, per cache.
+
+        All or nothing: every cache's slots are found first (a trace from several batches is
+        resolved again, which may read the tier and fail); only then do step counts advance and
+        rows change, with no tier call until the slots are unlocked.
+        """
         if check:
             self._check_finite(entries)
+        updates = []  # (group, unique ids, slots, grads, resolved entry of a locked batch)
+        try:
+            for gi, group in enumerate(module._groups):
+                mine = [e for e in entries if e.group == gi]
+                if not mine:
+                    continue
+                batch = mine[0].batch
+                resolved = batch.resolved[gi]
+                fast = (
+                    resolved.locked
+                    and all(e.batch is batch for e in mine)
+                    and len({e.table_name for e in mine}) == len(mine)
+                )
+                if fast:
+                    grads = torch.cat([e.grads for e in mine])
+                    updates.append((group, resolved.unique, resolved.slots, grads, resolved))
+                    continue
+                fused = torch.cat(
+                    [e.ids | (module._table_index[e.table_name] << module.fusion_k) for e in mine]
+                )
+                unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in mine]))
+                slots = group.cache.resolve(unique, lock=True)
+                updates.append((group, unique, slots, grads, None))
+        except BaseException:
+            for group, _, slots, _, resolved in updates:
+                if resolved is None:  # locked by this call: give it back
+                    group.cache.unlock(slots)
+            raise
         steps: dict[str, int] = {}
         for e in entries:
             if e.table_name not in steps:
                 key = (id(module), e.table_name)
                 self._steps[key] = steps[e.table_name] = self._steps.get(key, 0) + 1
-        for gi, group in enumerate(module._groups):
-            mine = [e for e in entries if e.group == gi]
-            if not mine:
-                continue
-            cache = group.cache
-            batch = mine[0].batch
-            resolved = batch.resolved[gi]
-            fast = (
-                resolved.locked
-                and all(e.batch is batch for e in mine)
-                and len({e.table_name for e in mine}) == len(mine)
-            )
-            if fast:
-                slots = resolved.slots
-                grads = torch.cat([e.grads for e in mine])
-                unique = resolved.unique
-            else:
-                fused = torch.cat(
-                    [e.ids | (module._table_index[e.table_name] << module.fusion_k) for e in mine]
-                )
-                unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in mine]))
-                slots = cache.resolve(unique, lock=True)
-            try:
-                self._update_rows(module, group, unique, slots, grads, steps)
-            finally:
-                if fast:
-                    cache.unlock(slots)
-                    resolved.locked = False
-                else:
-                    cache.unlock(slots)
+        for group, unique, slots, grads, _ in updates:
+            self._update_rows(module, group, unique, slots, grads, steps)
+        for group, _, slots, _, resolved in updates:
+            if resolved is not None:
+                resolved.locked = False
+            group.cache.unlock(slots)
 
     def _update_rows(self, module, group, unique, slots, grads, steps) -> None:
         cache = group.cache
