@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -155,6 +156,24 @@ class RedisServer:
         self.stop()
         self.start()
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash or an OOM kill: nothing is flushed on the way out."""
+        if self.process is None:
+            return
+        self.process.kill()
+        self.process.wait(timeout=5)
+        self.process = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections but answers nothing until `resume`."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
 
 @contextlib.contextmanager
 def running_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> Iterator[RedisServer]:
@@ -213,9 +232,22 @@ def _cluster_ok(node: RedisServer) -> bool:
     return "cluster_state:ok" in text
 
 
+def wait_cluster_ok(cluster: RedisClusterNodes, timeout_s: float = 30.0) -> None:
+    """Wait until every node reports ``cluster_state:ok``."""
+    deadline = time.monotonic() + timeout_s
+    while not all(_cluster_ok(node) for node in cluster.nodes):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Redis cluster did not reach cluster_state:ok in {timeout_s} s")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
-def running_cluster(workdir: Path, num_nodes: int = 3) -> Iterator[RedisClusterNodes]:
-    """A ``num_nodes``-primary cluster made by ``redis-cli --cluster create``, stopped on exit."""
+def running_cluster(
+    workdir: Path, num_nodes: int = 3, node_timeout_ms: int = 5000
+) -> Iterator[RedisClusterNodes]:
+    """A ``num_nodes``-primary cluster made by ``redis-cli --cluster create``, stopped on exit.
+    A node restarted (`RedisServer.start`) keeps its identity and slots (its nodes.conf) but,
+    without persistence, none of its data."""
     cli = server_binary("redis-cli")
     cluster = RedisClusterNodes(nodes=[])
     try:
@@ -227,7 +259,7 @@ def running_cluster(workdir: Path, num_nodes: int = 3) -> Iterator[RedisClusterN
                 "--cluster-config-file",
                 str(node_dir / "nodes.conf"),
                 "--cluster-node-timeout",
-                "5000",
+                str(node_timeout_ms),
             )
             node = RedisServer(workdir=node_dir, extra_args=extra)
             node.start()
@@ -244,11 +276,7 @@ def running_cluster(workdir: Path, num_nodes: int = 3) -> Iterator[RedisClusterN
                 f"redis-cli --cluster create failed:\n{created.stdout.decode()[-2000:]}"
                 f"\n{created.stderr.decode()[-2000:]}"
             )
-        deadline = time.monotonic() + 30
-        while not all(_cluster_ok(node) for node in cluster.nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Redis cluster did not reach cluster_state:ok in 30 s")
-            time.sleep(0.05)
+        wait_cluster_ok(cluster)
         yield cluster
     finally:
         cluster.stop()
