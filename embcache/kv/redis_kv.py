@@ -181,7 +181,9 @@ class RedisKV:
         self._stats = IOStats()
         self.verify_interval_s = float(verify_interval_s)
         self._verified_at = time.monotonic()
-        self._client = connect(url, self.cluster, socket_timeout_s, self.url)
+        # Set by every new connection: the server behind it may have restarted.
+        self._reconnected = threading.Event()
+        self._client = connect(url, self.cluster, socket_timeout_s, self.url, self._reconnected.set)
         self._marks = MarkGuard(self._client, self.url, namespace, self.cluster)
         self._leases = TableLeases(
             self._client,
@@ -430,10 +432,12 @@ class RedisKV:
                 continue
             except redis.exceptions.ResponseError as err:
                 raise TierCommandError(
-                    f"{self._describe()}: {op} on table {table!r} was refused by the server: "
-                    f"{error_text(err)}"
+                    f"{self._describe()}: {op} on table {table!r} was refused by the server "
+                    f"({type(err).__name__}): {error_text(err)}"
                 ) from None
-            if attempts > 1 or time.monotonic() - self._verified_at > self.verify_interval_s:
+            overdue = time.monotonic() - self._verified_at > self.verify_interval_s
+            if attempts > 1 or overdue or self._reconnected.is_set():
+                self._reconnected.clear()
                 self._verify_tables()
             return result
 

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -83,8 +84,16 @@ def auth_message(shown_url: str, err: BaseException) -> str:
     )
 
 
-def connect(url: str, cluster: bool, socket_timeout_s: float, shown_url: str) -> Client:
-    """A client on ``url`` that answered PING, or the error saying why not.
+def connect(
+    url: str,
+    cluster: bool,
+    socket_timeout_s: float,
+    shown_url: str,
+    on_connect: Callable[[], None],
+) -> Client:
+    """A client on ``url`` that answered PING, or the error saying why not. ``on_connect()``
+    runs after every connection it opens (redis-py reconnects by itself, unseen, when a
+    pooled connection was closed by a server that restarted).
 
     Raises:
         TierAuthError: the server wants a password, or refused the one given.
@@ -98,6 +107,14 @@ def connect(url: str, cluster: bool, socket_timeout_s: float, shown_url: str) ->
         "socket_connect_timeout": socket_timeout_s,
         "retry": Retry(NoBackoff(), 0),
     }
+
+    def connected(connection: Any) -> None:
+        # A cluster client calls this after its own set-up; a plain one instead of it.
+        if not cluster:
+            connection.on_connect()
+        on_connect()
+
+    options["redis_connect_func"] = connected
     try:
         if cluster:
             plain = url.replace("+cluster://", "://", 1)

@@ -73,6 +73,7 @@ class RedisServer:
     workdir: Path
     port: int = 0
     extra_args: tuple[str, ...] = ()
+    password: str | None = field(default=None, repr=False)  # requirepass; not in `url`
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -85,7 +86,7 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         """A plain redis-py client on this server (for checks behind the store's back)."""
-        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=5)
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=5, password=self.password)
 
     def start(self) -> None:
         """Start on ``port`` (picked when 0) and wait for PING; a fresh, empty server."""
@@ -111,6 +112,7 @@ class RedisServer:
             "--logfile",
             str(self.log_path),
             *self.extra_args,
+            *(("--requirepass", self.password) if self.password else ()),
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         self._wait_ready()
@@ -176,11 +178,15 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def running_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> Iterator[RedisServer]:
+def running_server(
+    workdir: Path, extra_args: tuple[str, ...] = (), password: str | None = None
+) -> Iterator[RedisServer]:
     """A started `RedisServer` in ``workdir``, stopped on exit (a few tries on port races)."""
     server_binary()
     for attempt in range(5):
-        server = RedisServer(workdir=workdir / f"redis-{attempt}", extra_args=extra_args)
+        server = RedisServer(
+            workdir=workdir / f"redis-{attempt}", extra_args=extra_args, password=password
+        )
         try:
             server.start()
             break
