@@ -231,9 +231,14 @@ def _manifest(root: Path) -> tuple[Path, dict[str, Any]]:
     where = snap / "manifest.json"
     try:
         text = where.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{where} cannot be read: {err.strerror or err}") from None
+    if digest is not None and sha256_of(text) != digest:
+        raise CheckpointError(f"{where} does not match the sha256 that {root / CURRENT} records")
+    try:
         manifest = json.loads(text)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{where} cannot be read: {err}") from None
+    except ValueError as err:
+        raise CheckpointError(f"{where} is not valid JSON: {err}") from None
     version = manifest.get("version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise CheckpointError(
@@ -243,8 +248,8 @@ def _manifest(root: Path) -> tuple[Path, dict[str, Any]]:
             f"refused: save a new checkpoint from a model restored with the embcache that "
             f"wrote it, if you trust its files"
         )
-    if digest is None or sha256_of(text) != digest:
-        raise CheckpointError(f"{where} does not match the sha256 that {root / CURRENT} records")
+    if digest is None:
+        raise CheckpointError(f"{root / CURRENT} lacks the sha256 of {where}")
     _check_manifest(manifest, where)
     return snap, manifest
 
