@@ -186,3 +186,44 @@ def test_cluster_node_down_is_a_clear_error(tmp_path: Path) -> None:
         with pytest.raises(embcache.TierUnavailableError, match="unavailable") as caught:
             run_with_fault(store, cluster.nodes[2].kill)
         assert "\\x" not in str(caught.value), "no row bytes in the message"
+
+
+def test_a_tier_error_inside_step_is_retriable(tmp_path: Path) -> None:
+    """Scratch rows (a batch larger than its cache) are updated by the step; their write-back
+    once failed inside ``opt.step()`` and left every later call raising "a slot that is not
+    locked was unlocked". Now the step needs no tier, the write-back fails in the next call
+    that does (cleanly), and the same call succeeds once the tier is back: exact results."""
+    config = embcache.CacheConfig(capacity=8, ways=4)
+
+    def small(store):
+        from tests.test_redis_training import TABLES
+
+        ebc = embcache.CachedEmbeddingBagCollection(tables=TABLES, cache=config, store=store)
+        return ebc, embcache.SparseAdaGrad([ebc], lr=0.1)
+
+    ref, ref_opt = small(embcache.HostKV())
+    for kjt in batches(STEPS):
+        step(ref, ref_opt, kjt)
+    expected = {t.name: ref.table_rows(t.name) for t in ref.tables}
+
+    aof = ("--appendonly", "yes", "--appendfsync", "always")
+    with running_server(tmp_path, extra_args=aof) as server:
+        store = RedisKV(server.url, namespace="f", retry_timeout_s=0.3, socket_timeout_s=0.2)
+        ebc, opt = small(store)
+        data = batches(STEPS)
+        for kjt in data[:FAULT_AT]:
+            step(ebc, opt, kjt)
+        ebc(data[FAULT_AT]).values().square().sum().backward()
+        assert any(c._scratch_used for c in ebc.caches()), "the batch must overflow to scratch"
+        server.stop()
+        opt.step()  # in-cache update: no tier call, nothing to fail
+        with pytest.raises(embcache.TierUnavailableError, match="unavailable"):
+            step(ebc, opt, data[FAULT_AT + 1])  # its resolve writes the scratch rows back
+        opt.zero_grad()  # no "not locked" error
+        with pytest.raises(embcache.TierUnavailableError):
+            step(ebc, opt, data[FAULT_AT + 1])  # still down: still clean
+        server.start()  # the AOF brings every acknowledged write back
+        for kjt in data[FAULT_AT + 1 :]:
+            step(ebc, opt, kjt)
+        ebc.flush()
+        assert_exact({t.name: ebc.table_rows(t.name) for t in ebc.tables}, expected)
