@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from embcache.kv.errors import TierOwnershipError
@@ -81,8 +82,8 @@ class TableLeases:
 
     def __init__(
         self,
-        client: Any,
-        describe: Any,
+        client: Any,  # redis.Redis or RedisCluster; not imported here to keep this module light
+        describe: Callable[[], str],
         namespace: bytes,
         owner: str,
         shared: bool,
