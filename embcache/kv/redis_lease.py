@@ -147,8 +147,10 @@ class TableLeases:
         if self.shared:
             return
         for table in tables:
-            with contextlib.suppress(Exception):
+            try:
                 self._drop(keys=[lease_key(self._namespace, table)], args=[self.owner])
+            except Exception:
+                break  # unreachable: each further try would wait out its socket timeout
 
     # -- internals --------------------------------------------------------------------------
 
