@@ -12,7 +12,16 @@ from embcache.data import Batch, SyntheticConfig, SyntheticCriteo
 from embcache.distributed import ShardedEmbeddingBagCollection
 from embcache.engine import JaggedBatch, PooledEmbeddings, TableConfig
 from embcache.kernels.pooling import PoolingMode
-from embcache.kv import HostKV, Store, TableSpec, open_store
+from embcache.kv import (
+    HostKV,
+    Store,
+    TableSpec,
+    TierDataLossError,
+    TierError,
+    TierOwnershipError,
+    TierUnavailableError,
+    open_store,
+)
 from embcache.models import CachedEmbeddingBagCollection, FusedPrefetchHandle
 from embcache.optim import (
     SparseAdaGrad,
@@ -60,6 +69,10 @@ __all__ = [
     "SyntheticCriteo",
     "TableConfig",
     "TableSpec",
+    "TierDataLossError",
+    "TierError",
+    "TierOwnershipError",
+    "TierUnavailableError",
     "TrainPipeline",
     "get_kv_client",
     "load",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import embcache
 from embcache.checkpoint import latest_snapshot
@@ -231,10 +232,9 @@ def _checkpoint_tensors(root: Path) -> dict[str, torch.Tensor]:
     out = {}
     for rank_dir in sorted(root.glob("rank-*")):
         snap = latest_snapshot(rank_dir)
-        for f in sorted(snap.rglob("*.pt")):
-            for key, value in torch.load(f, weights_only=False).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"{rank_dir.name}/{f.relative_to(snap)}:{key}"] = value
+        for f in sorted(snap.rglob("*.safetensors")):
+            for key, value in load_file(f).items():
+                out[f"{rank_dir.name}/{f.relative_to(snap)}:{key}"] = value
     return out
 
 

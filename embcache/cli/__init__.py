@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="host",
         help="the tier: 'host' (in-process memory) or a Redis URL such as "
         "redis://127.0.0.1:6379/0 (rows persist there under ?namespace=..., default 'embcache', "
-        "and a later run with the same namespace continues from them)",
+        "and a later run with the same namespace continues from them; while this run lives its "
+        "tables are leased to it, so another run on the same namespace is refused unless both "
+        "give ?shared=1). Passwords are never printed",
     )
     cache.add_argument(
         "--prefetch",

@@ -141,7 +141,9 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             table, of which a rank fills only its share: give a load_factor to bound memory).
         store: this rank's tier: a `Store`, a URL, None (an in-process `HostKV`), or a callable
             ``store(rank) -> Store | URL``. A shared store (one Redis) also works: each rank
-            writes only the rows it owns.
+            writes only the rows it owns; give every rank the same lease owner
+            (``open_store(url, owner=token)``, as ``embcache train --nproc`` does) or open the
+            tables shared (``?shared=1``), since a table is otherwise leased to one job.
         device: where this rank's caches and outputs live (``cuda`` with NCCL or gloo).
         process_group: the ranks sharing the tables (None: the default group).
     """
