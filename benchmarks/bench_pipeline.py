@@ -47,7 +47,7 @@ NUM_DENSE = 13
 ALPHA = 1.05
 
 
-class SlowStore:
+class SlowStore(Store):
     """A `Store` that forwards to ``inner`` after sleeping ``latency_s`` in each get/put call.
 
     Thread-safe: the prefetch thread, the training thread and the cache's per-table I/O

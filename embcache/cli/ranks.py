@@ -15,7 +15,7 @@ from embcache.checkpoint import load as embcache_load
 from embcache.checkpoint import read_extra
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
-from embcache.cli.settings import plain_options, run_settings, store_owner
+from embcache.cli.settings import plain_options, run_settings
 from embcache.data.batch import Batch
 from embcache.data.synthetic import SyntheticCriteo
 from embcache.engine.inputs import JaggedBatch
@@ -165,7 +165,7 @@ def train_rank(rank: int, options: dict[str, Any]) -> None:
             extra={
                 "steps_done": first_step + args.steps,
                 "world_size": world,
-                **({"tier_owner": store_owner(store)} if store_owner(store) else {}),
+                **({"tier_owner": store.lease_owner} if store.lease_owner else {}),
             },
         )
     store.close()

@@ -10,7 +10,6 @@ import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
-from embcache.kv.base import Store
 
 # Defaults sized so that `embcache train` (what `make demo` runs) ends in about a minute on a
 # 2-core CPU, start-up included, with a cache that has to evict.
@@ -44,9 +43,3 @@ def run_settings(
 def plain_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options without the parser objects, to send to other processes."""
     return {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
-
-
-def store_owner(store: Store) -> str | None:
-    """The lease owner token of a Redis tier (directly or behind a TieredKV); None for others."""
-    owner = getattr(store, "owner", None) or getattr(getattr(store, "back", None), "owner", None)
-    return owner if isinstance(owner, str) else None

@@ -15,7 +15,7 @@ from embcache.checkpoint import load as embcache_load
 from embcache.checkpoint import read_extra
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
-from embcache.cli.settings import plain_options, run_settings, store_owner
+from embcache.cli.settings import plain_options, run_settings
 from embcache.kv.base import Store
 from embcache.kv.errors import TierError
 from embcache.kv.redact import redact_text, redact_url
@@ -184,7 +184,7 @@ def save_checkpoint(
     training batches consumed, so `--resume` continues with the next one, and the tier's owner
     token, so that a resumed run may reopen the tables its lease still holds."""
     extra: dict[str, Any] = {"steps_done": steps_done}
-    owner = store_owner(model.sparse_arch.store)
+    owner = model.sparse_arch.store.lease_owner
     if owner is not None:
         extra["tier_owner"] = owner
     embcache_save(path, model, [sparse_opt, dense_opt], extra=extra)

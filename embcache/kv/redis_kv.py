@@ -38,7 +38,7 @@ import redis
 import redis.cluster
 import torch
 
-from embcache.kv.base import IOStats, TableSpec, checked_ids, checked_rows
+from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
 from embcache.kv.errors import (
     TierAuthError,
     TierCommandError,
@@ -73,7 +73,7 @@ _T = TypeVar("_T")
 _SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
 
-class RedisKV:
+class RedisKV(Store):
     """A `Store` on a Redis server (``redis://``) or a Redis Cluster (``redis+cluster://``).
 
     Args:
@@ -200,6 +200,10 @@ class RedisKV:
         """This client's owner token (give it to a later run as ``owner=`` to reopen its
         tables while its leases are still live)."""
         return self._leases.owner
+
+    @property
+    def lease_owner(self) -> str | None:
+        return self.owner
 
     @property
     def shared(self) -> bool:

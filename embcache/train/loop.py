@@ -124,8 +124,7 @@ def train(
     ebc = model.sparse_arch
     ebc.reset_stats()
     store = ebc.store
-    if hasattr(store, "reset_io_stats"):
-        store.reset_io_stats()
+    store.reset_io_stats()
     device = model.device
     hit_rates: list[float] = []
     bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True, leave=True)
@@ -168,7 +167,7 @@ def train(
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     bar.close()
-    io = store.io_stats() if hasattr(store, "io_stats") else None
+    io = store.io_stats() or None
     return TrainResult(
         losses=losses,
         hit_rates=hit_rates,
