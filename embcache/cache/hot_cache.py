@@ -262,13 +262,15 @@ class HotCache:
 
     def _prefill_direct(self, chunk_rows: int = 1 << 16) -> None:
         """Direct mapping holds every row: read them all from the tier at once, in chunks,
-        instead of paying a tier call per batch for first touches over the whole run."""
+        instead of paying a tier call per batch for first touches over the whole run. Through
+        `Store.read`, which creates nothing: a row reaches the tier only once it is written
+        back dirty, so a checkpoint holds the rows trained, not the whole table."""
         for idx, spec in self._specs.items():
             base = int(self._row_offset[idx])
             for lo in range(0, spec.num_embeddings, chunk_rows):
                 raw = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
                 slots = (base + raw).to(self.device)
-                self.transfer.copy_in(self.rows, slots, self.store.get(spec.name, raw))
+                self.transfer.copy_in(self.rows, slots, self.store.read(spec.name, raw))
                 self.slot_keys[slots] = (raw | (idx << self.fusion_k)).to(self.device)
                 self.dirty[slots] = False
         self._filled = True

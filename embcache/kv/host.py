@@ -56,6 +56,16 @@ class _DenseTable:
         torch.index_select(rows, 0, ids, out=out)
         return missing.numel()
 
+    def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows of ``ids`` into ``out``, initial values for rows never created (not stored)."""
+        if self.rows is None or self.created is None:
+            out.copy_(self.spec.initial_rows(ids))
+            return
+        torch.index_select(self.rows, 0, ids, out=out)
+        absent = ~self.created[ids]
+        if bool(absent.any()):
+            out[absent] = self.spec.initial_rows(ids[absent])
+
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         rows, created = self._allocate()
         rows.index_copy_(0, ids, values)
@@ -141,6 +151,13 @@ class _HashTable:
         positions, created = self._locate(ids, init=True)
         torch.index_select(self.rows, 0, positions, out=out)
         return created
+
+    def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        positions = self.index.find(ids)
+        present = positions >= 0
+        out[present] = self.rows[positions[present]]
+        if not bool(present.all()):
+            out[~present] = self.spec.initial_rows(ids[~present])
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         positions, _ = self._locate(ids, init=False)
@@ -269,6 +286,27 @@ class HostKV(Store):
             self._stats["rows_created"] += created
             return out
 
+    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` without creating any: rows never touched read as their initial
+        values and stay absent (`export_rows` does not list them).
+
+        Args:
+            table: a declared table.
+            ids: integer ``[n]`` (converted to CPU int64), in range for the table.
+
+        Returns:
+            float32 ``[n, dim + state_dim]``, a copy (pinned when the store pins).
+        """
+        with self._lock:
+            t = self._table(table)
+            ids = checked_ids(t.spec, ids)
+            out = torch.empty(
+                ids.numel(), t.spec.row_width, dtype=torch.float32, pin_memory=self.pin_memory
+            )
+            t.read(ids, out)
+            self._count("read", ids.numel(), t.spec)
+            return out
+
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Overwrite (creating) the rows of ``ids``.
 
@@ -323,7 +361,7 @@ class HostKV(Store):
     # -- accounting and life cycle ---------------------------------------------------------
 
     def io_stats(self) -> dict[str, int]:
-        """Traffic through `get`/`put` since creation or the last `reset_io_stats`.
+        """Traffic through `get`/`read`/`put` since creation or the last `reset_io_stats`.
 
         Keys: ``rows_read``, ``rows_written``, ``bytes_read``, ``bytes_written``, ``get_calls``,
         ``put_calls``, ``rows_created`` (rows made by the initialiser on first touch).
