@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -93,6 +94,11 @@ class TableSpec:
         rows[:, : self.dim] = weights
         rows[:, self.dim :] = self.state_init
         return rows
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory, in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def table_hash(name: str) -> int:

@@ -22,7 +22,14 @@ from collections.abc import Iterator
 
 import torch
 
-from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
+from embcache.kv.base import (
+    IOStats,
+    Store,
+    TableSpec,
+    checked_ids,
+    checked_rows,
+    host_memory_bytes,
+)
 from embcache.kv.hash_index import HashIndex, next_pow2
 
 _MIN_ROWS = 64
@@ -187,6 +194,22 @@ class _HashTable:
 _Table = _DenseTable | _HashTable
 
 
+def _check_dense_fits(spec: TableSpec) -> None:
+    """A bounded table is one dense array (pages committed as rows are touched): refuse one
+    larger than this machine's memory, which would fail at its first touch instead."""
+    if spec.num_embeddings is None:
+        return
+    need = spec.num_embeddings * (4 * spec.row_width + 1)  # rows and the `created` mask
+    have = host_memory_bytes()
+    if need > have:
+        raise ValueError(
+            f"table {spec.name!r}: {spec.num_embeddings:,} rows of {spec.row_width} float32 "
+            f"need {need:,} bytes as a dense host array, more than this machine's {have:,}; "
+            "use num_embeddings=None (hashed ids: memory grows with the rows touched) or a "
+            "Redis tier"
+        )
+
+
 class HostKV(Store):
     """The embedded default tier: every table in this process's host memory.
 
@@ -231,11 +254,14 @@ class HostKV(Store):
 
         Raises:
             TypeError: ``spec`` is not a `TableSpec`.
-            ValueError: the table exists with another ``dim`` or ``num_embeddings``.
+            ValueError: the table exists with another ``dim`` or ``num_embeddings``, or a
+                bounded table's dense array could not fit this machine's memory (refused
+                before anything is allocated or changed).
         """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"init_table expects a TableSpec, got {type(spec).__name__}")
         spec = dataclasses.replace(spec)  # our own copy: the caller may mutate theirs
+        _check_dense_fits(spec)
         with self._lock:
             self._check_open()
             table = self._tables.get(spec.name)

@@ -152,9 +152,10 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
 
         Cost: every table is materialised whole in host memory (``4 * num_embeddings * dim``
         bytes each, all tables at once), after a flush of the dirty cached rows; each row is
-        read from the cache's tier (rows never trained are computed from the initialiser,
-        about 10M rows/s on a CPU core, and are not created in the tier). For large tables or
-        a checkpoint use `embcache.save`, which streams only the rows trained.
+        read from the tier, and rows never trained are computed by the initialiser without
+        being created there (about 1M rows/s on one CPU core: 1.6 s for 26 tables of 65,536
+        rows). For large tables or a checkpoint use `embcache.save`, which streams only the
+        rows trained.
         """
         return super().state_dict(*args, **kwargs)
 

@@ -343,6 +343,18 @@ def test_read_creates_nothing_and_sees_written_rows(layout: str) -> None:
         kv.read("t", torch.tensor([-1]))
 
 
+def test_a_dense_table_larger_than_memory_is_refused_before_anything_changes() -> None:
+    kv = make_store(spec_for("bounded", name="small"))
+    with pytest.raises(ValueError, match=r"'huge': 4,294,967,296 rows of 64 .* dense host array"):
+        kv.init_table(TableSpec("huge", dim=64, num_embeddings=2**32))
+    assert kv.tables() == ["small"] and kv.memory_bytes() == 0
+    kv.init_table(TableSpec("huge", dim=64, num_embeddings=None))  # hashed: grows as touched
+    kv.get("small", torch.arange(3))
+    with pytest.raises(ValueError, match="dense host array"):  # state columns that cannot fit
+        kv.init_table(spec_for("bounded", name="small", state_dim=2**40))
+    assert kv.table_spec("small").state_dim == 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_io_stats_add_up(layout: str) -> None:
     kv = make_store(spec_for(layout, state_dim=3))
