@@ -224,8 +224,8 @@ class SparseOptimizer:
         ids = torch.cat([ids for ids, _ in entries])
         grads = torch.cat([g for _, g in entries])
         unique, summed = aggregate_grads(ids, grads)
-        rows = m.weight[unique]
-        m.weight[unique] = rows - self.update.lr * summed.to(rows.dtype)
+        rows = m.weight[unique]  # on the host, where the tier is
+        m.weight[unique] = rows - self.update.lr * summed.to(rows.device, rows.dtype)
 
     # ------------------------------------------------------------------------------------------
     # state
