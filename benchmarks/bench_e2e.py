@@ -1,7 +1,7 @@
 """How fast is a whole embedding training step through the cache, against torchrec and FBGEMM?
 
 Question: time per training step (forward + backward + sparse AdaGrad step) of 26 tables with
-the Criteo Kaggle sizes scaled down (`embcache.models.synthetic`, Zipf(1.05) ids, one id per
+the Criteo Kaggle sizes scaled down (`embcache.data.synthetic`, Zipf(1.05) ids, one id per
 bag), on the same batches, side by side in one process. The named baseline is
 ``torchrec_sparse``; every other row is a ratio of its time to the baseline's (< 1: faster).
 
@@ -49,7 +49,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 import embcache
-from embcache.models.synthetic import SyntheticConfig, SyntheticCriteo
+from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
 
 LR, EPS = 0.05, 1e-10
 BASELINE = "torchrec_sparse"

@@ -8,6 +8,7 @@ eviction or flush.
 
 from embcache.cache import CacheConfig, CachePolicy, HotCache
 from embcache.checkpoint import load, save
+from embcache.data import Batch, SyntheticConfig, SyntheticCriteo
 from embcache.distributed import (
     DistTensor,
     KVClient,
@@ -15,6 +16,7 @@ from embcache.distributed import (
     get_kv_client,
     reset_kv_client,
 )
+from embcache.engine import JaggedBatch, PooledEmbeddings, TableConfig
 from embcache.kernels.pooling import PoolingMode
 from embcache.kv import HostKV, Store, TableSpec, open_store
 from embcache.models import (
@@ -35,6 +37,7 @@ from embcache.pipeline import PrefetchFallbackWarning, TrainPipeline
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batch",
     "CacheConfig",
     "CachePolicy",
     "CachedEmbeddingBagCollection",
@@ -43,7 +46,9 @@ __all__ = [
     "FusedPrefetchHandle",
     "HostKV",
     "HotCache",
+    "JaggedBatch",
     "KVClient",
+    "PooledEmbeddings",
     "PoolingMode",
     "PrefetchFallbackWarning",
     "RecStoreEmbeddingBagCollection",
@@ -54,6 +59,9 @@ __all__ = [
     "SparseRowWiseAdaGrad",
     "SparseSGD",
     "Store",
+    "SyntheticConfig",
+    "SyntheticCriteo",
+    "TableConfig",
     "TableSpec",
     "TrainPipeline",
     "get_kv_client",

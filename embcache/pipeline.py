@@ -1,8 +1,8 @@
 """TrainPipeline: the prefetch of batch i+1 overlaps batch i's forward, backward and step.
 
     pipe = TrainPipeline(model, sparse_opt, dense_opt,
-                         features=lambda batch: batch.sparse,          # the KJT of a batch
-                         loss=lambda model, batch: model(batch))       # forward -> loss
+                         features=lambda batch: batch.sparse,   # a KJT or JaggedBatch
+                         loss=lambda model, batch: model(batch))  # forward -> loss
     losses = pipe.run(batches)
 
 For each step, a worker thread runs `issue_fused_prefetch` for the next batch — fuse, dedup,
@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec import KeyedJaggedTensor
 
 from embcache.cache.hot_cache import CacheCapacityError
+from embcache.engine.inputs import JaggedBatch, is_kjt
 from embcache.models.collection import CachedEmbeddingBagCollection, FusedPrefetchHandle
 from embcache.optim.sparse import SparseOptimizer
 
@@ -59,8 +59,9 @@ class TrainPipeline:
         model: the model; its `CachedEmbeddingBagCollection` submodules are found by walking it.
         sparse_optimizer: the embcache optimizer of those collections.
         dense_optimizer: a torch optimizer of the dense parameters, or None.
-        features: ``features(batch)`` -> the batch's KJT (one collection) or a sequence of KJTs,
-            one per collection in ``model.modules()`` order.
+        features: ``features(batch)`` -> the batch's sparse input (a KJT or `JaggedBatch`) for
+            one collection, or a sequence of them, one per collection in ``model.modules()``
+            order.
         loss: ``loss(model, batch)`` -> scalar loss tensor (runs the forward).
         prefetch: False runs every batch synchronously (same numbers; for comparison).
     """
@@ -70,7 +71,7 @@ class TrainPipeline:
         model: nn.Module,
         sparse_optimizer: SparseOptimizer,
         dense_optimizer: torch.optim.Optimizer | None,
-        features: Callable[[Any], KeyedJaggedTensor | Sequence[KeyedJaggedTensor]],
+        features: Callable[[Any], Any],
         loss: Callable[[nn.Module, Any], torch.Tensor],
         prefetch: bool = True,
     ) -> None:
@@ -94,12 +95,12 @@ class TrainPipeline:
         self.fallbacks = 0  # batches whose prefetch did not fit and ran synchronously
         self._pending: Future | None = None  # the next batch's prefetch, while it runs
 
-    def _features_of(self, batch: Any) -> list[KeyedJaggedTensor]:
+    def _features_of(self, batch: Any) -> list[Any]:
         found = self.features(batch)
-        kjts = [found] if isinstance(found, KeyedJaggedTensor) else list(found)
+        kjts = [found] if isinstance(found, JaggedBatch) or is_kjt(found) else list(found)
         if len(kjts) != len(self.collections):
             raise ValueError(
-                f"features(batch) gave {len(kjts)} KJTs for {len(self.collections)} collections"
+                f"features(batch) gave {len(kjts)} inputs for {len(self.collections)} collections"
             )
         return kjts
 

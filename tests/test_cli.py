@@ -14,8 +14,8 @@ import torch
 import embcache
 from embcache.checkpoint import latest_snapshot
 from embcache.cli import available_benchmarks, main
+from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
 from embcache.models.dlrm import DLRM, make_dense_optimizer, make_sparse_optimizer
-from embcache.models.synthetic import SyntheticConfig, SyntheticCriteo
 
 TINY = [
     "train",

@@ -9,15 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torchrec import KeyedJaggedTensor
-from torchrec.datasets.utils import Batch
 
 from embcache.checkpoint import load as embcache_load
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
 from embcache.cli.train import plain_options, run_settings
+from embcache.data.batch import Batch
+from embcache.data.synthetic import SyntheticCriteo
+from embcache.engine.inputs import JaggedBatch
 from embcache.models.dlrm import DLRM, evaluate, make_dense_optimizer, make_sparse_optimizer, train
-from embcache.models.synthetic import SyntheticCriteo
 
 
 def spawn_ranks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -53,20 +53,20 @@ class _RankData:
         lo, hi = self.rank * per_rank, (self.rank + 1) * per_rank
         return Batch(
             dense_features=full.dense_features[lo:hi],
-            sparse_features=_slice_kjt(full.sparse_features, lo, hi),
+            sparse_features=_slice_samples(full.sparse_features, lo, hi),
             labels=full.labels[lo:hi],
         )
 
 
-def _slice_kjt(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
-    """Samples ``[lo, hi)`` of every feature of a KJT."""
+def _slice_samples(kjt: JaggedBatch, lo: int, hi: int) -> JaggedBatch:
+    """Samples ``[lo, hi)`` of every feature of a batch."""
     keys, batch = kjt.keys(), kjt.stride()
     offsets = kjt.offsets().view(-1)
     starts = offsets[:-1].view(len(keys), batch)[:, lo].tolist()
     ends = offsets[1:].view(len(keys), batch)[:, hi - 1].tolist()
     pieces = list(zip(starts, ends, strict=True))
     weights = kjt.weights_or_none()
-    return KeyedJaggedTensor.from_lengths_sync(
+    return JaggedBatch.from_lengths(
         keys=keys,
         values=torch.cat([kjt.values()[a:b] for a, b in pieces]),
         lengths=kjt.lengths().view(len(keys), batch)[:, lo:hi].reshape(-1),

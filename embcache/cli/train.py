@@ -15,6 +15,7 @@ from embcache.cache.config import CacheConfig
 from embcache.checkpoint import load as embcache_load
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
+from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
 from embcache.kv.base import Store
 from embcache.kv.url import open_store
 from embcache.models.dlrm import (
@@ -24,7 +25,6 @@ from embcache.models.dlrm import (
     make_sparse_optimizer,
     train,
 )
-from embcache.models.synthetic import SyntheticConfig, SyntheticCriteo
 
 # Defaults sized so that `embcache train` (what `make demo` runs) ends in about a minute on a
 # 2-core CPU, start-up included, with a cache that has to evict.

@@ -40,13 +40,12 @@ every rank. A peer that dies or times out turns into a `CollectiveError` naming 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from embcache.cache.config import CacheConfig
 from embcache.distributed.exchange import (
@@ -60,6 +59,7 @@ from embcache.distributed.exchange import (
     owner_of,
 )
 from embcache.distributed.sharded_kv import ShardedKVClient
+from embcache.engine.inputs import JaggedBatch, pooled_output
 from embcache.kernels.ids import dedup
 from embcache.kernels.optim import aggregate_grads
 from embcache.kernels.pooling import pool_backward, pool_forward
@@ -148,7 +148,7 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
 
     def __init__(
         self,
-        tables: Sequence[EmbeddingBagConfig | Mapping[str, Any]],
+        tables: Sequence[Any],
         is_weighted: bool = False,
         cache: CacheConfig | None = None,
         store: Store | str | Callable[[int], Store | str] | None = None,
@@ -195,21 +195,22 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
     # ------------------------------------------------------------------------------------------
     # forward and backward
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """This rank's pooled embeddings, a `KeyedTensor` ``[B, sum of dims]`` (collective)."""
+    def forward(self, features: JaggedBatch | Any) -> Any:
+        """This rank's pooled embeddings ``[B, sum of dims]`` (collective): a torchrec
+        `KeyedTensor` for a KJT input, a `PooledEmbeddings` for a `JaggedBatch`."""
         if torch.is_grad_enabled():
             values = _ShardedLookup.apply(self._grad_anchor, self, features)
         else:
             values, _ = self._lookup(features, training=False)
-        return KeyedTensor(keys=self.output_keys, length_per_key=self.output_dims, values=values)
+        return pooled_output(features, self.output_keys, self.output_dims, values)
 
-    def _lookup(self, features: KeyedJaggedTensor, training: bool) -> tuple[torch.Tensor, _Step]:
+    def _lookup(self, features: Any, training: bool) -> tuple[torch.Tensor, _Step]:
         error: BaseException | None = None
         prepared, uniques = [], []
         try:
             if training and self._trace and not self.accumulate_grads:
                 self._begin_batch()  # raises: an un-stepped trace
-            self._check_features(features)
+            features = self._checked_input(features)
             for group in self._groups:
                 fused, lengths, weights = self._fuse_group(features, group)
                 unique, inverse, _ = dedup(fused, with_counts=False)
@@ -413,7 +414,7 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
     # across threads; until it has a process group of its own, lookups run in the forward.
     supports_prefetch = False
 
-    def issue_fused_prefetch(self, features: KeyedJaggedTensor):
+    def issue_fused_prefetch(self, features: Any):
         raise NotImplementedError(
             "ShardedEmbeddingBagCollection does not prefetch yet: its lookups are collectives "
             "and run in the forward (use TrainPipeline(prefetch=False))"

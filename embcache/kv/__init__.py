@@ -7,7 +7,7 @@ one from a URL.
 
 from embcache.kv.base import RowInit, Store, TableSpec, default_init
 from embcache.kv.host import HostKV
-from embcache.kv.url import open_store
+from embcache.kv.url import open_store, redis_kv_class
 
 __all__ = ["HostKV", "RowInit", "Store", "TableSpec", "default_init", "open_store"]
 
@@ -15,6 +15,7 @@ __all__ = ["HostKV", "RowInit", "Store", "TableSpec", "default_init", "open_stor
 def __getattr__(name: str):
     # The Redis tiers import redis-py; load them only when asked for.
     if name in ("RedisKV", "TierUnavailableError"):
+        redis_kv_class()  # a clear ImportError when redis-py is missing
         from embcache.kv import redis_kv
 
         return getattr(redis_kv, name)

@@ -63,9 +63,7 @@ def open_store(spec: str | Store | None) -> Store:
     if capacity is not None and not tiered:
         raise ValueError(f"store {spec!r}: capacity_rows is an option of the tiered+ forms only")
 
-    from embcache.kv.redis_kv import RedisKV
-
-    back = RedisKV(url, **options)
+    back = redis_kv_class()(url, **options)
     if not tiered:
         return back
     from embcache.kv.tiered import TieredKV
@@ -73,6 +71,24 @@ def open_store(spec: str | Store | None) -> Store:
     return TieredKV(
         back, capacity_rows=DEFAULT_TIERED_CAPACITY_ROWS if capacity is None else capacity
     )
+
+
+def redis_kv_class() -> type:
+    """`RedisKV`, imported on first use: only the Redis tiers need redis-py.
+
+    Raises:
+        ImportError: redis-py is not installed, naming the package to install.
+    """
+    try:
+        import redis  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "the Redis tier needs the redis-py package, which is not installed: "
+            "pip install 'redis[hiredis]>=5.0'"
+        ) from err
+    from embcache.kv.redis_kv import RedisKV
+
+    return RedisKV
 
 
 def _split_options(url: str, original: str) -> tuple[str, dict[str, Any]]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torchrec import KeyedJaggedTensor
+
+from embcache.engine.inputs import JaggedBatch
 
 
 @dataclass
@@ -39,7 +40,7 @@ class FusedPrefetchHandle:
     resolved: list[_Resolved]
     used: bool = False
 
-    def issued_for(self, features: KeyedJaggedTensor) -> bool:
+    def issued_for(self, features: JaggedBatch) -> bool:
         """Whether ``features`` are the ones this handle was issued for (same keys, lengths and
         values; the same tensors need no comparison)."""
         return list(features.keys()) == self.keys and (

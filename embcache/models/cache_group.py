@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from embcache.cache.hot_cache import HotCache
+from embcache.engine.tables import Table
 from embcache.kernels.pooling import PoolingMode
-from embcache.models.tables import TableConfig
 
 
 @dataclass
@@ -28,9 +28,9 @@ class _CacheGroup:
 
     dim: int
     cache: HotCache
-    tables: list[TableConfig]
+    tables: list[Table]
     features: list[str]
-    feature_table: list[TableConfig]
+    feature_table: list[Table]
     lookups: list[_Lookup]
     table_index: torch.Tensor = field(init=False)  # int64 [F] table of each feature
     table_rows: torch.Tensor = field(init=False)  # int64 [F] num_embeddings of that table
@@ -48,7 +48,7 @@ class _CacheGroup:
         return [*torch.searchsorted(unique, starts).tolist(), unique.numel()]
 
     @classmethod
-    def of_tables(cls, dim: int, cache: HotCache, tables: list[TableConfig]) -> _CacheGroup:
+    def of_tables(cls, dim: int, cache: HotCache, tables: list[Table]) -> _CacheGroup:
         """The group of ``tables`` (all of dim ``dim``) over ``cache``: their features in table
         order, then stably sorted by pooling mode so that each mode is one `_Lookup`."""
         pairs = [(f, t) for t in tables for f in t.feature_names]

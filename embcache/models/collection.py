@@ -3,19 +3,19 @@
 Example::
 
     ebc = CachedEmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name="t0", embedding_dim=16, num_embeddings=10_000,
-                                   feature_names=["f0", "f1"])],
+        tables=[TableConfig(name="t0", embedding_dim=16, num_embeddings=10_000,
+                            feature_names=["f0", "f1"])],   # or torchrec EmbeddingBagConfig
         cache=CacheConfig(load_factor=0.1),
     )
     opt = SparseAdaGrad([ebc], lr=0.05)
-    # kjt: KeyedJaggedTensor with keys ["f0", "f1"], batch of B bags per key
+    # kjt: torchrec KeyedJaggedTensor (or embcache.JaggedBatch), keys ["f0", "f1"], B bags each
     kt = ebc(kjt)                       # KeyedTensor, keys ["f0", "f1"], values [B, 32]
     kt.values().sum().backward()        # one gradient row per unique id, into ebc._trace
     opt.step()                          # fused update in the cache slots; trace cleared
 
 A forward, per cache (one per distinct embedding dim):
 
-1. validate the KJT and fuse ids: ``fused = id | (table_idx << fusion_k)`` (bad ids raise before
+1. validate the input and fuse ids: ``fused = id | (table_idx << fusion_k)`` (bad ids raise before
    anything changes);
 2. dedup the fused ids; resolve them to cache slots (misses come from the tier), locking the
    slots until the optimizer step (nothing is locked under ``torch.no_grad()``);
@@ -28,8 +28,8 @@ until the next forward; a forward while an un-stepped trace exists is an error u
 ``accumulate_grads=True``.
 
 The pieces live beside this file: the layout of features over caches in ``cache_group``, a
-batch's state between forward and step in ``batch_state``, the KJT checks in ``kjt_input`` and
-the pooling autograd op (step 3 and the backward) in ``pooled_lookup``.
+batch's state between forward and step in ``batch_state``, the pooling autograd op (step 3 and
+the backward) in ``pooled_lookup``; input checks and table configs in ``embcache.engine``.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
+from embcache.engine.inputs import JaggedBatch, as_jagged, check_batch, group_inputs, pooled_output
+from embcache.engine.tables import TableConfig, normalize_tables
 from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
 from embcache.kv.base import Store, TableSpec
 from embcache.kv.url import open_store
@@ -51,9 +52,7 @@ from embcache.kv.url import open_store
 from embcache.models.batch_state import FusedPrefetchHandle, TraceEntry, _Batch, _Resolved
 from embcache.models.cache_group import _CacheGroup
 from embcache.models.cache_group import _Lookup as _Lookup
-from embcache.models.kjt_input import check_kjt, group_inputs
 from embcache.models.pooled_lookup import _PooledLookup
-from embcache.models.tables import normalize_tables
 
 _UNFUSED_K = 48  # enable_fusion=False: internal fusion with room for ids below 2**48
 
@@ -66,9 +65,10 @@ class CachedEmbeddingBagCollection(nn.Module):
     live there.
 
     Args:
-        tables: `torchrec.EmbeddingBagConfig` objects or dicts (``name``, ``embedding_dim``,
-            ``num_embeddings``, ``feature_names``, optional ``pooling``: SUM, MEAN or MAX).
-        is_weighted: the KJTs carry per-sample weights.
+        tables: `TableConfig` objects, torchrec `EmbeddingBagConfig` objects or dicts (``name``,
+            ``embedding_dim``, ``num_embeddings``, ``feature_names``, optional ``pooling``:
+            SUM, MEAN or MAX).
+        is_weighted: the inputs carry per-sample weights.
         cache: capacity and policy of each cache (one per distinct dim); None caches everything.
         store: the tier: a `Store`, a URL (``"redis://127.0.0.1:6379/0"``) or None for an
             in-process `HostKV`.
@@ -90,7 +90,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def __init__(
         self,
-        tables: Sequence[EmbeddingBagConfig | Mapping[str, Any]],
+        tables: Sequence[TableConfig | Mapping[str, Any] | Any],
         is_weighted: bool = False,
         cache: CacheConfig | None = None,
         store: Store | str | None = None,
@@ -160,11 +160,14 @@ class CachedEmbeddingBagCollection(nn.Module):
     # ------------------------------------------------------------------------------------------
     # input checks and id preparation
 
-    def _check_features(self, features: KeyedJaggedTensor) -> None:
-        check_kjt(features, self.output_keys, self.is_weighted)
+    def _checked_input(self, features: object) -> JaggedBatch:
+        """``features`` (a KJT or a `JaggedBatch`) as a checked `JaggedBatch`."""
+        batch = as_jagged(features)
+        check_batch(batch, self.output_keys, self.is_weighted)
+        return batch
 
     def _fuse_group(
-        self, features: KeyedJaggedTensor, group: _CacheGroup
+        self, features: JaggedBatch, group: _CacheGroup
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Validated fused ids, bag lengths and weights of a group (device tensors)."""
         values, lengths, weights = group_inputs(features, group.features)
@@ -182,9 +185,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             weights = weights.to(self.device, torch.float32)
         return fused.to(self.device), lengths.to(self.device), weights
 
-    def _resolve_all(self, features: KeyedJaggedTensor, lock: bool) -> list[_Resolved]:
-        """Dedup and resolve every group; all ids are validated before any cache changes."""
-        self._check_features(features)
+    def _resolve_all(self, features: JaggedBatch, lock: bool) -> list[_Resolved]:
+        """Dedup and resolve every group (``features`` checked); all ids are validated before
+        any cache changes."""
         prepared = [self._fuse_group(features, g) for g in self._groups]
         resolved: list[_Resolved] = []
         try:
@@ -210,9 +213,11 @@ class CachedEmbeddingBagCollection(nn.Module):
     # ------------------------------------------------------------------------------------------
     # forward
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Pooled embeddings of every feature: a `KeyedTensor` ``[B, sum of dims]`` whose keys
-        are the tables' feature names in table order (as torchrec orders them)."""
+    def forward(self, features: JaggedBatch | Any) -> Any:
+        """Pooled embeddings of every feature ``[B, sum of dims]``, keyed by the tables' feature
+        names in table order (as torchrec orders them): a torchrec `KeyedTensor` for a KJT
+        input, a `PooledEmbeddings` for a `JaggedBatch`."""
+        batch_in = self._checked_input(features)
         training = torch.is_grad_enabled()
         if training:
             try:
@@ -221,12 +226,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                 if self._prefetch is not None:  # its locks would belong to no batch
                     self.cancel_fused_prefetch(self._prefetch)
                 raise
-        handle = self._take_prefetch(features)
-        resolved = handle.resolved if handle else self._resolve_all(features, lock=training)
+        handle = self._take_prefetch(batch_in)
+        resolved = handle.resolved if handle else self._resolve_all(batch_in, lock=training)
         batch = _Batch(resolved) if training else None
         if batch is not None:
             self._inflight.append(batch)
-        B = features.stride()
+        B = batch_in.stride()
         try:
             # One autograd node for every group, so one backward sees all their gradients.
             outs = _PooledLookup.apply(self._grad_anchor, self, resolved, batch, B)
@@ -245,7 +250,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             values = out
         else:
             values = torch.cat([blocks[f] for f in self.output_keys], dim=1)
-        return KeyedTensor(keys=self.output_keys, length_per_key=self.output_dims, values=values)
+        return pooled_output(features, self.output_keys, self.output_dims, values)
 
     def _begin_batch(self) -> None:
         """Before a training forward: refuse to mix in an un-stepped trace; drop the locks of
@@ -327,9 +332,10 @@ class CachedEmbeddingBagCollection(nn.Module):
     # ------------------------------------------------------------------------------------------
     # prefetch
 
-    def issue_fused_prefetch(self, features: KeyedJaggedTensor) -> FusedPrefetchHandle:
+    def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
         """Dedup and resolve a batch ahead of its forward; its slots stay locked until that
         forward's step (or `cancel_fused_prefetch`)."""
+        features = self._checked_input(features)
         resolved = self._resolve_all(features, lock=True)
         return FusedPrefetchHandle(
             id(self),
@@ -363,7 +369,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if handle.used or handle.generation != self._generation:
             raise ValueError("prefetch handle is stale: already used, or the cache was emptied")
 
-    def _take_prefetch(self, features: KeyedJaggedTensor) -> FusedPrefetchHandle | None:
+    def _take_prefetch(self, features: JaggedBatch) -> FusedPrefetchHandle | None:
         handle, self._prefetch = self._prefetch, None
         if handle is None:
             return None
@@ -433,6 +439,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                 missing_keys.append(key)
                 continue
             value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                error_msgs.append(
+                    f"{key} has dtype {getattr(value, 'dtype', type(value).__name__)}; table "
+                    f"weights must be floating point"
+                )
+                continue
             if tuple(value.shape) != (t.num_embeddings, t.dim):
                 error_msgs.append(
                     f"size mismatch for {key}: checkpoint has {tuple(value.shape)}, table "
@@ -479,7 +491,7 @@ class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
     """RecStore's name and signature for the same collection.
 
     Args:
-        embedding_bag_configs: EmbeddingBagConfig objects or dicts.
+        embedding_bag_configs: TableConfig or EmbeddingBagConfig objects, or dicts.
         lr: learning rate a sparse optimizer uses when given none.
         enable_fusion, fusion_k: as in `CachedEmbeddingBagCollection`.
         **kwargs: any other `CachedEmbeddingBagCollection` argument.
@@ -487,7 +499,7 @@ class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
 
     def __init__(
         self,
-        embedding_bag_configs: Sequence[EmbeddingBagConfig | Mapping[str, Any]],
+        embedding_bag_configs: Sequence[TableConfig | Mapping[str, Any] | Any],
         lr: float = 0.01,
         enable_fusion: bool = True,
         fusion_k: int = 30,

@@ -33,12 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from embcache.cache.config import CacheConfig
+from embcache.data.synthetic import SyntheticCriteo
 from embcache.kv.base import Store
 from embcache.models.collection import CachedEmbeddingBagCollection
-from embcache.models.synthetic import SyntheticCriteo
 from embcache.optim.sparse import (
     SparseAdaGrad,
     SparseAdam,
@@ -135,8 +134,8 @@ class DLRM(nn.Module):
     """DLRM over a cached embedding collection.
 
     Args:
-        tables: one `EmbeddingBagConfig` (or dict) per sparse feature, all of the same
-            ``embedding_dim`` D.
+        tables: one `TableConfig` (or torchrec `EmbeddingBagConfig`, or dict) per sparse
+            feature, all of the same ``embedding_dim`` D.
         cache: size and policy of the device cache (None: every row cached).
         store: the tier behind the cache: a `Store`, a URL (``"redis://..."``) or None / "host".
         device: where the MLPs and the cache live.
@@ -153,7 +152,7 @@ class DLRM(nn.Module):
 
     def __init__(
         self,
-        tables: Sequence[EmbeddingBagConfig | dict[str, Any]],
+        tables: Sequence[Any],
         cache: CacheConfig | None = None,
         store: Store | str | None = None,
         device: torch.device | str | None = None,
@@ -191,8 +190,9 @@ class DLRM(nn.Module):
         """The MLPs' parameters (the embedding rows are not ``nn.Parameter``s)."""
         return [*self.bottom_mlp.parameters(), *self.top_mlp.parameters()]
 
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """Logits ``[B]`` for dense features ``[B, 13]`` and a KJT of the sparse features."""
+    def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
+        """Logits ``[B]`` for dense features ``[B, 13]`` and the sparse features (a
+        `JaggedBatch` or a torchrec KJT)."""
         x = self.bottom_mlp(dense.to(self.device, torch.float32))  # [B, D]
         pooled = self.sparse_arch(sparse).values()  # [B, F * D]
         e = pooled.view(pooled.shape[0], self.num_sparse, self.embedding_dim)

@@ -704,6 +704,19 @@ BAD_STATE_DICTS = {
         True,
     ),
     "unexpected-key": (lambda sd: {**sd, "bogus.weight": torch.zeros(5, 3)}, True),
+    # torchrec casts these silently (copy_); a weight that is not floating point is refused.
+    "bool-values": (
+        lambda sd: {**sd, "embedding_bags.t1.weight": torch.ones(250, 6, dtype=torch.bool)},
+        False,
+    ),
+    "int64-values": (
+        lambda sd: {**sd, "embedding_bags.t0.weight": torch.ones(300, 6, dtype=torch.int64)},
+        False,
+    ),
+    "complex-values": (
+        lambda sd: {**sd, "embedding_bags.t2.weight": torch.ones(200, 3, dtype=torch.complex64)},
+        False,
+    ),
 }
 
 
@@ -718,8 +731,10 @@ def test_load_state_dict_refuses_bad_input_and_changes_nothing(case: str) -> Non
     if torchrec_refuses:
         with pytest.raises(RuntimeError):
             ref.load_state_dict(make_bad(new))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError) as info:
         m.load_state_dict(make_bad(new))
+    if case.endswith("-values") and case != "nan-values":
+        assert "dtype" in str(info.value) and "floating point" in str(info.value), info.value
     assert_state_dicts_equal(m.state_dict(), before, "weights after a refused load")
 
 

@@ -7,6 +7,7 @@ import torch
 from torchmetrics.functional import auroc
 
 import embcache
+from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
 from embcache.models.dlrm import (
     DLRM,
     SPARSE_OPTIMIZERS,
@@ -16,7 +17,6 @@ from embcache.models.dlrm import (
     roc_auc,
     train,
 )
-from embcache.models.synthetic import SyntheticConfig, SyntheticCriteo
 
 DIM = 8
 # (sparse, dense) learning rates that learn visibly within 30 steps of 128 samples.

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from embcache.models.dlrm import roc_auc
-from embcache.models.synthetic import (
+from embcache.data.synthetic import (
     CRITEO_KAGGLE_CARDINALITIES,
     NUM_DENSE,
     SyntheticConfig,
     SyntheticCriteo,
 )
+from embcache.models.dlrm import roc_auc
 
 
 @pytest.fixture(autouse=True)

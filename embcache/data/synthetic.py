@@ -21,11 +21,11 @@ are reproducible, can be drawn in any order, and the held-out split ("eval") nev
 training batch. Example::
 
     data = SyntheticCriteo(SyntheticConfig(scale=0.01, batch_size=512, seed=0))
-    for batch in data.batches(100):                 # torchrec.datasets.utils.Batch
+    for batch in data.batches(100):                 # embcache.data.Batch
         batch.dense_features                        # float32 [512, 13]
-        batch.sparse_features                       # KJT keys cat_0..cat_25, one id per bag
+        batch.sparse_features                       # JaggedBatch keys cat_0..cat_25
         batch.labels                                # float32 [512], 0.0 or 1.0
-    data.tables(dim=16)                             # EmbeddingBagConfig per feature
+    data.tables(dim=16)                             # TableConfig per feature
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
-from torchrec.datasets.utils import Batch
+
+from embcache.data.batch import Batch
+from embcache.engine.inputs import JaggedBatch
+from embcache.engine.tables import TableConfig
+from embcache.kernels.pooling import PoolingMode
 
 # Distinct values of the 26 categorical columns (C1..C26) of the Criteo Kaggle DAC train.txt,
 # as counted by the DLRM reference implementation (facebookresearch/dlrm,
@@ -152,10 +155,10 @@ class SyntheticCriteo:
 
     # ------------------------------------------------------------------------------------------
 
-    def tables(self, dim: int, pooling: PoolingType = PoolingType.SUM) -> list[EmbeddingBagConfig]:
-        """One `EmbeddingBagConfig` per feature (table ``t_cat_i`` looks up ``cat_i``)."""
+    def tables(self, dim: int, pooling: PoolingMode | str = PoolingMode.SUM) -> list[TableConfig]:
+        """One `TableConfig` per feature (table ``t_cat_i`` looks up ``cat_i``)."""
         return [
-            EmbeddingBagConfig(
+            TableConfig(
                 name=f"t_{f}",
                 embedding_dim=dim,
                 num_embeddings=n,
@@ -170,13 +173,13 @@ class SyntheticCriteo:
         dense, ids, labels, _ = self._draw(index, split)
         cfg = self.config
         B, F, H = cfg.batch_size, len(self.rows), cfg.multi_hot
-        # ids: [F, B, H] -> KJT values grouped by feature, then sample, then position in bag.
-        kjt = KeyedJaggedTensor.from_lengths_sync(
+        # ids: [F, B, H] -> values grouped by feature, then sample, then position in bag.
+        sparse = JaggedBatch.from_lengths(
             keys=list(self.feature_names),
             values=ids.reshape(-1),
             lengths=torch.full((F * B,), H, dtype=torch.int64),
         )
-        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+        return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
 
     def batches(self, num_batches: int, split: str = "train", start: int = 0) -> Iterator[Batch]:
         """Batches ``start .. start + num_batches - 1`` of ``split``."""

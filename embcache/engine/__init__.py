@@ -1,0 +1,7 @@
+"""What a collection's step is built from below the modules: its input (`JaggedBatch`, or a
+torchrec KJT), its output, and its table configs (`TableConfig`)."""
+
+from embcache.engine.inputs import JaggedBatch, PooledEmbeddings
+from embcache.engine.tables import TableConfig
+
+__all__ = ["JaggedBatch", "PooledEmbeddings", "TableConfig"]
