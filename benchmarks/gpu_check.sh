@@ -10,7 +10,8 @@
 #   preflight          benchmarks/gpu_preflight.py: each kernel once against its torch twin at
 #                      B=2048, 26 features (stops at the first mismatch, naming the kernel)
 #   gpu_tests          pytest tests/test_gpu.py (training on CUDA vs the CPU path, pipeline)
-#   kernel_tests       EMBCACHE_BACKEND=triton pytest tests/kernels (both backends on CUDA)
+#   kernel_tests       EMBCACHE_BACKEND=triton pytest tests/kernels (both backends on CUDA;
+#                      one pytest per file, side by side, so cold compiles share the cores)
 #   bench_kernels      bench_kernels.py --quick       (ops vs torch baselines, bandwidth)
 #   bench_cache_index  bench_cache_index.py --quick   (lookups and victim choice)
 #   bench_pipeline     bench_pipeline.py --quick      (prefetch vs synchronous, bit-identical)
@@ -33,6 +34,39 @@ set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
+
+# parallel_pytest FILE...: one pytest per test file, all at once (each compiles its own kernel
+# variants, so cold compiles use the machine's cores instead of one), their logs in turn, then
+# one summary line. Fails unless every file exits 0 having passed at least one test.
+parallel_pytest() {
+    local dir i n word rc=0 pids=()
+    local -A total=([passed]=0 [failed]=0 [errors]=0 [skipped]=0)
+    dir="$(mktemp -d)"
+    for ((i = 1; i <= $#; i++)); do
+        "${PY:-python3}" -m pytest -q -rs -p no:cacheprovider "${!i}" >"$dir/$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for ((i = 1; i <= $#; i++)); do
+        wait "${pids[$((i - 1))]}" || rc=1
+        echo "---- ${!i}"
+        cat "$dir/$i.log"
+        grep -qE '(^|[^0-9])[1-9][0-9]* passed' "$dir/$i.log" || rc=1
+        for word in passed failed errors skipped; do # from pytest's closing line
+            n="$(tail -n 1 "$dir/$i.log" | grep -oE "[0-9]+ ${word%s}s?" | cut -d' ' -f1)"
+            total[$word]=$((total[$word] + ${n:-0}))
+        done
+    done
+    rm -rf "$dir"
+    echo "summary: ${total[passed]} passed, ${total[failed]} failed, ${total[errors]} errors," \
+        "${total[skipped]} skipped; $# files side by side"
+    return $rc
+}
+if [[ ${1:-} == --parallel-pytest ]]; then
+    shift
+    parallel_pytest "$@"
+    exit $?
+fi
+
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
@@ -60,7 +94,6 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ $DRY_RUN == 1 ]]; then
     MODE="dry run"
-    DEVICE=cpu
     export TRITON_INTERPRET=1
     export EMBCACHE_TEST_DEVICE="${EMBCACHE_TEST_DEVICE:-cpu}"
     export EMBCACHE_GPU_TEST_TINY=1
@@ -71,7 +104,6 @@ if [[ $DRY_RUN == 1 ]]; then
     GPU_NAME="none (CPU, Triton interpreter)"
 else
     MODE="gpu"
-    DEVICE=cuda
     if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
         echo "gpu_check: no GPU present: nvidia-smi is missing or lists no device." >&2
         echo "gpu_check: nothing was run; use a GPU machine, or --dry-run to rehearse." >&2
@@ -138,6 +170,9 @@ run_step() {
         result="$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran' "$log" |
             tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')"
     fi
+    if [[ -z $result ]]; then # a crash: its last words (the exception)
+        result="$(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | cut -c1-120)"
+    fi
     tail -n 3 "$log" | sed 's/^/   | /'
     NAMES+=("$name")
     STATUSES+=("$status")
@@ -149,8 +184,10 @@ PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider)
 if [[ $DRY_RUN == 1 ]]; then
     run_step preflight script 60 "$PY" benchmarks/gpu_preflight.py --device cpu --tiny
     run_step gpu_tests pytest 120 "${PYTEST[@]}" tests/test_gpu.py
-    run_step kernel_tests pytest 120 env EMBCACHE_BACKEND=triton "${PYTEST[@]}" \
-        tests/kernels/test_ids.py tests/kernels/test_optim.py -k "triton and aggregate"
+    run_step kernel_tests pytest 120 env EMBCACHE_BACKEND=triton PY="$PY" \
+        bash "${BASH_SOURCE[0]}" --parallel-pytest \
+        "tests/kernels/test_optim.py::test_aggregate_grads_sums_duplicates" \
+        "tests/kernels/test_cache_index.py::test_set_index_bit_identical_to_twin"
     run_step bench_kernels script 60 "$PY" benchmarks/bench_kernels.py --device cpu \
         --batch 16 --features 3 --rows 1000 --dims 8 --reps 1 --out "$RESULTS/kernels.csv"
     run_step bench_cache_index script 60 "$PY" benchmarks/bench_cache_index.py --device cpu \
@@ -161,8 +198,10 @@ if [[ $DRY_RUN == 1 ]]; then
 else
     run_step preflight script 60 "$PY" benchmarks/gpu_preflight.py --device cuda
     run_step gpu_tests pytest 100 "${PYTEST[@]}" tests/test_gpu.py
-    # Cold compiles of every kernel variant the tests use: the longest step.
-    run_step kernel_tests pytest 170 env EMBCACHE_BACKEND=triton "${PYTEST[@]}" tests/kernels
+    # Cold compiles of every kernel variant the tests use: the longest step, so one pytest per
+    # file, side by side.
+    run_step kernel_tests pytest 170 env EMBCACHE_BACKEND=triton PY="$PY" \
+        bash "${BASH_SOURCE[0]}" --parallel-pytest tests/kernels/test_*.py
     run_step bench_kernels script 50 "$PY" benchmarks/bench_kernels.py --device cuda --quick \
         --out "$RESULTS/kernels.csv"
     run_step bench_cache_index script 30 "$PY" benchmarks/bench_cache_index.py --device cuda \
@@ -189,7 +228,7 @@ done
 if [[ -n ${OUT:-} ]]; then
     mkdir -p "$OUT"
     tar -czf "$OUT/gpu_check.tar.gz" -C "$STAGE" gpu_check && cp "$RESULTS/summary.txt" "$OUT/"
-    echo "packed: $OUT/gpu_check.tar.gz ($(ls "$RESULTS" | wc -l) files) and $OUT/summary.txt"
+    echo "packed: $OUT/gpu_check.tar.gz ($(find "$RESULTS" -type f | wc -l) files) and $OUT/summary.txt"
     rm -rf "$STAGE"
 else
     echo "logs and results in $RESULTS/"
