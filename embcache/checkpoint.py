@@ -37,18 +37,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from embcache.models.collection import CachedEmbeddingBagCollection
+from embcache.engine.interface import CachedCollectionInterface
 from embcache.optim.sparse import SparseOptimizer
 
 FORMAT_VERSION = 1
 _CURRENT = "CURRENT"
 
 
-def _collections(model: nn.Module) -> list[tuple[str, CachedEmbeddingBagCollection]]:
+def _collections(model: nn.Module) -> list[tuple[str, CachedCollectionInterface]]:
     return [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, CachedEmbeddingBagCollection)
+        (name, m) for name, m in model.named_modules() if isinstance(m, CachedCollectionInterface)
     ]
 
 
@@ -57,7 +55,7 @@ def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
     tables are saved row by row, never materialised whole)."""
     state = {}
     for module_name, module in model.named_modules():
-        if isinstance(module, CachedEmbeddingBagCollection):
+        if isinstance(module, CachedCollectionInterface):
             continue
         prefix = f"{module_name}." if module_name else ""
         for k, v in module.named_parameters(recurse=False):
@@ -97,7 +95,7 @@ def save(
 
     Args:
         path: checkpoint directory (created if missing); earlier snapshots in it are replaced.
-        model: a model holding `CachedEmbeddingBagCollection` submodules (or one itself).
+        model: a model holding cached collections (or one itself).
         optimizers: embcache sparse optimizers and/or torch optimizers, in a fixed order that
             `load` receives again.
         chunk_rows: rows per table chunk file (bounds the memory a save needs).
@@ -230,10 +228,7 @@ def load(
             raise ValueError(f"optimizers[{i}]: checkpoint holds a {kind} optimizer")
 
     for coll in colls.values():
-        coll.zero_grad()
-        for cache in coll.caches():
-            cache.invalidate()
-        coll._generation += 1
+        coll.invalidate_caches()
     for coll, entry in entries:
         table = entry["table"]
         spec = coll.store.table_spec(table)

@@ -41,8 +41,9 @@ import torch
 from torch import nn
 
 from embcache.cache.hot_cache import CacheCapacityError
+from embcache.engine.batch_state import FusedPrefetchHandle
 from embcache.engine.inputs import JaggedBatch, is_kjt
-from embcache.models.collection import CachedEmbeddingBagCollection, FusedPrefetchHandle
+from embcache.engine.interface import CachedCollectionInterface
 from embcache.optim.sparse import SparseOptimizer
 
 _END = object()
@@ -56,7 +57,8 @@ class TrainPipeline:
     """Train a model with cached collections, prefetching each next batch on a worker thread.
 
     Args:
-        model: the model; its `CachedEmbeddingBagCollection` submodules are found by walking it.
+        model: the model; its cached collections (`CachedCollectionInterface` submodules) are
+            found by walking it.
         sparse_optimizer: the embcache optimizer of those collections.
         dense_optimizer: a torch optimizer of the dense parameters, or None.
         features: ``features(batch)`` -> the batch's sparse input (a KJT or `JaggedBatch`) for
@@ -76,11 +78,11 @@ class TrainPipeline:
         prefetch: bool = True,
     ) -> None:
         self.model = model
-        self.collections = [
-            m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)
-        ]
+        self.collections = [m for m in model.modules() if isinstance(m, CachedCollectionInterface)]
         if not self.collections:
-            raise ValueError("TrainPipeline: the model holds no CachedEmbeddingBagCollection")
+            raise ValueError(
+                "TrainPipeline: the model holds no CachedEmbeddingBagCollection (nor a sharded one)"
+            )
         unable = [type(c).__name__ for c in self.collections if not c.supports_prefetch]
         if prefetch and unable:
             raise ValueError(
@@ -194,7 +196,7 @@ class TrainPipeline:
             self._pending = None
             self._settle(pending)
             for coll in self.collections:
-                handle = coll._prefetch
+                handle = coll.pending_prefetch
                 if handle is not None:
                     coll.cancel_fused_prefetch(handle)
             self.sparse_optimizer.zero_grad()

@@ -182,7 +182,7 @@ def assert_clean(model) -> None:
     assert not alive, f"prefetch threads left running: {alive}"
     assert all(c.locked_slots() == 0 for c in model.sparse.caches()), "slots left locked"
     assert not model.sparse._trace
-    assert model.sparse._prefetch is None
+    assert model.sparse.pending_prefetch is None
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])

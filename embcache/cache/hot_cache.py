@@ -29,15 +29,14 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 
 from embcache.cache.config import CacheConfig, CachePolicy
+from embcache.cache.transfer import TierTransfer
+from embcache.hashing import mix64
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
-from embcache.kernels.reference import mix64
 from embcache.kv.base import Store, TableSpec
 
 
@@ -107,9 +106,8 @@ class HotCache:
         self.fusion_k = fusion_k
         self.lock = threading.RLock()
         self._resolve_mutex = threading.RLock()  # serialises resolves (and flush, read)
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._io_pool: ThreadPoolExecutor | None = None  # concurrent per-table tier calls
         self._specs = {idx: spec for idx, spec in tables}
+        self.transfer = TierTransfer(store, self._specs, fusion_k, self.device)
         self.state_dim = tables[0][1].state_dim
 
         bounded = all(spec.num_embeddings is not None for _, spec in tables)
@@ -195,90 +193,13 @@ class HotCache:
         self.dirty = torch.cat([self.dirty, torch.zeros(grow, dtype=torch.bool, device=dev)])
 
     # ------------------------------------------------------------------------------------------
-    # tier transfers (grouped by table; every call may raise and must leave the cache unchanged)
-
-    def _split_by_table(self, fused: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """``(table_idx, positions, raw_ids)`` per table present in ``fused`` (any order)."""
-        order = torch.argsort(fused)
-        sorted_ids = fused[order]
-        tables, counts = torch.unique_consecutive(sorted_ids >> self.fusion_k, return_counts=True)
-        mask = (1 << self.fusion_k) - 1
-        groups = []
-        start = 0
-        for idx, count in zip(tables.tolist(), counts.tolist(), strict=True):
-            pos = order[start : start + count]
-            groups.append((idx, pos, (sorted_ids[start : start + count] & mask).cpu()))
-            start += count
-        return groups
-
-    def _tier_calls(self, calls: list) -> list:
-        """Run tier calls (zero-argument callables); concurrently when there are several and the
-        tier says its calls overlap (``parallel_io``: a network round trip each), so it pays
-        the latency about once, not once per call. In-process tiers run them in turn."""
-        if len(calls) <= 1 or not getattr(self.store, "parallel_io", False):
-            return [call() for call in calls]
-        if self._io_pool is None:
-            self._io_pool = ThreadPoolExecutor(
-                max_workers=min(16, 2 * len(self._specs)), thread_name_prefix="embcache-tier"
-            )
-        return list(self._io_pool.map(lambda call: call(), calls))
-
-    def _put_calls(self, fused: torch.Tensor, rows: torch.Tensor) -> list:
-        """One ``put`` per table writing ``rows`` (``[n, width]``) under their ``fused`` ids."""
-        host_rows = rows.cpu()
-        return [
-            partial(self.store.put, self._specs[idx].name, raw, host_rows[pos.cpu()])
-            for idx, pos, raw in self._split_by_table(fused)
-        ]
-
-    def _transfer(
-        self, write_ids: torch.Tensor, write_rows: torch.Tensor | None, read_ids: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Write rows back and read others, all in one round of tier calls (the ids differ, so
-        the order between them does not matter). Returns the read rows ``[n, width]`` in host
-        memory (pinned when the cache is on a GPU, so the copy to the device is
-        asynchronous), or None when nothing is read."""
-        calls = self._put_calls(write_ids, write_rows) if write_ids.numel() else []
-        n_puts = len(calls)
-        groups = self._split_by_table(read_ids) if read_ids.numel() else []
-        calls += [partial(self.store.get, self._specs[idx].name, raw) for idx, _, raw in groups]
-        results = self._tier_calls(calls)
-        if not groups:
-            return None
-        pin = self.device.type == "cuda"
-        out = torch.empty(read_ids.numel(), self.width, dtype=torch.float32, pin_memory=pin)
-        for (_, pos, _), rows in zip(groups, results[n_puts:], strict=True):
-            out[pos.cpu()] = rows
-        return out
-
-    def _read_tier(self, fused: torch.Tensor) -> torch.Tensor:
-        """Rows ``[n, width]`` of ``fused`` ids from the tier, in host memory."""
-        return self._transfer(self._empty_ids(), None, fused)
-
-    def _copy_in(self, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """Copy host rows into ``slots``. On a GPU the copy runs on a side stream; the default
-        stream waits for it (an event), so kernels queued after this see the rows while
-        kernels already queued keep running."""
-        if self.device.type != "cuda":
-            self.rows[slots] = host_rows
-            return
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.rows[slots] = host_rows.to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        torch.cuda.current_stream(self.device).wait_event(done)
-
-    def _write_rows(self, fused: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write ``rows`` (``[n, width]``, any device) to the tier under their ``fused`` ids."""
-        self._tier_calls(self._put_calls(fused, rows))
+    # tier transfers (`TierTransfer` on host tensors; every call may raise and must leave the
+    # cache unchanged)
 
     def _write_tier(self, fused: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write the rows held at ``slots`` back to the tier under their ``fused`` ids."""
-        self._write_rows(fused, self.rows[slots])
+        """Write the rows held at ``slots`` back to the tier under their ``fused`` ids (one
+        copy of the ids and one of the rows to the host)."""
+        self.transfer.write(fused.cpu(), self.rows[slots].cpu())
         self.writebacks += fused.numel()
 
     # ------------------------------------------------------------------------------------------
@@ -314,10 +235,16 @@ class HotCache:
             # resolve runs (mutex), so nobody else reads or writes them, and `rows` is only
             # ever replaced by a resolve. The training thread keeps using its own slots.
             try:
-                victim_rows = self.rows[plan.victim_slots] if plan.victim_ids.numel() else None
-                loaded = self._transfer(plan.victim_ids, victim_rows, plan.load_ids)
-                if loaded is not None:
-                    self._copy_in(plan.load_slots, loaded)
+                n_write, n_read = plan.victim_ids.numel(), plan.load_ids.numel()
+                if n_write or n_read:
+                    # One copy of all the ids the tier needs, one of the rows it gets.
+                    host_ids = torch.cat([plan.victim_ids, plan.load_ids]).cpu()
+                    victim_rows = self.rows[plan.victim_slots].cpu() if n_write else None
+                    loaded = self.transfer.exchange(
+                        host_ids[:n_write], victim_rows, host_ids[n_write:]
+                    )
+                    if loaded is not None:
+                        self.transfer.copy_in(self.rows, plan.load_slots, loaded)
             except BaseException:
                 with self.lock:
                     self._rollback(plan)
@@ -334,7 +261,7 @@ class HotCache:
             for lo in range(0, spec.num_embeddings, chunk_rows):
                 raw = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
                 slots = (base + raw).to(self.device)
-                self._copy_in(slots, self.store.get(spec.name, raw))
+                self.transfer.copy_in(self.rows, slots, self.store.get(spec.name, raw))
                 self.slot_keys[slots] = (raw | (idx << self.fusion_k)).to(self.device)
                 self.dirty[slots] = False
         self._filled = True
@@ -584,7 +511,7 @@ class HotCache:
             out = torch.empty(ids.numel(), self.width, device=self.device)
             out[found] = self.rows[slots[found]]
             if not bool(found.all()):
-                out[~found] = self._read_tier(ids[~found]).to(self.device)
+                out[~found] = self.transfer.read(ids[~found].cpu()).to(self.device)
             return out
 
     # ------------------------------------------------------------------------------------------

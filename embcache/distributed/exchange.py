@@ -5,7 +5,7 @@ owner is the rank
 
     owner(fused) = (mix64(fused ^ OWNER_SALT) & (2**63 - 1)) % world_size
 
-with ``mix64`` splitmix64's finaliser (`embcache.kernels.reference.mix64`) and
+with ``mix64`` splitmix64's finaliser (`embcache.hashing.mix64`) and
 ``OWNER_SALT = 0x2545F4914F6CDD1D``. The salt decorrelates the owner from the cache set
 (`HotCache` hashes the same fused id with the unsalted ``mix64``): unsalted, with 2 ranks and an
 even number of sets, each rank's rows would fall into half of its sets. A `ShardedKVClient`
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embcache.kernels.reference import mix64
+from embcache.hashing import mix64
 from embcache.kv.base import table_hash
 
 OWNER_SALT = 0x2545F4914F6CDD1D

@@ -59,12 +59,12 @@ from embcache.distributed.exchange import (
     owner_of,
 )
 from embcache.distributed.sharded_kv import ShardedKVClient
+from embcache.engine.batch_state import InFlight, Prepared
+from embcache.engine.engine import bag_gradients, pool_bags
 from embcache.engine.inputs import JaggedBatch, pooled_output
-from embcache.kernels.ids import dedup
+from embcache.engine.interface import CachedCollectionInterface
 from embcache.kernels.optim import aggregate_grads
-from embcache.kernels.pooling import pool_backward, pool_forward
 from embcache.kv.base import Store
-from embcache.models.collection import CachedEmbeddingBagCollection, _Batch, _Resolved
 
 __all__ = [
     "OWNER_SALT",
@@ -95,7 +95,7 @@ class _Owned:
 
     ids: torch.Tensor  # int64 [n] in the order received (by source rank)
     counts: list[int]  # how many came from each rank
-    resolved: _Resolved | None = None  # their unique ids (ascending) and slots
+    prepared: Prepared | None = None  # their unique ids (ascending) and slots
 
 
 @dataclass
@@ -105,7 +105,7 @@ class _Step:
     batch_size: int
     requests: list[_Request]
     owned: list[_Owned]
-    batch: _Batch | None
+    batch: InFlight | None
 
 
 def _one_source(counts: list[int]) -> bool:
@@ -123,7 +123,7 @@ def _shard_cache_config(cache: CacheConfig | None, world_size: int) -> CacheConf
     return cache
 
 
-class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
+class ShardedEmbeddingBagCollection(CachedCollectionInterface):
     """`CachedEmbeddingBagCollection` over several ranks, each owning a shard of the rows.
 
     Same input, output, keys and values as one `CachedEmbeddingBagCollection` given the same
@@ -164,32 +164,34 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
         comm = _Comm(process_group)
         if callable(store) and not isinstance(store, Store):
             store = store(comm.rank)
-        super().__init__(
+        super().__init__()
+        self._setup(
             tables,
-            is_weighted=is_weighted,
-            cache=_shard_cache_config(cache, comm.world_size),
-            store=store,
-            device=device,
-            enable_fusion=enable_fusion,
-            fusion_k=fusion_k,
-            update_in_backward=update_in_backward,
-            accumulate_grads=accumulate_grads,
-            lr=lr,
-            seed=seed,
+            is_weighted,
+            _shard_cache_config(cache, comm.world_size),
+            store,
+            device,
+            enable_fusion,
+            fusion_k,
+            update_in_backward,
+            accumulate_grads,
+            lr,
+            seed,
         )
         self._comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
-        group_of = {t.name: gi for gi, g in enumerate(self._groups) for t in g.tables}
-        self._table_dim = torch.tensor([t.dim for t in self.tables], device=self.device)
-        self._table_group = torch.tensor(
-            [group_of[t.name] for t in self.tables], device=self.device
+        engines = self.engines.engines
+        engine_of = {t.name: i for i, e in enumerate(engines) for t in e.layout.tables}
+        self._table_engine = torch.tensor(
+            [engine_of[t.name] for t in self.tables], device=self.device
         )
         column, col = {}, 0
         for f, d in zip(self.output_keys, self.output_dims, strict=True):
             column[f], col = col, col + d
         self._num_columns = col
         self._feature_cols = [
-            torch.tensor([column[f] for f in g.features], device=self.device) for g in self._groups
+            torch.tensor([column[f] for f in e.layout.features], device=self.device)
+            for e in engines
         ]
 
     # ------------------------------------------------------------------------------------------
@@ -199,7 +201,7 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
         """This rank's pooled embeddings ``[B, sum of dims]`` (collective): a torchrec
         `KeyedTensor` for a KJT input, a `PooledEmbeddings` for a `JaggedBatch`."""
         if torch.is_grad_enabled():
-            values = _ShardedLookup.apply(self._grad_anchor, self, features)
+            values = _ShardedLookup.apply(self.grad_anchor, self, features)
         else:
             values, _ = self._lookup(features, training=False)
         return pooled_output(features, self.output_keys, self.output_dims, values)
@@ -208,23 +210,21 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
         error: BaseException | None = None
         prepared, uniques = [], []
         try:
-            if training and self._trace and not self.accumulate_grads:
-                self._begin_batch()  # raises: an un-stepped trace
-            features = self._checked_input(features)
-            for group in self._groups:
-                fused, lengths, weights = self._fuse_group(features, group)
-                unique, inverse, _ = dedup(fused, with_counts=False)
-                offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self.device)
-                torch.cumsum(lengths, 0, out=offsets[1:])
-                prepared.append((inverse, offsets, weights))
-                uniques.append(unique)
+            if training and self.engines.trace and not self.accumulate_grads:
+                self.engines.begin_batch()  # raises: an un-stepped trace
+            features = self.checked_input(features)
+            fused = [engine.fuse(features) for engine in self.engines.engines]
+            for engine, args in zip(self.engines.engines, fused, strict=True):
+                p = engine.dedup(*args)
+                prepared.append((p.inverse, p.offsets, p.weights))
+                uniques.append(p.unique)
         except Exception as e:
             error = e
         ids = torch.cat(uniques) if error is None else self._no_ids()
         owners = owner_of(ids, self.world_size)
         route = self._comm.route(ids, owners, _OP_FORWARD, int(training), error)
         if training:
-            self._begin_batch()  # drops the locks of forwards never backpropagated
+            self.engines.begin_batch()  # drops the locks of forwards never backpropagated
         requests = []
         for owners_g, (inverse, offsets, weights) in zip(
             torch.split(owners, [u.numel() for u in uniques]), prepared, strict=True
@@ -247,9 +247,7 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
         except BaseException:
             self._unlock(owned)  # an owner failed: this forward holds no slot
             raise
-        batch = _Batch([o.resolved for o in owned]) if training else None
-        if batch is not None:
-            self._inflight.append(batch)
+        batch = self.engines.start([o.prepared for o in owned]) if training else None
         step = _Step(features.stride(), requests, owned, batch)
         return self._pool(step, got), step
 
@@ -263,91 +261,67 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
         source = torch.repeat_interleave(
             torch.arange(W, device=self.device), torch.tensor(route.recv_counts, device=self.device)
         )
-        groups = self._table_group[recv_ids >> self.fusion_k]
+        engines = self.engines.engines
+        engine_of = self._table_engine[recv_ids >> self.fusion_k]
         owned = []
-        for gi in range(len(self._groups)):
-            mine = groups == gi
+        for i in range(len(engines)):
+            mine = engine_of == i
             counts = torch.bincount(source[mine], minlength=W).tolist()
             owned.append(_Owned(recv_ids[mine], counts))
         try:
-            for group, o in zip(self._groups, owned, strict=True):
+            for engine, o in zip(engines, owned, strict=True):
                 if _one_source(o.counts):  # one requester's unique ids: distinct, ascending
-                    unique, inverse = o.ids, torch.arange(o.ids.numel(), device=self.device)
+                    o.prepared = engine.resolve(o.ids, lock=lock)
                 else:
-                    unique, inverse, _ = dedup(o.ids, with_counts=False)
-                slots = group.cache.resolve(unique, lock=lock)
-                o.resolved = _Resolved(unique, inverse, slots, self._no_ids(), None, lock)
+                    p = engine.dedup(o.ids, o.ids[:0], None)
+                    o.prepared = engine.resolve(p.unique, lock=lock)
+                    o.prepared.inverse = p.inverse
         except Exception as e:
             self._unlock(owned)
             return owned, e
         return owned, None
 
     def _reply(self, gi: int, o: _Owned, error: BaseException | None) -> torch.Tensor:
-        cache = self._groups[gi].cache
+        cache = self.engines.engines[gi].cache
         if error is not None:
             return _with_status(None, self._no_ids(), o.counts, cache.dim)
         with cache.lock:
             return _with_status(
-                cache.rows, o.resolved.slots[o.resolved.inverse], o.counts, cache.dim
+                cache.rows, o.prepared.slots[o.prepared.inverse], o.counts, cache.dim
             )
 
     def _unlock(self, owned: list[_Owned]) -> None:
-        for group, o in zip(self._groups, owned, strict=True):
-            if o.resolved is not None and o.resolved.locked:
-                group.cache.unlock(o.resolved.slots)
-                o.resolved.locked = False
-            group.cache.release()
+        for engine, o in zip(self.engines.engines, owned, strict=True):
+            if o.prepared is not None:
+                engine.release(o.prepared)
+            engine.cache.release()
+
+    def _bags(self, gi: int, req: _Request, batch_size: int) -> list:
+        engine = self.engines.engines[gi]
+        cols = self._feature_cols[gi]
+        return engine.layout.bags(req.inverse, req.offsets, req.weights, batch_size, cols)
 
     def _pool(self, step: _Step, got: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Pool this rank's bags straight from the buffers its owners sent (one per cache)."""
         B = step.batch_size
         out = torch.empty(B, self._num_columns, device=self.device)
-        for gi, (group, req, (rows, data)) in enumerate(
-            zip(self._groups, step.requests, got, strict=True)
+        for gi, (engine, req, (rows, data)) in enumerate(
+            zip(self.engines.engines, step.requests, got, strict=True)
         ):
             slots = data[req.position]  # where each unique id's row landed in `rows`
-            for lk, (inverse, offsets, weights, cols) in zip(
-                group.lookups, self._bags(gi, req, B), strict=True
-            ):
-                req.argmaxes.append(
-                    pool_forward(
-                        rows, group.dim, slots, inverse, offsets, weights, lk.mode, out, B, cols
-                    )
-                )
+            req.argmaxes = pool_bags(engine.layout, rows, slots, self._bags(gi, req, B), B, out)
         return out
-
-    def _bags(self, gi: int, req: _Request, B: int):
-        """Per lookup (pooling mode) of a cache: its values' inverse, rebased offsets, weights
-        and output columns."""
-        group, cols = self._groups[gi], self._feature_cols[gi]
-        if len(group.lookups) == 1:
-            return [(req.inverse, req.offsets, req.weights, cols)]
-        cut = [lk.feature_lo * B for lk in group.lookups] + [req.offsets.numel() - 1]
-        bounds = req.offsets[cut].tolist()
-        bags = []
-        for i, lk in enumerate(group.lookups):
-            lo, hi = bounds[i], bounds[i + 1]
-            offsets = req.offsets[lk.feature_lo * B : lk.feature_hi * B + 1] - lo
-            weights = None if req.weights is None else req.weights[lo:hi]
-            bags.append((req.inverse[lo:hi], offsets, weights, cols[lk.feature_lo : lk.feature_hi]))
-        return bags
 
     def _backward(self, step: _Step, grad_out: torch.Tensor) -> None:
         """Gradient rows per unique id -> their owners, who sum them and record the trace."""
         B = step.batch_size
         grad_out = grad_out.to(torch.float32).contiguous()
         received = []
-        for gi, (group, req, o) in enumerate(
-            zip(self._groups, step.requests, step.owned, strict=True)
+        for gi, (engine, req, o) in enumerate(
+            zip(self.engines.engines, step.requests, step.owned, strict=True)
         ):
-            grad = torch.zeros(req.order.numel(), group.dim, device=self.device)
-            for lk, (inverse, offsets, weights, cols), argmax in zip(
-                group.lookups, self._bags(gi, req, B), req.argmaxes, strict=True
-            ):
-                grad += pool_backward(
-                    grad_out, group.dim, inverse, grad.shape[0], offsets, weights, lk.mode, B,
-                    cols, argmax,
-                )  # fmt: skip
+            bags = self._bags(gi, req, B)
+            grad = bag_gradients(engine.layout, grad_out, req.order.numel(), bags, B, req.argmaxes)
             received.append(
                 self._comm.exchange(grad[req.order], req.counts, o.counts, "the gradients")
             )
@@ -357,7 +331,7 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
             grads if _one_source(o.counts) else aggregate_grads(o.ids, grads)[1]
             for o, grads in zip(step.owned, received, strict=True)
         ]
-        self._on_backward(step.batch, summed)
+        self.engines.record_backward(step.batch, summed)
 
     # ------------------------------------------------------------------------------------------
     # whole tables (collective reads, local writes), statistics
@@ -365,13 +339,13 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
     def _owned_ids(self, table: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids in [lo, hi), their owners)`` of a table."""
         ids = torch.arange(lo, hi)
-        fused = ids | (self._table_index[table] << self.fusion_k)
+        fused = ids | (self.engines.table_index[table] << self.fusion_k)
         return ids, owner_of(fused, self.world_size)
 
     def table_rows(self, table: str, chunk_rows: int = 1 << 16) -> torch.Tensor:
         """Every row ``[num_embeddings, dim + state_dim]`` of a table, gathered from the owners
         to every rank (collective). CPU float32."""
-        self._group_of(table).cache.flush()
+        self.engines.engine_of(table).cache.flush()
         spec = self.store.table_spec(table)
         out = torch.empty(spec.num_embeddings, spec.row_width)
         W = self.world_size
@@ -395,10 +369,10 @@ class ShardedEmbeddingBagCollection(CachedEmbeddingBagCollection):
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
         """Overwrite ``columns`` of the rows this rank owns (``rows`` holds every row of the
         table, as on every rank); empties the table's cache. Not a collective."""
-        if self._inflight or self._trace:
+        if self.engines.inflight or self.engines.trace:
             raise RuntimeError("cannot overwrite tables while a batch is in flight")
-        self._group_of(table).cache.invalidate()
-        self._generation += 1
+        self.engines.engine_of(table).cache.invalidate()
+        self.engines.generation += 1
         n = self.store.table_spec(table).num_embeddings
         rows = rows.detach().to(torch.float32).cpu()
         chunk = 1 << 16

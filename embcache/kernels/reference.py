@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from embcache.hashing import LOW63, mix64
+
 # ----------------------------------------------------------------------------------------------
 # ids: validate, fuse, unfuse, dedup (used by kernels/ids.py)
 # ----------------------------------------------------------------------------------------------
@@ -539,25 +541,6 @@ def aggregate_grads_ref(
 # cache index: set hashing, lookup, victim choice (used by kernels/cache_index.py)
 # ----------------------------------------------------------------------------------------------
 
-# Odd 64-bit constant of the golden ratio, as a signed int64 (splitmix64's increment).
-_GOLDEN = -7046029254386353131
-_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-_LOW63 = 0x7FFFFFFFFFFFFFFF
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64, wrapping like uint64 arithmetic. Shape kept."""
-    z = x + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
 
 def set_index_ref(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
     """Set of each key: ``(mix64(id) & (2**63 - 1)) % num_sets``.
@@ -569,7 +552,7 @@ def set_index_ref(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
     Returns:
         int64 ``[n]`` in ``[0, num_sets)``.
     """
-    return (mix64(ids) & _LOW63) % num_sets
+    return (mix64(ids) & LOW63) % num_sets
 
 
 def cache_lookup_ref(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from embcache.kernels.reference import mix64
+from embcache.hashing import mix64
 
 _INTEGER_DTYPES = frozenset(  # accepted for ids, which are converted to int64
     {

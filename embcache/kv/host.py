@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from embcache.kernels.reference import mix64
+from embcache.hashing import mix64
 from embcache.kv.base import IOStats, TableSpec, checked_ids, checked_rows
 
 _EMPTY = -1  # key of a free hash slot; ids are non-negative, so it never collides with one

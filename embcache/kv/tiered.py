@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from embcache.kernels.reference import mix64
+from embcache.hashing import mix64
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
 
 _MIN_SLOTS = 64

@@ -8,12 +8,14 @@ them on ``ids``' device; backward sums the gradient rows of equal ids on the gra
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from embcache.distributed.dist_tensor import DistTensor
 from embcache.distributed.kv_client import InitFunc
-from embcache.kernels.optim import aggregate_grads
+from embcache.kernels.optim import OptimRule, aggregate_grads
 
 
 class DistEmbedding(nn.Module):
@@ -34,7 +36,6 @@ class DistEmbedding(nn.Module):
         lr: float = 0.01,
     ) -> None:
         super().__init__()
-        self._sparse_kind = "dist_embedding"  # how sparse optimizers recognise the module
         self.name = name
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -55,6 +56,39 @@ class DistEmbedding(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none
         self._trace = []
+
+    # -- what a sparse optimizer drives (embcache.optim.SparseParameters) ------------------
+
+    def attach_sparse_optimizer(self, optimizer: Any) -> None:
+        if optimizer.rule is not OptimRule.SGD:
+            raise TypeError(
+                f"{type(optimizer).__name__} cannot update DistEmbedding {self.name!r}: "
+                "DistEmbedding is updated the RecStore way, by SparseSGD only"
+            )
+
+    def sparse_gradients(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        return [(self.name, ids, grads) for ids, grads in self._trace]
+
+    def apply_sparse_gradients(self, optimizer: Any) -> None:
+        """RecStore's Python-side SGD: sum the gradients per id, read the rows,
+        ``w - lr * g``, write them back."""
+        entries, self._trace = self._trace, []
+        if not entries:
+            return
+        ids = torch.cat([ids for ids, _ in entries])
+        grads = torch.cat([g for _, g in entries])
+        unique, summed = aggregate_grads(ids, grads)
+        rows = self.weight[unique]  # on the host, where the tier is
+        self.weight[unique] = rows - optimizer.lr * summed.to(rows.device, rows.dtype)
+
+    def sparse_tables(self) -> list[Any]:
+        return []  # SGD keeps no state beside the rows
+
+    def table_rows(self, table: str) -> torch.Tensor:
+        return self.weight[torch.arange(self.num_embeddings)]
+
+    def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
+        raise RuntimeError("DistEmbedding holds no optimizer state to write")
 
 
 class _DistLookup(torch.autograd.Function):

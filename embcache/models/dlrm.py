@@ -160,7 +160,7 @@ class DLRM(nn.Module):
         bottom_mlp: Sequence[int] = (64, 16),
         top_mlp: Sequence[int] = (64, 32),
         seed: int = 0,
-        collection_cls: type[CachedEmbeddingBagCollection] = CachedEmbeddingBagCollection,
+        collection_cls: type[nn.Module] = CachedEmbeddingBagCollection,
         **collection_kwargs: Any,
     ) -> None:
         super().__init__()

@@ -21,32 +21,13 @@ write them back through the KV client.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
-from embcache.kernels.optim import (
-    OptimRule,
-    RowUpdate,
-    aggregate_grads,
-    apply_row_update,
-    state_dim,
-)
-
-if TYPE_CHECKING:
-    from embcache.models.collection import CachedEmbeddingBagCollection, TraceEntry
-
-
-def _is_collection(m: Any) -> bool:
-    """Cached collections and DistEmbedding modules are told apart by a marker attribute, so
-    this package does not import the models built on it."""
-    return getattr(m, "_sparse_kind", None) == "collection"
-
-
-def _is_dist_embedding(m: Any) -> bool:
-    return getattr(m, "_sparse_kind", None) == "dist_embedding"
-
+from embcache.kernels.optim import OptimRule, RowUpdate, state_dim
+from embcache.optim.protocol import SparseParameters
 
 _STATE_NAMES = {
     OptimRule.SGD: [],
@@ -56,11 +37,24 @@ _STATE_NAMES = {
 }
 
 
+def _as_modules(modules: Any) -> list[Any]:
+    """A module, or an iterable of modules, as a list."""
+    if isinstance(modules, torch.nn.Module):
+        return [modules]
+    if isinstance(modules, (str, bytes)) or not isinstance(modules, Iterable):
+        raise TypeError(f"expected a module or a list of modules, got {type(modules).__name__}")
+    return list(modules)
+
+
 class SparseOptimizer:
-    """Base of the sparse optimizers.
+    """Base of the sparse optimizers: the rule, its hyper-parameters and step counts.
+
+    The optimizer knows the math, not the caches: each module it drives (a `SparseParameters`:
+    cached collections, sharded ones, `DistEmbedding`) applies the rule to its own rows when
+    ``step()`` asks it to.
 
     Args:
-        modules: cached collections (and, for `SparseSGD`, `DistEmbedding` modules).
+        modules: a module or a list of them (`SparseParameters`).
         update: the rule and its hyper-parameters.
         state_init: initial value of every state column.
         allow_nonfinite: accept NaN/Inf gradients (by default they are refused, nothing
@@ -69,24 +63,18 @@ class SparseOptimizer:
 
     def __init__(
         self,
-        modules: Iterable[Any],
+        modules: Any,
         update: RowUpdate,
         state_init: float = 0.0,
         allow_nonfinite: bool = False,
     ) -> None:
-        self.modules = list(modules) if not isinstance(modules, torch.nn.Module) else [modules]
+        self.modules = _as_modules(modules)
         if not self.modules:
             raise ValueError(f"{type(self).__name__} needs at least one module")
         for m in self.modules:
-            if _is_dist_embedding(m):
-                if update.rule is not OptimRule.SGD:
-                    raise TypeError(
-                        f"{type(self).__name__} cannot update DistEmbedding {m.name!r}: "
-                        "DistEmbedding is updated the RecStore way, by SparseSGD only"
-                    )
-            elif not _is_collection(m):
+            if not isinstance(m, SparseParameters):
                 raise TypeError(
-                    f"{type(self).__name__} takes CachedEmbeddingBagCollection or DistEmbedding "
+                    f"{type(self).__name__} takes cached collections or DistEmbedding "
                     f"modules, got {type(m).__name__}"
                 )
         self.update = update
@@ -94,29 +82,39 @@ class SparseOptimizer:
         self.allow_nonfinite = allow_nonfinite
         self._steps: dict[tuple[int, str], int] = {}
         for m in self.modules:
-            if _is_collection(m):
-                m._attach_optimizer(self, lambda dim: state_dim(update.rule, dim), self.state_init)
+            m.attach_sparse_optimizer(self)
 
     @property
     def lr(self) -> float:
         return self.update.lr
 
+    @property
+    def rule(self) -> OptimRule:
+        return self.update.rule
+
+    def state_dim(self, dim: int) -> int:
+        """State columns beside a row of ``dim`` weights."""
+        return state_dim(self.update.rule, dim)
+
+    def advance_steps(self, module: Any, tables: Iterable[str]) -> dict[str, int]:
+        """Advance and return the step count of each of ``module``'s ``tables`` (once each):
+        the bias corrections of Adam and the lr decay of AdaGrad count steps per table."""
+        steps = {}
+        for name in tables:
+            if name not in steps:
+                key = (id(module), name)
+                self._steps[key] = steps[name] = self._steps.get(key, 0) + 1
+        return steps
+
     # ------------------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Apply every recorded gradient once, then clear the traces and release the slots."""
+        """Apply every recorded gradient once, then clear the traces and release the slots.
+        Every module's gradients are checked before any is applied."""
         for m in self.modules:
-            if _is_collection(m):
-                self._check_finite(m._trace)
-            else:
-                self._check_finite([(m.name, ids, g) for ids, g in m._trace])
+            self.check_gradients(m.sparse_gradients())
         for m in self.modules:
-            if _is_collection(m):
-                entries, m._trace = m._trace, []
-                self._apply_entries(m, entries, check=False)
-                m._release_all()
-            else:
-                self._step_dist_embedding(m)
+            m.apply_sparse_gradients(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop recorded gradients (and release the slots of batches in flight)."""
@@ -124,7 +122,12 @@ class SparseOptimizer:
         for m in self.modules:
             m.zero_grad()
 
-    def _check_finite(self, entries) -> None:
+    def check_gradients(self, entries: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Refuse NaN/Inf gradients (unless ``allow_nonfinite``), naming the table.
+
+        Raises:
+            ValueError: a non-finite gradient; nothing was updated.
+        """
         if self.allow_nonfinite:
             return
         # Trace entries of one backward are slices of one tensor: check each tensor once.
@@ -143,89 +146,6 @@ class SparseOptimizer:
                     "nothing was updated (pass allow_nonfinite=True to apply it anyway, or "
                     "zero_grad() to drop it)"
                 )
-
-    def _apply_entries(
-        self, module: CachedEmbeddingBagCollection, entries: list[TraceEntry], check: bool = True
-    ) -> None:
-        """Aggregate trace entries per id and update their rows in the cache, per cache."""
-        if check:
-            self._check_finite(entries)
-        steps: dict[str, int] = {}
-        for e in entries:
-            if e.table_name not in steps:
-                key = (id(module), e.table_name)
-                self._steps[key] = steps[e.table_name] = self._steps.get(key, 0) + 1
-        for gi, group in enumerate(module._groups):
-            mine = [e for e in entries if e.group == gi]
-            if not mine:
-                continue
-            cache = group.cache
-            batch = mine[0].batch
-            resolved = batch.resolved[gi]
-            fast = (
-                resolved.locked
-                and all(e.batch is batch for e in mine)
-                and len({e.table_name for e in mine}) == len(mine)
-            )
-            if fast:
-                slots = resolved.slots
-                grads = torch.cat([e.grads for e in mine])
-                unique = resolved.unique
-            else:
-                fused = torch.cat(
-                    [e.ids | (module._table_index[e.table_name] << module.fusion_k) for e in mine]
-                )
-                unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in mine]))
-                slots = cache.resolve(unique, lock=True)
-            try:
-                self._update_rows(module, group, unique, slots, grads, steps)
-            finally:
-                if fast:
-                    cache.unlock(slots)
-                    resolved.locked = False
-                else:
-                    cache.unlock(slots)
-
-    def _update_rows(self, module, group, unique, slots, grads, steps) -> None:
-        cache = group.cache
-        table_steps = {steps[t.name] for t in group.tables if t.name in steps}
-        with cache.lock:
-            if len(table_steps) == 1:
-                # Slots from a resolve are distinct by construction: skip the sorted check.
-                apply_row_update(
-                    cache.rows,
-                    group.dim,
-                    slots,
-                    grads,
-                    self.update,
-                    table_steps.pop(),
-                    check_slots=False,
-                )
-            else:
-                bounds = group.table_bounds(unique, module.fusion_k)
-                for i, t in enumerate(group.tables):
-                    lo, hi = bounds[i], bounds[i + 1]
-                    if hi > lo:
-                        apply_row_update(
-                            cache.rows,
-                            group.dim,
-                            slots[lo:hi],
-                            grads[lo:hi],
-                            self.update,
-                            steps[t.name],
-                            check_slots=False,
-                        )
-            cache.mark_dirty(slots)
-
-    def _step_dist_embedding(self, m) -> None:
-        entries, m._trace = m._trace, []
-        if not entries:
-            return
-        ids = torch.cat([ids for ids, _ in entries])
-        grads = torch.cat([g for _, g in entries])
-        unique, summed = aggregate_grads(ids, grads)
-        rows = m.weight[unique]  # on the host, where the tier is
-        m.weight[unique] = rows - self.update.lr * summed.to(rows.device, rows.dtype)
 
     # ------------------------------------------------------------------------------------------
     # state
@@ -279,7 +199,7 @@ class SparseOptimizer:
         """
         state: list[dict[str, dict[str, torch.Tensor]]] = []
         for m in self.modules:
-            tables = m.tables if _is_collection(m) else []
+            tables = m.sparse_tables()
             state.append(
                 {t.name: self._split_state(m.table_rows(t.name)[:, t.dim :], t.dim) for t in tables}
             )
@@ -293,7 +213,7 @@ class SparseOptimizer:
         per_module = state_dict["state"]
         writes = []
         for i, (m, parts_by_table) in enumerate(zip(self.modules, per_module, strict=True)):
-            tables = {t.name: t for t in m.tables} if _is_collection(m) else {}
+            tables = {t.name: t for t in m.sparse_tables()}
             if set(parts_by_table) != set(tables):
                 raise ValueError(
                     f"optimizer state of module {i} covers tables {sorted(parts_by_table)}, "
@@ -348,7 +268,7 @@ class SparseSGD(SparseOptimizer):
     """
 
     def __init__(self, modules, lr: float | None = None, weight_decay: float = 0.0, **kw) -> None:
-        modules = list(modules)
+        modules = _as_modules(modules)
         update = RowUpdate(
             OptimRule.SGD, lr=_lr(lr, modules, "SparseSGD"), weight_decay=weight_decay
         )
@@ -369,7 +289,7 @@ class SparseAdaGrad(SparseOptimizer):
         weight_decay: float = 0.0,
         **kw,
     ) -> None:
-        modules = list(modules)
+        modules = _as_modules(modules)
         update = RowUpdate(
             OptimRule.ADAGRAD,
             lr=_lr(lr, modules, "SparseAdaGrad"),
@@ -392,7 +312,7 @@ class SparseRowWiseAdaGrad(SparseOptimizer):
         weight_decay: float = 0.0,
         **kw,
     ) -> None:
-        modules = list(modules)
+        modules = _as_modules(modules)
         update = RowUpdate(
             OptimRule.ROWWISE_ADAGRAD,
             lr=_lr(lr, modules, "SparseRowWiseAdaGrad"),
@@ -414,7 +334,7 @@ class SparseAdam(SparseOptimizer):
         eps: float = 1e-8,
         **kw,
     ) -> None:
-        modules = list(modules)
+        modules = _as_modules(modules)
         update = RowUpdate(
             OptimRule.ADAM,
             lr=_lr(lr, modules, "SparseAdam"),

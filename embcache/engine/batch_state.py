@@ -1,5 +1,5 @@
-"""What a collection holds for a batch between its forward and its optimizer step: the resolved
-slots of each cache (`_Resolved`), the forward in flight (`_Batch`), a prefetch issued ahead of
+"""What a collection holds for a batch between its forward and its optimizer step: each cache's
+share of the batch (`Prepared`), the forward in flight (`InFlight`), a prefetch issued ahead of
 its forward (`FusedPrefetchHandle`) and the gradients a backward recorded (`TraceEntry`)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from embcache.engine.inputs import JaggedBatch
 
 
 @dataclass
-class _Resolved:
+class Prepared:
     """One cache's share of a batch: unique ids, their slots, and the bag layout."""
 
     unique: torch.Tensor  # int64 [U] fused ids, ascending
@@ -22,9 +22,18 @@ class _Resolved:
     weights: torch.Tensor | None
     locked: bool
     # (order, segments) of `kernels.ids.dedup_grouped`: the values grouped by unique id, for
-    # a one-pass backward on the CPU. None where the group has several lookups (pooling
+    # a one-pass backward on the CPU. None where the cache has several lookups (pooling
     # modes), whose backward sees slices of the values.
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class InFlight:
+    """A forward in flight: each cache's share (slots locked until the step) and whether its
+    backward ran."""
+
+    prepared: list[Prepared]
+    backward_done: bool = False
 
 
 @dataclass
@@ -37,7 +46,7 @@ class FusedPrefetchHandle:
     keys: list[str]
     lengths: torch.Tensor
     values: torch.Tensor
-    resolved: list[_Resolved]
+    prepared: list[Prepared]
     used: bool = False
 
     def issued_for(self, features: JaggedBatch) -> bool:
@@ -52,28 +61,37 @@ class FusedPrefetchHandle:
         )
 
 
-@dataclass
-class _Batch:
-    """A forward in flight: its locked slots and whether backward ran."""
+class TraceEntry(tuple):
+    """One table's gradients from one backward: the tuple ``(table_name, ids, grads)``
+    (RecStore's trace item), which also knows the cache (``engine``, its index in the
+    collection) and the forward (``batch``) whose slots hold these rows."""
 
-    resolved: list[_Resolved]
-    backward_done: bool = False
+    def __new__(
+        cls,
+        table_name: str,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        engine: int,
+        batch: InFlight | None,
+    ) -> TraceEntry:
+        entry = super().__new__(cls, (table_name, ids, grads))
+        entry.engine = engine
+        entry.batch = batch
+        return entry
 
+    @property
+    def table_name(self) -> str:
+        return self[0]
 
-class TraceEntry:
-    """One table's gradients from one backward; unpacks as ``(table_name, ids, grads)``."""
+    @property
+    def ids(self) -> torch.Tensor:
+        """int64 ``[n]`` raw ids, ascending, distinct."""
+        return self[1]
 
-    __slots__ = ("batch", "grads", "group", "ids", "table_name")
-
-    def __init__(self, table_name, ids, grads, group, batch) -> None:
-        self.table_name = table_name
-        self.ids = ids  # int64 [n] raw ids, ascending, distinct
-        self.grads = grads  # float32 [n, D]
-        self.group = group  # index of the cache group
-        self.batch = batch  # the _Batch whose slots hold these rows
-
-    def __iter__(self):
-        return iter((self.table_name, self.ids, self.grads))
+    @property
+    def grads(self) -> torch.Tensor:
+        """float32 ``[n, dim]``."""
+        return self[2]
 
     def __repr__(self) -> str:
         return f"TraceEntry({self.table_name!r}, ids[{self.ids.numel()}])"

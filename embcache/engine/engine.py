@@ -1,0 +1,273 @@
+"""CacheEngine: one cache's share of a training step, in the order it runs.
+
+    prepared = engine.prepare(*engine.fuse(batch), lock=True)   # 1. fuse, dedup, resolve, lock
+    argmaxes = engine.pool(prepared, B, out, columns)           # 2. pool bags from the slots
+    grads = engine.grad_rows(prepared, B, grad_out, columns, argmaxes)  # 3. one row per id
+    entries = engine.trace_entries(prepared.unique, grads, ...) # (per table, for the trace)
+    engine.apply(entries, rule, steps)                          # 4. update rows + state in place
+    engine.release(prepared)                                    # 5. unlock (apply does it too)
+
+A collection holds one engine per embedding dim (its tables share one `HotCache`) and an
+`EngineGroup` that runs them together. The sharded collection uses the same engines on each
+rank for the rows it owns, and `pool_bags` / `bag_gradients` on rows that other ranks sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from embcache.cache.hot_cache import HotCache
+from embcache.engine.batch_state import InFlight, Prepared, TraceEntry
+from embcache.engine.inputs import JaggedBatch, group_inputs
+from embcache.engine.layout import Bags, CacheLayout
+from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
+from embcache.kernels.optim import aggregate_grads, apply_row_update
+from embcache.kernels.pooling import pool_backward, pool_forward
+
+
+def pool_bags(
+    layout: CacheLayout,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    bags: list[Bags],
+    batch_size: int,
+    out: torch.Tensor,
+) -> list[torch.Tensor | None]:
+    """Pool one cache's bags from ``rows[slots]`` into their columns of ``out``; returns, per
+    lookup, what its backward needs (the argmax rows of MAX pooling, else None)."""
+    return [
+        pool_forward(
+            rows,
+            layout.dim,
+            slots,
+            b.inverse,
+            b.offsets,
+            b.weights,
+            lk.mode,
+            out,
+            batch_size,
+            b.columns,
+        )
+        for lk, b in zip(layout.lookups, bags, strict=True)
+    ]
+
+
+def bag_gradients(
+    layout: CacheLayout,
+    grad_out: torch.Tensor,
+    num_unique: int,
+    bags: list[Bags],
+    batch_size: int,
+    argmaxes: list[torch.Tensor | None],
+    grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One gradient row ``[U, dim]`` per unique id of a cache, summed over its lookups."""
+    grad = None
+    for lk, b, argmax in zip(layout.lookups, bags, argmaxes, strict=True):
+        g = pool_backward(
+            grad_out,
+            layout.dim,
+            b.inverse,
+            num_unique,
+            b.offsets,
+            b.weights,
+            lk.mode,
+            batch_size,
+            b.columns,
+            argmax,
+            grouping,
+        )
+        grad = g if grad is None else grad + g
+    assert grad is not None  # a layout has at least one lookup
+    return grad
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+class CacheEngine:
+    """The data path of one cache (the tables of one embedding dim) through a training step.
+
+    Args:
+        layout: the cache's tables and features.
+        cache: their device cache.
+        fusion_k: bits of the raw id inside a fused id.
+        device: where the cache and the batch's tensors live.
+    """
+
+    def __init__(
+        self, layout: CacheLayout, cache: HotCache, fusion_k: int, device: torch.device
+    ) -> None:
+        self.layout = layout
+        self.cache = cache
+        self.fusion_k = fusion_k
+        self.device = device
+        self.mask = (1 << fusion_k) - 1
+
+    @property
+    def dim(self) -> int:
+        return self.layout.dim
+
+    def owns(self, table: str) -> bool:
+        return any(t.name == table for t in self.layout.tables)
+
+    # -- 1. prepare ------------------------------------------------------------------------
+
+    def fuse(self, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Validated fused ids, bag lengths and weights of this cache's features in a checked
+        batch (device tensors). A bad id raises here, before any cache changes."""
+        values, lengths, weights = group_inputs(batch, self.layout.features)
+        per_feature = lengths.view(len(self.layout.features), -1).sum(dim=1)
+        fused = fuse_ids(
+            values,
+            per_feature,
+            self.layout.table_index,
+            self.layout.table_rows,
+            self.fusion_k,
+            self.layout.features,
+            self.layout.table_names,
+        )
+        if weights is not None:
+            weights = weights.to(self.device, torch.float32)
+        return fused.to(self.device), lengths.to(self.device), weights
+
+    def prepare(
+        self,
+        fused: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+        lock: bool,
+    ) -> Prepared:
+        """Dedup ``fused`` ids and resolve them to slots (misses come from the tier), locked
+        until `release` when ``lock``."""
+        p = self.dedup(fused, lengths, weights)
+        p.slots = self.cache.resolve(p.unique, lock=lock)
+        p.locked = lock
+        return p
+
+    def dedup(
+        self, fused: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    ) -> Prepared:
+        """The batch's unique ids, inverse index and bag offsets, not yet resolved (a sharded
+        requester sends the unique ids to their owners instead)."""
+        grouping = None
+        if fused.device.type == "cpu" and len(self.layout.lookups) == 1:
+            # The CPU backward sums each id's rows in one pass over the grouped values.
+            unique, inverse, order, segments = dedup_grouped(fused)
+            grouping = (order, segments)
+        else:
+            unique, inverse, _ = dedup(fused, with_counts=False)
+        empty = unique[:0]
+        return Prepared(unique, inverse, empty, _offsets(lengths), weights, False, grouping)
+
+    def resolve(self, unique: torch.Tensor, lock: bool) -> Prepared:
+        """Resolve distinct ascending fused ids that arrive without bags (a sharded owner's
+        share): their slots, locked until `release` when ``lock``."""
+        slots = self.cache.resolve(unique, lock=lock)
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        return Prepared(unique, torch.arange(unique.numel(), device=self.device), slots, empty,
+                        None, lock)  # fmt: skip
+
+    # -- 2. pool, 3. gradient rows ----------------------------------------------------------
+
+    def bags(self, p: Prepared, batch_size: int, columns: torch.Tensor) -> list[Bags]:
+        return self.layout.bags(p.inverse, p.offsets, p.weights, batch_size, columns)
+
+    def pool(
+        self, p: Prepared, batch_size: int, out: torch.Tensor, columns: torch.Tensor
+    ) -> list[torch.Tensor | None]:
+        """Pool the batch's bags straight from the cache slots into ``out``."""
+        # No cache lock: this batch's slots are locked, so no resolve writes them, and a
+        # resolve that replaces `rows` (growing the scratch area) copies them unchanged.
+        bags = self.bags(p, batch_size, columns)
+        return pool_bags(self.layout, self.cache.rows, p.slots, bags, batch_size, out)
+
+    def grad_rows(
+        self,
+        p: Prepared,
+        batch_size: int,
+        grad_out: torch.Tensor,
+        columns: torch.Tensor,
+        argmaxes: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """One gradient row ``[U, dim]`` per unique id of the batch."""
+        bags = self.bags(p, batch_size, columns)
+        return bag_gradients(
+            self.layout, grad_out, p.unique.numel(), bags, batch_size, argmaxes, p.grouping
+        )
+
+    def trace_entries(
+        self, unique: torch.Tensor, grads: torch.Tensor, index: int, batch: InFlight | None
+    ) -> list[TraceEntry]:
+        """``(table_name, raw ids, grads)`` per table of this cache, for the trace."""
+        bounds = self.layout.table_bounds(unique, self.fusion_k)
+        return [
+            TraceEntry(t.name, unique[lo:hi] & self.mask, grads[lo:hi], index, batch)
+            for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False)
+        ]
+
+    # -- 4. apply a rule ---------------------------------------------------------------------
+
+    def apply(
+        self, entries: list[TraceEntry], table_index: dict[str, int], rule: Any,
+        steps: dict[str, int],
+    ) -> None:  # fmt: skip
+        """Update the rows of this cache's trace entries and their state in place with
+        ``rule`` (a `kernels.optim.RowUpdate`), then mark them dirty and unlock them.
+
+        Entries of one forward (the usual step) use that forward's slots as they are; entries
+        of several forwards (``accumulate_grads``) or of a forward already released are summed
+        per id and resolved again. ``steps`` gives each table's step number (bias
+        corrections).
+        """
+        batch = entries[0].batch
+        prepared = batch.prepared[entries[0].engine] if batch is not None else None
+        one_forward = (
+            prepared is not None
+            and prepared.locked
+            and all(e.batch is batch for e in entries)
+            and len({e.table_name for e in entries}) == len(entries)
+        )
+        if one_forward:
+            slots, unique = prepared.slots, prepared.unique
+            grads = torch.cat([e.grads for e in entries])
+        else:
+            fused = torch.cat([e.ids | (table_index[e.table_name] << self.fusion_k)
+                               for e in entries])  # fmt: skip
+            unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in entries]))
+            slots = self.cache.resolve(unique, lock=True)
+        try:
+            self._update_rows(unique, slots, grads, rule, steps)
+        finally:
+            self.cache.unlock(slots)
+            if one_forward:
+                prepared.locked = False
+
+    def _update_rows(self, unique, slots, grads, rule, steps) -> None:
+        cache = self.cache
+        table_steps = {steps[t.name] for t in self.layout.tables if t.name in steps}
+        with cache.lock:
+            if len(table_steps) == 1:
+                # Slots from a resolve are distinct by construction: skip the sorted check.
+                apply_row_update(cache.rows, self.dim, slots, grads, rule, table_steps.pop(),
+                                 check_slots=False)  # fmt: skip
+            else:
+                bounds = self.layout.table_bounds(unique, self.fusion_k)
+                for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False):
+                    if hi > lo:
+                        apply_row_update(cache.rows, self.dim, slots[lo:hi], grads[lo:hi], rule,
+                                         steps[t.name], check_slots=False)  # fmt: skip
+            cache.mark_dirty(slots)
+
+    # -- 5. release --------------------------------------------------------------------------
+
+    def release(self, p: Prepared) -> None:
+        """Unlock a batch's slots (once) and write back scratch rows no batch holds."""
+        if p.locked:
+            self.cache.unlock(p.slots)
+            p.locked = False

@@ -1,0 +1,274 @@
+"""EngineGroup: the engines of one collection (one per embedding dim) and what its training step
+holds between forward and optimizer step.
+
+A forward prepares every engine's share of the batch (all ids validated before any cache
+changes) and, when training, keeps them as one `InFlight` batch whose slots stay locked; its
+backward hands each engine's gradient rows to `record_backward`, which appends
+``(table_name, ids, grads)`` entries to the trace (or applies the optimizer at once with
+``update_in_backward``). The optimizer's ``step()`` calls `apply_trace`, which asks each engine
+to apply the optimizer's rule to its entries, then releases the slots.
+
+Rules for a batch that is never backpropagated: its locks last until the next training forward
+(`begin_batch`), `zero_grad` or `release_all`. A forward while an un-stepped trace exists is an
+error unless the collection accumulates gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from embcache.cache.config import CacheConfig
+from embcache.cache.hot_cache import HotCache
+from embcache.engine.batch_state import FusedPrefetchHandle, InFlight, Prepared, TraceEntry
+from embcache.engine.engine import CacheEngine
+from embcache.engine.inputs import JaggedBatch
+from embcache.engine.layout import CacheLayout
+from embcache.engine.tables import Table
+from embcache.kv.base import Store, TableSpec
+
+
+class EngineGroup:
+    """The engines of a collection and the state of its step.
+
+    Args:
+        tables: the collection's tables.
+        specs: their tier specs, by name (declared in ``store``).
+        store: the tier.
+        cache_config: capacity and policy of each cache.
+        device: where the caches live.
+        fusion_k: bits of the raw id inside a fused id.
+        update_in_backward: apply the attached optimizer inside backward.
+        accumulate_grads: allow several backwards before one step.
+    """
+
+    def __init__(
+        self,
+        tables: list[Table],
+        specs: dict[str, TableSpec],
+        store: Store,
+        cache_config: CacheConfig,
+        device: torch.device,
+        fusion_k: int,
+        update_in_backward: bool = False,
+        accumulate_grads: bool = False,
+    ) -> None:
+        self.tables = tables
+        self.specs = specs
+        self.store = store
+        self.device = device
+        self.fusion_k = fusion_k
+        self.update_in_backward = update_in_backward
+        self.accumulate_grads = accumulate_grads
+        self.table_index = {t.name: t.index for t in tables}
+        self.engines: list[CacheEngine] = []
+        for dim in sorted({t.dim for t in tables}):
+            mine = [t for t in tables if t.dim == dim]
+            cache = HotCache(
+                [(t.index, specs[t.name]) for t in mine], cache_config, store, device, fusion_k
+            )
+            self.engines.append(
+                CacheEngine(CacheLayout.of_tables(dim, mine), cache, fusion_k, device)
+            )
+        self.trace: list[TraceEntry] = []
+        self.inflight: list[InFlight] = []
+        self.prefetch: FusedPrefetchHandle | None = None
+        self.generation = 0  # bumped when caches are emptied: older handles become stale
+        self.optimizer: Any = None
+        self.owner: object = self  # the step counts' key at the optimizer (the collection)
+
+    def engine_of(self, table: str) -> CacheEngine:
+        for engine in self.engines:
+            if engine.owns(table):
+                return engine
+        raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def begin_batch(self) -> None:
+        """Before a training forward: refuse to mix in an un-stepped trace; drop the locks of
+        forwards that were never backpropagated."""
+        if self.trace and not self.accumulate_grads:
+            raise RuntimeError(
+                "forward called while the previous backward's gradients are still in _trace: "
+                "call optimizer.step() (or zero_grad()) first, or build the collection with "
+                "accumulate_grads=True to sum gradients over several passes"
+            )
+        kept = []
+        for batch in self.inflight:
+            if not batch.backward_done:
+                self.release(batch)
+            elif any(p.locked for p in batch.prepared):
+                kept.append(batch)  # backpropagated, waiting for step (accumulate_grads)
+        self.inflight = kept
+
+    def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
+        """Every engine's share of a checked batch; every id is validated (fused) before any
+        cache changes, and a failing resolve leaves nothing locked."""
+        fused = [engine.fuse(batch) for engine in self.engines]
+        prepared: list[Prepared] = []
+        try:
+            for engine, args in zip(self.engines, fused, strict=True):
+                prepared.append(engine.prepare(*args, lock=lock))
+        except BaseException:
+            for engine, p in zip(self.engines, prepared, strict=False):
+                engine.release(p)
+            raise
+        return prepared
+
+    def start(self, prepared: list[Prepared]) -> InFlight:
+        """Record a training forward's shares as a batch in flight."""
+        batch = InFlight(prepared)
+        self.inflight.append(batch)
+        return batch
+
+    def finish_untracked(self, prepared: list[Prepared]) -> None:
+        """After a forward without gradients: unlock and release what it used."""
+        for engine, p in zip(self.engines, prepared, strict=True):
+            engine.release(p)
+            engine.cache.release()
+
+    def record_backward(self, batch: InFlight | None, grad_rows: list[torch.Tensor]) -> None:
+        """Record every engine's gradient rows of one backward (or apply them all at once)."""
+        if batch is None:
+            return
+        batch.backward_done = True
+        entries = []
+        for i, (engine, p, grads) in enumerate(
+            zip(self.engines, batch.prepared, grad_rows, strict=True)
+        ):
+            entries += engine.trace_entries(p.unique, grads, i, batch)
+        if self.update_in_backward:
+            if self.optimizer is None:
+                raise RuntimeError(
+                    "update_in_backward=True needs a sparse optimizer attached to the collection "
+                    "(construct e.g. SparseSGD([collection], lr=...) before the first backward)"
+                )
+            try:
+                # All engines at once: a bad gradient anywhere is refused before any update.
+                self.optimizer.check_gradients(entries)
+                self.apply(entries, self.optimizer)
+            except ValueError:
+                self.release(batch)
+                raise
+        else:
+            self.trace.extend(entries)
+
+    # -- the optimizer's side ----------------------------------------------------------------
+
+    def attach(self, optimizer: Any) -> None:
+        """Give every row the state columns of ``optimizer`` (fresh state, weights kept)."""
+        if self.trace:
+            raise RuntimeError(
+                "attach the optimizer before training: gradients of a backward are pending"
+            )
+        self.release_all()  # forwards that were never backpropagated
+        for engine in self.engines:
+            engine.cache.set_state(optimizer.state_dim(engine.dim), optimizer.state_init)
+        for name in self.specs:
+            self.specs[name] = self.store.table_spec(name)
+        self.generation += 1
+        self.optimizer = optimizer
+
+    def apply(self, entries: list[TraceEntry], optimizer: Any) -> None:
+        """Apply ``optimizer``'s rule to trace entries, engine by engine."""
+        steps = optimizer.advance_steps(self.owner, [e.table_name for e in entries])
+        for i, engine in enumerate(self.engines):
+            mine = [e for e in entries if e.engine == i]
+            if mine:
+                engine.apply(mine, self.table_index, optimizer.update, steps)
+
+    def apply_trace(self, optimizer: Any) -> None:
+        """Apply and clear the trace, then release every batch in flight."""
+        entries, self.trace = self.trace, []
+        if entries:
+            self.apply(entries, optimizer)
+        self.release_all()
+
+    def zero_grad(self) -> None:
+        """Drop the recorded gradients and the locks of every forward in flight."""
+        self.trace = []
+        self.release_all()
+
+    def release(self, batch: InFlight) -> None:
+        for engine, p in zip(self.engines, batch.prepared, strict=True):
+            engine.release(p)
+
+    def release_all(self) -> None:
+        for batch in self.inflight:
+            self.release(batch)
+        self.inflight = []
+
+    # -- prefetch ----------------------------------------------------------------------------
+
+    def handle(self, owner_id: int, batch: JaggedBatch, prepared: list[Prepared]):
+        return FusedPrefetchHandle(
+            owner_id, self.generation, list(batch.keys()), batch.lengths(), batch.values(),
+            prepared,
+        )  # fmt: skip
+
+    def check_handle(self, handle: FusedPrefetchHandle, owner_id: int) -> None:
+        if not isinstance(handle, FusedPrefetchHandle):
+            raise TypeError(f"expected a FusedPrefetchHandle, got {type(handle).__name__}")
+        if handle.module_id != owner_id:
+            raise ValueError("prefetch handle was issued by another collection")
+        if handle.used or handle.generation != self.generation:
+            raise ValueError("prefetch handle is stale: already used, or the cache was emptied")
+
+    def cancel(self, handle: FusedPrefetchHandle, owner_id: int) -> None:
+        """Release a handle that will not be used."""
+        if handle.used or handle.module_id != owner_id:
+            return
+        handle.used = True
+        if self.prefetch is handle:
+            self.prefetch = None
+        for engine, p in zip(self.engines, handle.prepared, strict=True):
+            engine.release(p)
+
+    def take_prefetch(self, batch: JaggedBatch, owner_id: int) -> FusedPrefetchHandle | None:
+        """The handle set for this forward, checked against its features (else cancelled)."""
+        handle, self.prefetch = self.prefetch, None
+        if handle is None:
+            return None
+        self.check_handle(handle, owner_id)
+        if not handle.issued_for(batch):
+            self.cancel(handle, owner_id)
+            raise ValueError(
+                "prefetch handle was issued for other features than this forward's; "
+                "it has been cancelled"
+            )
+        handle.used = True
+        return handle
+
+    # -- caches ------------------------------------------------------------------------------
+
+    def caches(self) -> list[HotCache]:
+        return [engine.cache for engine in self.engines]
+
+    def invalidate(self) -> None:
+        """Drop pending gradients and locks, write back and empty every cache; handles issued
+        before become stale."""
+        self.zero_grad()
+        for cache in self.caches():
+            cache.invalidate()
+        self.generation += 1
+
+    def flush(self) -> None:
+        for cache in self.caches():
+            cache.flush()
+
+    def cache_stats(self) -> dict[str, float]:
+        """Hits, misses, evictions and writebacks summed over the caches, and the hit rate."""
+        total = {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
+        for cache in self.caches():
+            for k, v in cache.cache_stats().items():
+                if k in total:
+                    total[k] += v
+        looked_up = total["hits"] + total["misses"]
+        total["hit_rate"] = total["hits"] / looked_up if looked_up else 0.0
+        return total
+
+    def reset_stats(self) -> None:
+        for cache in self.caches():
+            cache.reset_stats()

@@ -1,0 +1,109 @@
+"""How a collection lays out its features over its caches: one `CacheLayout` per embedding dim,
+its features ordered so that those sharing a pooling mode form one contiguous `Lookup`, and the
+bags of one batch cut along those lookups (`CacheLayout.bags`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from embcache.engine.tables import Table
+from embcache.kernels.pooling import PoolingMode
+
+
+@dataclass
+class Lookup:
+    """The features of one cache that share a pooling mode, laid out contiguously."""
+
+    mode: PoolingMode
+    features: list[str]
+    feature_lo: int  # first feature of this lookup within its cache's feature order
+    feature_hi: int
+
+
+@dataclass
+class Bags:
+    """One lookup's bags of a batch, as the pooling kernels take them."""
+
+    inverse: torch.Tensor  # int64 [nnz] row (unique id) of each value
+    offsets: torch.Tensor  # int64 [F_lookup * B + 1], from 0
+    weights: torch.Tensor | None  # float32 [nnz]
+    columns: torch.Tensor  # int64 [F_lookup] first output column of each feature
+
+
+@dataclass
+class CacheLayout:
+    """The tables of one embedding dim (one cache) and their features in lookup order."""
+
+    dim: int
+    tables: list[Table]
+    features: list[str]
+    feature_table: list[Table]
+    lookups: list[Lookup]
+    table_index: torch.Tensor = field(init=False)  # int64 [F] table of each feature
+    table_rows: torch.Tensor = field(init=False)  # int64 [F] num_embeddings of that table
+    table_names: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.table_index = torch.tensor([t.index for t in self.feature_table])
+        self.table_rows = torch.tensor([t.num_embeddings for t in self.feature_table])
+        self.table_names = [t.name for t in self.feature_table]
+
+    @classmethod
+    def of_tables(cls, dim: int, tables: list[Table]) -> CacheLayout:
+        """The layout of ``tables`` (all of dim ``dim``): their features in table order, then
+        stably sorted by pooling mode so that each mode is one `Lookup`."""
+        pairs = [(f, t) for t in tables for f in t.feature_names]
+        pairs.sort(key=lambda p: int(p[1].pooling))  # stable: same-mode features contiguous
+        lookups: list[Lookup] = []
+        for i, (f, t) in enumerate(pairs):
+            if lookups and lookups[-1].mode == t.pooling:
+                lookups[-1].features.append(f)
+                lookups[-1].feature_hi = i + 1
+            else:
+                lookups.append(Lookup(t.pooling, [f], i, i + 1))
+        return cls(dim, tables, [f for f, _ in pairs], [t for _, t in pairs], lookups)
+
+    def table_bounds(self, unique: torch.Tensor, fusion_k: int) -> list[int]:
+        """Where each table's ids start in ascending fused ``unique`` ids (``[T + 1]``, the last
+        entry ``len(unique)``): table i owns ``unique[bounds[i] : bounds[i + 1]]``."""
+        starts = torch.tensor([t.index << fusion_k for t in self.tables], device=unique.device)
+        return [*torch.searchsorted(unique, starts).tolist(), unique.numel()]
+
+    def bags(
+        self,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        batch_size: int,
+        columns: torch.Tensor,
+    ) -> list[Bags]:
+        """A batch's bags of this cache, cut per lookup (one host read of the cut points when
+        there are several lookups).
+
+        Args:
+            inverse: int64 ``[nnz]`` unique-id index of each value (features in this layout's
+                order).
+            offsets: int64 ``[F * B + 1]`` bag offsets.
+            weights: float32 ``[nnz]`` per-sample weights, or None.
+            batch_size: B.
+            columns: int64 ``[F]`` first output column of each feature.
+        """
+        if len(self.lookups) == 1:
+            return [Bags(inverse, offsets, weights, columns)]
+        B = batch_size
+        cut = [lk.feature_lo * B for lk in self.lookups] + [offsets.numel() - 1]
+        bounds = offsets[cut].tolist()
+        out = []
+        for i, lk in enumerate(self.lookups):
+            lo, hi = bounds[i], bounds[i + 1]
+            out.append(
+                Bags(
+                    inverse[lo:hi],
+                    offsets[lk.feature_lo * B : lk.feature_hi * B + 1] - lo,
+                    None if weights is None else weights[lo:hi],
+                    columns[lk.feature_lo : lk.feature_hi],
+                )
+            )
+        return out

@@ -1,0 +1,54 @@
+"""The pooling op of a collection: forward pools every engine's bags straight from its cache
+slots; backward turns the pooled gradient into one row per unique id (never a table-sized
+gradient) and hands them to `EngineGroup.record_backward`.
+
+One autograd node for all engines, so that one backward sees every cache's gradient at once
+(``update_in_backward`` refuses a bad gradient anywhere before any update)."""
+
+from __future__ import annotations
+
+import torch
+
+from embcache.engine.batch_state import InFlight, Prepared
+from embcache.engine.group import EngineGroup
+
+
+class PooledLookup(torch.autograd.Function):
+    """``PooledLookup.apply(anchor, group, prepared, batch, B)`` -> one ``[B, F_e * dim_e]``
+    output per engine (its features' columns side by side, in its layout's order).
+
+    ``anchor`` is a tensor that requires grad, so the node is recorded even though the rows it
+    reads are not autograd leaves; ``batch`` is the `InFlight` the gradients belong to (None
+    under ``torch.no_grad``)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        anchor: torch.Tensor,
+        group: EngineGroup,
+        prepared: list[Prepared],
+        batch: InFlight | None,
+        batch_size: int,
+    ):
+        outs, argmaxes, columns = [], [], []
+        for engine, p in zip(group.engines, prepared, strict=True):
+            cols = torch.arange(len(engine.layout.features), device=engine.device) * engine.dim
+            out = torch.empty(batch_size, cols.numel() * engine.dim, device=engine.device)
+            argmaxes.append(engine.pool(p, batch_size, out, cols))
+            outs.append(out)
+            columns.append(cols)
+        ctx.group, ctx.prepared, ctx.batch = group, prepared, batch
+        ctx.batch_size, ctx.argmaxes, ctx.columns = batch_size, argmaxes, columns
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        rows = []
+        for engine, p, grad_out, cols, argmaxes in zip(
+            ctx.group.engines, ctx.prepared, grad_outs, ctx.columns, ctx.argmaxes, strict=True
+        ):
+            if grad_out.stride(-1) != 1 or grad_out.stride(0) < grad_out.shape[1]:
+                grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
+            rows.append(engine.grad_rows(p, ctx.batch_size, grad_out, cols, argmaxes))
+        ctx.group.record_backward(ctx.batch, rows)
+        return None, None, None, None, None

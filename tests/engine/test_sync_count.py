@@ -1,0 +1,93 @@
+"""Host synchronisations per step do not grow with the number of tables.
+
+Counted on the CPU with `tests/sync_count.SyncCounter` (host reads of tensors and ops whose
+output size depends on the data, outside the tiers, which only see host tensors): each would
+drain the stream on a GPU, and on the prefetch thread stall the training that shares it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import embcache
+from tests.sync_count import SyncCounter
+
+# Ceilings of today's counts (a 10% LRU cache with misses, dirty victims and scratch rows, the
+# worst path): they guard against a sync creeping back in per table or per id.
+MAX_FORWARD, MAX_STEP = 26, 8
+
+
+def _collection(num_tables: int, policy: str, load_factor: float):
+    tables = [
+        embcache.TableConfig(
+            name=f"t{i}", embedding_dim=16, num_embeddings=1000, feature_names=[f"f{i}"]
+        )
+        for i in range(num_tables)
+    ]
+    cache = embcache.CacheConfig(load_factor=load_factor, policy=policy, ways=4)
+    return embcache.CachedEmbeddingBagCollection(tables=tables, cache=cache)
+
+
+def _batches(num_tables: int, n: int, seed: int = 0) -> list[embcache.JaggedBatch]:
+    gen = torch.Generator().manual_seed(seed)
+    keys = [f"f{i}" for i in range(num_tables)]
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(1, 5, (num_tables * 64,), generator=gen)
+        values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
+        out.append(embcache.JaggedBatch.from_lengths(keys, values, lengths))
+    return out
+
+
+def _counts(num_tables: int, policy: str, load_factor: float, prefetch: bool) -> dict:
+    ebc = _collection(num_tables, policy, load_factor)
+    opt = embcache.SparseAdaGrad([ebc], lr=0.1)
+    *warm, batch = _batches(num_tables, 5)
+    for b in warm:  # fill the cache: the counted step has hits, misses and dirty victims
+        ebc(b).values().sum().backward()
+        opt.step()
+    with SyncCounter() as forward:
+        if prefetch:
+            ebc.set_fused_prefetch_handle(ebc.issue_fused_prefetch(batch))
+        out = ebc(batch)
+    with SyncCounter() as backward:
+        out.values().square().sum().backward()
+    with SyncCounter() as step:
+        opt.step()
+    return {
+        "forward": forward.total,
+        "backward": backward.total,
+        "step": step.total,
+        "kinds": (dict(forward.counts), dict(step.counts)),
+    }
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["sync", "prefetch"])
+@pytest.mark.parametrize(
+    ("policy", "load_factor"),
+    [("lru", 0.1), ("lfu", 0.1), ("lru", 1.0)],
+    ids=["lru-10pct", "lfu-10pct", "whole-table"],
+)
+def test_syncs_per_step_do_not_grow_with_tables(
+    policy: str, load_factor: float, prefetch: bool
+) -> None:
+    two = _counts(2, policy, load_factor, prefetch)
+    many = _counts(26, policy, load_factor, prefetch)
+    assert two == many, f"2 tables: {two}\n26 tables: {many}"
+    assert two["forward"] <= MAX_FORWARD, two
+    assert two["backward"] == 0, two
+    assert two["step"] <= MAX_STEP, two
+
+
+def test_the_counter_sees_a_sync_per_table() -> None:
+    """The counter is not blind: one ``.tolist()`` per table is counted once per table."""
+    tensors = [torch.arange(3) for _ in range(26)]
+    with SyncCounter() as c:
+        for t in tensors:
+            t.tolist()
+        torch.arange(5).nonzero()
+        torch.arange(5)[torch.arange(5) > 2]
+    assert c.counts["tolist"] == 26
+    assert c.counts["aten.nonzero"] == 1
+    assert c.counts["bool-mask index"] == 1

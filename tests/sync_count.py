@@ -1,0 +1,95 @@
+"""Counting host synchronisations on the CPU, where none of them costs anything.
+
+On a GPU, reading a device value on the host (``.item()``, ``.tolist()``, ``int(t)``,
+``bool(t)``, ``.cpu()``) waits for every kernel queued before it, and so do ops whose output
+size depends on the data (``nonzero``, ``unique*``, boolean-mask indexing, ``repeat_interleave``
+without ``output_size``, ``bincount``). `SyncCounter` counts both kinds while it is active, so a
+test on the CPU can bound what the same code would cost on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+_HOST_SIDE = ("embcache.kv.", "embcache.cache.transfer", "embcache.checkpoint")
+
+
+def _on_host_side() -> bool:
+    """Whether the op runs in code that only ever sees host tensors: the tiers (their ids and
+    rows are on the host by the `Store` contract). The innermost embcache frame decides."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("embcache."):
+            return name.startswith(_HOST_SIDE)
+        frame = frame.f_back
+    return False
+_DATA_DEPENDENT = {
+    "aten.nonzero",
+    "aten._unique2",
+    "aten.unique_dim",
+    "aten.unique_consecutive",
+    "aten.masked_select",
+    "aten.bincount",
+    "aten._local_scalar_dense",
+}
+
+
+class _Reads(TorchFunctionMode):
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READS and not _on_host_side():
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if _on_host_side():
+            pass
+        elif name in _DATA_DEPENDENT:
+            # item/int/bool reach here as _local_scalar_dense too: counted once, above.
+            if name != "aten._local_scalar_dense":
+                self.counts[name] += 1
+        elif name in ("aten.index", "aten.index_put", "aten.index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ())
+        ):
+            self.counts["bool-mask index"] += 1
+        elif name == "aten.repeat_interleave" and (kwargs or {}).get("output_size") is None:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SyncCounter:
+    """``with SyncCounter() as c: ...`` then ``c.total`` and ``c.counts`` (by kind)."""
+
+    def __enter__(self) -> SyncCounter:
+        self.counts: Counter = Counter()
+        self._modes = [_Reads(self.counts), _Ops(self.counts)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
