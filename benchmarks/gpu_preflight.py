@@ -108,7 +108,7 @@ def make_batch(batch_size: int, num_features: int, rows: int, seed: int = 0) -> 
 
 
 class Preflight:
-    """Runs the checks in order, one line each; `run` raises on the first failure."""
+    """Runs the checks in order, one line each; `check` raises on the first failure."""
 
     def __init__(self, device: torch.device, batch: Batch, dim: int) -> None:
         self.device = device
@@ -322,11 +322,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     pre = Preflight(device, batch, dim)
+    backend = os.environ.get("EMBCACHE_BACKEND")
     try:
         run_checks(pre)
     except MismatchError as e:
         print(f"summary: preflight FAILED after {pre.count} ok: {e}")
         return 1
+    finally:  # each check switches the backend; leave it as it was
+        if backend is None:
+            os.environ.pop("EMBCACHE_BACKEND", None)
+        else:
+            os.environ["EMBCACHE_BACKEND"] = backend
     print(f"summary: preflight {pre.count} checks ok in {time.perf_counter() - t0:.1f} s")
     return 0
 

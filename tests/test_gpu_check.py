@@ -90,7 +90,9 @@ def preflight(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_preflight
 
-    monkeypatch.delenv("EMBCACHE_BACKEND", raising=False)
+    # setenv, not delenv: it records the variable's absence, so teardown restores it whatever
+    # the preflight leaves (it switches the backend per check).
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
     return gpu_preflight
 
 
@@ -130,3 +132,4 @@ def test_preflight_stops_at_a_broken_kernel_and_names_it(
     assert len(failing) == 1 and failing[0].startswith(kernel), out
     assert lines[-1].startswith("summary: preflight FAILED after") and kernel in lines[-1]
     assert "apply_row_update" not in out  # it stopped there
+    assert os.environ["EMBCACHE_BACKEND"] == "auto"  # as it found it
