@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# Exact pins that work on a CPU-only machine (see DESIGN.md section 7). torchrec and fbgemm-gpu-cpu
+# Exact pins that work on a CPU-only machine (docs/design.md, "Installing"). torchrec and fbgemm-gpu-cpu
 # go in with --no-deps: their declared deps would pull the CUDA builds of torch and fbgemm-gpu.
 TORCH_PIN := torch==2.13.0
 TRITON_PIN := triton==3.8.0

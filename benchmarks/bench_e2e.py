@@ -20,7 +20,7 @@ bag), on the same batches, side by side in one process. The named baseline is
 
 All start from the same weights (torchrec's initial ones, copied) and use lr 0.05, eps 1e-10,
 so after the timed steps they must hold the same weights: the script checks the loss of a
-probe batch against the baseline's and prints the largest relative difference. DESIGN.md's
+probe batch against the baseline's and prints the largest relative difference. docs/design.md's
 CPU targets: ``embcache_100`` no slower than the baseline, ``embcache_10`` within 1.3x.
 
 Prints a table; writes ``benchmarks/results/e2e.csv`` and ``e2e.png``.
@@ -53,7 +53,7 @@ from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
 
 LR, EPS = 0.05, 1e-10
 BASELINE = "torchrec_sparse"
-TARGETS = {"embcache_100": 1.0, "embcache_10": 1.3}  # DESIGN.md section 4a, CPU
+TARGETS = {"embcache_100": 1.0, "embcache_10": 1.3}  # docs/design.md, "Targets", CPU
 
 
 @dataclass

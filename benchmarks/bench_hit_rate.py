@@ -50,7 +50,7 @@ rounded up to whole 32-way sets, as `HotCache` does: 1024 for 0.1% of a million 
   neither describes a cache that admits a batch at once, and both are rough.
 
 Reported per (exponent, size): LRU, LFU, che, cheB, opt, ``LRU - che`` and ``LFU - opt`` (the
-figures of DESIGN.md section 4a: LRU within 0.03 of che, LFU within 0.05 of opt at Zipf 1.0),
+figures of docs/design.md ("Targets"): LRU within 0.03 of che, LFU within 0.05 of opt at Zipf 1.0),
 and per policy the drift, the difference between the hit rates of the second and first halves
 of the measured batches: near zero for LRU once warm; positive for LFU while its counts are
 still learning the popularity order (at the larger sizes the rows near rank ``C`` are asked

@@ -507,7 +507,7 @@ def print_row(r: Row) -> None:
 
 def print_rates(rows: list[Row]) -> None:
     """CUDA: keys/s of the id ops and lookups, pool_forward bandwidth against the copy."""
-    print("\nrates (CUDA); targets from DESIGN.md 4a")
+    print("\nrates (CUDA); targets from docs/design.md")
     for r in rows:
         if r.op in ("dedup", "fuse_ids", "cache_lookup"):
             target = "  (target >= 2.5e9)" if r.op == "cache_lookup" else ""

@@ -17,7 +17,7 @@ speedup, the tier time of each run, and the fraction of the tier's time hidden b
 than the rest of the step can hide only behind that rest). The two modes run ``--repeats``
 times, alternated, and each mode's median-time run is reported, so a shared machine's load
 falls on both alike. The final weights and optimizer
-state of both runs must be bit-identical (the pipeline's contract): the script asserts it and
+state of both runs must be bit-identical (invariant I5 of docs/design.md): the script asserts it and
 prints ``identical: True``. Prints a table; writes ``benchmarks/results/pipeline.csv`` and
 ``pipeline.png``.
 
@@ -40,13 +40,13 @@ from torch import nn
 
 import embcache
 from embcache.kv.base import Store, TableSpec
-from embcache.pipeline import PrefetchFallbackWarning, TrainPipeline
+from embcache.train.pipeline import PrefetchFallbackWarning, TrainPipeline
 
 NUM_DENSE = 13
 ALPHA = 1.05
 
 
-class SlowStore:
+class SlowStore(Store):
     """A `Store` that forwards to ``inner`` after sleeping ``latency_s`` in each get/put call.
 
     Thread-safe: the prefetch thread, the training thread and the cache's per-table I/O

@@ -9,22 +9,20 @@ eviction or flush.
 from embcache.cache import CacheConfig, CachePolicy, HotCache
 from embcache.checkpoint import load, save
 from embcache.data import Batch, SyntheticConfig, SyntheticCriteo
-from embcache.distributed import (
-    DistTensor,
-    KVClient,
-    ShardedEmbeddingBagCollection,
-    get_kv_client,
-    reset_kv_client,
-)
+from embcache.distributed import ShardedEmbeddingBagCollection
 from embcache.engine import JaggedBatch, PooledEmbeddings, TableConfig
 from embcache.kernels.pooling import PoolingMode
-from embcache.kv import HostKV, Store, TableSpec, open_store
-from embcache.models import (
-    CachedEmbeddingBagCollection,
-    DistEmbedding,
-    FusedPrefetchHandle,
-    RecStoreEmbeddingBagCollection,
+from embcache.kv import (
+    HostKV,
+    Store,
+    TableSpec,
+    TierDataLossError,
+    TierError,
+    TierOwnershipError,
+    TierUnavailableError,
+    open_store,
 )
+from embcache.models import CachedEmbeddingBagCollection, FusedPrefetchHandle
 from embcache.optim import (
     SparseAdaGrad,
     SparseAdam,
@@ -32,7 +30,15 @@ from embcache.optim import (
     SparseRowWiseAdaGrad,
     SparseSGD,
 )
-from embcache.pipeline import PrefetchFallbackWarning, TrainPipeline
+from embcache.recstore import (
+    DistEmbedding,
+    DistTensor,
+    KVClient,
+    RecStoreEmbeddingBagCollection,
+    get_kv_client,
+    reset_kv_client,
+)
+from embcache.train.pipeline import PrefetchFallbackWarning, TrainPipeline
 
 __version__ = "0.1.0"
 
@@ -63,6 +69,10 @@ __all__ = [
     "SyntheticCriteo",
     "TableConfig",
     "TableSpec",
+    "TierDataLossError",
+    "TierError",
+    "TierOwnershipError",
+    "TierUnavailableError",
     "TrainPipeline",
     "get_kv_client",
     "load",

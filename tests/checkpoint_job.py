@@ -14,6 +14,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import embcache
+import embcache.checkpoint
 
 TABLES = [
     EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=500, feature_names=["f0"]),
@@ -78,13 +79,14 @@ def main(argv: list[str]) -> None:
         embcache.save(ckpt, model, [sparse, dense])
         torch.save(weights(model, sparse), out)
         train(model, sparse, dense, start=5, steps=3)
-        real_save = torch.save
+        real_write = embcache.checkpoint.write_tensors
 
-        def slow_save(*args, **kwargs):
-            real_save(*args, **kwargs)
+        def slow_write(*args, **kwargs):
+            entry = real_write(*args, **kwargs)
             time.sleep(0.2)
+            return entry
 
-        torch.save = slow_save
+        embcache.checkpoint.write_tensors = slow_write
         print("saving B", flush=True)
         embcache.save(ckpt, model, [sparse, dense], chunk_rows=16)
         print("saved B", flush=True)

@@ -30,6 +30,8 @@ def _on_host_side() -> bool:
             return name.startswith(_HOST_SIDE)
         frame = frame.f_back
     return False
+
+
 _DATA_DEPENDENT = {
     "aten.nonzero",
     "aten._unique2",

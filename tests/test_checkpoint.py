@@ -76,7 +76,7 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> No
     try:
         assert proc.stdout.readline().strip() == "saving B", proc.stderr.read()
         deadline = time.monotonic() + 60
-        while not any(ckpt.glob(".tmp-snap-*/tables/*.pt")):
+        while not any(ckpt.glob(".tmp-snap-*/tables/*.safetensors")):
             assert time.monotonic() < deadline, "save B never started writing"
             time.sleep(0.05)
         time.sleep(0.3)  # well inside save B: it writes a chunk every 0.2 s

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import embcache
 from embcache.checkpoint import latest_snapshot
 from embcache.cli import available_benchmarks, main
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
-from embcache.models.dlrm import DLRM, make_dense_optimizer, make_sparse_optimizer
+from embcache.models.dlrm import DLRM
+from embcache.train.loop import make_dense_optimizer, make_sparse_optimizer
 
 TINY = [
     "train",
@@ -230,10 +232,9 @@ def _checkpoint_tensors(root: Path) -> dict[str, torch.Tensor]:
     out = {}
     for rank_dir in sorted(root.glob("rank-*")):
         snap = latest_snapshot(rank_dir)
-        for f in sorted(snap.rglob("*.pt")):
-            for key, value in torch.load(f, weights_only=False).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"{rank_dir.name}/{f.relative_to(snap)}:{key}"] = value
+        for f in sorted(snap.rglob("*.safetensors")):
+            for key, value in load_file(f).items():
+                out[f"{rank_dir.name}/{f.relative_to(snap)}:{key}"] = value
     return out
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 import embcache
 from embcache.kernels.backend import use_triton
-from embcache.pipeline import TrainPipeline
+from embcache.train.pipeline import TrainPipeline
 
 pytestmark = pytest.mark.gpu
 

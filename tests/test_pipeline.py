@@ -11,7 +11,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import embcache
-from embcache.pipeline import PrefetchFallbackWarning, TrainPipeline
+from embcache.train.pipeline import PrefetchFallbackWarning, TrainPipeline
 
 TABLES = [
     EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=300, feature_names=["f0", "f1"]),

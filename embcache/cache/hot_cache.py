@@ -14,14 +14,18 @@ the cache's tables, each row gets its own slot instead (direct mapping: no looku
 3. dirty victims are written back to the tier in one batched call per table, then the missing
    rows are read from the tier (created there on first touch) and copied into their slots;
 4. misses that find no free way in their set are served from a scratch area behind the cache,
-   whose rows are written back (when dirty) and freed as soon as their last lock is released.
+   whose rows are written back (when dirty) and freed by the first `release` after their last
+   lock is dropped (the next resolve starts with one).
 
 Every tier call happens before any index change, so a tier that fails mid-resolve leaves the
-cache as it was: no row is lost, nothing is half-applied, and the call can be retried.
+cache as it was: no row is lost, nothing is half-applied, and the call can be retried. `unlock`
+never calls the tier, so an optimizer step that has updated rows cannot fail half-way through
+releasing them; `release` and `flush` keep every row they could not write (dirty, in its slot)
+and can be called again.
 
-Invariants (DESIGN.md section 4): every row has one authoritative copy — its slot while
-resident (scratch included), the tier otherwise; a locked slot is never a victim; `flush`
-writes every dirty row back, after which the tier alone holds the model.
+Invariants (docs/design.md, "Cache invariants"): every row has one authoritative copy — its
+slot while resident (scratch included), the tier otherwise; a locked slot is never a victim;
+`flush` writes every dirty row back, after which the tier alone holds the model.
 """
 
 from __future__ import annotations
@@ -229,6 +233,9 @@ class HotCache:
         """
         ids = unique_ids.to(self.device, torch.int64)
         with self._resolve_mutex:
+            # Scratch rows of finished batches go first, so they do not crowd this one out; a
+            # tier error here changes nothing either (`release` keeps what it cannot write).
+            self.release()
             with self.lock:
                 plan = self._plan_direct(ids) if self.direct else self._plan_sets(ids)
             # Outside the lock: the reserved slots are locked by this resolve and no other
@@ -431,16 +438,23 @@ class HotCache:
             self.dirty[slots.to(self.device)] = True
 
     def unlock(self, slots: torch.Tensor) -> None:
-        """Drop one lock from each of ``slots`` (distinct); free scratch rows left unlocked."""
+        """Drop one lock from each of ``slots`` (distinct).
+
+        Never calls the tier: scratch rows left without a lock are written back and freed by
+        the next `release` (which the next `resolve`, `flush` and unlocked forwards call).
+
+        Raises:
+            RuntimeError: a slot is not locked (nothing is changed then).
+        """
         with self.lock:
             slots = slots.to(self.device)
             if slots.numel() and bool((self.locks[slots] <= 0).any()):
                 raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
             self.locks[slots] -= 1
-            self.release()
 
     def release(self) -> None:
-        """Write back and free the scratch rows no batch holds any more."""
+        """Write back and free the scratch rows no batch holds any more. If the write fails
+        the rows stay in scratch, dirty, and the error propagates: call again later."""
         with self.lock:
             if not self._scratch_used:
                 return

@@ -73,7 +73,7 @@ class TierTransfer:
     def _run(self, calls: list[Callable[[], object]]) -> list:
         """Run tier calls: concurrently when there are several and the tier's calls overlap
         (``parallel_io``); in turn for in-process tiers."""
-        if len(calls) <= 1 or not getattr(self.store, "parallel_io", False):
+        if len(calls) <= 1 or not self.store.parallel_io:
             return [call() for call in calls]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(

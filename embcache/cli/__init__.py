@@ -16,7 +16,7 @@ from pathlib import Path
 
 from embcache.cli.bench import available_benchmarks, cmd_bench
 from embcache.cli.report import write_plot
-from embcache.cli.train import (
+from embcache.cli.settings import (
     DEFAULT_BATCH,
     DEFAULT_DENSE_LR,
     DEFAULT_DIM,
@@ -24,10 +24,9 @@ from embcache.cli.train import (
     DEFAULT_LR,
     DEFAULT_SCALE,
     DEFAULT_STEPS,
-    cmd_train,
-    save_checkpoint,
 )
-from embcache.models.dlrm import SPARSE_OPTIMIZERS
+from embcache.cli.train import cmd_train, save_checkpoint
+from embcache.train.loop import SPARSE_OPTIMIZERS
 
 __all__ = ["available_benchmarks", "build_parser", "main", "save_checkpoint", "write_plot"]
 
@@ -142,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="host",
         help="the tier: 'host' (in-process memory) or a Redis URL such as "
         "redis://127.0.0.1:6379/0 (rows persist there under ?namespace=..., default 'embcache', "
-        "and a later run with the same namespace continues from them)",
+        "and a later run with the same namespace continues from them; while this run lives its "
+        "tables are leased to it, so another run on the same namespace is refused unless both "
+        "give ?shared=1). Passwords are never printed",
     )
     cache.add_argument(
         "--prefetch",

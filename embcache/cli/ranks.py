@@ -5,19 +5,23 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from embcache.checkpoint import load as embcache_load
+from embcache.checkpoint import read_extra
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
-from embcache.cli.train import plain_options, run_settings
+from embcache.cli.settings import plain_options, run_settings
 from embcache.data.batch import Batch
 from embcache.data.synthetic import SyntheticCriteo
 from embcache.engine.inputs import JaggedBatch
-from embcache.models.dlrm import DLRM, evaluate, make_dense_optimizer, make_sparse_optimizer, train
+from embcache.kv.url import open_store
+from embcache.models.dlrm import DLRM
+from embcache.train.loop import evaluate, make_dense_optimizer, make_sparse_optimizer, train
 
 
 def spawn_ranks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -74,6 +78,19 @@ def _slice_samples(kjt: JaggedBatch, lo: int, hi: int) -> JaggedBatch:
     )
 
 
+def _job_owner(rank: int, args: argparse.Namespace) -> str:
+    """One tier owner token for every rank (they are one job and share the tables on one
+    Redis): the one ``--resume``'s checkpoint recorded, else a new one, sent from rank 0."""
+    import torch.distributed as dist
+
+    owner = [None]
+    if rank == 0:
+        extra = read_extra(_rank_dir(args.resume, 0)) if args.resume is not None else {}
+        owner[0] = extra.get("tier_owner") or uuid.uuid4().hex
+    dist.broadcast_object_list(owner, src=0)
+    return str(owner[0])
+
+
 def _rank_dir(path: Path, rank: int) -> Path:
     """Each rank checkpoints the rows it owns (and the replicated MLPs) in its own directory."""
     return Path(path) / f"rank-{rank}"
@@ -99,10 +116,11 @@ def train_rank(rank: int, options: dict[str, Any]) -> None:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     lr, dense_lr, cache, data = run_settings(args)
+    store = open_store(args.store, owner=_job_owner(rank, args))
     model = DLRM(
         data.tables(args.dim),
         cache=cache,
-        store=None if args.store == "host" else args.store,
+        store=store,
         device=device,
         bottom_mlp=(64, args.dim),
         top_mlp=(64, 32),
@@ -144,8 +162,13 @@ def train_rank(rank: int, options: dict[str, Any]) -> None:
             _rank_dir(args.checkpoint, rank),
             model,
             [sparse_opt, dense_opt],
-            extra={"steps_done": first_step + args.steps, "world_size": world},
+            extra={
+                "steps_done": first_step + args.steps,
+                "world_size": world,
+                **({"tier_owner": store.lease_owner} if store.lease_owner else {}),
+            },
         )
+    store.close()
     if args.plot is not None and rank == 0:
         write_plot(result, args.plot)
     if rank == 0:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from embcache.models.dlrm import TrainResult
+from embcache.kv.redact import redact_url
+from embcache.train.loop import TrainResult
 
 
 def write_plot(result: TrainResult, path: Path) -> None:
@@ -63,7 +64,7 @@ def print_summary(args, data, model, result, lr, dense_lr, total_s) -> None:
         (
             "cache",
             f"{cached:,} rows ({cached / total_rows:.1%} of all), {args.policy.upper()}, "
-            f"store {args.store}, prefetch {'on' if args.prefetch else 'off'}",
+            f"store {redact_url(args.store)}, prefetch {'on' if args.prefetch else 'off'}",
         ),
         ("optimizer", f"{args.optimizer}, lr {lr:g} (sparse), {dense_lr:g} (dense)"),
         (

@@ -11,30 +11,17 @@ from typing import Any
 
 import torch
 
-from embcache.cache.config import CacheConfig
 from embcache.checkpoint import load as embcache_load
+from embcache.checkpoint import read_extra
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
-from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
+from embcache.cli.settings import plain_options, run_settings
 from embcache.kv.base import Store
+from embcache.kv.errors import TierError
+from embcache.kv.redact import redact_text, redact_url
 from embcache.kv.url import open_store
-from embcache.models.dlrm import (
-    DLRM,
-    evaluate,
-    make_dense_optimizer,
-    make_sparse_optimizer,
-    train,
-)
-
-# Defaults sized so that `embcache train` (what `make demo` runs) ends in about a minute on a
-# 2-core CPU, start-up included, with a cache that has to evict.
-DEFAULT_SCALE = 0.01
-DEFAULT_DIM = 16
-DEFAULT_STEPS = 800
-DEFAULT_BATCH = 1024
-DEFAULT_LOAD_FACTOR = 0.1
-DEFAULT_LR = {"sgd": 5.0, "adagrad": 0.05, "rowwise_adagrad": 0.05, "adam": 0.005}
-DEFAULT_DENSE_LR = {"sgd": 0.1, "adagrad": 0.01, "rowwise_adagrad": 0.01, "adam": 0.001}
+from embcache.models.dlrm import DLRM
+from embcache.train.loop import evaluate, make_dense_optimizer, make_sparse_optimizer, train
 
 
 def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -76,23 +63,52 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             fail(f"{flag} {path}: directory {path.resolve().parent} does not exist")
 
 
+def one_line(err: BaseException) -> str:
+    """An error as one line of text, any URL in it without its password."""
+    return redact_text(" ".join(str(err).split()) or type(err).__name__)
+
+
+def tier_owner(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """The tier owner token that ``--resume``'s checkpoint recorded (None without one): the
+    resumed job reopens its tables at once, even while the killed run's leases are live."""
+    if args.resume is None:
+        return None
+    try:
+        owner = read_extra(args.resume).get("tier_owner")
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: --resume {args.resume}: {one_line(err)}\n")
+    return owner if isinstance(owner, str) else None
+
+
 def _open_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Store:
     try:
-        return open_store(args.store)
+        return open_store(args.store, owner=tier_owner(args, parser))
     except ValueError as err:
-        parser.error(f"--store: {str(err).splitlines()[0]} (use 'host' or redis://host:port/db)")
-    except (ConnectionError, OSError) as err:
+        first = redact_text(str(err).splitlines()[0])
+        parser.error(f"--store: {first} (use 'host' or redis://host:port/db)")
+    except (ConnectionError, OSError, TierError) as err:
         # TierUnavailableError is a ConnectionError; its message names the URL. One line, no
         # traceback: an unreachable server is a configuration error, not a bug.
-        message = " ".join(str(err).split())
-        if args.store not in message:
-            message = f"{args.store}: {message}"
+        message = one_line(err)
+        shown = redact_url(args.store)
+        if shown not in message:
+            message = f"{shown}: {message}"
         parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def close_store(store: Store, parser: argparse.ArgumentParser, failed: bool) -> None:
+    """Close the tier (a TieredKV writes its dirty rows back first). After a run that failed,
+    a tier that is still down must not replace the run's own one-line error."""
+    try:
+        store.close()
+    except (ConnectionError, TierError) as err:
+        if not failed:
+            parser.exit(1, f"{parser.prog}: error: {one_line(err)}\n")
 
 
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_train_args(args, parser)
-    from embcache.cli.ranks import spawn_ranks, train_rank  # it builds on this module
+    from embcache.cli.ranks import spawn_ranks, train_rank  # torch.distributed, when asked
 
     if args.nproc > 1:
         return spawn_ranks(args, parser)
@@ -119,8 +135,10 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             top_mlp=(64, 32),
             seed=args.seed,
         )
-    except (ConnectionError, OSError) as err:
-        parser.exit(2, f"{parser.prog}: error: {' '.join(str(err).split())}\n")
+    except (ConnectionError, OSError, TierError) as err:
+        close_store(store, parser, failed=True)  # leases taken before the refusal go back
+        parser.exit(2, f"{parser.prog}: error: {one_line(err)}\n")
+    failed = True
     try:
         sparse_opt = make_sparse_optimizer(args.optimizer, model.sparse_arch, lr)
         dense_opt = make_dense_optimizer(args.optimizer, model.dense_parameters(), dense_lr)
@@ -129,7 +147,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             try:
                 extra = embcache_load(args.resume, model, [sparse_opt, dense_opt])
             except (FileNotFoundError, ValueError) as err:
-                parser.exit(2, f"{parser.prog}: error: --resume {args.resume}: {err}\n")
+                parser.exit(2, f"{parser.prog}: error: --resume {args.resume}: {one_line(err)}\n")
             first_step = int(extra.get("steps_done", 0))
         result = train(
             model,
@@ -148,41 +166,25 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             save_checkpoint(args.checkpoint, model, dense_opt, sparse_opt, first_step + args.steps)
         if args.plot is not None:
             write_plot(result, args.plot)
-    except ConnectionError as err:  # the tier went away mid-run (TierUnavailableError)
-        parser.exit(1, f"{parser.prog}: error: {' '.join(str(err).split())}\n")
+        failed = False
+    except (ConnectionError, TierError) as err:
+        # The tier went away, lost writes or was taken over mid-run: its own one-line message
+        # (it names the URL, table and what to do), no traceback.
+        parser.exit(1, f"{parser.prog}: error: {one_line(err)}\n")
     finally:
-        if hasattr(store, "close"):
-            store.close()
+        close_store(store, parser, failed)
     print_summary(args, data, model, result, lr, dense_lr, time.perf_counter() - t_start)
     return 0
-
-
-def run_settings(
-    args: argparse.Namespace,
-) -> tuple[float, float, CacheConfig, SyntheticCriteo]:
-    """Learning rates, cache config and data set of a run (and torch's thread count)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
-    dense_lr = args.dense_lr if args.dense_lr is not None else DEFAULT_DENSE_LR[args.optimizer]
-    if args.cache_capacity is not None:
-        cache = CacheConfig(capacity=args.cache_capacity, policy=args.policy)
-    else:
-        cache = CacheConfig(load_factor=args.load_factor or DEFAULT_LOAD_FACTOR, policy=args.policy)
-    config = SyntheticConfig(
-        scale=args.scale, batch_size=args.batch_size, zipf=args.zipf, seed=args.seed
-    )
-    return lr, dense_lr, cache, SyntheticCriteo(config)
-
-
-def plain_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options without the parser objects, to send to other processes."""
-    return {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
 
 
 def save_checkpoint(
     path: Path, model: DLRM, dense_opt: Any, sparse_opt: Any, steps_done: int
 ) -> None:
-    """`embcache.save` of the model with both optimizers (sparse first) and the number of
-    training batches consumed, so `--resume` continues with the next one."""
-    embcache_save(path, model, [sparse_opt, dense_opt], extra={"steps_done": steps_done})
+    """`embcache.save` of the model with both optimizers (sparse first), the number of
+    training batches consumed, so `--resume` continues with the next one, and the tier's owner
+    token, so that a resumed run may reopen the tables its lease still holds."""
+    extra: dict[str, Any] = {"steps_done": steps_done}
+    owner = model.sparse_arch.store.lease_owner
+    if owner is not None:
+        extra["tier_owner"] = owner
+    embcache_save(path, model, [sparse_opt, dense_opt], extra=extra)

@@ -11,11 +11,11 @@ with ``mix64`` splitmix64's finaliser (`embcache.hashing.mix64`) and
 even number of sets, each rank's rows would fall into half of its sets. A `ShardedKVClient`
 tensor row ``id`` of tensor ``name`` is owned by ``owner(id ^ (crc32(name) << 32))``.
 
-The exchanges. `_Comm` wraps a process group. Every sharded call starts with a header, a
-``[W, 4]`` all_to_all of per-peer counts, op code, tag and status (`_Comm.header`), so that calls
+The exchanges. `Comm` wraps a process group. Every sharded call starts with a header, a
+``[W, 4]`` all_to_all of per-peer counts, op code, tag and status (`Comm.header`), so that calls
 that do not match across ranks, or a rank's refused input, raise on every rank; then the ids
-travel to their owners, grouped by owner (`_Comm.route`). Owners answer each requester with one
-status row ahead of the rows asked (`_with_status`, `_Comm.reply`), so that a failed owner makes
+travel to their owners, grouped by owner (`Comm.route`). Owners answer each requester with one
+status row ahead of the rows asked (`with_status`, `Comm.reply`), so that a failed owner makes
 every rank raise. A peer that dies or times out turns into a `CollectiveError` naming the
 exchange. Used by `ShardedEmbeddingBagCollection` (`embcache.distributed.sharded`) and
 `ShardedKVClient` (`embcache.distributed.sharded_kv`).
@@ -37,13 +37,13 @@ from embcache.kv.base import table_hash
 OWNER_SALT = 0x2545F4914F6CDD1D
 _LOW63 = (1 << 63) - 1
 
-_OP_FORWARD, _OP_INIT, _OP_PULL, _OP_PUSH, _OP_UPDATE = 1, 2, 3, 4, 5
-_OP_NAMES = {
-    _OP_FORWARD: "ShardedEmbeddingBagCollection.forward",
-    _OP_INIT: "ShardedKVClient.init_data",
-    _OP_PULL: "ShardedKVClient.pull",
-    _OP_PUSH: "ShardedKVClient.push",
-    _OP_UPDATE: "ShardedKVClient.update_async",
+OP_FORWARD, OP_INIT, OP_PULL, OP_PUSH, OP_UPDATE = 1, 2, 3, 4, 5
+OP_NAMES = {
+    OP_FORWARD: "ShardedEmbeddingBagCollection.forward",
+    OP_INIT: "ShardedKVClient.init_data",
+    OP_PULL: "ShardedKVClient.pull",
+    OP_PUSH: "ShardedKVClient.push",
+    OP_UPDATE: "ShardedKVClient.update_async",
 }
 
 
@@ -63,7 +63,7 @@ class CollectiveError(RuntimeError):
 
 
 @dataclass
-class _Route:
+class Route:
     """Where one rank's unique ids went and what it received from every rank."""
 
     order: torch.Tensor  # int64 [U]: send position -> local index (send_ids = ids[order])
@@ -72,7 +72,7 @@ class _Route:
     recv_ids: torch.Tensor  # int64 [R], grouped by source rank, each in the sender's order
 
 
-class _Comm:
+class Comm:
     """all_to_all over a process group, with the header checks and a byte count.
 
     Tensors travel on the CPU when the group has a gloo backend and on the current CUDA device
@@ -107,7 +107,7 @@ class _Comm:
             "bytes_to_peers": self.bytes_to_peers,
         }
 
-    def _run(self, what: str, fn: Callable[[], Any]) -> Any:
+    def run(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except Exception as e:
@@ -131,7 +131,7 @@ class _Comm:
             out = torch.empty(
                 (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.device
             )
-            self._run(
+            self.run(
                 f"all_to_all of {what}",
                 lambda: dist.all_to_all_single(
                     out, send, recv_counts, send_counts, group=self.group
@@ -158,7 +158,7 @@ class _Comm:
             ],
             dim=1,
         )
-        got = self.exchange(sent, [1] * W, [1] * W, f"{_OP_NAMES[op]}'s header")
+        got = self.exchange(sent, [1] * W, [1] * W, f"{OP_NAMES[op]}'s header")
         if bool((got[:, 1] != op).any() or (got[:, 2] != tag).any()):
             calls = ", ".join(
                 f"rank {r}: {_describe(int(o), int(t), names)}"
@@ -173,7 +173,7 @@ class _Comm:
         refused = got[:, 3].nonzero().flatten().tolist()
         if refused:
             raise CollectiveError(
-                f"rank {self.rank}: rank(s) {refused} refused their input to {_OP_NAMES[op]} "
+                f"rank {self.rank}: rank(s) {refused} refused their input to {OP_NAMES[op]} "
                 f"(see their error); nothing was changed on any rank"
             )
         return got[:, 0].tolist()
@@ -186,14 +186,14 @@ class _Comm:
         tag: int,
         error: BaseException | None,
         names=None,
-    ) -> _Route:
+    ) -> Route:
         """Send each of ``ids`` (int64 ``[U]``) to its owner: header, then the ids."""
         counts = torch.bincount(owners, minlength=self.world_size)
         order = torch.argsort(owners, stable=True)
         recv_counts = self.header(counts, op, tag, error, names)
         send_counts = counts.tolist()
-        recv_ids = self.exchange(ids[order], send_counts, recv_counts, f"{_OP_NAMES[op]}'s ids")
-        return _Route(order, send_counts, recv_counts, recv_ids)
+        recv_ids = self.exchange(ids[order], send_counts, recv_counts, f"{OP_NAMES[op]}'s ids")
+        return Route(order, send_counts, recv_counts, recv_ids)
 
     def reply(
         self,
@@ -203,7 +203,7 @@ class _Comm:
         error: BaseException | None,
         what: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Owners answer the ids they received with a `_with_status` buffer; a failed owner
+        """Owners answer the ids they received with a `with_status` buffer; a failed owner
         (``error``) makes every rank raise.
 
         Returns:
@@ -223,7 +223,7 @@ class _Comm:
         return got, data
 
 
-def _with_status(
+def with_status(
     source: torch.Tensor | None, index: torch.Tensor, counts: list[int], width: int
 ) -> torch.Tensor:
     """An owner's reply: per rank r, one status row (0 served; all 1 when ``source`` is None,
@@ -251,7 +251,7 @@ def _status_layout(counts: list[int], device: torch.device) -> tuple[torch.Tenso
 
 
 def _describe(op: int, tag: int, names: Mapping[int, str] | None) -> str:
-    name = _OP_NAMES.get(op, f"op {op}")
-    if op == _OP_FORWARD:
+    name = OP_NAMES.get(op, f"op {op}")
+    if op == OP_FORWARD:
         return f"{name} ({'training' if tag else 'no_grad'})"
     return f"{name}({(names or {}).get(tag, f'tensor #{tag}')!r})"

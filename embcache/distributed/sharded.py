@@ -4,7 +4,7 @@ Owner of a row. A collection row is named by its fused id ``id | (table_idx << f
 `owner_of` maps it to its owner rank, and `kv_owner_of` does the same for the rows of a
 `ShardedKVClient` tensor. The owner hash (splitmix64's finaliser of the salted id, modulo the
 world size) and why it is salted are documented in `embcache.distributed.exchange`, with the
-all_to_all helper (`_Comm`) and `CollectiveError`; `ShardedKVClient` lives in
+all_to_all helper (`Comm`) and `CollectiveError`; `ShardedKVClient` lives in
 `embcache.distributed.sharded_kv`. All of them are importable from here too.
 
 `ShardedEmbeddingBagCollection` is a `CachedEmbeddingBagCollection` whose caches (one per dim)
@@ -49,14 +49,14 @@ import torch.distributed as dist
 
 from embcache.cache.config import CacheConfig
 from embcache.distributed.exchange import (
-    _OP_FORWARD,
+    OP_FORWARD,
     OWNER_SALT,
     CollectiveError,
-    _Comm,
-    _Route,
-    _with_status,
+    Comm,
+    Route,
     kv_owner_of,
     owner_of,
+    with_status,
 )
 from embcache.distributed.sharded_kv import ShardedKVClient
 from embcache.engine.batch_state import InFlight, Prepared
@@ -141,7 +141,9 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             table, of which a rank fills only its share: give a load_factor to bound memory).
         store: this rank's tier: a `Store`, a URL, None (an in-process `HostKV`), or a callable
             ``store(rank) -> Store | URL``. A shared store (one Redis) also works: each rank
-            writes only the rows it owns.
+            writes only the rows it owns; give every rank the same lease owner
+            (``open_store(url, owner=token)``, as ``embcache train --nproc`` does) or open the
+            tables shared (``?shared=1``), since a table is otherwise leased to one job.
         device: where this rank's caches and outputs live (``cuda`` with NCCL or gloo).
         process_group: the ranks sharing the tables (None: the default group).
     """
@@ -161,7 +163,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         seed: int = 0,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        comm = _Comm(process_group)
+        comm = Comm(process_group)
         if callable(store) and not isinstance(store, Store):
             store = store(comm.rank)
         super().__init__()
@@ -222,7 +224,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             error = e
         ids = torch.cat(uniques) if error is None else self._no_ids()
         owners = owner_of(ids, self.world_size)
-        route = self._comm.route(ids, owners, _OP_FORWARD, int(training), error)
+        route = self._comm.route(ids, owners, OP_FORWARD, int(training), error)
         if training:
             self.engines.begin_batch()  # drops the locks of forwards never backpropagated
         requests = []
@@ -254,7 +256,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
     def _no_ids(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def _serve(self, route: _Route, lock: bool) -> tuple[list[_Owned], Exception | None]:
+    def _serve(self, route: Route, lock: bool) -> tuple[list[_Owned], Exception | None]:
         """Resolve the received ids in this rank's caches (the owner's side of a forward)."""
         W = self.world_size
         recv_ids = route.recv_ids
@@ -284,9 +286,9 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
     def _reply(self, gi: int, o: _Owned, error: BaseException | None) -> torch.Tensor:
         cache = self.engines.engines[gi].cache
         if error is not None:
-            return _with_status(None, self._no_ids(), o.counts, cache.dim)
+            return with_status(None, self._no_ids(), o.counts, cache.dim)
         with cache.lock:
-            return _with_status(
+            return with_status(
                 cache.rows, o.prepared.slots[o.prepared.inverse], o.counts, cache.dim
             )
 
@@ -356,7 +358,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             padded = torch.zeros(int(counts.max()), spec.row_width)
             padded[: mine.shape[0]] = mine
             parts = [torch.empty_like(padded, device=self._comm.device) for _ in range(W)]
-            self._comm._run(
+            self._comm.run(
                 f"all_gather of table_rows({table!r})",
                 lambda parts=parts, padded=padded: dist.all_gather(
                     parts, padded.to(self._comm.device), group=self._comm.group
@@ -407,7 +409,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         if all_ranks:
             keys = ("hits", "misses", "evictions", "writebacks")
             total = torch.tensor([stats[k] for k in keys], device=self._comm.device)
-            self._comm._run(
+            self._comm.run(
                 "all_reduce of cache_stats", lambda: dist.all_reduce(total, group=self._comm.group)
             )
             stats = dict(zip(keys, (int(v) for v in total.tolist()), strict=True))

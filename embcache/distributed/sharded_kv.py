@@ -15,18 +15,18 @@ import torch
 import torch.distributed as dist
 
 from embcache.distributed.exchange import (
-    _OP_INIT,
-    _OP_NAMES,
-    _OP_PULL,
-    _OP_PUSH,
-    _OP_UPDATE,
-    _Comm,
-    _with_status,
+    OP_INIT,
+    OP_NAMES,
+    OP_PULL,
+    OP_PUSH,
+    OP_UPDATE,
+    Comm,
     kv_owner_of,
+    with_status,
 )
-from embcache.distributed.kv_client import InitFunc, KVClient, KVHandle
 from embcache.kernels.ids import dedup
 from embcache.kv.base import Store, table_hash
+from embcache.recstore.kv_client import InitFunc, KVClient, KVHandle
 
 
 class ShardedKVClient:
@@ -48,7 +48,7 @@ class ShardedKVClient:
     """
 
     def __init__(self, store: Store | str | None = None, process_group=None) -> None:
-        self._comm = _Comm(process_group)
+        self._comm = Comm(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world_size
         self.local = KVClient(store)
         self._names: dict[int, str] = {}
@@ -86,7 +86,7 @@ class ShardedKVClient:
         self._names[table_hash(name)] = name
         wants_init = int(init_func is not None and fresh)
         flags = self._comm.header(
-            torch.full((self.world_size,), wants_init), _OP_INIT, table_hash(name), error,
+            torch.full((self.world_size,), wants_init), OP_INIT, table_hash(name), error,
             self._names,
         )  # fmt: skip
         if len(set(flags)) != 1:
@@ -100,7 +100,7 @@ class ShardedKVClient:
         rows = self.local.shape(name)[0]
         ids = torch.arange(rows) if self.rank == 0 else torch.empty(0, dtype=torch.int64)
         values = initial.float().cpu() if self.rank == 0 else None
-        self._send(_OP_INIT, name, ids, values, lambda i, v: self.local.push(name, i, v))
+        self._send(OP_INIT, name, ids, values, lambda i, v: self.local.push(name, i, v))
 
     def _send(self, op: int, name: str, ids, values, apply, error=None):
         """Route ``ids`` and their ``values`` rows to the owners, who call ``apply``."""
@@ -113,7 +113,7 @@ class ShardedKVClient:
         if values is None:
             values = torch.empty(0, dim)
         got = self._comm.exchange(
-            values[route.order], route.send_counts, route.recv_counts, f"{_OP_NAMES[op]}'s rows"
+            values[route.order], route.send_counts, route.recv_counts, f"{OP_NAMES[op]}'s rows"
         )
         return apply(route.recv_ids, got)
 
@@ -127,7 +127,7 @@ class ShardedKVClient:
         unique, inverse, _ = dedup(ids, with_counts=False)
         self._names[table_hash(name)] = name
         route = self._comm.route(
-            unique, self._owners(name, unique), _OP_PULL, table_hash(name), error, self._names
+            unique, self._owners(name, unique), OP_PULL, table_hash(name), error, self._names
         )
         served, failure = None, None
         try:
@@ -135,7 +135,7 @@ class ShardedKVClient:
         except Exception as e:
             failure = e
         dim = self.local.shape(name)[1]
-        reply = _with_status(served, torch.arange(route.recv_ids.numel()), route.recv_counts, dim)
+        reply = with_status(served, torch.arange(route.recv_ids.numel()), route.recv_counts, dim)
         got, data = self._comm.reply(
             reply, route.recv_counts, route.send_counts, failure, f"pull({name!r})"
         )
@@ -163,7 +163,7 @@ class ShardedKVClient:
             self.local.push(name, unique, recv_rows[last])
 
         self._names[table_hash(name)] = name
-        self._send(_OP_PUSH, name, ids, rows, apply, error)
+        self._send(OP_PUSH, name, ids, rows, apply, error)
 
     def update_async(self, name: str, ids, grads) -> KVHandle:
         """Add ``grads`` to the rows of ``ids`` at their owners (see the class docstring)."""
@@ -177,7 +177,7 @@ class ShardedKVClient:
             error = e
         self._names[table_hash(name)] = name
         return self._send(
-            _OP_UPDATE, name, ids, grads, lambda i, g: self.local.update_async(name, i, g), error
+            OP_UPDATE, name, ids, grads, lambda i, g: self.local.update_async(name, i, g), error
         )
 
     def wait(self, handle: KVHandle) -> None:
@@ -196,7 +196,7 @@ class ShardedKVClient:
     def flush(self) -> None:
         """Block until every rank has applied every operation submitted so far (collective)."""
         self.local.flush()
-        self._comm._run("barrier of flush", lambda: dist.barrier(group=self._comm.group))
+        self._comm.run("barrier of flush", lambda: dist.barrier(group=self._comm.group))
 
     def shape(self, name: str) -> tuple[int, int]:
         return self.local.shape(name)

@@ -4,7 +4,8 @@
     argmaxes = engine.pool(prepared, B, out, columns)           # 2. pool bags from the slots
     grads = engine.grad_rows(prepared, B, grad_out, columns, argmaxes)  # 3. one row per id
     entries = engine.trace_entries(prepared.unique, grads, ...) # (per table, for the trace)
-    engine.apply(entries, rule, steps)                          # 4. update rows + state in place
+    located = engine.locate(entries, table_index)               # 4. slots and per-id gradients,
+    engine.apply(located, rule, steps)                          #    rows + state updated in place
     engine.release(prepared)                                    # 5. unlock (apply does it too)
 
 A collection holds one engine per embedding dim (its tables share one `HotCache`) and an
@@ -14,6 +15,7 @@ rank for the rows it owns, and `pool_bags` / `bag_gradients` on rows that other 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,6 +84,17 @@ def bag_gradients(
         grad = g if grad is None else grad + g
     assert grad is not None  # a layout has at least one lookup
     return grad
+
+
+@dataclass
+class Located:
+    """A cache's rows to update in one step: their fused ids, locked slots and gradients, and
+    the forward's share whose slots they are (None: locked by `CacheEngine.locate`)."""
+
+    unique: torch.Tensor  # int64 [U] fused ids, ascending
+    slots: torch.Tensor  # int64 [U]
+    grads: torch.Tensor  # float32 [U, dim]
+    prepared: Prepared | None
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -213,40 +226,42 @@ class CacheEngine:
 
     # -- 4. apply a rule ---------------------------------------------------------------------
 
-    def apply(
-        self, entries: list[TraceEntry], table_index: dict[str, int], rule: Any,
-        steps: dict[str, int],
-    ) -> None:  # fmt: skip
-        """Update the rows of this cache's trace entries and their state in place with
-        ``rule`` (a `kernels.optim.RowUpdate`), then mark them dirty and unlock them.
+    def locate(self, entries: list[TraceEntry], table_index: dict[str, int]) -> Located:
+        """The slots (locked) and per-id gradients of this cache's trace entries.
 
         Entries of one forward (the usual step) use that forward's slots as they are; entries
         of several forwards (``accumulate_grads``) or of a forward already released are summed
-        per id and resolved again. ``steps`` gives each table's step number (bias
-        corrections).
+        per id and resolved again, which may read the tier and raise (nothing changed then).
         """
         batch = entries[0].batch
         prepared = batch.prepared[entries[0].engine] if batch is not None else None
-        one_forward = (
+        if (
             prepared is not None
             and prepared.locked
             and all(e.batch is batch for e in entries)
             and len({e.table_name for e in entries}) == len(entries)
-        )
-        if one_forward:
-            slots, unique = prepared.slots, prepared.unique
+        ):
             grads = torch.cat([e.grads for e in entries])
-        else:
-            fused = torch.cat([e.ids | (table_index[e.table_name] << self.fusion_k)
-                               for e in entries])  # fmt: skip
-            unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in entries]))
-            slots = self.cache.resolve(unique, lock=True)
+            return Located(prepared.unique, prepared.slots, grads, prepared)
+        fused = torch.cat([e.ids | (table_index[e.table_name] << self.fusion_k) for e in entries])
+        unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in entries]))
+        return Located(unique, self.cache.resolve(unique, lock=True), grads, None)
+
+    def abandon(self, located: Located) -> None:
+        """Give back the slots `locate` locked itself (a later engine failed to locate)."""
+        if located.prepared is None:
+            self.cache.unlock(located.slots)
+
+    def apply(self, located: Located, rule: Any, steps: dict[str, int]) -> None:
+        """Update located rows and their state in place with ``rule`` (a
+        `kernels.optim.RowUpdate`; ``steps`` gives each table's step number), mark them dirty
+        and unlock them. Makes no tier call, so it cannot fail half-way on a tier error."""
         try:
-            self._update_rows(unique, slots, grads, rule, steps)
+            self._update_rows(located.unique, located.slots, located.grads, rule, steps)
         finally:
-            self.cache.unlock(slots)
-            if one_forward:
-                prepared.locked = False
+            self.cache.unlock(located.slots)
+            if located.prepared is not None:
+                located.prepared.locked = False
 
     def _update_rows(self, unique, slots, grads, rule, steps) -> None:
         cache = self.cache

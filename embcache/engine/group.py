@@ -172,18 +172,31 @@ class EngineGroup:
         self.optimizer = optimizer
 
     def apply(self, entries: list[TraceEntry], optimizer: Any) -> None:
-        """Apply ``optimizer``'s rule to trace entries, engine by engine."""
+        """Apply ``optimizer``'s rule to trace entries, engine by engine, all or nothing: every
+        engine's rows are located first (an accumulated trace is resolved again, which may
+        read the tier and fail, leaving everything as it was); only then do the step counts
+        advance and rows change, with no tier call left to fail."""
+        located = []
+        try:
+            for i, engine in enumerate(self.engines):
+                mine = [e for e in entries if e.engine == i]
+                if mine:
+                    located.append((engine, engine.locate(mine, self.table_index)))
+        except BaseException:
+            for engine, loc in located:
+                engine.abandon(loc)
+            raise
         steps = optimizer.advance_steps(self.owner, [e.table_name for e in entries])
-        for i, engine in enumerate(self.engines):
-            mine = [e for e in entries if e.engine == i]
-            if mine:
-                engine.apply(mine, self.table_index, optimizer.update, steps)
+        for engine, loc in located:
+            engine.apply(loc, optimizer.update, steps)
 
     def apply_trace(self, optimizer: Any) -> None:
-        """Apply and clear the trace, then release every batch in flight."""
-        entries, self.trace = self.trace, []
-        if entries:
-            self.apply(entries, optimizer)
+        """Apply the trace, then clear it and release every batch in flight. Retriable: a
+        tier error leaves the trace in place and nothing applied; calling again once the tier
+        is back applies each gradient exactly once."""
+        if self.trace:
+            self.apply(self.trace, optimizer)
+        self.trace = []
         self.release_all()
 
     def zero_grad(self) -> None:

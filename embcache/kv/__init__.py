@@ -6,15 +6,36 @@ one from a URL.
 """
 
 from embcache.kv.base import RowInit, Store, TableSpec, default_init
+from embcache.kv.errors import (
+    TierAuthError,
+    TierCommandError,
+    TierDataLossError,
+    TierError,
+    TierOwnershipError,
+    TierUnavailableError,
+)
 from embcache.kv.host import HostKV
 from embcache.kv.url import open_store, redis_kv_class
 
-__all__ = ["HostKV", "RowInit", "Store", "TableSpec", "default_init", "open_store"]
+__all__ = [
+    "HostKV",
+    "RowInit",
+    "Store",
+    "TableSpec",
+    "TierAuthError",
+    "TierCommandError",
+    "TierDataLossError",
+    "TierError",
+    "TierOwnershipError",
+    "TierUnavailableError",
+    "default_init",
+    "open_store",
+]
 
 
 def __getattr__(name: str):
     # The Redis tiers import redis-py; load them only when asked for.
-    if name in ("RedisKV", "TierUnavailableError"):
+    if name == "RedisKV":
         redis_kv_class()  # a clear ImportError when redis-py is missing
         from embcache.kv import redis_kv
 

@@ -8,11 +8,11 @@ alone: the value a row starts with never depends on the order in which rows are 
 
 from __future__ import annotations
 
+import abc
 import math
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -166,55 +166,77 @@ def checked_rows(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> torc
     return rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
-@runtime_checkable
-class Store(Protocol):
-    """A backing tier: batched row reads and writes, per table.
+class Store(abc.ABC):
+    """A backing tier: batched row reads and writes, per table. Tiers subclass it.
 
     ``get`` creates rows that do not exist yet (with the table's initialiser) and returns them;
     ``put`` overwrites rows (creating them). Both take CPU int64 ids; rows are CPU float32
     ``[n, dim + state_dim]``. Ids within one call are distinct. Calls are synchronous: when
     ``put`` returns, a later ``get`` sees the rows.
+
+    Capabilities, declared here with their defaults so callers never probe for them:
+
+    * ``parallel_io``: True when concurrent calls overlap their latency (a remote tier); the
+      cache then issues its per-table calls concurrently.
+    * `io_stats` / `reset_io_stats`: traffic counters (empty when a tier keeps none).
+    * `flush`: make every accepted write durable in the tier's own backing (a no-op for tiers
+      that write through).
+    * ``lease_owner``: the token under which this client holds its tables (None when the tier
+      has no leases).
     """
 
-    # Optional attribute ``parallel_io: bool``: True when concurrent calls overlap their
-    # latency (a remote tier); the cache then issues its per-table calls concurrently.
+    parallel_io: bool = False
 
+    @abc.abstractmethod
     def init_table(self, spec: TableSpec) -> None:
         """Declare a table. Declaring it again with another ``state_dim``/``state_init`` keeps
         the weights and resets the state columns; another ``dim`` or ``num_embeddings`` is a
         ``ValueError``."""
-        ...
 
+    @abc.abstractmethod
     def table_spec(self, table: str) -> TableSpec:
         """The spec a table was declared with (``KeyError`` naming it when unknown)."""
-        ...
 
+    @abc.abstractmethod
     def tables(self) -> list[str]:
         """Names of the declared tables."""
-        ...
 
+    @abc.abstractmethod
     def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``[n, dim + state_dim]`` of ``ids``; missing rows are created first."""
-        ...
 
+    @abc.abstractmethod
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows ``[n, dim + state_dim]`` for ``ids``."""
-        ...
 
+    @abc.abstractmethod
     def export_rows(
         self, table: str, chunk_rows: int = 65536
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every existing row of a table as ``(ids, rows)`` chunks of at most ``chunk_rows``,
         ids ascending. Rows never touched are not listed (their value is the initialiser's)."""
-        ...
 
+    @abc.abstractmethod
     def import_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Load rows from a checkpoint (same meaning as ``put``)."""
-        ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a tier holding no resources needs nothing here)
         """Release resources (connections, files). The store is unusable afterwards."""
-        ...
+
+    def flush(self) -> None:  # noqa: B027 (write-through tiers have nothing to flush)
+        """Make every accepted write durable in this tier's backing."""
+
+    def io_stats(self) -> dict[str, int]:
+        """Traffic counters (rows and bytes read and written, calls); empty when not kept."""
+        return {}
+
+    def reset_io_stats(self) -> None:  # noqa: B027 (no counters kept by default)
+        """Zero the counters of `io_stats`."""
+
+    @property
+    def lease_owner(self) -> str | None:
+        """The token under which this client holds its tables; None without leases."""
+        return None
 
 
 class IOStats(dict):

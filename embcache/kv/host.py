@@ -22,124 +22,10 @@ from collections.abc import Iterator
 
 import torch
 
-from embcache.hashing import mix64
-from embcache.kv.base import IOStats, TableSpec, checked_ids, checked_rows
+from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
+from embcache.kv.hash_index import HashIndex, next_pow2
 
-_EMPTY = -1  # key of a free hash slot; ids are non-negative, so it never collides with one
-_MAX_LOAD = 0.5  # linear probing stays short (expected ~1.5 probes per hit) up to half full
-_MIN_SLOTS = 64
 _MIN_ROWS = 64
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-class HashIndex:
-    """Open-addressing map from non-negative int64 keys to int64 values, vectorised.
-
-    Keys live in a power-of-two array of slots (``-1`` free) with linear probing from
-    ``mix64(key) & (slots - 1)``. Lookups and inserts run as rounds over the keys still
-    unresolved, each round one gather (or scatter) over all of them, so a batch costs as many
-    rounds as its longest probe sequence, not one Python step per key. The index grows by
-    rehashing (at least doubling) before an insert would take it past half full.
-
-    Example:
-        >>> index = HashIndex()
-        >>> index.insert(torch.tensor([7, 2**62]), torch.tensor([0, 1]))
-        >>> index.find(torch.tensor([2**62, 5, 7]))
-        tensor([ 1, -1,  0])
-    """
-
-    def __init__(self, min_slots: int = _MIN_SLOTS) -> None:
-        slots = _next_pow2(max(min_slots, 2))
-        self._keys = torch.full((slots,), _EMPTY, dtype=torch.int64)
-        self._values = torch.empty(slots, dtype=torch.int64)
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    @property
-    def num_slots(self) -> int:
-        """Slots allocated (a power of two, at least twice the number of keys)."""
-        return self._keys.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self._keys.nbytes + self._values.nbytes
-
-    def find(self, keys: torch.Tensor) -> torch.Tensor:
-        """Value of each key, or -1 where the key is absent.
-
-        Args:
-            keys: int64 ``[n]``, non-negative.
-
-        Returns:
-            int64 ``[n]``.
-        """
-        found = torch.full_like(keys, -1)
-        mask = self.num_slots - 1
-        pending = torch.arange(keys.numel())  # positions in `keys` still probing
-        pending_keys = keys
-        slot = mix64(keys) & mask
-        while pending.numel():
-            held = self._keys.index_select(0, slot)
-            hit = (held == pending_keys).nonzero().flatten()
-            found[pending[hit]] = self._values.index_select(0, slot[hit])
-            # A free slot ends the probe sequence (absent); another key means probe on.
-            go_on = ((held != pending_keys) & (held != _EMPTY)).nonzero().flatten()
-            pending = pending.index_select(0, go_on)
-            pending_keys = pending_keys.index_select(0, go_on)
-            slot = (slot.index_select(0, go_on) + 1) & mask
-        return found
-
-    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``keys -> values``. The keys must be distinct and absent from the index.
-
-        Args:
-            keys: int64 ``[n]``, non-negative, distinct, none already present.
-            values: int64 ``[n]``.
-        """
-        needed = self._size + keys.numel()
-        if needed > _MAX_LOAD * self.num_slots:
-            self._rehash(_next_pow2(int(needed / _MAX_LOAD)))  # at least doubles
-        self._place(keys, values)
-        self._size = needed
-
-    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All ``(keys, values)`` held, in slot order."""
-        used = self._keys != _EMPTY
-        return self._keys[used], self._values[used]
-
-    def _rehash(self, slots: int) -> None:
-        keys, values = self.items()
-        self._keys = torch.full((slots,), _EMPTY, dtype=torch.int64)
-        self._values = torch.empty(slots, dtype=torch.int64)
-        self._place(keys, values)
-
-    def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write distinct absent keys into free slots, resolving collisions among them.
-
-        Each round every pending key looks at its current slot; those that see it free all
-        scatter their key there, and a read-back tells which one won each contested slot.
-        Winners write their value; losers and keys that saw an occupied slot probe the next
-        slot. A loser's slot is now occupied, so its probe chain stays unbroken for `find`.
-        """
-        mask = self.num_slots - 1
-        slot = mix64(keys) & mask
-        while keys.numel():
-            free = (self._keys.index_select(0, slot) == _EMPTY).nonzero().flatten()
-            free_slots, free_keys = slot[free], keys[free]
-            # Repeated slots in free_slots: exactly one of their keys lands.
-            self._keys.index_copy_(0, free_slots, free_keys)
-            won = free[self._keys.index_select(0, free_slots) == free_keys]
-            self._values.index_copy_(0, slot[won], values[won])
-            lost = torch.ones(keys.numel(), dtype=torch.bool)
-            lost[won] = False
-            rest = lost.nonzero().flatten()
-            keys, values = keys.index_select(0, rest), values.index_select(0, rest)
-            slot = (slot.index_select(0, rest) + 1) & mask
 
 
 class _DenseTable:
@@ -244,7 +130,7 @@ class _HashTable:
     def _reserve(self, n: int) -> None:
         if n <= self.rows.shape[0]:
             return
-        capacity = max(_MIN_ROWS, _next_pow2(n))
+        capacity = max(_MIN_ROWS, next_pow2(n))
         rows = torch.empty(capacity, self.spec.row_width, dtype=torch.float32)
         rows[: self.count] = self.rows[: self.count]
         row_ids = torch.empty(capacity, dtype=torch.int64)
@@ -284,7 +170,7 @@ class _HashTable:
 _Table = _DenseTable | _HashTable
 
 
-class HostKV:
+class HostKV(Store):
     """The embedded default tier: every table in this process's host memory.
 
     Args:

@@ -14,6 +14,11 @@ Every network operation runs in chunks of at most ``chunk_rows`` rows (one round
 is retried on connection errors with exponential backoff for up to ``retry_timeout_s`` seconds
 per chunk; then `TierUnavailableError` names the URL, table and operation. All writes are whole
 rows (idempotent), so a failed `put` is safe to repeat in full later.
+
+Two guards make a shared, restartable server safe to train on: write marks
+(`embcache.kv.write_marks`) turn a server that lost acknowledged writes into
+`TierDataLossError` instead of silently re-created rows, and owner leases
+(`embcache.kv.redis_lease`) refuse a second job that opens the tables of a live one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -31,53 +37,43 @@ import numpy as np
 import redis
 import redis.cluster
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from embcache.kv.base import IOStats, TableSpec, checked_ids, checked_rows
+from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
+from embcache.kv.errors import (
+    TierAuthError,
+    TierCommandError,
+    TierUnavailableError,
+)
+from embcache.kv.redact import redact_url
+from embcache.kv.redis_lease import TableLeases
 from embcache.kv.redis_wire import (
     DEFAULT_BUCKETS,
     NAMESPACE_RE,
     ROW_DTYPE,
+    TRANSIENT,
     TableLayout,
+    auth_message,
+    connect,
+    error_text,
     from_blobs,
     key_batch,
     meta_key,
-    mget,
-    mset,
-    redact_url,
+    parse_spec_record,
     set_nx,
     spec_record,
     table_layout,
     to_blobs,
 )
+from embcache.kv.write_marks import MarkGuard
+
+__all__ = ["RedisKV", "TierUnavailableError"]
 
 _SCAN_COUNT = 1000
+_T = TypeVar("_T")
 _SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
-# Errors after which the same command may succeed: the server restarting, a node failing over.
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    redis.exceptions.ConnectionError,  # includes BusyLoadingError (a server still loading)
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.SlotNotCoveredError,
-    redis.exceptions.ClusterError,
-    redis.exceptions.AskError,  # and MovedError: a slot moved; the slot map is refreshed
-    ConnectionResetError,
-)
 
-_T = TypeVar("_T")
-
-
-class TierUnavailableError(ConnectionError):
-    """The Redis tier cannot be reached: at start, or still after ``retry_timeout_s`` of retries.
-
-    The message names the URL (password hidden) and, mid-run, the table and operation.
-    """
-
-
-class RedisKV:
+class RedisKV(Store):
     """A `Store` on a Redis server (``redis://``) or a Redis Cluster (``redis+cluster://``).
 
     Args:
@@ -94,10 +90,21 @@ class RedisKV:
         max_backoff_s: longest pause between retries.
         buckets: hash-tag buckets of tables this client creates (an existing table keeps the
             count recorded on the server).
+        shared: open tables shared with other jobs (each must say so) instead of exclusively.
+        owner: this job's token for exclusive leases (None: a new random one, `owner`). Give
+            the token of an earlier run to reopen its tables at once (a resumed job), or the
+            same token to every rank of one distributed job.
+        lease_ttl_s: how long a table stays leased after its holder's last renewal (renewed
+            every third of it): a job that dies frees its tables within this time.
+        verify_interval_s: how often every write mark this client wrote is read back (they are
+            also checked by each call on the buckets it touches, and after each reconnect).
 
     Raises:
         TierUnavailableError: the server does not answer PING at start (no retry: a server that
             is not there at start is a configuration error, reported at once).
+        TierAuthError: the server wants a password that was not given, or refused it.
+        TierOwnershipError: (`init_table`) another live job holds the table.
+        TierDataLossError: (any call) the server lost writes this client had acknowledged.
 
     Thread-safe: redis-py's clients pool their connections, each call builds its own pipelines,
     and the table registry and counters sit behind a lock. ``init_table`` must not race with
@@ -125,9 +132,14 @@ class RedisKV:
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
         buckets: int = DEFAULT_BUCKETS,
+        shared: bool = False,
+        owner: str | None = None,
+        lease_ttl_s: float = 30.0,
+        verify_interval_s: float = 5.0,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(_SCHEMES):
-            raise ValueError(f"RedisKV url must start with one of {_SCHEMES}, got {url!r}")
+            shown = redact_url(url) if isinstance(url, str) else url
+            raise ValueError(f"RedisKV url must start with one of {_SCHEMES}, got {shown!r}")
         if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace):
             raise ValueError(
                 f"namespace must be letters, digits and '_.-/' (no ':' or braces, which would "
@@ -141,9 +153,18 @@ class RedisKV:
             ("socket_timeout_s", socket_timeout_s),
             ("backoff_s", backoff_s),
             ("max_backoff_s", max_backoff_s),
+            ("verify_interval_s", verify_interval_s),
         ):
-            if not isinstance(value, int | float) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if isinstance(lease_ttl_s, bool) or not isinstance(lease_ttl_s, int | float):
+            raise ValueError(f"lease_ttl_s must be a number > 0, got {lease_ttl_s!r}")
+        if not lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s must be a number > 0, got {lease_ttl_s!r}")
+        if not isinstance(shared, bool):
+            raise TypeError(f"shared must be a bool, got {shared!r}")
+        if owner is not None and (not isinstance(owner, str) or not owner or "\n" in owner):
+            raise ValueError(f"owner must be a non-empty one-line string or None, got {owner!r}")
         self.url = redact_url(url)
         self.namespace = namespace
         self.chunk_rows = chunk_rows
@@ -158,26 +179,39 @@ class RedisKV:
         self._declare_lock = threading.Lock()  # one init_table at a time (it may rewrite rows)
         self._closed = False
         self._stats = IOStats()
-        # Retries are ours (bounded by time, across reconnects); redis-py's own would stack
-        # their backoff on top of ours, so they are off.
-        options: dict[str, Any] = {
-            "socket_timeout": socket_timeout_s,
-            "socket_connect_timeout": socket_timeout_s,
-            "retry": Retry(NoBackoff(), 0),
-        }
-        self._client: redis.Redis | redis.cluster.RedisCluster
-        try:
-            if self.cluster:
-                plain = url.replace("+cluster://", "://", 1)
-                self._client = redis.cluster.RedisCluster.from_url(plain, **options)
-            else:
-                self._client = redis.Redis.from_url(url, **options)
-            self._client.ping()
-        except (*_TRANSIENT, redis.exceptions.RedisClusterException, OSError) as err:
-            raise TierUnavailableError(
-                f"cannot reach the Redis tier at {self.url}: {err} "
-                f"(is redis-server running and listening there?)"
-            ) from err
+        self.verify_interval_s = float(verify_interval_s)
+        self._verified_at = time.monotonic()
+        # Set by every new connection: the server behind it may have restarted.
+        self._reconnected = threading.Event()
+        self._client = connect(url, self.cluster, socket_timeout_s, self.url, self._reconnected.set)
+        self._marks = MarkGuard(self._client, self.url, namespace, self.cluster)
+        self._leases = TableLeases(
+            self._client,
+            self._describe,
+            self._ns,
+            owner or uuid.uuid4().hex,
+            shared,
+            float(lease_ttl_s),
+            TRANSIENT,
+        )
+
+    @property
+    def owner(self) -> str:
+        """This client's owner token (give it to a later run as ``owner=`` to reopen its
+        tables while its leases are still live)."""
+        return self._leases.owner
+
+    @property
+    def lease_owner(self) -> str | None:
+        return self.owner
+
+    @property
+    def shared(self) -> bool:
+        """True when tables are opened shared with other jobs."""
+        return self._leases.shared
+
+    def _describe(self) -> str:
+        return f"Redis tier {self.url} (namespace {self.namespace!r})"
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -199,13 +233,17 @@ class RedisKV:
                 known = self._tables.get(spec.name)
             if known is not None:
                 self._check_compatible(spec, spec_record(known.spec, known.buckets), "here")
+            # The lease first: a job refused here has changed nothing on the server.
+            self._call("init_table", spec.name, lambda: self._leases.take(spec.name))
             key = meta_key(self._ns, spec.name)
             record = spec_record(spec, self.default_buckets)
             payload = json.dumps(record, sort_keys=True).encode()
-            stored = self._call("init_table", spec.name, lambda: self._claim_meta(key, payload))
+            stored = self._call(
+                "init_table", spec.name, lambda: self._claim_meta(key, payload, spec.name)
+            )
             if stored is not None:
                 self._check_compatible(spec, stored, "on the server")
-                table = table_layout(self._ns, spec, int(stored["buckets"]))
+                table = self._layout(spec, int(stored["buckets"]))
                 if (stored["state_dim"], stored["state_init"]) != (
                     spec.state_dim,
                     spec.state_init,
@@ -216,9 +254,16 @@ class RedisKV:
                     payload = json.dumps(record, sort_keys=True).encode()
                     self._call("init_table", spec.name, lambda: self._client.set(key, payload))
             else:
-                table = table_layout(self._ns, spec, self.default_buckets)
+                table = self._layout(spec, self.default_buckets)
             with self._lock:
                 self._tables[spec.name] = table
+
+    def _layout(self, spec: TableSpec, buckets: int) -> TableLayout:
+        """The table's key layout; its mark book is created on first declaration and kept
+        across re-declarations (the acknowledged writes stay acknowledged)."""
+        table = table_layout(self._ns, spec, buckets, self.cluster)
+        self._marks.register(table)
+        return table
 
     def table_spec(self, table: str) -> TableSpec:
         """A copy of the spec ``table`` was (last) declared with through this client."""
@@ -289,6 +334,9 @@ class RedisKV:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         with self._lock:
             t = self._table(table)
+        # Marks before listing and after the last fetch: a server that lost writes before or
+        # during the export must not end up in a checkpoint.
+        self._call("export_rows", table, lambda: self._marks.verify([t]))
         ids = self._call("export_rows", table, lambda: self._scan_ids(t))
         return self._export_chunks(t, ids, chunk_rows)
 
@@ -304,6 +352,8 @@ class RedisKV:
                 )
                 kept.append(found)
                 rows.append(values)
+            if start + chunk_rows >= ids.numel():
+                self._call("export_rows", t.spec.name, lambda: self._marks.verify([t]))
             yield torch.cat(kept), torch.cat(rows)
 
     def import_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -329,12 +379,14 @@ class RedisKV:
             self._stats.reset()
 
     def close(self) -> None:
-        """Close the connections. Any later call but `close` raises ``RuntimeError``."""
+        """Release this client's exclusive leases and close the connections. Any later call
+        but `close` raises ``RuntimeError``."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._tables.clear()
+        self._leases.close()
         self._client.close()
 
     def __enter__(self) -> RedisKV:
@@ -345,37 +397,57 @@ class RedisKV:
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "server"
-        return f"RedisKV({self.url!r}, namespace={self.namespace!r}, {kind})"
+        mode = ", shared" if self.shared else ""
+        return f"RedisKV({self.url!r}, namespace={self.namespace!r}, {kind}{mode})"
 
-    # -- retries ---------------------------------------------------------------------------
+    # -- retries and checks ------------------------------------------------------------------
 
     def _call(self, op: str, table: str, fn: Callable[[], _T]) -> _T:
         """``fn()``, retried on connection errors with exponential backoff for up to
-        ``retry_timeout_s``; then `TierUnavailableError` naming URL, table and operation."""
+        ``retry_timeout_s``; then `TierUnavailableError` naming URL, table and operation.
+
+        Before each try the table must still be ours (lease) and not known to be lost; after a
+        try that needed retries (a reconnect), and every ``verify_interval_s``, every write
+        mark this client wrote is read back.
+        """
         start = time.monotonic()
         deadline = start + self.retry_timeout_s
         pause = self.backoff_s
         attempts = 0
         while True:
             self._check_open()
+            self._check_usable(table)
             attempts += 1
             try:
                 result = fn()
-            except _TRANSIENT as err:
+            except redis.exceptions.AuthenticationError as err:
+                raise TierAuthError(auth_message(self.url, err)) from None
+            except TRANSIENT as err:
                 now = time.monotonic()
                 if now >= deadline:
                     raise TierUnavailableError(
-                        f"Redis tier {self.url} (namespace {self.namespace!r}) unavailable: "
-                        f"{op} on table {table!r} failed {attempts} time(s) over "
-                        f"{now - start:.2f}s (retry_timeout_s={self.retry_timeout_s:g}): {err}"
-                    ) from err
+                        f"{self._describe()} unavailable: {op} on table {table!r} failed "
+                        f"{attempts} time(s) over {now - start:.2f}s "
+                        f"(retry_timeout_s={self.retry_timeout_s:g}): {error_text(err)}"
+                    ) from None
                 time.sleep(min(pause, deadline - now))
                 pause = min(pause * 2, self.max_backoff_s)
                 self._refresh_topology()
                 continue
-            if attempts > 1:
-                self._restore_meta()
+            except redis.exceptions.ResponseError as err:
+                raise TierCommandError(
+                    f"{self._describe()}: {op} on table {table!r} was refused by the server "
+                    f"({type(err).__name__}): {error_text(err)}"
+                ) from None
+            overdue = time.monotonic() - self._verified_at > self.verify_interval_s
+            if attempts > 1 or overdue or self._reconnected.is_set():
+                self._reconnected.clear()
+                self._verify_tables()
             return result
+
+    def _check_usable(self, table: str) -> None:
+        self._marks.check_usable(table)
+        self._leases.check(table)
 
     def _refresh_topology(self) -> None:
         """On a cluster, re-read the slot map (a node failed over, a slot moved)."""
@@ -387,30 +459,31 @@ class RedisKV:
         ):
             self._client.nodes_manager.initialize()
 
-    def _restore_meta(self) -> None:
-        """Re-record the specs of our tables (``SET NX``) after a reconnect: a server that
-        restarted without persistence has lost them, and other clients check against them."""
+    def _verify_tables(self) -> None:
+        """`MarkGuard.verify` of every table; a server down again is left to the next call."""
+        self._verified_at = time.monotonic()
         with self._lock:
             tables = list(self._tables.values())
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for t in tables:
-                payload = json.dumps(spec_record(t.spec, t.buckets), sort_keys=True).encode()
-                pipe.set(t.meta_key, payload, nx=True)
-            pipe.execute()
-        except _TRANSIENT:
-            pass  # down again: the next successful retry restores them
+        with contextlib.suppress(*TRANSIENT):
+            self._marks.verify(tables)
 
     # -- row I/O (called without the lock; each call builds its own pipelines) --------------
 
-    def _claim_meta(self, key: bytes, payload: bytes) -> dict[str, Any] | None:
+    def _claim_meta(self, key: bytes, payload: bytes, table: str) -> dict[str, Any] | None:
         """Record a spec unless one is there; returns the one there (None when ours won)."""
         if self._client.set(key, payload, nx=True):
             return None
         stored = self._client.get(key)
         if stored is None:  # deleted between the two commands: claim again
-            return self._claim_meta(key, payload)
-        return json.loads(stored)
+            return self._claim_meta(key, payload, table)
+        try:
+            return parse_spec_record(stored, table)
+        except ValueError as err:
+            raise ValueError(
+                f"{self._describe()}: the record {key.decode(errors='replace')} of table "
+                f"{table!r} is damaged or was not written by embcache ({err}); delete it and "
+                f"the table's rows, or use another namespace"
+            ) from None
 
     def _check_compatible(self, spec: TableSpec, stored: dict[str, Any], where: str) -> None:
         for field in ("dim", "num_embeddings"):
@@ -425,7 +498,7 @@ class RedisKV:
     def _mget_in_order(self, t: TableLayout, ids: torch.Tensor) -> list[bytes | None]:
         """Values of the rows of ``ids`` (None where absent), in the order of ``ids``."""
         batch = key_batch(t, ids, self.cluster)
-        values = mget(self._client, batch)
+        values = self._marks.read(t, batch)
         if batch.order is None:
             return values
         ordered: list[bytes | None] = [None] * len(values)
@@ -437,12 +510,12 @@ class RedisKV:
         batch = key_batch(t, ids, self.cluster)
         if batch.order is not None:
             blobs = [blobs[k] for k in batch.order.tolist()]
-        mset(self._client, batch, blobs)
+        self._marks.write(t, batch, blobs)
 
     def _get_chunk(self, t: TableLayout, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Rows of one chunk of ids (creating the missing ones), and how many were created."""
         batch = key_batch(t, ids, self.cluster)
-        values = mget(self._client, batch)
+        values = self._marks.read(t, batch)
         if batch.order is not None:
             ids = ids[batch.order]  # work in key order, restore the caller's at the end
         missing = [k for k, value in enumerate(values) if value is None]

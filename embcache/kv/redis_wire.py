@@ -5,6 +5,9 @@ Key layout, for namespace ``ns``, table ``T``, row id ``i``:
     ns:meta:T             JSON: the spec (name, dim, num_embeddings, state_dim, state_init,
                           seed; never the init callable) and the table's bucket count B
     ns:{h.b}:T:i          row i: ``dim + state_dim`` little-endian float32, ``[weights | state]``
+    ns:seq:T              write mark of the table (single server), see `embcache.kv.write_marks`
+    ns:seq:{h.b}:T        write mark of bucket b (cluster: in the slot of the bucket's rows)
+    ns:lease:T            the owner lease of the table, see `embcache.kv.redis_lease`
 
 with ``h = table_hash(T)`` (a CRC of the name) and ``b = i % B`` (B = 256 unless the server's
 record says otherwise). The braces are Redis Cluster's hash tag: the rows of one bucket share a
@@ -13,26 +16,35 @@ command per row, while a table's B buckets still spread over the slots and hence
 single server the tag is just part of the name and a chunk is one MGET/MSET.
 
 The multi-key commands (MGET, MSET, MSETNX) go out one per slot group of a `KeyBatch`, in one
-pipeline per node. Nothing here retries: a connection error propagates to `RedisKV`, which
-retries the whole chunk.
+pipeline per node, each followed by the ``GET`` (reads) or ``INCR`` (writes) of the write marks
+of the buckets it touches. Nothing here retries: a connection error propagates to `RedisKV`,
+which retries the whole chunk.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import re
-import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import redis
 import redis.cluster
 import torch
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from embcache.kv.base import TableSpec, table_hash
+from embcache.kv.errors import TierAuthError, TierCommandError, TierUnavailableError
+from embcache.kv.redact import redact_text
+from embcache.kv.redact import redact_url as redact_url  # re-exported: its old home
 
 DEFAULT_BUCKETS = 256
+MAX_BUCKETS = 16384  # a cluster's slot count: more buckets could not spread any further
 ROW_DTYPE = np.dtype("<f4")  # fixed byte order: clients on any machine read the same rows
 META_FORMAT = 1
 # No ':' or braces: they would change the key layout.
@@ -41,16 +53,87 @@ NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-/]+")
 Client = redis.Redis | redis.cluster.RedisCluster
 Command = tuple[int, tuple[Any, ...]]  # (cluster slot, or -1 on a single server; command)
 
+# Errors after which the same command may succeed: the server restarting, a node failing over.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,  # includes BusyLoadingError (a server still loading)
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.AskError,  # and MovedError: a slot moved; the slot map is refreshed
+    ConnectionResetError,
+)
 
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, fit for error messages and logs."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+def error_text(err: BaseException) -> str:
+    """An error's message without what redis-py quotes of the command (a pipeline error
+    starts "Command # 3 (MSET key row-bytes ...) of pipeline caused error: "): rows are data,
+    not something to print, and URLs in it lose their password."""
+    text = str(err)
+    _, cut, reply = text.partition(" of pipeline caused error: ")
+    return redact_text(" ".join((reply if cut else text).split()))
+
+
+def auth_message(shown_url: str, err: BaseException) -> str:
+    """What `TierAuthError` says: the server is there and wants (another) password."""
+    return (
+        f"the Redis tier at {shown_url} refused the connection: {error_text(err)}. The server "
+        f"is running but wants a password: give it in the URL (redis://:PASSWORD@host:port/db, "
+        f"redis://user:PASSWORD@... for an ACL user, or ?password=...)"
+    )
+
+
+def connect(
+    url: str,
+    cluster: bool,
+    socket_timeout_s: float,
+    shown_url: str,
+    on_connect: Callable[[], None],
+) -> Client:
+    """A client on ``url`` that answered PING, or the error saying why not. ``on_connect()``
+    runs after every connection it opens (redis-py reconnects by itself, unseen, when a
+    pooled connection was closed by a server that restarted).
+
+    Raises:
+        TierAuthError: the server wants a password, or refused the one given.
+        TierUnavailableError: nothing answers there.
+        TierCommandError: the server answered PING with another error.
+    """
+    # Retries are ours (bounded by time, across reconnects); redis-py's own would stack
+    # their backoff on top of ours, so they are off.
+    options: dict[str, Any] = {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": socket_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+    def connected(connection: Any) -> None:
+        # A cluster client calls this after its own set-up; a plain one instead of it.
+        if not cluster:
+            connection.on_connect()
+        on_connect()
+
+    options["redis_connect_func"] = connected
+    try:
+        if cluster:
+            plain = url.replace("+cluster://", "://", 1)
+            client: Client = redis.cluster.RedisCluster.from_url(plain, **options)
+        else:
+            client = redis.Redis.from_url(url, **options)
+        client.ping()
+        return client
+    except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as err:
+        raise TierAuthError(auth_message(shown_url, err)) from None
+    except redis.exceptions.ResponseError as err:
+        if "NOAUTH" in str(err) or "WRONGPASS" in str(err):
+            raise TierAuthError(auth_message(shown_url, err)) from None
+        raise TierCommandError(f"Redis tier {shown_url}: {error_text(err)}") from None
+    except (*TRANSIENT, redis.exceptions.RedisClusterException, OSError) as err:
+        raise TierUnavailableError(
+            f"cannot reach the Redis tier at {shown_url}: {error_text(err)} "
+            f"(is redis-server running and listening there?)"
+        ) from None
 
 
 @dataclasses.dataclass
@@ -64,6 +147,9 @@ class TableLayout:
     bucket_slot: torch.Tensor  # int64 [B], cluster slot of each bucket
     scan_match: bytes  # SCAN MATCH pattern of the table's row keys
     id_re: re.Pattern[bytes]  # a row key of exactly this table -> its id
+    mark_keys: list[bytes]  # write marks: one (single server) or one per bucket (cluster)
+    mark_slots: list[int]  # cluster slot of each mark (-1 on a single server)
+    slot_units: dict[int, list[int]]  # slot (-1: single server) -> marks of its buckets
 
     @property
     def row_bytes(self) -> int:
@@ -84,22 +170,34 @@ def meta_key(namespace: bytes, table: str) -> bytes:
     return namespace + b":meta:" + table.encode()
 
 
-def table_layout(namespace: bytes, spec: TableSpec, buckets: int) -> TableLayout:
+def table_layout(namespace: bytes, spec: TableSpec, buckets: int, cluster: bool) -> TableLayout:
     """The keys of ``spec``'s table in ``namespace``, spread over ``buckets`` hash tags."""
     name = spec.name.encode()
     tag = b"%d" % table_hash(spec.name)
     prefixes = [namespace + b":{" + tag + b".%d}:" % b + name + b":" for b in range(buckets)]
     escaped = re.sub(rb"([*?\[\]\\])", rb"\\\1", name)
+    slots = [key_slot(p) for p in prefixes]
+    if cluster:
+        mark_keys = [namespace + b":seq:{" + tag + b".%d}:" % b + name for b in range(buckets)]
+        mark_slots = slots
+        slot_units: dict[int, list[int]] = {}
+        for b, slot in enumerate(slots):
+            slot_units.setdefault(slot, []).append(b)
+    else:
+        mark_keys, mark_slots, slot_units = [namespace + b":seq:" + name], [-1], {-1: [0]}
     return TableLayout(
         spec=spec,
         buckets=buckets,
         meta_key=meta_key(namespace, spec.name),
         prefixes=prefixes,
-        bucket_slot=torch.tensor([key_slot(p) for p in prefixes], dtype=torch.int64),
+        bucket_slot=torch.tensor(slots, dtype=torch.int64),
         scan_match=namespace + b":{" + tag + b".*}:" + escaped + b":*",
         id_re=re.compile(
             re.escape(namespace + b":{" + tag + b".") + rb"\d+\}:" + re.escape(name) + rb":(\d+)"
         ),
+        mark_keys=mark_keys,
+        mark_slots=mark_slots,
+        slot_units=slot_units,
     )
 
 
@@ -134,6 +232,41 @@ def spec_record(spec: TableSpec, buckets: int) -> dict[str, Any]:
         "seed": spec.seed,
         "buckets": buckets,
     }
+
+
+def parse_spec_record(payload: bytes, table: str) -> dict[str, Any]:
+    """A spec record read from the server, checked field by field.
+
+    Raises:
+        ValueError: the record is not what `spec_record` writes (damaged, or written by
+            something else), naming the field; nothing is derived from a bad record.
+    """
+    try:
+        record = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("it is not JSON") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"it is a JSON {type(record).__name__}, not an object")
+
+    def is_int(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    checks = {
+        "format": lambda v: v == META_FORMAT,
+        "name": lambda v: v == table,
+        "dim": lambda v: is_int(v) and v >= 1,
+        "num_embeddings": lambda v: v is None or (is_int(v) and v >= 1),
+        "state_dim": lambda v: is_int(v) and v >= 0,
+        "state_init": lambda v: isinstance(v, int | float) and math.isfinite(v),
+        "seed": lambda v: is_int(v),
+        "buckets": lambda v: is_int(v) and 1 <= v <= MAX_BUCKETS,
+    }
+    for name, ok in checks.items():
+        if name not in record:
+            raise ValueError(f"field {name!r} is missing")
+        if not ok(record[name]):
+            raise ValueError(f"field {name!r} holds {record[name]!r}")
+    return record
 
 
 def to_blobs(rows: torch.Tensor) -> list[bytes]:
@@ -187,26 +320,6 @@ def run_commands(client: Client, commands: list[Command]) -> list[Any]:
     return replies
 
 
-def mget(client: Client, batch: KeyBatch) -> list[bytes | None]:
-    """Values of ``batch.keys`` (None where absent), in the batch's key order."""
-    if not batch.keys:
-        return []
-    commands = [(slot, ("MGET", *batch.keys[a:b])) for slot, a, b in batch.groups]
-    return [value for values in run_commands(client, commands) for value in values]
-
-
-def mset(client: Client, batch: KeyBatch, blobs: list[bytes]) -> None:
-    """Write ``blobs`` (in the batch's key order) to ``batch.keys``."""
-    commands = []
-    for slot, a, b in batch.groups:
-        args: list[bytes] = [b""] * (2 * (b - a))
-        args[0::2] = batch.keys[a:b]
-        args[1::2] = blobs[a:b]
-        commands.append((slot, ("MSET", *args)))
-    if commands:
-        run_commands(client, commands)
-
-
 def set_nx(client: Client, batch: KeyBatch, positions: list[int], blobs: list[bytes]) -> list[bool]:
     """Create the keys at ``positions`` of the batch unless they exist: True where created.
 
@@ -238,3 +351,54 @@ def set_nx(client: Client, batch: KeyBatch, positions: list[int], blobs: list[by
         for (_, j), reply in zip(retry, run_commands(client, one_by_one), strict=True):
             created[j] = bool(reply)
     return created
+
+
+def _group_units(t: TableLayout, batch: KeyBatch) -> list[list[int]]:
+    """Write marks of each group's buckets (on a single server: the table's one mark)."""
+    return [t.slot_units[slot] for slot, _, _ in batch.groups]
+
+
+def read_marked(
+    client: Client, t: TableLayout, batch: KeyBatch
+) -> tuple[list[bytes | None], list[int], list[Any]]:
+    """``(values, mark units, mark values)`` of ``batch.keys``: each group's marks are read
+    first, then its rows, in one round trip per node."""
+    if not batch.keys:
+        return [], [], []
+    commands: list[Command] = []
+    units: list[int] = []
+    for (slot, a, b), group_units in zip(batch.groups, _group_units(t, batch), strict=True):
+        commands.extend((slot, ("GET", t.mark_keys[u])) for u in group_units)
+        units.extend(group_units)
+        commands.append((slot, ("MGET", *batch.keys[a:b])))
+    replies = run_commands(client, commands)
+    marks, values, k = [], [], 0
+    for group_units in _group_units(t, batch):
+        marks.extend(replies[k : k + len(group_units)])
+        values.extend(replies[k + len(group_units)])
+        k += len(group_units) + 1
+    return values, units, marks
+
+
+def write_marked(
+    client: Client, t: TableLayout, batch: KeyBatch, blobs: list[bytes]
+) -> tuple[list[int], list[Any]]:
+    """Write ``blobs`` (in the batch's key order) to ``batch.keys``, each group followed by the
+    ``INCR`` of its marks; returns ``(mark units, INCR replies)``."""
+    commands: list[Command] = []
+    units: list[int] = []
+    for (slot, a, b), group_units in zip(batch.groups, _group_units(t, batch), strict=True):
+        args: list[bytes] = [b""] * (2 * (b - a))
+        args[0::2] = batch.keys[a:b]
+        args[1::2] = blobs[a:b]
+        commands.append((slot, ("MSET", *args)))
+        commands.extend((slot, ("INCR", t.mark_keys[u])) for u in group_units)
+        units.extend(group_units)
+    if not commands:
+        return [], []
+    replies = run_commands(client, commands)
+    incrs, k = [], 0
+    for group_units in _group_units(t, batch):
+        incrs.extend(replies[k + 1 : k + 1 + len(group_units)])
+        k += 1 + len(group_units)
+    return units, incrs

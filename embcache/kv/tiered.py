@@ -28,97 +28,13 @@ from collections.abc import Iterator
 
 import torch
 
-from embcache.hashing import mix64
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
+from embcache.kv.hash_index import HashIndex
 
 _MIN_SLOTS = 64
 _FREE = -1  # slot_id of a free slot
 _FREE_STAMP = 1 << 62  # stamp of a free slot: never among the least recently used
-_EMPTY = -1  # index bucket never used: a probe ends here
-_GONE = -2  # index bucket whose key was removed: a probe goes on past it
-_MAX_USED = 0.5  # buckets used (live + gone) before the index is rebuilt
 _EVICT_SLACK = 32  # eviction frees capacity // 32 extra rows, so it runs every few calls
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-class _IdIndex:
-    """Open-addressing map from non-negative int64 ids to slots, vectorised, with removal.
-
-    Linear probing from ``mix64(id)``; each round of a lookup or insert is one gather or
-    scatter over every id still unresolved, so a batch costs as many rounds as its longest
-    probe, never a Python step per id. A removed id leaves a tombstone that lookups probe past
-    and inserts reuse; the buckets are rebuilt (tombstones dropped) when live ids and
-    tombstones fill half of them.
-    """
-
-    def __init__(self) -> None:
-        self.keys = torch.full((_MIN_SLOTS,), _EMPTY, dtype=torch.int64)
-        self.values = torch.empty(_MIN_SLOTS, dtype=torch.int64)
-        self.live = 0
-        self.used = 0  # buckets not EMPTY: live ids and tombstones
-
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """Value of each id, -1 where absent."""
-        at = self._buckets(ids)
-        return torch.where(at >= 0, self.values[at.clamp(min=0)], -1)
-
-    def insert(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``ids -> values``; the ids must be distinct and absent."""
-        if self.used + ids.numel() > _MAX_USED * self.keys.numel():
-            self._rebuild(_next_pow2(max(_MIN_SLOTS, 4 * (self.live + ids.numel()))))
-        self._place(ids, values)
-
-    def remove(self, ids: torch.Tensor) -> None:
-        """Remove ``ids`` (distinct, present)."""
-        self.keys[self._buckets(ids)] = _GONE
-        self.live -= ids.numel()
-
-    def _buckets(self, ids: torch.Tensor) -> torch.Tensor:
-        """Bucket holding each id, -1 where absent."""
-        found = torch.full_like(ids, -1)
-        mask = self.keys.numel() - 1
-        pending, pending_ids = torch.arange(ids.numel()), ids
-        bucket = mix64(ids) & mask
-        while pending.numel():
-            held = self.keys[bucket]
-            hit = held == pending_ids
-            found[pending[hit]] = bucket[hit]
-            go_on = ~hit & (held != _EMPTY)
-            pending, pending_ids = pending[go_on], pending_ids[go_on]
-            bucket = (bucket[go_on] + 1) & mask
-        return found
-
-    def _place(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Write absent ids into open buckets (empty or tombstone), one round per probe step.
-
-        All ids that see an open bucket scatter into it; a read-back tells which one won each
-        contested bucket, and the others probe on. Reusing a tombstone is safe only because
-        the ids are known to be absent further along their probe.
-        """
-        self.live += ids.numel()
-        mask = self.keys.numel() - 1
-        bucket = mix64(ids) & mask
-        while ids.numel():
-            before = self.keys[bucket]
-            open_ = before < 0
-            self.keys[bucket[open_]] = ids[open_]
-            won = torch.zeros_like(open_)
-            won[open_] = self.keys[bucket[open_]] == ids[open_]
-            self.values[bucket[won]] = values[won]
-            self.used += int((before[won] == _EMPTY).sum())
-            lost = ~won
-            ids, values, bucket = ids[lost], values[lost], (bucket[lost] + 1) & mask
-
-    def _rebuild(self, size: int) -> None:
-        alive = self.keys >= 0
-        ids, values = self.keys[alive], self.values[alive]
-        self.keys = torch.full((size,), _EMPTY, dtype=torch.int64)
-        self.values = torch.empty(size, dtype=torch.int64)
-        self.live = self.used = 0
-        self._place(ids, values)
 
 
 class _HeldTable:
@@ -132,10 +48,10 @@ class _HeldTable:
         self.dirty = torch.empty(0, dtype=torch.bool)  # slot newer than the back store
         self.free = torch.empty(0, dtype=torch.int64)  # free slots: a stack, top at free_top
         self.free_top = 0
-        self.index = _IdIndex()
+        self.index = HashIndex()
 
     def __len__(self) -> int:
-        return self.index.live
+        return len(self.index)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id, -1 where the id is not held. int64 ``[n]``."""
@@ -190,7 +106,7 @@ class _HeldTable:
         self.free, self.free_top = free, self.free_top + size - old
 
 
-class TieredKV:
+class TieredKV(Store):
     """A `Store`: a bounded write-back row cache in host memory in front of ``back``.
 
     Args:
@@ -326,15 +242,16 @@ class TieredKV:
             self._evict()
 
     def flush(self) -> None:
-        """Write every dirty row back (one ``back.put`` per table), then flush ``back`` if it
-        has a ``flush`` of its own."""
+        """Write every dirty row back (one ``back.put`` per table), then flush ``back``."""
         with self._lock:
             self._check_open()
             for held in self._tables.values():
                 self._write_back(held, held.dirty_slots())
-            flush_back = getattr(self.back, "flush", None)
-            if callable(flush_back):
-                flush_back()
+            self.back.flush()
+
+    @property
+    def lease_owner(self) -> str | None:
+        return self.back.lease_owner
 
     # -- checkpoints -----------------------------------------------------------------------
 

@@ -10,9 +10,14 @@ Accepted forms:
     a Store instance                      returned as is
 
 Options go in the query string and are taken out before the rest reaches redis-py:
-``namespace`` (default "embcache"), ``chunk_rows`` (4096), ``retry_timeout_s`` (10) and, for
-the tiered forms, ``capacity_rows`` (default 1_000_000). Any other query parameter is a redis-py
-connection option. Example: ``tiered+redis://127.0.0.1:6379/0?namespace=dlrm&capacity_rows=200000``.
+``namespace`` (default "embcache"), ``chunk_rows`` (4096), ``retry_timeout_s`` (10),
+``shared`` (0/1, default 0: tables are leased to this job alone), ``owner`` (the job's lease
+token), ``lease_ttl_s`` (30), ``verify_interval_s`` (5) and, for the tiered forms,
+``capacity_rows`` (default 1_000_000); see `RedisKV`. Any other query parameter is a redis-py
+connection option (``password`` among them). Example:
+``tiered+redis://127.0.0.1:6379/0?namespace=dlrm&capacity_rows=200000``.
+
+Messages never show a password given in the URL (`embcache.kv.redact`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import urllib.parse
 from typing import Any
 
 from embcache.kv.base import Store
+from embcache.kv.redact import redact_url
 
 DEFAULT_TIERED_CAPACITY_ROWS = 1_000_000
 
@@ -34,15 +40,40 @@ ACCEPTED_FORMS = (
 )
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-_STORE_OPTIONS = {"namespace": str, "chunk_rows": int, "retry_timeout_s": float}
 
 
-def open_store(spec: str | Store | None) -> Store:
+def _flag(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+_STORE_OPTIONS = {
+    "namespace": str,
+    "chunk_rows": int,
+    "retry_timeout_s": float,
+    "shared": _flag,
+    "owner": str,
+    "lease_ttl_s": float,
+    "verify_interval_s": float,
+}
+
+
+def open_store(spec: str | Store | None, *, owner: str | None = None) -> Store:
     """The `Store` that ``spec`` names (see the module docstring for the forms).
+
+    Args:
+        spec: the form.
+        owner: lease token of a Redis form (as its ``?owner=`` option; a resumed job passes
+            the one its checkpoint recorded). Ignored by the other forms.
 
     Raises:
         ValueError: an unknown form or a malformed option, with the accepted forms listed.
         TierUnavailableError: a Redis form whose server does not answer.
+        TierAuthError: a Redis form whose server wants another password.
     """
     if spec is None or (isinstance(spec, str) and spec.strip().lower() == "host"):
         from embcache.kv.host import HostKV
@@ -61,7 +92,15 @@ def open_store(spec: str | Store | None) -> Store:
     url, options = _split_options(f"{scheme}://{spec.partition('://')[2]}", spec)
     capacity = options.pop("capacity_rows", None)
     if capacity is not None and not tiered:
-        raise ValueError(f"store {spec!r}: capacity_rows is an option of the tiered+ forms only")
+        raise ValueError(
+            f"store {redact_url(spec)!r}: capacity_rows is an option of the tiered+ forms only"
+        )
+    if owner is not None:
+        if options.get("owner", owner) != owner:
+            raise ValueError(
+                f"store {redact_url(spec)!r}: its owner option differs from owner={owner!r}"
+            )
+        options["owner"] = owner
 
     back = redis_kv_class()(url, **options)
     if not tiered:
@@ -103,8 +142,9 @@ def _split_options(url: str, original: str) -> tuple[str, dict[str, Any]]:
         try:
             options[key] = types[key](value)
         except ValueError:
+            kind = "0 or 1" if types[key] is _flag else f"a valid {types[key].__name__}"
             raise ValueError(
-                f"store {original!r}: option {key}={value!r} is not a valid {types[key].__name__}"
+                f"store {redact_url(original)!r}: option {key}={value!r} is not {kind}"
             ) from None
     query = urllib.parse.urlencode(kept)
     return urllib.parse.urlunsplit(parts._replace(query=query)), options
@@ -112,4 +152,5 @@ def _split_options(url: str, original: str) -> tuple[str, dict[str, Any]]:
 
 def _unaccepted(spec: object) -> str:
     forms = "\n  ".join(ACCEPTED_FORMS)
-    return f"unknown store {spec!r}; accepted forms:\n  {forms}"
+    shown = redact_url(spec) if isinstance(spec, str) else spec
+    return f"unknown store {shown!r}; accepted forms:\n  {forms}"

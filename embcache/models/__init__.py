@@ -1,16 +1,6 @@
-"""The modules users train with: cached collections (TorchRec and RecStore style) and
-DistEmbedding."""
+"""The modules users train with: the cached collection and the DLRM model built on it."""
 
-from embcache.models.collection import (
-    CachedEmbeddingBagCollection,
-    FusedPrefetchHandle,
-    RecStoreEmbeddingBagCollection,
-)
-from embcache.models.dist_embedding import DistEmbedding
+from embcache.engine.batch_state import FusedPrefetchHandle
+from embcache.models.collection import CachedEmbeddingBagCollection
 
-__all__ = [
-    "CachedEmbeddingBagCollection",
-    "DistEmbedding",
-    "FusedPrefetchHandle",
-    "RecStoreEmbeddingBagCollection",
-]
+__all__ = ["CachedEmbeddingBagCollection", "FusedPrefetchHandle"]

@@ -110,7 +110,13 @@ class SparseOptimizer:
 
     def step(self) -> None:
         """Apply every recorded gradient once, then clear the traces and release the slots.
-        Every module's gradients are checked before any is applied."""
+        Every module's gradients are checked before any is applied.
+
+        Retriable: a tier error (reading rows of an accumulated trace) is raised before the
+        module it concerns changes, with its trace kept; modules before it are done and their
+        traces cleared. Calling ``step()`` again once the tier is back applies each gradient
+        exactly once.
+        """
         for m in self.modules:
             self.check_gradients(m.sparse_gradients())
         for m in self.modules:

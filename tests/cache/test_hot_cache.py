@@ -1,4 +1,4 @@
-"""HotCache against a dense reference: invariants I1-I4 of DESIGN.md section 4.
+"""HotCache against a dense reference: invariants I1-I4 of docs/design.md.
 
 Each run trains two tables through the cache with random batches (duplicates, batches larger
 than the cache) and the same updates on a dense copy of the tables; every resolve must return

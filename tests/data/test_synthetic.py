@@ -13,7 +13,7 @@ from embcache.data.synthetic import (
     SyntheticConfig,
     SyntheticCriteo,
 )
-from embcache.models.dlrm import roc_auc
+from embcache.train.loop import roc_auc
 
 
 @pytest.fixture(autouse=True)

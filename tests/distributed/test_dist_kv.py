@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embcache.distributed.kv_client import KVClient
 from embcache.distributed.launch import spawn
 from embcache.distributed.sharded import ShardedKVClient, kv_owner_of
+from embcache.recstore.kv_client import KVClient
 
 ROWS, DIM = 97, 5
 

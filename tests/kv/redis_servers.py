@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -72,6 +73,7 @@ class RedisServer:
     workdir: Path
     port: int = 0
     extra_args: tuple[str, ...] = ()
+    password: str | None = field(default=None, repr=False)  # requirepass; not in `url`
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -84,7 +86,7 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         """A plain redis-py client on this server (for checks behind the store's back)."""
-        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=5)
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=5, password=self.password)
 
     def start(self) -> None:
         """Start on ``port`` (picked when 0) and wait for PING; a fresh, empty server."""
@@ -110,6 +112,7 @@ class RedisServer:
             "--logfile",
             str(self.log_path),
             *self.extra_args,
+            *(("--requirepass", self.password) if self.password else ()),
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         self._wait_ready()
@@ -155,13 +158,35 @@ class RedisServer:
         self.stop()
         self.start()
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash or an OOM kill: nothing is flushed on the way out."""
+        if self.process is None:
+            return
+        self.process.kill()
+        self.process.wait(timeout=5)
+        self.process = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections but answers nothing until `resume`."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
 
 @contextlib.contextmanager
-def running_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> Iterator[RedisServer]:
+def running_server(
+    workdir: Path, extra_args: tuple[str, ...] = (), password: str | None = None
+) -> Iterator[RedisServer]:
     """A started `RedisServer` in ``workdir``, stopped on exit (a few tries on port races)."""
     server_binary()
     for attempt in range(5):
-        server = RedisServer(workdir=workdir / f"redis-{attempt}", extra_args=extra_args)
+        server = RedisServer(
+            workdir=workdir / f"redis-{attempt}", extra_args=extra_args, password=password
+        )
         try:
             server.start()
             break
@@ -213,9 +238,22 @@ def _cluster_ok(node: RedisServer) -> bool:
     return "cluster_state:ok" in text
 
 
+def wait_cluster_ok(cluster: RedisClusterNodes, timeout_s: float = 30.0) -> None:
+    """Wait until every node reports ``cluster_state:ok``."""
+    deadline = time.monotonic() + timeout_s
+    while not all(_cluster_ok(node) for node in cluster.nodes):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Redis cluster did not reach cluster_state:ok in {timeout_s} s")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
-def running_cluster(workdir: Path, num_nodes: int = 3) -> Iterator[RedisClusterNodes]:
-    """A ``num_nodes``-primary cluster made by ``redis-cli --cluster create``, stopped on exit."""
+def running_cluster(
+    workdir: Path, num_nodes: int = 3, node_timeout_ms: int = 5000
+) -> Iterator[RedisClusterNodes]:
+    """A ``num_nodes``-primary cluster made by ``redis-cli --cluster create``, stopped on exit.
+    A node restarted (`RedisServer.start`) keeps its identity and slots (its nodes.conf) but,
+    without persistence, none of its data."""
     cli = server_binary("redis-cli")
     cluster = RedisClusterNodes(nodes=[])
     try:
@@ -227,7 +265,7 @@ def running_cluster(workdir: Path, num_nodes: int = 3) -> Iterator[RedisClusterN
                 "--cluster-config-file",
                 str(node_dir / "nodes.conf"),
                 "--cluster-node-timeout",
-                "5000",
+                str(node_timeout_ms),
             )
             node = RedisServer(workdir=node_dir, extra_args=extra)
             node.start()
@@ -244,11 +282,7 @@ def running_cluster(workdir: Path, num_nodes: int = 3) -> Iterator[RedisClusterN
                 f"redis-cli --cluster create failed:\n{created.stdout.decode()[-2000:]}"
                 f"\n{created.stderr.decode()[-2000:]}"
             )
-        deadline = time.monotonic() + 30
-        while not all(_cluster_ok(node) for node in cluster.nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Redis cluster did not reach cluster_state:ok in 30 s")
-            time.sleep(0.05)
+        wait_cluster_ok(cluster)
         yield cluster
     finally:
         cluster.stop()

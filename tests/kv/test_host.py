@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
 
@@ -12,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embcache.kv.base import Store, TableSpec
-from embcache.kv.host import HashIndex, HostKV
+from embcache.kv.host import HostKV
 
 N = 1000  # rows of the bounded test tables
 BIG = 2**62  # largest id the unbounded tests use
@@ -484,37 +483,6 @@ def test_two_threads_on_disjoint_ids(layout: str) -> None:
 # ------------------------------------------------------------------------------------------
 # the hash index against a dict model
 # ------------------------------------------------------------------------------------------
-
-key_sets = st.lists(
-    st.one_of(
-        st.integers(0, 64),  # dense small keys
-        st.integers(0, BIG),  # spread over the whole range
-        st.integers(BIG - 64, 2**63 - 1),  # the top of int64
-    ),
-    max_size=300,
-    unique=True,
-)
-
-
-@settings(max_examples=60, deadline=None)
-@given(keys=key_sets, data=st.data())
-def test_hash_index_matches_a_dict(keys: list[int], data: st.DataObject) -> None:
-    index = HashIndex(min_slots=2)
-    model: dict[int, int] = {}
-    cuts = data.draw(st.lists(st.integers(0, len(keys)), max_size=8), label="batch cuts")
-    bounds = sorted({0, len(keys), *cuts})
-    for start, stop in itertools.pairwise(bounds):
-        batch = keys[start:stop]
-        index.insert(torch.tensor(batch, dtype=torch.int64), torch.arange(start, stop))
-        model.update(zip(batch, range(start, stop), strict=True))
-        assert len(index) == len(model)
-        assert index.num_slots >= 2 * len(model)
-    absent = data.draw(st.lists(st.integers(0, 2**63 - 1), max_size=20))
-    probe = keys + [k for k in absent if k not in model]
-    found = index.find(torch.tensor(probe, dtype=torch.int64)).tolist()
-    assert found == [model.get(k, -1) for k in probe]
-    held_keys, held_values = index.items()
-    assert dict(zip(held_keys.tolist(), held_values.tolist(), strict=True)) == model
 
 
 @settings(max_examples=40, deadline=None)

@@ -103,8 +103,8 @@ def test_get_put_round_trip_and_initial_rows_equal_hostkv(
     rows = torch.randn(ids.numel(), spec.row_width)
     kv.put("t0", ids[:10], rows[:10])
     assert torch.equal(kv.get("t0", ids[:10]), rows[:10])
-    # A second client sees the same rows.
-    other = RedisKV(url, namespace=namespace)
+    # A second client of the same job (same lease owner) sees the same rows.
+    other = RedisKV(url, namespace=namespace, owner=kv.owner)
     other.init_table(spec)
     assert torch.equal(other.get("t0", ids[:10]), rows[:10])
     assert kv.get("t0", torch.empty(0, dtype=torch.int64)).shape == (0, spec.row_width)
@@ -165,9 +165,9 @@ def test_namespaces_are_isolated(url: str, namespace: str) -> None:
 
 
 def test_dim_mismatch_across_clients_is_a_clear_error(url: str, namespace: str) -> None:
-    first = RedisKV(url, namespace=namespace)
+    first = RedisKV(url, namespace=namespace, shared=True)
     first.init_table(TableSpec("t0", dim=8, num_embeddings=100))
-    second = RedisKV(url, namespace=namespace)
+    second = RedisKV(url, namespace=namespace, shared=True)
     with pytest.raises(ValueError, match=r"dim=8 on the server.*dim=16.*namespace"):
         second.init_table(TableSpec("t0", dim=16, num_embeddings=100))
     with pytest.raises(ValueError, match="num_embeddings=100 on the server"):
@@ -199,7 +199,7 @@ def test_redeclare_with_state_keeps_weights(
     assert torch.equal(kv.get("t0", ids)[:, :5], rows[:, :5])
     # Another client attaching with the old layout resets the state again (the protocol's
     # re-declare); one still holding the old layout is told, not handed misshapen rows.
-    stale = RedisKV(url, namespace=namespace)
+    stale = RedisKV(url, namespace=namespace, owner=kv.owner)
     stale.init_table(new)
     stale.init_table(old)
     if new.row_width != old.row_width:
@@ -261,7 +261,9 @@ def test_chunking_bounds_each_round_trip(server: RedisServer) -> None:
     assert stats["cmdstat_mset"]["calls"] == 5
     assert stats["cmdstat_msetnx"]["calls"] == 5  # new rows created by chunk, MSETNX
     assert "cmdstat_set" not in stats  # no race, so no key-by-key creation
-    assert raw.dbsize() == 23 + 1  # the rows and the table's spec
+    assert stats["cmdstat_incr"]["calls"] == 5  # each written chunk bumps the write mark
+    assert stats["cmdstat_get"]["calls"] == 2 * 5  # each read chunk checks it first
+    assert raw.dbsize() == 23 + 3  # the rows, the table's spec, write mark and lease
 
 
 def test_key_layout(server: RedisServer) -> None:
@@ -269,9 +271,10 @@ def test_key_layout(server: RedisServer) -> None:
     kv.init_table(TableSpec("t0", dim=2, num_embeddings=1000, seed=7))
     kv.put("t0", torch.tensor([300]), torch.tensor([[1.5, -2.0]]))
     keys = sorted(server.client().keys("*"))
-    assert keys[0] == b"m1:meta:t0"
-    assert keys[1].startswith(b"m1:{") and keys[1].endswith(b".44}:t0:300")  # 300 % 256
-    assert server.client().get(keys[1]) == torch.tensor([1.5, -2.0]).numpy().tobytes()
+    assert keys[:3] == [b"m1:lease:t0", b"m1:meta:t0", b"m1:seq:t0"]
+    assert keys[3].startswith(b"m1:{") and keys[3].endswith(b".44}:t0:300")  # 300 % 256
+    assert server.client().get(keys[3]) == torch.tensor([1.5, -2.0]).numpy().tobytes()
+    assert server.client().get(b"m1:seq:t0") == b"1"  # one write acknowledged
 
 
 def test_racing_creators_keep_one_value(url: str, namespace: str) -> None:
@@ -281,7 +284,7 @@ def test_racing_creators_keep_one_value(url: str, namespace: str) -> None:
     results: dict[float, torch.Tensor] = {}
 
     def create(fill: float) -> None:
-        kv = RedisKV(url, namespace=namespace, chunk_rows=100)
+        kv = RedisKV(url, namespace=namespace, chunk_rows=100, shared=True)
         kv.init_table(
             TableSpec(
                 "t0", dim=2, num_embeddings=2000, init=lambda i, d: torch.full((i.numel(), d), fill)
@@ -301,10 +304,10 @@ def test_racing_creators_keep_one_value(url: str, namespace: str) -> None:
 def test_creation_keeps_rows_another_client_made(url: str, namespace: str) -> None:
     """Rows that exist are never overwritten by creation: when part of a batch exists, the
     rest is created key by key and the existing rows keep their values."""
-    first = RedisKV(url, namespace=namespace)
+    first = RedisKV(url, namespace=namespace, shared=True)
     first.init_table(TableSpec("t0", dim=2, num_embeddings=100))
     made = first.get("t0", torch.arange(10))
-    second = RedisKV(url, namespace=namespace)
+    second = RedisKV(url, namespace=namespace, shared=True)
     second.init_table(
         TableSpec(
             "t0", dim=2, num_embeddings=100, init=lambda i, d: torch.full((i.numel(), d), 7.0)
@@ -364,7 +367,10 @@ def test_cluster_matches_single_server_and_spreads_keys(
         assert torch.equal(a, b)
     added = [after - prior for after, prior in zip(cluster.dbsizes(), before, strict=True)]
     assert all(n > 0 for n in added), added  # keys on every node, not one hash tag
-    assert sum(added) == _export(spread, "t0")[0].numel() + 1  # + the spec record
+    marks = sum(len(node.client().keys(f"{namespace}:seq:*")) for node in cluster.nodes)
+    assert 200 < marks <= 256  # a write mark per bucket written, beside its rows
+    # + the spec record and the lease
+    assert sum(added) == _export(spread, "t0")[0].numel() + marks + 2
 
 
 # -- open_store --------------------------------------------------------------------------------
@@ -449,7 +455,7 @@ def test_retries_ride_out_a_restart(server: RedisServer) -> None:
         kv.put("t0", torch.arange(5), torch.full((5, 4), 3.0))
     finally:
         restart.join()
-    check = RedisKV(server.url)
+    check = RedisKV(server.url, owner=kv.owner)
     with pytest.raises(ValueError, match="dim=4 on the server"):
         check.init_table(TableSpec("t0", dim=5, num_embeddings=100))
     check.init_table(spec)
@@ -477,7 +483,7 @@ def test_tiered_keeps_dirty_rows_through_an_outage(server: RedisServer) -> None:
     server.start()
     tiered.flush()
     assert tiered.dirty_rows() == 0
-    check = RedisKV(server.url)
+    check = RedisKV(server.url, owner=tiered.back.owner)  # type: ignore[attr-defined]
     check.init_table(spec)
     all_ids = torch.cat([ids, more_ids])
     exported_ids, exported_rows = _export(check, "t0")

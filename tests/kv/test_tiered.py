@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from embcache.kv.base import Store, TableSpec
 from embcache.kv.host import HostKV
 from embcache.kv.redis_kv import RedisKV
-from embcache.kv.tiered import TieredKV, _IdIndex
+from embcache.kv.tiered import TieredKV
 from tests.kv.redis_servers import RedisServer, running_server
 
 SPECS = (
@@ -220,34 +220,3 @@ def test_arguments_are_checked() -> None:
     tiered.close()
     with pytest.raises(RuntimeError, match="closed"):
         tiered.get("a", torch.tensor([0]))
-
-
-def test_id_index_survives_insert_remove_churn() -> None:
-    """The id -> slot index against a dict, through many rounds of inserts and removals
-    (tombstones, their reuse, rebuilds), with colliding and huge ids."""
-    index = _IdIndex()
-    model: dict[int, int] = {}
-    g = torch.Generator().manual_seed(0)
-    universe = torch.cat([torch.arange(300), torch.randint(0, 2**62, (300,), generator=g)])
-    for round_ in range(60):
-        present = torch.tensor(sorted(model), dtype=torch.int64)
-        absent = universe[~torch.isin(universe, present)]
-        add = absent[
-            torch.randperm(absent.numel(), generator=g)[
-                : int(torch.randint(0, 40, (1,), generator=g))
-            ]
-        ]
-        index.insert(add, add * 3 + round_)
-        model.update(zip(add.tolist(), (add * 3 + round_).tolist(), strict=True))
-        present = torch.tensor(sorted(model), dtype=torch.int64)
-        drop = present[
-            torch.randperm(present.numel(), generator=g)[
-                : int(torch.randint(0, 30, (1,), generator=g))
-            ]
-        ]
-        index.remove(drop)
-        for key in drop.tolist():
-            del model[key]
-        want = torch.tensor([model.get(k, -1) for k in universe.tolist()])
-        assert torch.equal(index.find(universe), want), round_
-        assert index.live == len(model)

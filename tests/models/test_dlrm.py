@@ -8,10 +8,9 @@ from torchmetrics.functional import auroc
 
 import embcache
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
-from embcache.models.dlrm import (
-    DLRM,
+from embcache.models.dlrm import DLRM, dot_interaction
+from embcache.train.loop import (
     SPARSE_OPTIMIZERS,
-    dot_interaction,
     make_dense_optimizer,
     make_sparse_optimizer,
     roc_auc,

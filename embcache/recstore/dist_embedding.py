@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from embcache.distributed.dist_tensor import DistTensor
-from embcache.distributed.kv_client import InitFunc
 from embcache.kernels.optim import OptimRule, aggregate_grads
+from embcache.recstore.dist_tensor import DistTensor
+from embcache.recstore.kv_client import InitFunc
 
 
 class DistEmbedding(nn.Module):

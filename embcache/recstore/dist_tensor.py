@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from embcache.distributed.kv_client import InitFunc, get_kv_client
+from embcache.recstore.kv_client import InitFunc, get_kv_client
 
 
 class DistTensor:

@@ -10,7 +10,7 @@ cache resolve: tier writes of dirty victims, tier reads of misses, copies into t
 GPU, on a side stream with an event) — while the training thread runs the current batch with
 the handle prefetched during the previous step.
 
-Why the numbers do not change (DESIGN.md invariant I5), the rules:
+Why the numbers do not change (invariant I5 of docs/design.md), the rules:
 
 * Every row has one authoritative copy. A row that batch i updates and batch i+1 needs is a hit
   for the prefetch (batch i holds its slot locked), so batch i+1 reads the same slot after

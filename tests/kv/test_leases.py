@@ -1,0 +1,155 @@
+"""Owner leases on real redis-server processes: a second job cannot open (and clobber) the
+tables of a live one unless both share them on purpose; the same job reopens its own; a job that
+dies frees its tables within the lease TTL; a job whose lease lapsed while it was paused is
+told, not allowed to write over the job that took the tables."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import embcache
+from embcache.kv.base import TableSpec
+from embcache.kv.redis_kv import RedisKV
+from tests.kv.redis_servers import RedisServer, running_server
+from tests.test_redis_training import batches, step
+
+JOB = Path(__file__).with_name("lease_job.py")
+SPEC = TableSpec("t0", dim=2, num_embeddings=10)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_server(tmp_path) as started:
+        yield started
+
+
+def _job(url: str, ttl_s: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), url, str(ttl_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()  # type: ignore[union-attr]
+    return proc
+
+
+def _collection(url: str, optimizer: type = embcache.SparseAdaGrad):
+    from tests.test_redis_training import TABLES
+
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=TABLES, cache=embcache.CacheConfig(load_factor=0.05, ways=4), store=url
+    )
+    return ebc, optimizer([ebc], lr=0.1)
+
+
+def test_a_second_job_is_refused_and_changes_nothing(server: RedisServer) -> None:
+    """Two jobs, same tables, default namespace: the second (with another optimizer, whose
+    state layout would have reset the first's AdaGrad state) is refused before it touches a
+    row, naming the namespace and sharing options."""
+    first, opt = _collection(server.url)
+    for kjt in batches(3):
+        step(first, opt, kjt)
+    first.flush()
+    before = {t.name: first.table_rows(t.name) for t in first.tables}
+    with pytest.raises(embcache.TierOwnershipError) as caught:
+        _collection(server.url, embcache.SparseSGD)
+    message = str(caught.value)
+    assert "namespace" in message and "shared" in message and server.url in message, message
+    assert f"pid {os.getpid()}" in message, "the holder is named"
+    for name, rows in before.items():
+        assert torch.equal(first.table_rows(name), rows), f"table {name} was changed"
+    first.store.close()
+
+
+def test_sharing_is_explicit(server: RedisServer) -> None:
+    a = RedisKV(server.url, shared=True)
+    b = RedisKV(server.url, shared=True)
+    for kv in (a, b):
+        kv.init_table(SPEC)
+    b.put("t0", torch.tensor([3]), torch.full((1, 2), 5.0))
+    assert torch.equal(a.get("t0", torch.tensor([3])), torch.full((1, 2), 5.0))
+    with pytest.raises(embcache.TierOwnershipError, match=r"open it shared too"):
+        RedisKV(server.url).init_table(SPEC)  # exclusive while shared holders live
+    exclusive = RedisKV(server.url, namespace="other")
+    exclusive.init_table(SPEC)
+    with pytest.raises(embcache.TierOwnershipError, match="in use by another job"):
+        RedisKV(server.url, namespace="other", shared=True).init_table(SPEC)
+    assert embcache.open_store(f"{server.url}?shared=1").shared  # type: ignore[attr-defined]
+
+
+def test_the_same_owner_reopens_and_close_frees(server: RedisServer) -> None:
+    first = RedisKV(server.url)
+    first.init_table(SPEC)
+    again = RedisKV(server.url, owner=first.owner)  # e.g. a resumed job, or another rank
+    again.init_table(SPEC)
+    other = RedisKV(server.url)
+    with pytest.raises(embcache.TierOwnershipError):
+        other.init_table(SPEC)
+    first.close()  # deletes the exclusive lease it holds
+    other.init_table(SPEC)
+
+
+def test_a_dead_job_frees_its_tables_within_the_ttl(server: RedisServer) -> None:
+    ttl = 1.0
+    proc = _job(server.url, ttl)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    kv = RedisKV(server.url, namespace="lease")
+    with pytest.raises(embcache.TierOwnershipError, match=r"expires in \d"):
+        kv.init_table(SPEC)  # the killed job's lease is still live
+    deadline = time.monotonic() + ttl + 1.0
+    while True:
+        try:
+            kv.init_table(SPEC)
+            break
+        except embcache.TierOwnershipError:
+            assert time.monotonic() < deadline, "the dead job's lease must expire within its TTL"
+            time.sleep(0.05)
+
+
+def test_a_job_whose_lease_lapsed_is_told(server: RedisServer) -> None:
+    """A job paused (SIGSTOP) past its TTL loses its tables to the next job; when it resumes,
+    its next write is refused instead of clobbering the new owner's rows."""
+    proc = _job(server.url, 0.6)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("put\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "ok"
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.0)
+        taker = RedisKV(server.url, namespace="lease")
+        taker.init_table(SPEC)
+        taker.put("t0", torch.tensor([1]), torch.full((1, 2), 9.0))
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    proc.stdin.write("put\n")
+    proc.stdin.flush()
+    reply = proc.stdout.readline().strip()
+    proc.stdin.close()
+    proc.wait(timeout=10)
+    assert reply.startswith("TierOwnershipError") and "lapsed" in reply, reply
+    assert torch.equal(taker.get("t0", torch.tensor([1])), torch.full((1, 2), 9.0))
+
+
+def test_lease_options_are_checked(server: RedisServer) -> None:
+    for bad in ({"lease_ttl_s": 0}, {"lease_ttl_s": "1"}, {"owner": ""}, {"owner": "a\nb"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RedisKV(server.url, **bad)
+    with pytest.raises(TypeError, match="shared"):
+        RedisKV(server.url, shared=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="shared=maybe"):
+        embcache.open_store(f"{server.url}?shared=maybe")
