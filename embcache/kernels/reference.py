@@ -520,9 +520,9 @@ def aggregate_grads_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the gradient rows of equal ids, each id's rows added in their order in ``ids``.
 
-    On CPU ``index_add_`` adds in index order, so the sums are deterministic and equal, bit for
-    bit, to the Triton kernel's sequential segment sums. (On CUDA tensors ``index_add_`` uses
-    atomics; the Triton kernel is the deterministic CUDA path.)
+    On CPU ``index_add_`` adds in index order, so the sums are deterministic. (On CUDA tensors
+    ``index_add_`` uses atomics; the Triton kernel, which sums tiles of each id's rows in a
+    fixed order, is the deterministic CUDA path.)
 
     Args:
         ids: int64 ``[n]``, any values, duplicates allowed.
