@@ -51,7 +51,8 @@ import triton
 import triton.language as tl
 
 from embcache.kernels.backend import use_triton
-from embcache.kernels.reference import (
+from embcache.kernels.checks import check_tensor, require
+from embcache.kernels.optim_ref import (
     adagrad_update_ref,
     adam_update_ref,
     aggregate_grads_ref,
@@ -435,27 +436,19 @@ def _check_row_update(
     """Raise TypeError/ValueError naming the first bad input; reads rows, never writes."""
     if not isinstance(update, RowUpdate):
         raise TypeError(f"update must be a RowUpdate, got {type(update).__name__}")
-    for name, t in (("rows", rows), ("slots", slots), ("grads", grads)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor("rows", rows, torch.float32)
+    check_tensor("slots", slots, torch.int64)
+    check_tensor("grads", grads, torch.float32)
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-    if rows.dtype != torch.float32:
-        raise TypeError(f"rows must be float32, got {rows.dtype}")
-    if slots.dtype != torch.int64:
-        raise TypeError(f"slots must be int64, got {slots.dtype}")
-    if grads.dtype != torch.float32:
-        raise TypeError(f"grads must be float32, got {grads.dtype}")
-    if rows.dim() != 2:
-        raise ValueError(f"rows must be 2-D [R, dim + state], got shape {tuple(rows.shape)}")
+    require(rows.dim() == 2, f"rows must be 2-D [R, dim + state], got shape {tuple(rows.shape)}")
     need = dim + update.state_dim(dim)
     if rows.shape[1] < need:
         raise ValueError(
             f"rows has {rows.shape[1]} columns; {update.rule.name} with dim={dim} needs "
             f"{need} (dim + {update.state_dim(dim)} state columns)"
         )
-    if slots.dim() != 1:
-        raise ValueError(f"slots must be 1-D [n], got shape {tuple(slots.shape)}")
+    require(slots.dim() == 1, f"slots must be 1-D [n], got shape {tuple(slots.shape)}")
     n = slots.numel()
     if tuple(grads.shape) != (n, dim):
         raise ValueError(f"grads must have shape [n, dim] = [{n}, {dim}], got {tuple(grads.shape)}")
@@ -571,21 +564,16 @@ def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tenso
         TypeError: a wrong type or dtype.
         ValueError: a wrong shape or mismatched devices.
     """
-    for name, t in (("ids", ids), ("grads", grads)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ids.dtype != torch.int64:
-        raise TypeError(f"ids must be int64, got {ids.dtype}")
-    if grads.dtype != torch.float32:
-        raise TypeError(f"grads must be float32, got {grads.dtype}")
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D [n], got shape {tuple(ids.shape)}")
-    if grads.dim() != 2 or grads.shape[0] != ids.numel():
-        raise ValueError(
-            f"grads must have shape [n, dim] with n = {ids.numel()}, got {tuple(grads.shape)}"
-        )
-    if ids.device != grads.device:
-        raise ValueError(f"ids and grads must share a device, got {ids.device}, {grads.device}")
+    check_tensor("ids", ids, torch.int64, 1)
+    check_tensor("grads", grads, torch.float32)
+    require(
+        grads.dim() == 2 and grads.shape[0] == ids.numel(),
+        f"grads must have shape [n, dim] with n = {ids.numel()}, got {tuple(grads.shape)}",
+    )
+    require(
+        ids.device == grads.device,
+        f"ids and grads must share a device, got {ids.device}, {grads.device}",
+    )
     if use_triton(grads):
         return aggregate_grads_triton(ids, grads)
     return aggregate_grads_ref(ids, grads)
