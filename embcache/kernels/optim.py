@@ -31,7 +31,8 @@ this is an extension there; rows absent from a batch do not decay. ``lr_decay`` 
 ADAGRAD only.
 
 `aggregate_grads` sums the gradient rows of equal ids deterministically (a stable sort, then a
-sequential sum per id, no float atomics), as the optimizer needs before `apply_row_update`.
+fixed-order segment sum per id, no float atomics), as the optimizer needs before
+`apply_row_update`.
 
 Layout follows Liger-Kernel: kernels, then launchers (check, allocate, launch), then the public
 functions that dispatch through `backend.use_triton`.
@@ -50,7 +51,8 @@ import triton
 import triton.language as tl
 
 from embcache.kernels.backend import use_triton
-from embcache.kernels.reference import (
+from embcache.kernels.checks import check_tensor, require
+from embcache.kernels.optim_ref import (
     adagrad_update_ref,
     adam_update_ref,
     aggregate_grads_ref,
@@ -150,7 +152,10 @@ _ADAM = tl.constexpr(int(OptimRule.ADAM))
 # registers.
 _ROW_ELEMS = 2048
 _ROW_MAX_BLOCK_D = 256
-_SUM_MAX_BLOCK_D = 1024
+# Segment sums read [BLOCK_N, BLOCK_D] tiles of gradient rows, as the pooling backward does.
+_SUM_ELEMS = 4096
+_SUM_MAX_BLOCK_N = 64
+_SUM_MAX_BLOCK_D = 256
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,32 +282,43 @@ def _segment_sum_kernel(
     order_ptr,
     offsets_ptr,
     out_ptr,
+    num_unique,
     dim,
     stride_gn,
     stride_gd,
     stride_on,
     stride_od,
+    BLOCK_U: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """``out[u] = sum(grads[order[k]] for k in range(offsets[u], offsets[u + 1]))``.
+    """``out[u] = Σ_{k ∈ [offsets[u], offsets[u + 1])} grads[order[k]]``, BLOCK_D columns.
 
-    The terms are added one by one from zero, in ``k`` order: with ``order`` a stable sort of
-    the ids, that is each id's gradient rows in their input order, so the result is the same on
-    every run and equal, bit for bit, to the twin's ``index_add_`` on CPU. One program per
-    (unique id, ``BLOCK_D`` columns).
+    Each id's rows are read ``BLOCK_N`` at a time in ``k`` order; a tile is reduced by
+    ``tl.sum`` (a fixed tree for given block sizes) and added to an fp32 running sum. So a hot
+    id of L rows costs ``L / BLOCK_N`` dependent steps instead of L, and the order of the
+    additions depends only on the inputs and the block sizes: every run gives the same bits.
+    One program per ``BLOCK_U`` unique ids and ``BLOCK_D`` columns.
     """
     i_u = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
     m_d = o_d < dim
-    start = tl.load(offsets_ptr + i_u)
-    end = tl.load(offsets_ptr + i_u + 1)
-    b_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for k in range(start, end):
-        b_src = tl.load(order_ptr + k).to(tl.int64)
-        p_g = grads_ptr + b_src * stride_gn + o_d * stride_gd  # [BLOCK_D]
-        b_sum += tl.load(p_g, mask=m_d, other=0.0)
-    tl.store(out_ptr + i_u * stride_on + o_d * stride_od, b_sum, mask=m_d)
+    for k in range(BLOCK_U):
+        o_u = i_u * BLOCK_U + k
+        m_u = o_u < num_unique
+        seg_start = tl.load(offsets_ptr + o_u, mask=m_u, other=0)
+        seg_end = tl.load(offsets_ptr + o_u + 1, mask=m_u, other=0)
+        b_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for o_start in range(seg_start, seg_end, BLOCK_N):
+            o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            m_n = o_n < seg_end
+            b_src = tl.load(order_ptr + o_n, mask=m_n, other=0).to(tl.int64)  # [BLOCK_N]
+            p_g = grads_ptr + b_src[:, None] * stride_gn + o_d[None, :] * stride_gd
+            m_g = m_n[:, None] & m_d[None, :]  # [BLOCK_N, BLOCK_D]
+            b_g = tl.load(p_g, mask=m_g, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_sum += tl.sum(b_g, axis=0)
+        tl.store(out_ptr + o_u * stride_on + o_d * stride_od, b_sum, mask=m_u & m_d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,18 +383,24 @@ def aggregate_grads_triton(
     offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))  # [u + 1]
     summed = torch.empty(u, dim, dtype=torch.float32, device=grads.device)
     if u and dim:
-        block_d = min(triton.next_power_of_2(dim), _SUM_MAX_BLOCK_D)
-        grid = (u, triton.cdiv(dim, block_d))
+        block_d = min(max(triton.next_power_of_2(dim), 16), _SUM_MAX_BLOCK_D)
+        block_n = min(max(_SUM_ELEMS // block_d, 1), _SUM_MAX_BLOCK_N)
+        # One id per program on a GPU; the interpreter pays per program, so it gets wide ones.
+        block_u = 1 if grads.is_cuda else 64
+        grid = (triton.cdiv(u, block_u), triton.cdiv(dim, block_d))
         _segment_sum_kernel[grid](
             grads,
             order,
             offsets,
             summed,
+            u,
             dim,
             grads.stride(0),
             grads.stride(1),
             summed.stride(0),
             summed.stride(1),
+            BLOCK_U=block_u,
+            BLOCK_N=block_n,
             BLOCK_D=block_d,
         )
     else:
@@ -414,27 +436,19 @@ def _check_row_update(
     """Raise TypeError/ValueError naming the first bad input; reads rows, never writes."""
     if not isinstance(update, RowUpdate):
         raise TypeError(f"update must be a RowUpdate, got {type(update).__name__}")
-    for name, t in (("rows", rows), ("slots", slots), ("grads", grads)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor("rows", rows, torch.float32)
+    check_tensor("slots", slots, torch.int64)
+    check_tensor("grads", grads, torch.float32)
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-    if rows.dtype != torch.float32:
-        raise TypeError(f"rows must be float32, got {rows.dtype}")
-    if slots.dtype != torch.int64:
-        raise TypeError(f"slots must be int64, got {slots.dtype}")
-    if grads.dtype != torch.float32:
-        raise TypeError(f"grads must be float32, got {grads.dtype}")
-    if rows.dim() != 2:
-        raise ValueError(f"rows must be 2-D [R, dim + state], got shape {tuple(rows.shape)}")
+    require(rows.dim() == 2, f"rows must be 2-D [R, dim + state], got shape {tuple(rows.shape)}")
     need = dim + update.state_dim(dim)
     if rows.shape[1] < need:
         raise ValueError(
             f"rows has {rows.shape[1]} columns; {update.rule.name} with dim={dim} needs "
             f"{need} (dim + {update.state_dim(dim)} state columns)"
         )
-    if slots.dim() != 1:
-        raise ValueError(f"slots must be 1-D [n], got shape {tuple(slots.shape)}")
+    require(slots.dim() == 1, f"slots must be 1-D [n], got shape {tuple(slots.shape)}")
     n = slots.numel()
     if tuple(grads.shape) != (n, dim):
         raise ValueError(f"grads must have shape [n, dim] = [{n}, {dim}], got {tuple(grads.shape)}")
@@ -533,9 +547,10 @@ def apply_row_update(
 def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the gradient rows of equal ids, deterministically.
 
-    Each id's rows are added in their order in ``ids``, starting from zero (a stable sort then
-    a sequential segment sum; no float atomics), so the result never depends on the run, and
-    the Triton kernel and the CPU twin agree bit for bit.
+    No float atomics on either backend, so each gives the same bits on every run: the CPU twin
+    adds each id's rows one by one in their order in ``ids`` (``index_add_``); the Triton
+    kernel sums tiles of each id's rows in that order (a hot id of thousands of rows takes a few
+    dozen steps, not thousands). The two agree to float32 rounding of the summation order.
 
     Args:
         ids: int64 ``[n]``, any values, duplicates allowed.
@@ -549,21 +564,16 @@ def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tenso
         TypeError: a wrong type or dtype.
         ValueError: a wrong shape or mismatched devices.
     """
-    for name, t in (("ids", ids), ("grads", grads)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ids.dtype != torch.int64:
-        raise TypeError(f"ids must be int64, got {ids.dtype}")
-    if grads.dtype != torch.float32:
-        raise TypeError(f"grads must be float32, got {grads.dtype}")
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D [n], got shape {tuple(ids.shape)}")
-    if grads.dim() != 2 or grads.shape[0] != ids.numel():
-        raise ValueError(
-            f"grads must have shape [n, dim] with n = {ids.numel()}, got {tuple(grads.shape)}"
-        )
-    if ids.device != grads.device:
-        raise ValueError(f"ids and grads must share a device, got {ids.device}, {grads.device}")
+    check_tensor("ids", ids, torch.int64, 1)
+    check_tensor("grads", grads, torch.float32)
+    require(
+        grads.dim() == 2 and grads.shape[0] == ids.numel(),
+        f"grads must have shape [n, dim] with n = {ids.numel()}, got {tuple(grads.shape)}",
+    )
+    require(
+        ids.device == grads.device,
+        f"ids and grads must share a device, got {ids.device}, {grads.device}",
+    )
     if use_triton(grads):
         return aggregate_grads_triton(ids, grads)
     return aggregate_grads_ref(ids, grads)
