@@ -211,21 +211,16 @@ def train(
     seen = [0]
     paused = [0.0]
 
-    def on_step(i: int, loss: torch.Tensor) -> None:
+    losses: list[float] = []
+
+    def on_step(step_in_run: int, loss: torch.Tensor) -> None:
+        i = len(losses) + step_in_run
         after = ebc.cache_stats()
         if after["hits"] + after["misses"] > before[0]["hits"] + before[0]["misses"]:
             hit_rates.append(_hit_rate(before[0], after))  # the last step has no prefetch
         before[0] = after
         recent_losses.append(float(loss))
         bar.update(1)
-        if evaluate_every and i % evaluate_every == 0 and i < steps:
-            t0 = time.perf_counter()
-            evals.append({"step": float(i), **evaluate(model, held_out())})
-            now = ebc.cache_stats()
-            for k, v in _stat_delta(now, before[0]).items():
-                outside[k] += v
-            before[0] = now
-            paused[0] += time.perf_counter() - t0
         if progress and (i % 10 == 0 or i == steps):
             elapsed = time.perf_counter() - start - paused[0]
             recent = hit_rates[-50:] or [0.0]
@@ -243,13 +238,27 @@ def train(
             yield batch.to(device)
 
     start = time.perf_counter()
-    losses = pipe.run(to_device(batches), max_steps=steps, on_step=on_step)
+    stream = to_device(batches)
+    while len(losses) < steps:
+        # Up to the next evaluation: the pipeline stops without a prefetch in flight, so the
+        # evaluation's lookups are its own (and each batch is still resolved once).
+        run = min(evaluate_every or steps, steps - len(losses))
+        done = pipe.run(stream, max_steps=run, on_step=on_step)
+        losses += done
+        if len(done) < run:
+            raise ValueError(f"train: the batches ran out after {len(losses)} of {steps} steps")
+        if evaluate_every and len(losses) < steps:
+            t0 = time.perf_counter()
+            evals.append({"step": float(len(losses)), **evaluate(model, held_out())})
+            now = ebc.cache_stats()
+            for k, v in _stat_delta(now, before[0]).items():
+                outside[k] += v
+            before[0] = now
+            paused[0] += time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start - paused[0]
     bar.close()
-    if len(losses) < steps:
-        raise ValueError(f"train: the batches ran out after {len(losses)} of {steps} steps")
     stats = ebc.cache_stats()
     for k, v in outside.items():
         stats[k] -= v

@@ -15,10 +15,12 @@ POOL = 40  # distinct hex values per categorical feature
 
 def criteo_lines(n: int, seed: int) -> list[str]:
     """``n`` Criteo text lines: label, 13 counts, 26 hex categoricals (some fields empty).
-    Labels follow a logistic model of cat_0, cat_3 and the first count."""
+    Labels follow one logistic model (of cat_0, cat_3 and the first count) for every seed;
+    the seed draws the samples."""
+    model = np.random.default_rng(1234)
+    values = model.integers(0, 2**32, size=(NUM_CAT, POOL), dtype=np.uint64)  # feature pools
+    effect = model.normal(0.0, 1.5, size=(NUM_CAT, POOL))
     rng = np.random.default_rng(seed)
-    values = rng.integers(0, 2**32, size=(NUM_CAT, POOL), dtype=np.uint64)  # each feature's pool
-    effect = rng.normal(0.0, 1.5, size=(NUM_CAT, POOL))
     picks = np.minimum(rng.zipf(1.3, size=(n, NUM_CAT)) - 1, POOL - 1)
     counts = rng.poisson(3.0, size=(n, NUM_INT)) - (rng.random((n, NUM_INT)) < 0.05)  # some -1
     logit = (
