@@ -289,7 +289,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             return with_status(None, self._no_ids(), o.counts, cache.dim)
         with cache.lock:
             return with_status(
-                cache.rows, o.prepared.slots[o.prepared.inverse], o.counts, cache.dim
+                cache.weights, o.prepared.slots[o.prepared.inverse], o.counts, cache.dim
             )
 
     def _unlock(self, owned: list[_Owned]) -> None:

@@ -198,7 +198,7 @@ class CacheEngine:
         # No cache lock: this batch's slots are locked, so no resolve writes them, and a
         # resolve that replaces `rows` (growing the scratch area) copies them unchanged.
         bags = self.bags(p, batch_size, columns)
-        return pool_bags(self.layout, self.cache.rows, p.slots, bags, batch_size, out)
+        return pool_bags(self.layout, self.cache.weights, p.slots, bags, batch_size, out)
 
     def grad_rows(
         self,
@@ -267,16 +267,16 @@ class CacheEngine:
         cache = self.cache
         table_steps = {steps[t.name] for t in self.layout.tables if t.name in steps}
         with cache.lock:
+            # Slots from a resolve are distinct by construction: no sorted check.
             if len(table_steps) == 1:
-                # Slots from a resolve are distinct by construction: skip the sorted check.
-                apply_row_update(cache.rows, self.dim, slots, grads, rule, table_steps.pop(),
-                                 check_slots=False)  # fmt: skip
+                step = table_steps.pop()
+                apply_row_update(cache.weights, cache.state, slots, grads, rule, step, False)
             else:
                 bounds = self.layout.table_bounds(unique, self.fusion_k)
                 for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False):
                     if hi > lo:
-                        apply_row_update(cache.rows, self.dim, slots[lo:hi], grads[lo:hi], rule,
-                                         steps[t.name], check_slots=False)  # fmt: skip
+                        apply_row_update(cache.weights, cache.state, slots[lo:hi], grads[lo:hi],
+                                         rule, steps[t.name], False)  # fmt: skip
             cache.mark_dirty(slots)
 
     # -- 5. release --------------------------------------------------------------------------
