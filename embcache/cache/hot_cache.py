@@ -43,6 +43,7 @@ from embcache.cache.transfer import TierTransfer
 from embcache.hashing import mix64
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
 from embcache.kv.base import Store, TableSpec
+from embcache.profiling import profiled
 
 
 class CacheCapacityError(ValueError):
@@ -217,6 +218,7 @@ class HotCache:
     # ------------------------------------------------------------------------------------------
     # resolve
 
+    @profiled("cache.resolve")
     def resolve(self, unique_ids: torch.Tensor, lock: bool = True) -> torch.Tensor:
         """Slots holding the rows of ``unique_ids``, loading misses from the tier.
 
@@ -282,6 +284,7 @@ class HotCache:
                 self.dirty[slots] = False
         self._filled = True
 
+    @profiled("cache.plan")
     def _plan_direct(self, ids: torch.Tensor) -> _Plan:
         if not self._filled:
             self._prefill_direct()
@@ -295,6 +298,7 @@ class HotCache:
         self.locks[slots] += 1
         return plan
 
+    @profiled("cache.plan")
     def _plan_sets(self, ids: torch.Tensor) -> _Plan:
         W = self.ways
         sets = set_index(ids, self.num_sets)
@@ -461,6 +465,7 @@ class HotCache:
                 raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
             self.locks[slots] -= 1
 
+    @profiled("cache.release_scratch")
     def release(self) -> None:
         """Write back and free the scratch rows no batch holds any more. If the write fails
         the rows stay in scratch, dirty, and the error propagates: call again later."""
@@ -479,6 +484,7 @@ class HotCache:
             self.dirty[done_slots] = False
             self._scratch_used -= done_slots.numel()
 
+    @profiled("cache.flush")
     def flush(self) -> None:
         """Write every dirty row back to the tier (rows stay cached, now clean)."""
         with self._resolve_mutex, self.lock:

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from embcache.kv.base import Store, TableSpec
+from embcache.profiling import profiled
 
 
 class TierTransfer:
@@ -81,6 +82,7 @@ class TierTransfer:
             )
         return list(self._pool.map(lambda call: call(), calls))
 
+    @profiled("cache.tier_io")
     def exchange(
         self,
         write_ids: torch.Tensor,
@@ -126,6 +128,7 @@ class TierTransfer:
 
     # -- device side ------------------------------------------------------------------------
 
+    @profiled("cache.copy_in")
     def copy_in(
         self,
         weights: torch.Tensor,
