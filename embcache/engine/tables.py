@@ -134,6 +134,8 @@ def _checked(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
         or not all(isinstance(f, str) and f for f in features)
     ):
         raise ValueError(f"{where}: feature_names must be a list of strings, got {features!r}")
+    if len(set(features)) != len(features):
+        raise ValueError(f"{where}: feature_names repeat a name: {list(features)}")
     init_fn = fields.get("init_fn")
     if init_fn is not None and not callable(init_fn):
         raise ValueError(f"{where}: init_fn must be callable, got {init_fn!r}")
@@ -181,8 +183,6 @@ def normalize_tables(configs: Sequence[Any]) -> list[Table]:
         fields = _checked(raw, where)
         if any(f["name"] == fields["name"] for f in checked):
             raise ValueError(f"{where}: duplicate table name")
-        if len(set(fields["feature_names"])) != len(fields["feature_names"]):
-            raise ValueError(f"{where}: feature_names repeat a name: {fields['feature_names']}")
         checked.append(fields)
     # torchrec's output names: a feature looked up by several tables is "feature@table".
     uses: dict[str, int] = {}
