@@ -182,16 +182,19 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
         for p in group["params"]:
             collection = anchors.get(id(p))
             if collection is not None and collection.grad_anchor is p:
-                torch_step(collection, optimizer, group)
+                torch_step(collection, optimizer, group, has_grad=p.grad is not None)
                 # Consumed: the optimizer's own update skips the anchor, whatever gradient
                 # layout (dense, sparse) it insists on.
                 p.grad = None
 
 
-def torch_step(collection: Any, optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> None:
+def torch_step(
+    collection: Any, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], has_grad: bool
+) -> None:
     """Apply ``collection``'s recorded gradients as ``optimizer`` with ``group``'s
     hyper-parameters would on the touched rows; nothing when an embcache optimizer (or a fused
-    one) trains the collection already.
+    one) trains the collection already. Without a gradient on the anchor (``zero_grad()`` ran
+    since the backward), the recorded gradients are dropped, as torch drops a parameter's.
 
     Raises:
         TypeError, ValueError: the optimizer has no row-wise equivalent; nothing is changed.
@@ -199,6 +202,9 @@ def torch_step(collection: Any, optimizer: torch.optim.Optimizer, group: Mapping
     engines = collection.engines
     bridge = collection.torch_optimizer_rule
     if engines.optimizer is not None and engines.optimizer is not bridge:
+        return
+    if not has_grad:
+        engines.zero_grad()
         return
     update, state_init = row_update(type(optimizer), group, fused=False)
     if bridge is None or (bridge.update.rule, bridge.state_init) != (update.rule, state_init):

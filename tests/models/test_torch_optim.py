@@ -153,6 +153,22 @@ def test_optimizers_that_move_untouched_rows_fail_at_the_first_step(make, words)
         assert torch.equal(p, q)
 
 
+def test_zero_grad_between_backward_and_step_drops_the_rows_gradients() -> None:
+    tables = table_configs()
+    ref = Model(_reference(tables))
+    ours = Model(_ours(ref.ebc, tables))
+    opts = [torch.optim.Adagrad(m.parameters(), lr=0.2) for m in (ref, ours)]
+    batches = _batches(tables)
+    for i, kjt in enumerate(batches):
+        for model, opt in zip((ref, ours), opts, strict=True):
+            model(kjt).backward()
+            if i == 1:
+                opt.zero_grad()  # this batch's gradients are dropped, embeddings included
+            opt.step()
+            opt.zero_grad()
+    _assert_same(ours, ref, "zero_grad before step")
+
+
 def test_a_loop_that_never_trains_the_tables_fails_at_the_next_forward() -> None:
     tables = table_configs()
     model = Model(_ours(_reference(tables), tables))
@@ -269,12 +285,14 @@ def test_an_lr_scheduler_drives_the_fused_optimizer() -> None:
     ours = Model(
         _ours(ref.ebc, tables, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": 0.5})
     )
-    sched = torch.optim.lr_scheduler.StepLR(ours.ebc.fused_optimizer(), step_size=1, gamma=0.3)
+    fused = ours.ebc.fused_optimizer()
+    sched = torch.optim.lr_scheduler.StepLR(fused, step_size=1, gamma=0.3)
     ref_opt = torch.optim.SGD(ref.ebc.parameters(), lr=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.3)
     for kjt in _batches(tables):
         _train(ref, ref_opt, [kjt], ref_sched)
-        ours(kjt).backward()
+        ours(kjt).backward()  # updated in backward
+        fused.step()  # nothing left to do, as torchrec's fused optimizers
         sched.step()
     for k, v in ref.ebc.state_dict().items():
         assert_close(ours.ebc.state_dict()[k], v, k)
