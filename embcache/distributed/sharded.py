@@ -192,8 +192,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             column[f], col = col, col + d
         self._num_columns = col
         self._feature_cols = [
-            torch.tensor([column[f] for f in e.layout.features], device=self.device)
-            for e in engines
+            torch.tensor([column[k] for k in e.layout.keys], device=self.device) for e in engines
         ]
 
     # ------------------------------------------------------------------------------------------
