@@ -12,6 +12,13 @@ from embcache.kv.base import host_memory_bytes
 
 CPU_MEMORY_BUDGET = 1 << 30  # bytes of slots a default cache takes on the CPU
 GPU_MEMORY_FRACTION = 0.25  # ... and the fraction of a GPU's memory it takes there
+SLOT_OVERHEAD = 8 + 4 + 1 + 8  # bytes of a slot besides its row: key, lock, dirty flag, score
+WIDEST_STATE = 2  # state values per weight of the widest optimizer (Adam)
+
+
+def slot_bytes(width: int) -> int:
+    """Device bytes of one slot holding a row of ``width`` float32 values."""
+    return 4 * width + SLOT_OVERHEAD
 
 
 class CachePolicy(enum.Enum):
@@ -103,13 +110,15 @@ class CacheConfig:
     def rows_for(
         self,
         table_rows: int | None,
-        slot_bytes: int | None = None,
+        dim: int | None = None,
         device: torch.device | str = "cpu",
     ) -> int:
         """Capacity in rows for a cache serving ``table_rows`` rows (None: unbounded tables).
 
-        With neither ``capacity`` nor ``load_factor``, the rows whose slots of ``slot_bytes``
-        bytes fit `budget` on ``device`` (all of them when they fit; at least one).
+        With neither ``capacity`` nor ``load_factor`` and rows of ``dim`` weights, the rows
+        whose slots fit `budget` on ``device``, each slot counted at its widest (weights and
+        Adam's two state values per weight) so that attaching any optimizer keeps to it: all
+        of them when they fit, at least one. Without ``dim``: all of them.
         """
         if self.capacity is not None:
             return self.capacity if table_rows is None else min(self.capacity, table_rows)
@@ -118,8 +127,9 @@ class CacheConfig:
                 "CacheConfig: a cache serving an unbounded (hashed-id) table needs an explicit "
                 "capacity; load_factor is a fraction of a known row count"
             )
-        if self.load_factor is None and slot_bytes is not None:
-            return max(1, min(table_rows, self.budget(device) // slot_bytes))
+        if self.load_factor is None and dim is not None:
+            widest = slot_bytes((1 + WIDEST_STATE) * dim)
+            return max(1, min(table_rows, self.budget(device) // widest))
         return max(1, math.ceil((self.load_factor or 1.0) * table_rows))
 
     def budget(self, device: torch.device | str) -> int:

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from embcache.cache.config import CacheConfig, device_memory
+from embcache.cache.config import WIDEST_STATE, CacheConfig, device_memory, slot_bytes
 
 logger = logging.getLogger("embcache.cache")
 
@@ -25,28 +25,13 @@ class CacheOverflowWarning(UserWarning):
     scratch area on every such batch (exact, but each one is a tier read and write)."""
 
 
-_SLOT_OVERHEAD = 8 + 4 + 1 + 8  # bytes of a slot besides its row: key, lock, dirty flag, score
-_WIDEST_STATE = 2  # state values per weight of the widest optimizer (Adam)
-
-
-def slot_bytes(width: int) -> int:
-    """Device bytes of one slot holding a row of ``width`` float32 values."""
-    return 4 * width + _SLOT_OVERHEAD
-
-
 def cache_capacity(
-    config: CacheConfig,
-    total_rows: int | None,
-    dim: int,
-    width: int,
-    device: torch.device,
-    what: str,
+    config: CacheConfig, total_rows: int | None, dim: int, device: torch.device, what: str
 ) -> int:
-    """Rows a cache of ``what`` (its tables, for the log) holds: `CacheConfig.rows_for`, the
-    budget counting each slot at its widest (weights and Adam's state), so that attaching any
-    optimizer keeps it. Logs once when the budget keeps the cache below the whole table."""
-    widest = slot_bytes(max(width, (1 + _WIDEST_STATE) * dim))
-    capacity = config.rows_for(total_rows, widest, device)
+    """Rows a cache of ``what`` (its tables, for the log) holds: `CacheConfig.rows_for`. Logs
+    once when the memory budget keeps the cache below the whole table."""
+    widest = slot_bytes((1 + WIDEST_STATE) * dim)
+    capacity = config.rows_for(total_rows, dim, device)
     by_budget = config.capacity is None and config.load_factor is None
     if by_budget and total_rows is not None and capacity < total_rows:
         logger.warning(

@@ -9,25 +9,25 @@ from __future__ import annotations
 
 import torch
 
-# A row of the cache is ``[weights (dim) | optimizer state (S)]``. Each twin gathers the first
-# ``dim + S`` columns of the touched rows, updates them with the same float32 operations, in the
-# same order, as the torch (or FBGEMM) optimizer it mirrors, and scatters them back: rows not in
-# ``slots`` are never read or written. ``slots`` must be distinct (checked by kernels/optim.py).
+# A cache row's weights and its optimizer state live in two tensors, ``weights [R, dim]`` and
+# ``state [R, S]``. Each twin gathers the touched rows of both, updates them with the same float32
+# operations, in the same order, as the torch (or FBGEMM) optimizer it mirrors, and scatters them
+# back: rows not in ``slots`` are never read or written. ``slots`` must be distinct (checked by
+# kernels/optim.py).
 
 
-def _optim_gather(rows: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
-    """Copy of the first ``width`` columns of ``rows[slots]``: ``[n, width]``."""
-    return rows.narrow(1, 0, width).index_select(0, slots)
+def _gather(t: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
+    """Copy of the first ``width`` columns of ``t[slots]``: ``[n, width]``."""
+    return t.narrow(1, 0, width).index_select(0, slots)
 
 
-def _optim_scatter(rows: torch.Tensor, slots: torch.Tensor, block: torch.Tensor) -> None:
-    """Write ``block`` (``[n, width]``) back into the first ``width`` columns of ``rows[slots]``."""
-    rows.narrow(1, 0, block.shape[1]).index_copy_(0, slots, block)
+def _scatter(t: torch.Tensor, slots: torch.Tensor, block: torch.Tensor) -> None:
+    """Write ``block`` (``[n, width]``) back into the first ``width`` columns of ``t[slots]``."""
+    t.narrow(1, 0, block.shape[1]).index_copy_(0, slots, block)
 
 
 def sgd_update_ref(
-    rows: torch.Tensor,
-    dim: int,
+    weights: torch.Tensor,
     slots: torch.Tensor,
     grads: torch.Tensor,
     lr: float,
@@ -36,26 +36,26 @@ def sgd_update_ref(
     """SGD on the touched rows, in place: ``w += -lr * (g + weight_decay * w)``.
 
     Args:
-        rows: float32 ``[R, >= dim]``; columns ``[0, dim)`` are the weights (no state).
-        dim: embedding dim.
+        weights: float32 ``[R, dim]`` (SGD keeps no state).
         slots: int64 ``[n]``, distinct rows to update.
         grads: float32 ``[n, dim]``, one gradient row per slot.
         lr: learning rate.
         weight_decay: L2 coefficient added to the gradient (0 disables it).
     """
+    dim = weights.shape[1]
     if weight_decay == 0.0:
         # The same arithmetic torch.optim.SGD applies for a sparse gradient: w + (-lr) * g;
         # gather + scatter of distinct slots is faster on the CPU than index_add_.
-        _optim_scatter(rows, slots, _optim_gather(rows, slots, dim).add_(grads, alpha=-lr))
+        _scatter(weights, slots, _gather(weights, slots, dim).add_(grads, alpha=-lr))
         return
-    block = _optim_gather(rows, slots, dim)  # [n, dim]
+    block = _gather(weights, slots, dim)  # [n, dim]
     block.add_(grads.add(block, alpha=weight_decay), alpha=-lr)
-    _optim_scatter(rows, slots, block)
+    _scatter(weights, slots, block)
 
 
 def adagrad_update_ref(
-    rows: torch.Tensor,
-    dim: int,
+    weights: torch.Tensor,
+    state: torch.Tensor,
     slots: torch.Tensor,
     grads: torch.Tensor,
     clr: float,
@@ -67,25 +67,26 @@ def adagrad_update_ref(
     ``g' = g + weight_decay * w``; ``acc += g' * g'``; ``w += -clr * (g' / (sqrt(acc) + eps))``.
 
     Args:
-        rows: float32 ``[R, >= 2 * dim]``: weights ``[0, dim)``, sum of squares ``[dim, 2 * dim)``.
-        dim: embedding dim.
+        weights: float32 ``[R, dim]``.
+        state: float32 ``[R, >= dim]``: the sum of squares in columns ``[0, dim)``.
         slots: int64 ``[n]``, distinct rows to update.
         grads: float32 ``[n, dim]``, one gradient row per slot.
         clr: the step's learning rate, ``lr / (1 + (step - 1) * lr_decay)``.
         eps: added to ``sqrt(acc)``.
         weight_decay: L2 coefficient added to the gradient (0 disables it).
     """
-    block = _optim_gather(rows, slots, 2 * dim)  # [n, 2 * dim]
-    w, acc = block[:, :dim], block[:, dim:]
+    dim = weights.shape[1]
+    w, acc = _gather(weights, slots, dim), _gather(state, slots, dim)  # [n, dim] each
     g = grads if weight_decay == 0.0 else grads.add(w, alpha=weight_decay)
     acc.add_(g * g)
     w.add_(g / acc.sqrt().add_(eps), alpha=-clr)
-    _optim_scatter(rows, slots, block)
+    _scatter(weights, slots, w)
+    _scatter(state, slots, acc)
 
 
 def rowwise_adagrad_update_ref(
-    rows: torch.Tensor,
-    dim: int,
+    weights: torch.Tensor,
+    state: torch.Tensor,
     slots: torch.Tensor,
     grads: torch.Tensor,
     lr: float,
@@ -99,28 +100,30 @@ def rowwise_adagrad_update_ref(
     ``w = (1 - mult * weight_decay) * w - mult * g``, which is ``w - mult * g'``.
 
     Args:
-        rows: float32 ``[R, >= dim + 1]``: weights ``[0, dim)``, sum of mean squares at ``dim``.
-        dim: embedding dim.
+        weights: float32 ``[R, dim]``.
+        state: float32 ``[R, >= 1]``: the sum of mean squares in column 0.
         slots: int64 ``[n]``, distinct rows to update.
         grads: float32 ``[n, dim]``, one gradient row per slot.
         lr: learning rate.
         eps: added to ``sqrt(acc)``.
         weight_decay: L2 coefficient (0 disables it).
     """
-    block = _optim_gather(rows, slots, dim + 1)  # [n, dim + 1]
-    w, acc = block[:, :dim], block[:, dim]
+    dim = weights.shape[1]
+    w, acc2 = _gather(weights, slots, dim), _gather(state, slots, 1)  # [n, dim], [n, 1]
+    acc = acc2[:, 0]
     g = grads if weight_decay == 0.0 else grads.add(w, alpha=weight_decay)
     acc.add_((g * g).sum(dim=1) / dim)
     mult = lr / (acc.sqrt() + eps)  # [n]
     if weight_decay != 0.0:
         w.mul_(1.0 - mult.unsqueeze(1) * weight_decay)
     w.sub_(grads * mult.unsqueeze(1))
-    _optim_scatter(rows, slots, block)
+    _scatter(weights, slots, w)
+    _scatter(state, slots, acc2)
 
 
 def adam_update_ref(
-    rows: torch.Tensor,
-    dim: int,
+    weights: torch.Tensor,
+    state: torch.Tensor,
     slots: torch.Tensor,
     grads: torch.Tensor,
     step_size: float,
@@ -135,9 +138,9 @@ def adam_update_ref(
     ``v += (g' * g' - v) * (1 - beta2)``; ``w += -step_size * (m / (sqrt(v) + eps))``.
 
     Args:
-        rows: float32 ``[R, >= 3 * dim]``: weights ``[0, dim)``, ``exp_avg`` ``[dim, 2 * dim)``,
-            ``exp_avg_sq`` ``[2 * dim, 3 * dim)``.
-        dim: embedding dim.
+        weights: float32 ``[R, dim]``.
+        state: float32 ``[R, >= 2 * dim]``: ``exp_avg`` in ``[0, dim)``, ``exp_avg_sq`` in
+            ``[dim, 2 * dim)``.
         slots: int64 ``[n]``, distinct rows to update.
         grads: float32 ``[n, dim]``, one gradient row per slot.
         step_size: ``lr * sqrt(1 - beta2**step) / (1 - beta1**step)``.
@@ -146,13 +149,15 @@ def adam_update_ref(
         eps: added to ``sqrt(v)``.
         weight_decay: L2 coefficient added to the gradient (0 disables it).
     """
-    block = _optim_gather(rows, slots, 3 * dim)  # [n, 3 * dim]
-    w, m, v = block[:, :dim], block[:, dim : 2 * dim], block[:, 2 * dim :]
+    dim = weights.shape[1]
+    w, mv = _gather(weights, slots, dim), _gather(state, slots, 2 * dim)  # [n, dim], [n, 2 dim]
+    m, v = mv[:, :dim], mv[:, dim:]
     g = grads if weight_decay == 0.0 else grads.add(w, alpha=weight_decay)
     m.add_((g - m).mul_(1.0 - beta1))
     v.add_((g * g).sub_(v).mul_(1.0 - beta2))
     w.add_(m.div(v.sqrt().add_(eps)).mul_(-step_size))
-    _optim_scatter(rows, slots, block)
+    _scatter(weights, slots, w)
+    _scatter(state, slots, mv)
 
 
 def aggregate_grads_ref(

@@ -47,6 +47,7 @@ class _DenseTable:
         if self.rows is None or self.created is None:
             n = self.spec.num_embeddings
             assert n is not None
+            _check_dense_fits(self.spec)  # a clear error, not the allocator's
             self.rows = torch.empty(n, self.spec.row_width, dtype=torch.float32)
             self.created = torch.zeros(n, dtype=torch.bool)
         return self.rows, self.created
@@ -92,6 +93,8 @@ class _DenseTable:
 
     def redeclare(self, spec: TableSpec) -> None:
         """Adopt ``spec`` (same dim and num_embeddings); reset state columns if they changed."""
+        if self.rows is not None and spec.state_dim != self.spec.state_dim:
+            _check_dense_fits(spec)  # the array is allocated again, wider
         old, self.spec = self.spec, spec
         if self.rows is None or self.created is None:
             return
@@ -195,8 +198,10 @@ _Table = _DenseTable | _HashTable
 
 
 def _check_dense_fits(spec: TableSpec) -> None:
-    """A bounded table is one dense array (pages committed as rows are touched): refuse one
-    larger than this machine's memory, which would fail at its first touch instead."""
+    """A bounded table is one dense array, allocated at its first write (pages committed as
+    rows are touched): refuse, before allocating, one larger than this machine's memory, which
+    the allocator would refuse with a raw error (declaring it allocates nothing, so a model on
+    the meta device may declare any size)."""
     if spec.num_embeddings is None:
         return
     need = spec.num_embeddings * (4 * spec.row_width + 1)  # rows and the `created` mask
@@ -254,14 +259,13 @@ class HostKV(Store):
 
         Raises:
             TypeError: ``spec`` is not a `TableSpec`.
-            ValueError: the table exists with another ``dim`` or ``num_embeddings``, or a
-                bounded table's dense array could not fit this machine's memory (refused
-                before anything is allocated or changed).
+            ValueError: the table exists with another ``dim`` or ``num_embeddings``, or its
+                rows are allocated and wider state columns could not fit this machine's memory
+                (refused before anything changes).
         """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"init_table expects a TableSpec, got {type(spec).__name__}")
         spec = dataclasses.replace(spec)  # our own copy: the caller may mutate theirs
-        _check_dense_fits(spec)
         with self._lock:
             self._check_open()
             table = self._tables.get(spec.name)

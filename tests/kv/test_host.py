@@ -344,11 +344,20 @@ def test_read_creates_nothing_and_sees_written_rows(layout: str) -> None:
 
 
 def test_a_dense_table_larger_than_memory_is_refused_before_anything_changes() -> None:
-    kv = make_store(spec_for("bounded", name="small"))
-    with pytest.raises(ValueError, match=r"'huge': 4,294,967,296 rows of 64 .* dense host array"):
-        kv.init_table(TableSpec("huge", dim=64, num_embeddings=2**32))
-    assert kv.tables() == ["small"] and kv.memory_bytes() == 0
-    kv.init_table(TableSpec("huge", dim=64, num_embeddings=None))  # hashed: grows as touched
+    """2**32 rows x 64: declaring allocates nothing (a meta-device model may); reading creates
+    nothing; the first write is refused with a ValueError before anything is allocated."""
+    kv = make_store(
+        spec_for("bounded", name="small"), TableSpec("huge", dim=64, num_embeddings=2**32)
+    )
+    ids = torch.tensor([0, 2**32 - 1])
+    assert kv.read("huge", ids).shape == (2, 64)
+    message = r"'huge': 4,294,967,296 rows of 64 float32 need [\d,]+ bytes as a dense host array"
+    with pytest.raises(ValueError, match=message):
+        kv.get("huge", ids)
+    with pytest.raises(ValueError, match="dense host array"):
+        kv.put("huge", ids, torch.ones(2, 64))
+    assert kv.memory_bytes() == 0 and kv.io_stats()["rows_created"] == 0
+    assert export_all(kv, "huge")[0].numel() == 0
     kv.get("small", torch.arange(3))
     with pytest.raises(ValueError, match="dense host array"):  # state columns that cannot fit
         kv.init_table(spec_for("bounded", name="small", state_dim=2**40))
