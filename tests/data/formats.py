@@ -13,15 +13,15 @@ NUM_INT, NUM_CAT = 13, 26
 POOL = 40  # distinct hex values per categorical feature
 
 
-def criteo_lines(n: int, seed: int) -> list[str]:
-    """``n`` Criteo text lines: label, 13 counts, 26 hex categoricals (some fields empty).
-    Labels follow one logistic model (of cat_0, cat_3 and the first count) for every seed;
-    the seed draws the samples."""
+def criteo_lines(n: int, seed: int, pool: int = POOL) -> list[str]:
+    """``n`` Criteo text lines: label, 13 counts, 26 hex categoricals (some fields empty),
+    each drawn Zipf(1.3) from ``pool`` values. Labels follow one logistic model (of cat_0,
+    cat_3 and the first count) for every seed; the seed draws the samples."""
     model = np.random.default_rng(1234)
-    values = model.integers(0, 2**32, size=(NUM_CAT, POOL), dtype=np.uint64)  # feature pools
-    effect = model.normal(0.0, 1.5, size=(NUM_CAT, POOL))
+    values = model.integers(0, 2**32, size=(NUM_CAT, pool), dtype=np.uint64)  # feature pools
+    effect = model.normal(0.0, 1.5, size=(NUM_CAT, pool))
     rng = np.random.default_rng(seed)
-    picks = np.minimum(rng.zipf(1.3, size=(n, NUM_CAT)) - 1, POOL - 1)
+    picks = np.minimum(rng.zipf(1.3, size=(n, NUM_CAT)) - 1, pool - 1)
     counts = rng.poisson(3.0, size=(n, NUM_INT)) - (rng.random((n, NUM_INT)) < 0.05)  # some -1
     logit = (
         effect[0, picks[:, 0]]
@@ -41,8 +41,8 @@ def criteo_lines(n: int, seed: int) -> list[str]:
     return lines
 
 
-def write_criteo(path: Path, n: int, seed: int = 0, gz: bool = False) -> Path:
-    text = "\n".join(criteo_lines(n, seed)) + "\n"
+def write_criteo(path: Path, n: int, seed: int = 0, gz: bool = False, pool: int = POOL) -> Path:
+    text = "\n".join(criteo_lines(n, seed, pool)) + "\n"
     if gz:
         with gzip.open(path, "wt") as f:
             f.write(text)

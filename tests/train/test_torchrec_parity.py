@@ -72,8 +72,8 @@ def test_embcache_and_torchrec_reach_the_same_auc(tmp_path: Path) -> None:
     want = evaluate(theirs, held)
     assert got["samples"] == want["samples"] > 800
     assert got["auc"] > 0.7, got  # it learned: the labels follow cat_0, cat_3 and I1
-    assert got["auc"] == pytest.approx(want["auc"], abs=2e-3)
-    assert got["logloss"] == pytest.approx(want["logloss"], rel=2e-3)
+    assert got["auc"] == pytest.approx(want["auc"], abs=1e-4)
+    assert got["logloss"] == pytest.approx(want["logloss"], rel=1e-4)
     ours.sparse_arch.flush()
     for name, weight in ebc.state_dict().items():
         torch.testing.assert_close(
