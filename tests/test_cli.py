@@ -381,3 +381,21 @@ def test_synthetic_options_are_refused_with_data(tmp_path: Path, capsys) -> None
     spec = _real_data("ml-100k", tmp_path)
     assert _exit_code(["train", "--data", spec, "--scale", "0.1"]) == 2
     assert "--scale describes the synthetic data" in capsys.readouterr().err
+
+
+def test_torchrun_runs_the_same_job(tmp_path: Path) -> None:
+    """Under torchrun (WORLD_SIZE set) each rank runs the one training job as its rank."""
+    spec = _real_data("ml-100k", tmp_path)
+    argv = ["train", "--data", spec, *[a for a in REAL if a not in ("--buckets", "500")]]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "embcache.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("embcache train: summary") == 1
+    assert "2 ranks" in done.stdout and "MovieLens ml-100k" in done.stdout
+    found = re.search(r"held-out\s+AUC ([\d.]+)", done.stdout)
+    assert found and float(found[1]) > 0.6, done.stdout
