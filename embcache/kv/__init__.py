@@ -5,12 +5,15 @@
 one from a URL.
 """
 
-from embcache.kv.base import RowInit, Store, TableSpec, default_init
+from embcache.kv.base import RowInit, ScorePolicy, Store, TableSpec, default_init
+from embcache.kv.bounded import TierCapacityError
 from embcache.kv.errors import (
     TierAuthError,
     TierCommandError,
+    TierConfigError,
     TierDataLossError,
     TierError,
+    TierFullError,
     TierOwnershipError,
     TierUnavailableError,
 )
@@ -20,12 +23,16 @@ from embcache.kv.url import open_store, redis_kv_class
 __all__ = [
     "HostKV",
     "RowInit",
+    "ScorePolicy",
     "Store",
     "TableSpec",
     "TierAuthError",
+    "TierCapacityError",
     "TierCommandError",
+    "TierConfigError",
     "TierDataLossError",
     "TierError",
+    "TierFullError",
     "TierOwnershipError",
     "TierUnavailableError",
     "default_init",

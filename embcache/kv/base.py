@@ -1,14 +1,25 @@
 """The contract between the device cache and the tiers behind it.
 
-A tier stores, per table, rows of ``dim + state_dim`` float32 values: the embedding weights and,
-beside them, the optimizer state (``[D | S]``), so a fetch or a write-back is one contiguous row.
+A tier stores, per table, rows of the embedding weights and, beside them, the optimizer state
+(``[D | S]``), so a fetch or a write-back is one contiguous row. The weights are kept in the
+table's ``dtype`` (float32, float16 or bfloat16) and the state always in float32; a stored row
+is a tensor of ``dtype`` whose last columns hold the float32 state's bits (two 16-bit columns
+per state value for a half-precision table), so a half-precision row moves half the weight
+bytes. `TableSpec.pack` / `TableSpec.unpack` convert between the two views.
+
 Rows are created on first touch by the table's initialiser, which is a function of the ids
 alone: the value a row starts with never depends on the order in which rows are touched.
+
+A table may be bounded (`TableSpec.capacity`): the tier then keeps at most that many rows and,
+to make room, evicts the rows of lowest score (`ScorePolicy`) that no reader has pinned
+(`Store.get` with ``pin=True``, released by `Store.unpin`). An evicted row is gone: touched
+again, it is created from its initialiser as a new id would be.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 import math
 import os
 import zlib
@@ -35,6 +46,20 @@ _INTEGER_DTYPES = frozenset(  # accepted for ids, which are converted to int64
 RowInit = Callable[[torch.Tensor, int], torch.Tensor]
 """``init(ids, dim) -> rows``: int64 ``[n]`` ids to float32 ``[n, dim]`` initial weights."""
 
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class ScorePolicy(enum.Enum):
+    """Which rows a bounded table evicts first: the lowest score.
+
+    LRU: the score is the tier's clock when the row was last released by a reader (`Store.unpin`)
+    or used unpinned (a ``get`` or ``put`` without a pin); LFU: the number of such uses. Rows a
+    reader holds pinned (the device cache's resident rows) keep their score until released.
+    """
+
+    LRU = "lru"
+    LFU = "lfu"
+
 
 @dataclass
 class TableSpec:
@@ -49,6 +74,11 @@ class TableSpec:
         state_init: initial value of every state column (AdaGrad's initial accumulator).
         init: initialiser of the weights of new rows; None for `default_init`.
         seed: seed of the default initialiser.
+        dtype: the weights' storage type: float32, float16 or bfloat16 (the state is float32).
+        capacity: most rows the tier keeps for this table (None: no bound). When full, making
+            room evicts the unpinned rows of lowest score; an evicted row touched again starts
+            from its initialiser.
+        score: the eviction score of a bounded table (`ScorePolicy` or ``"lru"``/``"lfu"``).
     """
 
     name: str
@@ -58,6 +88,9 @@ class TableSpec:
     state_init: float = 0.0
     init: RowInit | None = None
     seed: int = 0
+    dtype: torch.dtype = torch.float32
+    capacity: int | None = None
+    score: ScorePolicy | str = ScorePolicy.LRU
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -75,14 +108,84 @@ class TableSpec:
             raise ValueError(
                 f"table {self.name!r}: state_dim must be an int >= 0, got {self.state_dim!r}"
             )
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"table {self.name!r}: dtype must be float32, float16 or bfloat16, got "
+                f"{self.dtype!r}"
+            )
+        if self.capacity is not None and (
+            isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
+            or self.capacity < 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"table {self.name!r}: capacity must be a positive int or None, got "
+                f"{self.capacity!r}"
+            )
+        try:
+            self.score = ScorePolicy(
+                self.score.lower() if isinstance(self.score, str) else self.score
+            )
+        except ValueError:
+            raise ValueError(
+                f"table {self.name!r}: score must be 'lru' or 'lfu', got {self.score!r}"
+            ) from None
 
     @property
     def row_width(self) -> int:
-        """Columns of a stored row: ``dim + state_dim``."""
+        """Values of a row as float32: ``dim + state_dim`` (weights, then state)."""
         return self.dim + self.state_dim
 
+    @property
+    def state_columns(self) -> int:
+        """Columns of ``dtype`` the float32 state takes in a stored row."""
+        return self.state_dim * 4 // self.dtype.itemsize
+
+    @property
+    def stored_width(self) -> int:
+        """Columns of a stored row: ``dim`` weights and the state's `state_columns`."""
+        return self.dim + self.state_columns
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a stored row."""
+        return self.stored_width * self.dtype.itemsize
+
+    def pack(self, weights: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Stored rows ``[n, stored_width]`` of ``dtype`` from weights ``[n, dim]`` (of
+        ``dtype``, or float32, rounded to nearest) and float32 state ``[n, state_dim]``."""
+        rows = torch.empty(weights.shape[0], self.stored_width, dtype=self.dtype,
+                           device=weights.device)  # fmt: skip
+        rows[:, : self.dim] = weights
+        if self.state_dim:
+            state = state.to(torch.float32).contiguous().view(self.dtype)
+            rows[:, self.dim :] = state
+        return rows
+
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [n, dim] of dtype, state [n, state_dim] float32)`` of stored rows (the
+        weights are a view, the state a copy)."""
+        state = rows[:, self.dim :].contiguous().view(torch.float32)
+        return rows[:, : self.dim], state
+
+    def state_fill(self) -> torch.Tensor:
+        """The state columns of a fresh stored row: ``state_init`` as float32 bits, in
+        ``dtype`` (``[state_columns]``)."""
+        state = torch.full((self.state_dim,), float(self.state_init), dtype=torch.float32)
+        return state.view(self.dtype)
+
+    def to_float(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows as float32 ``[n, dim + state_dim]``: weights widened, then state."""
+        weights, state = self.unpack(rows)
+        return torch.cat([weights.to(torch.float32), state], dim=1)
+
+    def from_float(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows from float32 ``[n, dim + state_dim]`` (weights rounded to nearest)."""
+        rows = rows.to(torch.float32)
+        return self.pack(rows[:, : self.dim], rows[:, self.dim :])
+
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Fresh ``[n, dim + state_dim]`` float32 rows for ``ids`` (CPU int64 ``[n]``)."""
+        """Fresh stored rows ``[n, stored_width]`` for ``ids`` (CPU int64 ``[n]``): the
+        initialiser's float32 weights (rounded to nearest into ``dtype``), state_init state."""
         init = self.init or default_init(self)
         weights = init(ids, self.dim)
         if weights.shape != (ids.numel(), self.dim):
@@ -90,10 +193,8 @@ class TableSpec:
                 f"table {self.name!r}: init returned shape {tuple(weights.shape)}, "
                 f"expected {(ids.numel(), self.dim)}"
             )
-        rows = torch.empty(ids.numel(), self.row_width, dtype=torch.float32)
-        rows[:, : self.dim] = weights
-        rows[:, self.dim :] = self.state_init
-        return rows
+        state = torch.full((ids.numel(), self.state_dim), float(self.state_init))
+        return self.pack(weights, state)
 
 
 def host_memory_bytes() -> int:
@@ -206,20 +307,31 @@ def checked_ids(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
 
 
 def checked_rows(spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` as contiguous CPU float32 ``[n, dim + state_dim]``, or a TypeError/ValueError."""
+    """``rows`` as contiguous CPU stored rows ``[n, stored_width]`` of ``spec.dtype``, or a
+    TypeError/ValueError.
+
+    Accepted: stored rows (``spec.dtype``, ``stored_width`` columns), or any floating
+    ``[n, dim + state_dim]`` float view (`TableSpec.to_float`), whose weights are rounded to
+    nearest into ``spec.dtype``. For a float32 table the two are the same.
+    """
     if not isinstance(rows, torch.Tensor):
         raise TypeError(
             f"table {spec.name!r}: rows must be a torch.Tensor, got {type(rows).__name__}"
         )
     if not rows.is_floating_point():
         raise TypeError(f"table {spec.name!r}: rows must be floating point, got {rows.dtype}")
+    rows = rows.detach().to("cpu")
+    if rows.dtype == spec.dtype and tuple(rows.shape) == (ids.numel(), spec.stored_width):
+        return rows.contiguous()
     expected = (ids.numel(), spec.row_width)
     if tuple(rows.shape) != expected:
+        stored = f" or {spec.dtype} {(ids.numel(), spec.stored_width)}"
         raise ValueError(
-            f"table {spec.name!r}: rows have shape {tuple(rows.shape)}, expected {expected} "
-            f"({ids.numel()} ids x (dim={spec.dim} + state_dim={spec.state_dim}))"
+            f"table {spec.name!r}: rows have shape {tuple(rows.shape)} {rows.dtype}, expected "
+            f"{expected} ({ids.numel()} ids x (dim={spec.dim} + state_dim={spec.state_dim}))"
+            + (stored if spec.dtype != torch.float32 else "")
         )
-    return rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    return spec.from_float(rows).contiguous()
 
 
 class Store(abc.ABC):
@@ -228,13 +340,20 @@ class Store(abc.ABC):
     ``get`` creates rows that do not exist yet (with the table's initialiser) and returns them;
     ``read`` returns the same values but creates nothing (a row never written reads as its
     initial value, which is a function of its id, and stays absent); ``put`` overwrites rows
-    (creating them). All take CPU int64 ids; rows are CPU float32 ``[n, dim + state_dim]``.
-    Ids within one call are distinct. Calls are synchronous: when ``put`` returns, a later
-    ``get`` or ``read`` sees the rows.
+    (creating them). All take CPU int64 ids; rows are CPU stored rows ``[n, stored_width]`` of
+    the table's dtype (float32 ``[n, dim + state_dim]`` for a float32 table; see
+    `TableSpec.pack`), and ``put`` also takes the float32 view. Ids within one call are
+    distinct. Calls are synchronous: when ``put`` returns, a later ``get`` or ``read`` sees the
+    rows.
 
     Which rows exist matters for checkpoints: `export_rows` lists only them, so whole-table
     reads (``state_dict()``, ``table_rows``) go through ``read`` and a checkpoint holds only
     the rows that were looked up for training or written.
+
+    Bounded tables (``spec.capacity``): ``get(..., pin=True)`` pins the rows it returns (a
+    count per row) until `unpin`; a pinned row is never evicted. The device cache pins the
+    rows it holds, so a row that is resident, dirty or locked by a batch is never dropped
+    underneath it. Tiers that bound no table ignore pins.
 
     Capabilities, declared here with their defaults so callers never probe for them:
 
@@ -245,6 +364,8 @@ class Store(abc.ABC):
       that write through).
     * ``lease_owner``: the token under which this client holds its tables (None when the tier
       has no leases).
+    * `keeps_scores`: whether `export_rows` can give a table's eviction scores (bounded tables).
+    * `remove`, `row_count`: drop rows, count them (not every tier can).
     """
 
     parallel_io: bool = False
@@ -252,8 +373,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def init_table(self, spec: TableSpec) -> None:
         """Declare a table. Declaring it again with another ``state_dim``/``state_init`` keeps
-        the weights and resets the state columns; another ``dim`` or ``num_embeddings`` is a
-        ``ValueError``."""
+        the weights and resets the state columns; another ``dim``, ``num_embeddings`` or
+        ``dtype`` is a ``ValueError``."""
 
     @abc.abstractmethod
     def table_spec(self, table: str) -> TableSpec:
@@ -264,28 +385,50 @@ class Store(abc.ABC):
         """Names of the declared tables."""
 
     @abc.abstractmethod
-    def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``[n, dim + state_dim]`` of ``ids``; missing rows are created first."""
+    def get(self, table: str, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
+        """Stored rows of ``ids``; missing rows are created first. ``pin``: hold them until
+        `unpin` (bounded tables never evict a pinned row)."""
 
     @abc.abstractmethod
     def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``[n, dim + state_dim]`` of ``ids`` without creating any: a row that does not
-        exist reads as its initial value and is not stored."""
+        """Stored rows of ``ids`` without creating any: a row that does not exist reads as
+        its initial value and is not stored."""
 
     @abc.abstractmethod
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write rows ``[n, dim + state_dim]`` for ``ids``."""
+        """Write rows (stored, or the float32 view) for ``ids``."""
 
     @abc.abstractmethod
     def export_rows(
-        self, table: str, chunk_rows: int = 65536
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self, table: str, chunk_rows: int = 65536, scores: bool = False
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         """Every existing row of a table as ``(ids, rows)`` chunks of at most ``chunk_rows``,
-        ids ascending. Rows never touched are not listed (their value is the initialiser's)."""
+        ids ascending; with ``scores`` (tiers that `keeps_scores`), ``(ids, rows, scores)``.
+        Rows never touched are not listed (their value is the initialiser's)."""
 
     @abc.abstractmethod
-    def import_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Load rows from a checkpoint (same meaning as ``put``)."""
+    def import_rows(
+        self, table: str, ids: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> None:
+        """Load rows from a checkpoint (same meaning as ``put``), with their eviction scores
+        when given (bounded tables)."""
+
+    def unpin(self, table: str, ids: torch.Tensor) -> None:  # noqa: B027 (no pins kept by default)
+        """Release one pin of each of ``ids`` (pinned by ``get(..., pin=True)``)."""
+
+    def keeps_scores(self, table: str) -> bool:
+        """Whether ``table`` is bounded here, with eviction scores `export_rows` can give."""
+        del table
+        return False
+
+    def remove(self, table: str, ids: torch.Tensor) -> None:
+        """Drop the rows of ``ids`` (absent ones are ignored): touched again, they start from
+        their initialiser."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove rows of {table!r}")
+
+    def row_count(self, table: str) -> int:
+        """Rows of ``table`` that exist in this tier."""
+        raise NotImplementedError(f"{type(self).__name__} does not count the rows of {table!r}")
 
     def close(self) -> None:  # noqa: B027 (a tier holding no resources needs nothing here)
         """Release resources (connections, files). The store is unusable afterwards."""
@@ -308,7 +451,8 @@ class Store(abc.ABC):
 
 class IOStats(dict):
     """Traffic counters of a tier's ``get``/``put`` (what its ``io_stats()`` returns): rows and
-    bytes read and written, calls, rows created on first touch, plus any ``extra`` keys."""
+    bytes read and written, calls, rows created on first touch, rows evicted from bounded
+    tables (``tier_evictions``), plus any ``extra`` keys."""
 
     KEYS = (
         "rows_read",
@@ -318,6 +462,7 @@ class IOStats(dict):
         "get_calls",
         "put_calls",
         "rows_created",
+        "tier_evictions",
     )
 
     def __init__(self, extra: tuple[str, ...] = ()) -> None:

@@ -47,3 +47,14 @@ class TierCommandError(TierError):
 class TierAuthError(TierError, ConnectionError):
     """The server refused the credentials: no password given where one is required, or a
     wrong one. The message says how to give it, without showing it."""
+
+
+class TierFullError(TierCommandError):
+    """The tier refused a write for lack of memory (Redis at ``maxmemory`` under
+    ``maxmemory-policy noeviction``). Nothing was lost: the rows stay dirty in the cache and
+    the call can be made again once there is room. The message says how to make room."""
+
+
+class TierConfigError(TierError, ValueError):
+    """The tier is configured so that it could drop rows without telling us (a Redis
+    ``maxmemory`` with an ``allkeys-*`` eviction policy): refused when a table is declared."""

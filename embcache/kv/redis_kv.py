@@ -1,6 +1,7 @@
 """RedisKV: tables kept in a Redis server or a Redis Cluster, through redis-py (hiredis parser).
 
-Each row is one key holding ``dim + state_dim`` little-endian float32 values; keys carry
+Each row is one key holding ``dim`` little-endian weights of the table's dtype and
+``state_dim`` little-endian float32 values; keys carry
 hash-tag buckets, so on a cluster a batch costs one MGET/MSET per slot touched and on a single
 server one per chunk. The key layout, the spec record, the row encoding and the slot-grouped
 commands are in `embcache.kv.redis_wire`.
@@ -42,6 +43,8 @@ from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_row
 from embcache.kv.errors import (
     TierAuthError,
     TierCommandError,
+    TierConfigError,
+    TierFullError,
     TierUnavailableError,
 )
 from embcache.kv.redact import redact_url
@@ -226,6 +229,13 @@ class RedisKV(Store):
         """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"init_table expects a TableSpec, got {type(spec).__name__}")
+        if spec.capacity is not None:
+            raise ValueError(
+                f"table {spec.name!r}: RedisKV does not bound a table's rows (a Redis server is "
+                f"bounded by its maxmemory); bound it in front of Redis: "
+                f"TieredKV(RedisKV(...), capacity_rows=...) with the table's capacity, or a "
+                f"'tiered+redis://' store"
+            )
         spec = dataclasses.replace(spec)
         with self._declare_lock:
             with self._lock:
@@ -233,6 +243,7 @@ class RedisKV(Store):
                 known = self._tables.get(spec.name)
             if known is not None:
                 self._check_compatible(spec, spec_record(known.spec, known.buckets), "here")
+            self._call("init_table", spec.name, lambda: self._check_eviction_policy(spec.name))
             # The lease first: a job refused here has changed nothing on the server.
             self._call("init_table", spec.name, lambda: self._leases.take(spec.name))
             key = meta_key(self._ns, spec.name)
@@ -278,21 +289,23 @@ class RedisKV(Store):
 
     # -- rows ------------------------------------------------------------------------------
 
-    def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+    def get(self, table: str, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
         """Rows of ``ids``; rows missing on the server are created (never overwriting a row
         another client made meanwhile) and returned.
 
         Args:
             table: a declared table.
             ids: integer ``[n]``, in range for the table.
+            pin: ignored: no table here is bounded, so no row is ever evicted by us.
 
         Returns:
-            float32 ``[n, dim + state_dim]``.
+            stored rows ``[n, stored_width]`` of the table's dtype.
         """
+        del pin
         with self._lock:
             t = self._table(table)
         ids = checked_ids(t.spec, ids)
-        out = torch.empty(ids.numel(), t.spec.row_width, dtype=torch.float32)
+        out = torch.empty(ids.numel(), t.spec.stored_width, dtype=t.spec.dtype)
         created = 0
         for start in range(0, ids.numel(), self.chunk_rows):
             chunk = ids[start : start + self.chunk_rows]
@@ -311,12 +324,12 @@ class RedisKV(Store):
             ids: integer ``[n]``, in range for the table.
 
         Returns:
-            float32 ``[n, dim + state_dim]``.
+            stored rows ``[n, stored_width]`` of the table's dtype.
         """
         with self._lock:
             t = self._table(table)
         ids = checked_ids(t.spec, ids)
-        out = torch.empty(ids.numel(), t.spec.row_width, dtype=torch.float32)
+        out = torch.empty(ids.numel(), t.spec.stored_width, dtype=t.spec.dtype)
         for start in range(0, ids.numel(), self.chunk_rows):
             chunk = ids[start : start + self.chunk_rows]
             rows = self._call("read", table, lambda c=chunk: self._read_chunk(t, c))
@@ -333,18 +346,27 @@ class RedisKV(Store):
         Args:
             table: a declared table.
             ids: integer ``[n]``, in range for the table.
-            rows: floating ``[n, dim + state_dim]``.
+            rows: stored rows, or floating ``[n, dim + state_dim]``.
         """
         with self._lock:
             t = self._table(table)
         self._write(t, "put", ids, rows)
         self._count("written", ids.numel(), t)
 
+    def remove(self, table: str, ids: torch.Tensor) -> None:
+        """Delete the rows of ``ids`` (DEL, with the write marks incremented like any write)."""
+        with self._lock:
+            t = self._table(table)
+        ids = checked_ids(t.spec, ids)
+        for part in ids.split(self.chunk_rows):
+            batch = key_batch(t, part, self.cluster)
+            self._call("remove", table, lambda b=batch: self._marks.write(t, b, None))
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def export_rows(
-        self, table: str, chunk_rows: int = 65536
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self, table: str, chunk_rows: int = 65536, scores: bool = False
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         """Every row on the server as ``(ids, rows)`` chunks of at most ``chunk_rows``.
 
         Ids are ascending across the whole export, not just within a chunk: all the table's
@@ -354,6 +376,8 @@ class RedisKV(Store):
         """
         if not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        if scores:
+            raise ValueError(f"table {table!r} is not bounded here: it keeps no scores")
         with self._lock:
             t = self._table(table)
         # Marks before listing and after the last fetch: a server that lost writes before or
@@ -378,8 +402,12 @@ class RedisKV(Store):
                 self._call("export_rows", t.spec.name, lambda: self._marks.verify([t]))
             yield torch.cat(kept), torch.cat(rows)
 
-    def import_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Load checkpointed rows: `put` without counting in `io_stats`."""
+    def import_rows(
+        self, table: str, ids: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> None:
+        """Load checkpointed rows: `put` without counting in `io_stats` (no scores: no table
+        is bounded here)."""
+        del scores
         with self._lock:
             t = self._table(table)
         self._write(t, "import_rows", ids, rows)
@@ -457,6 +485,13 @@ class RedisKV(Store):
                 self._refresh_topology()
                 continue
             except redis.exceptions.ResponseError as err:
+                if str(err).startswith("OOM"):
+                    raise TierFullError(
+                        f"{self._describe()} is full: {op} on table {table!r} was refused "
+                        f"({error_text(err)}). Nothing was lost (the rows stay in the cache); "
+                        f"raise the server's maxmemory, or bound the tables in front of it "
+                        f"(a tier capacity), then repeat the call"
+                    ) from None
                 raise TierCommandError(
                     f"{self._describe()}: {op} on table {table!r} was refused by the server "
                     f"({type(err).__name__}): {error_text(err)}"
@@ -507,7 +542,35 @@ class RedisKV(Store):
                 f"the table's rows, or use another namespace"
             ) from None
 
+    def _check_eviction_policy(self, table: str) -> None:
+        """Refuse a server that may evict keys of every kind once full (``allkeys-*`` under a
+        ``maxmemory``): a row dropped there is re-created from its initial value, silently
+        when its bucket's write mark survived. ``noeviction`` refuses writes instead
+        (`TierFullError`); ``volatile-*`` evicts only keys with a TTL (the leases)."""
+        if isinstance(self._client, redis.cluster.RedisCluster):
+            info = self._client.info("memory", target_nodes=redis.cluster.RedisCluster.PRIMARIES)
+            nodes = [v for v in info.values() if isinstance(v, dict)] or [info]
+        else:
+            nodes = [self._client.info("memory")]
+        for node in nodes:
+            policy = str(node.get("maxmemory_policy", "noeviction"))
+            if int(node.get("maxmemory", 0) or 0) > 0 and policy.startswith("allkeys"):
+                raise TierConfigError(
+                    f"{self._describe()}: table {table!r}: the server evicts any key once full "
+                    f"(maxmemory {node.get('maxmemory')}, maxmemory-policy {policy}), which "
+                    f"would drop rows of the model; set maxmemory-policy noeviction (a full "
+                    f"server then refuses writes, and nothing is lost) or bound the tables "
+                    f"with a tier capacity in front of it"
+                )
+
     def _check_compatible(self, spec: TableSpec, stored: dict[str, Any], where: str) -> None:
+        dtype = str(spec.dtype).removeprefix("torch.")
+        if stored.get("dtype", "float32") != dtype:
+            raise ValueError(
+                f"table {spec.name!r} is declared with dtype {stored.get('dtype')} {where} "
+                f"(Redis tier {self.url}, namespace {self.namespace!r}); cannot declare it "
+                f"with dtype {dtype}"
+            )
         for field in ("dim", "num_embeddings"):
             if stored[field] != getattr(spec, field):
                 raise ValueError(
@@ -574,7 +637,7 @@ class RedisKV(Store):
         if found.numel() == ids.numel():
             return rows
         present = torch.isin(ids, found)  # found and rows keep the order of ``ids``
-        out = torch.empty(ids.numel(), t.spec.row_width, dtype=torch.float32)
+        out = torch.empty(ids.numel(), t.spec.stored_width, dtype=t.spec.dtype)
         out[present] = rows
         out[~present] = t.spec.initial_rows(ids[~present])
         return out
@@ -614,7 +677,7 @@ class RedisKV(Store):
         by a fault is finished by declaring the table again.
         """
         ids = self._call("init_table", t.spec.name, lambda: self._scan_ids(t))
-        weight_bytes = t.spec.dim * ROW_DTYPE.itemsize
+        weight_bytes = t.spec.dim * t.spec.dtype.itemsize
         state = np.full(t.spec.state_dim, t.spec.state_init, dtype=ROW_DTYPE).tobytes()
 
         def rewrite(part: torch.Tensor) -> None:

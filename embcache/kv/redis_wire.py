@@ -3,8 +3,9 @@
 Key layout, for namespace ``ns``, table ``T``, row id ``i``:
 
     ns:meta:T             JSON: the spec (name, dim, num_embeddings, state_dim, state_init,
-                          seed; never the init callable) and the table's bucket count B
-    ns:{h.b}:T:i          row i: ``dim + state_dim`` little-endian float32, ``[weights | state]``
+                          seed, dtype; never the init callable) and the table's bucket count B
+    ns:{h.b}:T:i          row i: ``dim`` little-endian weights of the table's dtype (float32,
+                          float16 or bfloat16), then ``state_dim`` little-endian float32
     ns:seq:T              write mark of the table (single server), see `embcache.kv.write_marks`
     ns:seq:{h.b}:T        write mark of bucket b (cluster: in the slot of the bucket's rows)
     ns:lease:T            the owner lease of the table, see `embcache.kv.redis_lease`
@@ -153,7 +154,7 @@ class TableLayout:
 
     @property
     def row_bytes(self) -> int:
-        return self.spec.row_width * ROW_DTYPE.itemsize
+        return self.spec.row_bytes
 
 
 @dataclasses.dataclass
@@ -230,6 +231,7 @@ def spec_record(spec: TableSpec, buckets: int) -> dict[str, Any]:
         "state_dim": spec.state_dim,
         "state_init": float(spec.state_init),
         "seed": spec.seed,
+        "dtype": str(spec.dtype).removeprefix("torch."),
         "buckets": buckets,
     }
 
@@ -260,7 +262,9 @@ def parse_spec_record(payload: bytes, table: str) -> dict[str, Any]:
         "state_init": lambda v: isinstance(v, int | float) and math.isfinite(v),
         "seed": lambda v: is_int(v),
         "buckets": lambda v: is_int(v) and 1 <= v <= MAX_BUCKETS,
+        "dtype": lambda v: v in _STORED,
     }
+    record.setdefault("dtype", "float32")  # written before tables had a dtype
     for name, ok in checks.items():
         if name not in record:
             raise ValueError(f"field {name!r} is missing")
@@ -269,25 +273,43 @@ def parse_spec_record(payload: bytes, table: str) -> dict[str, Any]:
     return record
 
 
+# Stored row dtype -> (integer dtype of the same width, its little-endian numpy dtype): rows go
+# over the wire as their bits, in a fixed byte order (numpy has no bfloat16).
+_STORED = {
+    "float32": (torch.int32, np.dtype("<i4")),
+    "float16": (torch.int16, np.dtype("<i2")),
+    "bfloat16": (torch.int16, np.dtype("<i2")),
+}
+
+
+def _wire(dtype: torch.dtype) -> tuple[torch.dtype, np.dtype]:
+    return _STORED[str(dtype).removeprefix("torch.")]
+
+
 def to_blobs(rows: torch.Tensor) -> list[bytes]:
-    """One bytes object per row of float32 ``[n, W]``, little-endian."""
-    data = rows.numpy().astype(ROW_DTYPE, copy=False).tobytes()
-    width = rows.shape[1] * ROW_DTYPE.itemsize
+    """One bytes object per stored row ``[n, W]`` (float32, float16 or bfloat16),
+    little-endian."""
+    bits, wire = _wire(rows.dtype)
+    data = rows.contiguous().view(bits).numpy().astype(wire, copy=False).tobytes()
+    width = rows.shape[1] * rows.dtype.itemsize
     return [data[k : k + width] for k in range(0, len(data), width)]
 
 
 def from_blobs(values: list[Any], t: TableLayout) -> torch.Tensor:
-    """float32 ``[n, W]`` from ``n`` row blobs, checking each has the table's width."""
+    """Stored rows ``[n, stored_width]`` of the table's dtype from ``n`` row blobs, checking
+    each has the table's width."""
     data = b"".join(values)
     if len(data) != len(values) * t.row_bytes:
         bad = next(v for v in values if len(v) != t.row_bytes)
         raise RuntimeError(
             f"table {t.spec.name!r}: a row on the server has {len(bad)} bytes, expected "
-            f"{t.row_bytes} (dim={t.spec.dim} + state_dim={t.spec.state_dim} float32); was the "
-            f"table re-declared with another state layout by another client?"
+            f"{t.row_bytes} (dim={t.spec.dim} {t.spec.dtype} + state_dim={t.spec.state_dim} "
+            f"float32); was the table re-declared with another state layout by another client?"
         )
-    flat = np.frombuffer(data, dtype=ROW_DTYPE).astype(np.float32)
-    return torch.from_numpy(flat).reshape(len(values), t.spec.row_width)
+    _, wire = _wire(t.spec.dtype)
+    flat = np.frombuffer(data, dtype=wire).astype(wire.newbyteorder("="))
+    rows = torch.from_numpy(flat).view(t.spec.dtype)
+    return rows.reshape(len(values), t.spec.stored_width)
 
 
 def run_commands(client: Client, commands: list[Command]) -> list[Any]:
@@ -381,13 +403,19 @@ def read_marked(
 
 
 def write_marked(
-    client: Client, t: TableLayout, batch: KeyBatch, blobs: list[bytes]
+    client: Client, t: TableLayout, batch: KeyBatch, blobs: list[bytes] | None
 ) -> tuple[list[int], list[Any]]:
-    """Write ``blobs`` (in the batch's key order) to ``batch.keys``, each group followed by the
-    ``INCR`` of its marks; returns ``(mark units, INCR replies)``."""
+    """Write ``blobs`` (in the batch's key order) to ``batch.keys`` (``None``: delete the
+    keys), each group followed by the ``INCR`` of its marks; returns ``(mark units, INCR
+    replies)``."""
     commands: list[Command] = []
     units: list[int] = []
     for (slot, a, b), group_units in zip(batch.groups, _group_units(t, batch), strict=True):
+        if blobs is None:
+            commands.append((slot, ("DEL", *batch.keys[a:b])))
+            commands.extend((slot, ("INCR", t.mark_keys[u])) for u in group_units)
+            units.extend(group_units)
+            continue
         args: list[bytes] = [b""] * (2 * (b - a))
         args[0::2] = batch.keys[a:b]
         args[1::2] = blobs[a:b]

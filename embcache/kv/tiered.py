@@ -13,11 +13,18 @@ those trips crosses the network. `TieredKV` keeps the most recently used ``capac
   the error propagates, so a later `flush` can still save every row;
 * `flush` writes every dirty row back; `export_rows` flushes first, then reads the back store.
 
-Each table's held rows live in one ``[slots, dim + state_dim]`` tensor with per-slot id, stamp
-(last use) and dirty arrays; a vectorised open-addressing index maps ids to slots. Every
-operation is vectorised over the ids of a call (no Python work per id); only eviction scans the
-held rows (a ``topk`` of their stamps), and it frees a little more than it must so that it runs
-once every few calls.
+Each table's held rows live in one ``[slots, stored_width]`` tensor (the table's dtype) with
+per-slot id, stamp (last use) and dirty arrays; a vectorised open-addressing index maps ids to
+slots. Every operation is vectorised over the ids of a call (no Python work per id); only
+eviction scans the held rows (a ``topk`` of their stamps), and it frees a little more than it
+must so that it runs once every few calls.
+
+A bounded table (``spec.capacity``) is bounded here, whatever the back store: a `BoundedIndex`
+directory lists the ids that exist (at most the capacity, with their scores and pins); a new id
+evicts the unpinned id of lowest score of its bucket, whose row is dropped here and removed from
+``back`` (`Store.remove`). A new id's row starts from the initialiser, held dirty, without a call
+to ``back``; `read` and `export_rows` consult the directory, so a row that ``back`` still holds
+after a failed removal is never seen again (its next write-back overwrites it).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
+from embcache.kv.bounded import BoundedIndex
 from embcache.kv.hash_index import HashIndex
 
 _MIN_SLOTS = 64
@@ -42,13 +50,19 @@ class _HeldTable:
 
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
-        self.rows = torch.empty(0, spec.row_width, dtype=torch.float32)  # [slots, W]
+        self.rows = torch.empty(0, spec.stored_width, dtype=spec.dtype)  # [slots, W]
         self.slot_id = torch.empty(0, dtype=torch.int64)  # id held by each slot, -1 when free
         self.stamp = torch.empty(0, dtype=torch.int64)  # last use of each slot
         self.dirty = torch.empty(0, dtype=torch.bool)  # slot newer than the back store
         self.free = torch.empty(0, dtype=torch.int64)  # free slots: a stack, top at free_top
         self.free_top = 0
         self.index = HashIndex()
+        # Bounded tables: which ids exist (held here or in back), at most spec.capacity.
+        self.directory = (
+            BoundedIndex(spec.capacity, spec.score)  # type: ignore[arg-type]
+            if spec.capacity is not None
+            else None
+        )
 
     def __len__(self) -> int:
         return len(self.index)
@@ -83,6 +97,11 @@ class _HeldTable:
         self.free[self.free_top : self.free_top + k] = slots
         self.free_top += k
 
+    def drop(self, ids: torch.Tensor) -> None:
+        """Stop holding the rows of ``ids`` that are held, dirty or not (they were evicted)."""
+        slots = self.lookup(ids)
+        self.remove(slots[slots >= 0])
+
     def dirty_slots(self) -> torch.Tensor:
         """Held slots with rows newer than the back store, in ascending id order."""
         slots = self.dirty.nonzero().flatten()
@@ -93,7 +112,7 @@ class _HeldTable:
             return
         old = self.slot_id.numel()
         size = max(_MIN_SLOTS, 2 * old, len(self) + k)
-        rows = torch.empty(size, self.spec.row_width, dtype=torch.float32)
+        rows = torch.empty(size, self.spec.stored_width, dtype=self.spec.dtype)
         rows[:old] = self.rows
         self.rows = rows
         self.slot_id = torch.cat([self.slot_id, torch.full((size - old,), _FREE)])
@@ -151,7 +170,8 @@ class TieredKV(Store):
     # -- tables ----------------------------------------------------------------------------
 
     def init_table(self, spec: TableSpec) -> None:
-        """Declare a table on ``back`` (see `Store.init_table`).
+        """Declare a table on ``back`` (see `Store.init_table`); a bounded table is bounded
+        here (``back`` is given the spec without the capacity).
 
         A re-declaration that changes the state layout first writes the table's dirty rows
         back and drops the rows held here, so ``back`` resets the state of every row.
@@ -163,7 +183,7 @@ class TieredKV(Store):
             held = self._tables.get(spec.name)
             if held is not None:
                 old = held.spec
-                for field in ("dim", "num_embeddings"):
+                for field in ("dim", "num_embeddings", "dtype", "capacity", "score"):
                     if getattr(old, field) != getattr(spec, field):
                         raise ValueError(
                             f"table {spec.name!r} is declared with {field}="
@@ -172,18 +192,24 @@ class TieredKV(Store):
                         )
                 if (old.state_dim, old.state_init) != (spec.state_dim, spec.state_init):
                     self._write_back(held, held.dirty_slots())
-                    del self._tables[spec.name]
-            self.back.init_table(spec)
-            spec = self.back.table_spec(spec.name)
-            if spec.name in self._tables:
-                self._tables[spec.name].spec = spec
-            else:
-                self._tables[spec.name] = _HeldTable(spec)
+            self.back.init_table(dataclasses.replace(spec, capacity=None))
+            declared = dataclasses.replace(
+                self.back.table_spec(spec.name), capacity=spec.capacity, score=spec.score
+            )
+            if held is not None and (held.spec.state_dim, held.spec.state_init) == (
+                declared.state_dim,
+                declared.state_init,
+            ):
+                held.spec = declared
+                return
+            fresh = _HeldTable(declared)  # nothing held: `back` has reset every row's state
+            if held is not None:
+                fresh.directory = held.directory  # which rows exist does not change
+            self._tables[spec.name] = fresh
 
     def table_spec(self, table: str) -> TableSpec:
         with self._lock:
-            self._check_open()
-            return self.back.table_spec(table)
+            return dataclasses.replace(self._table(table).spec)
 
     def tables(self) -> list[str]:
         with self._lock:
@@ -192,11 +218,12 @@ class TieredKV(Store):
 
     # -- rows ------------------------------------------------------------------------------
 
-    def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids``: held ones from memory, the others from ``back`` in one call.
+    def get(self, table: str, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
+        """Rows of ``ids``: held ones from memory, the others from ``back`` in one call (a
+        bounded table's new ids from the initialiser, evicting as needed).
 
         Returns:
-            float32 ``[n, dim + state_dim]``, a copy.
+            stored rows ``[n, stored_width]``, a copy.
         """
         with self._lock:
             held = self._table(table)
@@ -204,14 +231,17 @@ class TieredKV(Store):
             stamp = self._tick()
             slots = held.lookup(ids)
             hit = slots >= 0
-            out = torch.empty(ids.numel(), held.spec.row_width, dtype=torch.float32)
+            out = torch.empty(ids.numel(), held.spec.stored_width, dtype=held.spec.dtype)
             out[hit] = held.rows[slots[hit]]
             miss = ~hit
-            missing, inverse = torch.unique(ids[miss], return_inverse=True)
-            if missing.numel():
-                fetched = self.back.get(table, missing)
-                out[miss] = fetched[inverse]
-                held.insert(missing, fetched, dirty=False, stamp=stamp)
+            if held.directory is None:
+                missing, inverse = torch.unique(ids[miss], return_inverse=True)
+                if missing.numel():
+                    fetched = self.back.get(table, missing)
+                    out[miss] = fetched[inverse]
+                    held.insert(missing, fetched, dirty=False, stamp=stamp)
+            else:
+                self._get_bounded(held, ids, miss, out, pin, stamp)
             held.stamp[slots[hit]] = stamp
             n_hits = int(hit.sum())
             self._stats["hits"] += n_hits
@@ -220,23 +250,73 @@ class TieredKV(Store):
             self._evict()
             return out
 
+    def _get_bounded(
+        self,
+        held: _HeldTable,
+        ids: torch.Tensor,
+        miss: torch.Tensor,
+        out: torch.Tensor,
+        pin: bool,
+        stamp: int,
+    ) -> None:
+        """`get` of a bounded table: ids it lists but does not hold come from ``back``, new
+        ids from the initialiser (held dirty), making room by evicting."""
+        directory = held.directory
+        assert directory is not None
+        positions = directory.find(ids)
+        new = miss & (positions < 0)
+        stored = miss & (positions >= 0)
+        fresh = held.spec.initial_rows(ids[new]) if bool(new.any()) else None
+        if bool(stored.any()):
+            fetched = self.back.get(held.spec.name, ids[stored])
+            out[stored] = fetched
+            held.insert(ids[stored], fetched, dirty=False, stamp=stamp)
+        if fresh is not None:
+            positions[new] = self._insert_bounded(held, ids[new], positions[~new])
+            out[new] = fresh
+            held.insert(ids[new], fresh, dirty=True, stamp=stamp)
+            self._stats["rows_created"] += fresh.shape[0]
+        if pin:
+            directory.pin(positions)
+        else:
+            directory.touch(positions)
+
+    def _insert_bounded(
+        self, held: _HeldTable, new: torch.Tensor, guard: torch.Tensor
+    ) -> torch.Tensor:
+        """List new ids in a bounded table's directory; the ids evicted for them are dropped
+        here and removed from ``back``. Returns the new ids' positions."""
+        assert held.directory is not None
+        positions, evicted = held.directory.insert(new, guard)
+        if evicted.numel():
+            held.drop(evicted)
+            self._stats["tier_evictions"] += evicted.numel()
+            self.back.remove(held.spec.name, evicted)
+        return positions
+
     def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` without creating any: held ones from memory, the others from
         ``back.read``. Rows read from ``back`` are not held, so a whole-table read
         (``state_dict()``) does not push the working set out.
 
         Returns:
-            float32 ``[n, dim + state_dim]``, a copy.
+            stored rows ``[n, stored_width]``, a copy.
         """
         with self._lock:
             held = self._table(table)
             ids = checked_ids(held.spec, ids)
             slots = held.lookup(ids)
             hit = slots >= 0
-            out = torch.empty(ids.numel(), held.spec.row_width, dtype=torch.float32)
+            out = torch.empty(ids.numel(), held.spec.stored_width, dtype=held.spec.dtype)
             out[hit] = held.rows[slots[hit]]
-            if not bool(hit.all()):
-                out[~hit] = self.back.read(table, ids[~hit])
+            absent = torch.zeros_like(hit)
+            if held.directory is not None:  # evicted rows read as their initial values
+                absent = ~hit & (held.directory.find(ids) < 0)
+                if bool(absent.any()):
+                    out[absent] = held.spec.initial_rows(ids[absent])
+            rest = ~hit & ~absent
+            if bool(rest.any()):
+                out[rest] = self.back.read(table, ids[rest])
             self._count("read", ids.numel(), held.spec)
             return out
 
@@ -247,6 +327,13 @@ class TieredKV(Store):
             ids = checked_ids(held.spec, ids)
             rows = checked_rows(held.spec, ids, rows)
             stamp = self._tick()
+            if held.directory is not None:
+                positions = held.directory.find(ids)
+                new = positions < 0
+                if bool(new.any()):
+                    positions[new] = self._insert_bounded(held, ids[new], positions[~new])
+                unpinned = positions[held.directory.pins[positions] == 0]
+                held.directory.touch(unpinned)
             slots = held.lookup(ids)
             hit = slots >= 0
             hit_slots = slots[hit]
@@ -260,6 +347,39 @@ class TieredKV(Store):
             held.insert(missing, rows[source], dirty=True, stamp=stamp)
             self._count("written", ids.numel(), held.spec)
             self._evict()
+
+    def unpin(self, table: str, ids: torch.Tensor) -> None:
+        """Release one pin of each of ``ids`` of a bounded table (a no-op for others)."""
+        with self._lock:
+            held = self._table(table)
+            if held.directory is not None:
+                positions = held.directory.find(checked_ids(held.spec, ids))
+                held.directory.unpin(positions[positions >= 0])
+
+    def remove(self, table: str, ids: torch.Tensor) -> None:
+        """Drop the rows of ``ids`` here and in ``back``."""
+        with self._lock:
+            held = self._table(table)
+            ids = checked_ids(held.spec, ids)
+            held.drop(ids)
+            if held.directory is not None:
+                positions = held.directory.find(ids)
+                held.directory.remove(positions[positions >= 0])
+            self.back.remove(table, ids)
+
+    def row_count(self, table: str) -> int:
+        """Rows of ``table`` that exist: a bounded table's directory, else ``back``'s after the
+        dirty rows held here are written back."""
+        with self._lock:
+            held = self._table(table)
+            if held.directory is not None:
+                return len(held.directory)
+            self._write_back(held, held.dirty_slots())
+            return self.back.row_count(table)
+
+    def keeps_scores(self, table: str) -> bool:
+        with self._lock:
+            return self._table(table).directory is not None
 
     def flush(self) -> None:
         """Write every dirty row back (one ``back.put`` per table), then flush ``back``."""
@@ -276,20 +396,54 @@ class TieredKV(Store):
     # -- checkpoints -----------------------------------------------------------------------
 
     def export_rows(
-        self, table: str, chunk_rows: int = 65536
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The table's dirty rows are written back, then ``back.export_rows`` (its order)."""
+        self, table: str, chunk_rows: int = 65536, scores: bool = False
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The table's dirty rows are written back, then ``back.export_rows`` (its order); a
+        bounded table lists its directory's ids ascending (with their scores on request) and
+        reads their rows."""
         with self._lock:
             held = self._table(table)
             self._write_back(held, held.dirty_slots())
-            return self.back.export_rows(table, chunk_rows)
+            if held.directory is None:
+                if scores:
+                    raise ValueError(f"table {table!r} is not bounded: it keeps no scores")
+                return self.back.export_rows(table, chunk_rows)
+            ids, positions = held.directory.items()
+        return self._bounded_chunks(held, ids, positions, chunk_rows, scores)
 
-    def import_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Load rows into ``back``; copies held here take the new values (clean)."""
+    def _bounded_chunks(
+        self,
+        held: _HeldTable,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        chunk_rows: int,
+        scores: bool,
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        assert held.directory is not None
+        for start in range(0, ids.numel(), chunk_rows):
+            part = ids[start : start + chunk_rows]
+            rows = self.read(held.spec.name, part)
+            if scores:
+                yield part, rows, held.directory.scores[positions[start : start + chunk_rows]]
+            else:
+                yield part, rows
+
+    def import_rows(
+        self, table: str, ids: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> None:
+        """Load rows into ``back``; copies held here take the new values (clean). A bounded
+        table lists the ids (evicting as needed) with their scores when given."""
         with self._lock:
             held = self._table(table)
             ids = checked_ids(held.spec, ids)
             rows = checked_rows(held.spec, ids, rows)
+            if held.directory is not None:
+                positions = held.directory.find(ids)
+                new = positions < 0
+                if bool(new.any()):
+                    positions[new] = self._insert_bounded(held, ids[new], positions[~new])
+                if scores is not None:
+                    held.directory.set_scores(positions, scores.to(torch.int64))
             self.back.import_rows(table, ids, rows)
             slots = held.lookup(ids)
             hit = slots >= 0
@@ -304,8 +458,9 @@ class TieredKV(Store):
         ``rows_read``/``rows_written``/``bytes_read``/``bytes_written``/``get_calls``/
         ``put_calls``: traffic through this store's `get`/`read`/`put` (as `HostKV` counts
         it); ``hits``/``misses``: ids of `get` served here or fetched from ``back``;
-        ``evictions``: rows dropped for capacity; ``writebacks``: dirty rows written to
-        ``back`` (by eviction or flush).
+        ``evictions``: rows this host cache dropped for ``capacity_rows``; ``writebacks``: dirty
+        rows written to ``back`` (by eviction or flush); ``rows_created``: new rows of bounded
+        tables; ``tier_evictions``: rows of bounded tables evicted for their capacity (gone).
         """
         with self._lock:
             return dict(self._stats)
@@ -356,7 +511,7 @@ class TieredKV(Store):
     def _table(self, name: str) -> _HeldTable:
         self._check_open()
         held = self._tables.get(name)
-        if held is None:  # declared on the back store directly: adopt it
+        if held is None:  # declared on the back store directly: adopt it (unbounded here)
             held = _HeldTable(dataclasses.replace(self.back.table_spec(name)))
             self._tables[name] = held
         return held
@@ -394,4 +549,4 @@ class TieredKV(Store):
             self._stats["evictions"] += mine.numel()
 
     def _count(self, direction: str, n: int, spec: TableSpec) -> None:
-        self._stats.count(direction, n, spec.row_width * 4)
+        self._stats.count(direction, n, spec.row_bytes)

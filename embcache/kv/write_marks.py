@@ -175,9 +175,10 @@ class MarkGuard:
         self._check(t, book, units, expected, marks)
         return values
 
-    def write(self, t: TableLayout, batch: KeyBatch, blobs: list[bytes]) -> None:
-        """Write ``blobs`` (in the batch's key order), each group followed by its marks'
-        INCR; a reply not above the value remembered is `TierDataLossError`."""
+    def write(self, t: TableLayout, batch: KeyBatch, blobs: list[bytes] | None) -> None:
+        """Write ``blobs`` (in the batch's key order; None deletes the keys), each group
+        followed by its marks' INCR; a reply not above the value remembered is
+        `TierDataLossError`."""
         book = self._book(t)
         expected = book.snapshot()
         units, replies = write_marked(self._client, t, batch, blobs)

@@ -351,7 +351,7 @@ def test_a_dense_table_larger_than_memory_is_refused_before_anything_changes() -
     )
     ids = torch.tensor([0, 2**32 - 1])
     assert kv.read("huge", ids).shape == (2, 64)
-    message = r"'huge': 4,294,967,296 rows of 64 float32 need [\d,]+ bytes as a dense host array"
+    message = r"'huge': 4,294,967,296 rows of 256 bytes need [\d,]+ bytes as a dense host array"
     with pytest.raises(ValueError, match=message):
         kv.get("huge", ids)
     with pytest.raises(ValueError, match="dense host array"):
@@ -379,6 +379,7 @@ def test_io_stats_add_up(layout: str) -> None:
         "get_calls": 3,
         "put_calls": 1,
         "rows_created": 25,
+        "tier_evictions": 0,
     }
     kv.reset_io_stats()
     assert set(kv.io_stats().values()) == {0}

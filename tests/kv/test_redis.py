@@ -145,6 +145,7 @@ def test_io_stats_count_rows_and_bytes(server: RedisServer) -> None:
         "get_calls": 2,
         "put_calls": 1,
         "rows_created": 10,
+        "tier_evictions": 0,
     }
     kv.reset_io_stats()
     assert set(kv.io_stats().values()) == {0}
