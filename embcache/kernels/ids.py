@@ -1,11 +1,16 @@
 """Ids: validate and fuse per-feature ids, unfuse them, and dedup a batch.
 
 A batch arrives as the values of F features concatenated (a KeyedJaggedTensor's values). Each
-id is checked against its table (``0 <= id < num_embeddings``) and the fusion width
+id of a bounded table is checked against it (``0 <= id < num_embeddings``) and the fusion width
 (``id < 2**fusion_k``), then fused with its table index, ``id | (table_idx << fusion_k)``, so
-that one cache can hold the rows of several tables. The check costs a single host sync on the
-good path: the kernel writes a per-value verdict, one ``.any()`` reads it back, and only a bad
-batch pays for finding and naming the first offender.
+that one cache can hold the rows of several tables. An unbounded table takes any int64 id (raw
+64-bit hashes included): one in ``[0, 2**fusion_k)`` is kept as it is, any other is folded
+into the id bits by a hash, ``mix64(id) & (2**fusion_k - 1)``, so two ids may share a row (with
+fusion_k bits and n folded ids, about ``n / 2**fusion_k`` of them do).
+
+The check costs a single host sync on the good path: the kernel writes a per-value verdict,
+one ``.any()`` reads it back, and only a bad batch pays for finding and naming the first
+offender.
 
 Dedup design: sort-based, not hash-based. The cache and the tests want the unique ids sorted
 ascending (sets are resolved in id order, results are reproducible), so a hash table would still
@@ -48,7 +53,12 @@ def _fuse_ids_kernel(
     fusion_k,
     BLOCK_N: tl.constexpr,
 ):
-    """``fused = id | (table << fusion_k)``; verdict 0 ok, 1 negative, 2 >= rows, 3 >= 2**k."""
+    """``fused = id | (table << fusion_k)``; verdict 0 ok, 1 negative, 2 >= rows, 3 >= 2**k.
+
+    An unbounded table's id (``num_embeddings < 0``) outside ``[0, 2**fusion_k)`` is folded:
+    ``mix64(id) & (2**fusion_k - 1)`` (splitmix64's finaliser in uint64, as `set_index`), and
+    always judged ok.
+    """
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < nnz
@@ -56,10 +66,19 @@ def _fuse_ids_kernel(
     b_feat = tl.load(value_features_ptr + o_n, mask=m_n, other=0)
     b_table = tl.load(table_idx_ptr + b_feat, mask=m_n, other=0)
     b_rows = tl.load(num_embeddings_ptr + b_feat, mask=m_n, other=-1)
+    b_wide = (b_id >> fusion_k) != 0  # negative ids too
+    b_z = b_id.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
+    b_z = (b_z ^ (b_z >> 30)) * 0xBF58476D1CE4E5B9
+    b_z = (b_z ^ (b_z >> 27)) * 0x94D049BB133111EB
+    b_z = b_z ^ (b_z >> 31)
+    b_mask = (tl.full((), 1, tl.int64) << fusion_k) - 1
+    b_folded = b_z.to(tl.int64, bitcast=True) & b_mask
+    m_fold = (b_rows < 0) & b_wide
+    b_id = tl.where(m_fold, b_folded, b_id)
     b_verdict = tl.where(
-        b_id < 0,
-        1,
-        tl.where((b_rows >= 0) & (b_id >= b_rows), 2, tl.where((b_id >> fusion_k) != 0, 3, 0)),
+        b_rows < 0,
+        0,
+        tl.where(b_id < 0, 1, tl.where(b_id >= b_rows, 2, tl.where(b_wide, 3, 0))),
     )
     tl.store(fused_ptr + o_n, b_id | (b_table << fusion_k), mask=m_n)
     tl.store(verdict_ptr + o_n, b_verdict.to(tl.int8), mask=m_n)

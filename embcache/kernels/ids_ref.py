@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from embcache.hashing import mix64
+
 # Per-value verdict of `fuse_ids_ref`, in the order the checks are made.
 ID_OK = 0
 ID_NEGATIVE = 1
@@ -22,7 +24,9 @@ def fuse_ids_ref(
     num_embeddings: torch.Tensor,
     fusion_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fuse each id with its table index and judge it, without raising.
+    """Fuse each id with its table index and judge it, without raising. An unbounded table's
+    id outside ``[0, 2**fusion_k)`` is folded to ``mix64(id) & (2**fusion_k - 1)`` and judged
+    ok.
 
     Args:
         values: int32 or int64 ``[nnz]`` ids.
@@ -38,6 +42,9 @@ def fuse_ids_ref(
     """
     ids = values.to(torch.int64)
     table = table_idx.index_select(0, value_features)
+    if bool((num_embeddings < 0).any()):  # unbounded tables: fold ids beyond the id bits
+        fold = (num_embeddings.index_select(0, value_features) < 0) & ((ids >> fusion_k) != 0)
+        ids = torch.where(fold, mix64(ids) & ((1 << fusion_k) - 1), ids)
     fused = ids | (table << fusion_k)
     # Good path: one bound per feature, min(num_embeddings, 2**fusion_k), and one mask.
     fits = (1 << fusion_k) if fusion_k < 63 else torch.iinfo(torch.int64).max

@@ -1,7 +1,11 @@
 """Optimizer row updates: one fused kernel reads a row's weights and state and writes both.
 
 A cache row's weights ``[dim]`` and its optimizer state ``[S]`` (``S = state_dim(rule, dim)``)
-live in two float32 tensors, ``weights [R, dim]`` and ``state [R, >= S]``:
+live in two tensors, ``weights [R, dim]`` (float32, float16 or bfloat16) and float32
+``state [R, >= S]``. Half-precision weights are widened to float32, updated in float32, and
+stored back rounded stochastically (`kernels.rounding`: unbiased, FBGEMM's default for fp16
+weights; the draws are a function of the seed, the step, the row's id and the column, so both
+backends give the same bits) or, without ids to draw for, to nearest. The state stays float32.
 
 =================  =========  ===========================================================
 rule               S          state columns
@@ -60,6 +64,7 @@ from embcache.kernels.optim_ref import (
     rowwise_adagrad_update_ref,
     sgd_update_ref,
 )
+from embcache.kernels.rounding import rounding_key, row_hash, store_weights
 
 
 class OptimRule(enum.IntEnum):
@@ -176,6 +181,7 @@ def _row_update_kernel(
     state_ptr,
     slots_ptr,
     grads_ptr,
+    ids_ptr,
     n,
     dim,
     stride_wn,
@@ -189,12 +195,15 @@ def _row_update_kernel(
     one_minus_beta1,
     one_minus_beta2,
     weight_decay,
+    key,
     RULE: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Update rows ``slots[i]`` of ``weights`` and ``state`` with ``grads[i]`` in place.
+    """Update rows ``slots[i]`` of ``weights`` and ``state`` with ``grads[i]`` in place; a
+    negative slot is skipped.
 
     ``lr`` is the step's effective rate (SGD and ROWWISE_ADAGRAD: lr; ADAGRAD: the decayed
     ``clr``; ADAM: ``lr * sqrt(1 - beta2**step) / (1 - beta1**step)``). With weight decay
@@ -210,13 +219,18 @@ def _row_update_kernel(
 
     Division and square root are IEEE-rounded (``div_rn``, ``sqrt_rn``), as torch's are; a
     product feeds an add unrounded (an FMA) exactly where torch's op is ``add(x, alpha=a)``:
-    the weight decay term and the SGD and ADAGRAD weight updates.
+    the weight decay term and the SGD and ADAGRAD weight updates. Weights are read widened to
+    float32 and stored through `rounding.store_weights` (half precision: stochastically, with
+    the draws of ``(key, ids[i], column)``, when STOCHASTIC; else to nearest).
     One program per ``BLOCK_N`` slots, ``BLOCK_D`` columns at a time.
     """
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    m_n = o_n < n
-    b_slot = tl.load(slots_ptr + o_n, mask=m_n, other=0).to(tl.int64)  # [BLOCK_N]
+    b_slot = tl.load(slots_ptr + o_n, mask=o_n < n, other=-1).to(tl.int64)  # [BLOCK_N]
+    m_n = (o_n < n) & (b_slot >= 0)
+    b_row = tl.zeros([BLOCK_N], dtype=tl.int64)
+    if STOCHASTIC:
+        b_row = row_hash(tl.load(ids_ptr + o_n, mask=m_n, other=0).to(tl.int64), key)
     p_row = weights_ptr + b_slot * stride_wn  # [BLOCK_N]
     p_state = state_ptr + b_slot * stride_sn  # [BLOCK_N]
     p_grad = grads_ptr + o_n * stride_gn  # [BLOCK_N]
@@ -231,7 +245,7 @@ def _row_update_kernel(
             b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
             if HAS_WEIGHT_DECAY:
                 p_w = p_row[:, None] + o_d[None, :] * stride_wd
-                b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+                b_w = tl.load(p_w, mask=m_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
                 b_g = _axpy(weight_decay, b_w, b_g)
             b_sq += tl.sum(b_g * b_g, axis=1)
         p_acc = p_state  # [BLOCK_N]
@@ -245,12 +259,12 @@ def _row_update_kernel(
             m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
             p_w = p_row[:, None] + o_d[None, :] * stride_wd
             p_g = p_grad[:, None] + o_d[None, :] * stride_gd
-            b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_w = tl.load(p_w, mask=m_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
             b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
             if HAS_WEIGHT_DECAY:
                 b_w = b_corr[:, None] * b_w
             b_w = b_w - b_g * b_mult[:, None]
-            tl.store(p_w, b_w, mask=m_nd)
+            store_weights(p_w, b_w, m_nd, b_row, o_d, STOCHASTIC)
     else:
         for d0 in range(0, dim, BLOCK_D):
             o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
@@ -258,7 +272,7 @@ def _row_update_kernel(
             p_w = p_row[:, None] + o_d[None, :] * stride_wd  # [BLOCK_N, BLOCK_D]
             p_s = p_state[:, None] + o_d[None, :] * stride_sd  # [BLOCK_N, BLOCK_D]
             p_g = p_grad[:, None] + o_d[None, :] * stride_gd
-            b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_w = tl.load(p_w, mask=m_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
             b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
             if HAS_WEIGHT_DECAY:
                 b_g = _axpy(weight_decay, b_w, b_g)
@@ -279,7 +293,7 @@ def _row_update_kernel(
                 tl.store(p_m, b_m, mask=m_nd)
                 tl.store(p_v, b_v, mask=m_nd)
                 b_w = b_w + (-lr) * tl.div_rn(b_m, tl.sqrt_rn(b_v) + eps)
-            tl.store(p_w, b_w, mask=m_nd)
+            store_weights(p_w, b_w, m_nd, b_row, o_d, STOCHASTIC)
 
 
 @triton.jit
@@ -343,10 +357,13 @@ def row_update_triton(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    ids: torch.Tensor | None = None,
+    key: int = 0,
 ) -> None:
     """Launch `_row_update_kernel` on checked inputs (see `apply_row_update`).
 
-    ``lr`` is the step's effective rate, as the kernel's docstring says.
+    ``lr`` is the step's effective rate, as the kernel's docstring says; ``ids`` (with
+    ``key``) make half-precision weights round stochastically.
     """
     n, dim = slots.numel(), weights.shape[1]
     if n == 0:
@@ -354,11 +371,13 @@ def row_update_triton(
     block_d = min(triton.next_power_of_2(dim), _ROW_MAX_BLOCK_D)
     block_n = min(max(_ROW_ELEMS // block_d, 1), triton.next_power_of_2(n))
     grid = (triton.cdiv(n, block_n),)
+    stochastic = ids is not None and weights.dtype != torch.float32
     _row_update_kernel[grid](
         weights,
         state,
         slots,
         grads,
+        ids if ids is not None else slots,
         n,
         dim,
         weights.stride(0),
@@ -372,8 +391,10 @@ def row_update_triton(
         1.0 - beta1,
         1.0 - beta2,
         weight_decay,
+        key,
         RULE=int(rule),
         HAS_WEIGHT_DECAY=weight_decay != 0.0,
+        STOCHASTIC=stochastic,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         # No implicit FMA contraction: a * b + c stays two roundings, as in torch's separate
@@ -441,11 +462,12 @@ def _check_row_update(
     grads: torch.Tensor,
     update: RowUpdate,
     check_slots: bool = True,
+    ids: torch.Tensor | None = None,
 ) -> None:
     """Raise TypeError/ValueError naming the first bad input; reads rows, never writes."""
     if not isinstance(update, RowUpdate):
         raise TypeError(f"update must be a RowUpdate, got {type(update).__name__}")
-    check_tensor("weights", weights, torch.float32, 2)
+    check_tensor("weights", weights, (torch.float32, torch.float16, torch.bfloat16), 2)
     check_tensor("state", state, torch.float32, 2)
     check_tensor("slots", slots, torch.int64)
     check_tensor("grads", grads, torch.float32)
@@ -464,6 +486,10 @@ def _check_row_update(
     n = slots.numel()
     if tuple(grads.shape) != (n, dim):
         raise ValueError(f"grads must have shape [n, dim] = [{n}, {dim}], got {tuple(grads.shape)}")
+    if ids is not None:
+        check_tensor("ids", ids, torch.int64, 1)
+        require(ids.numel() == n, f"ids has {ids.numel()} entries, slots {n}: one id per slot")
+        require(ids.device == slots.device, f"ids is on {ids.device}, slots on {slots.device}")
     devices = {weights.device, state.device, slots.device, grads.device}
     require(
         len(devices) == 1,
@@ -475,16 +501,18 @@ def _check_row_update(
     rows = weights.shape[0]
     # One host sync for the range and distinctness checks; details only on the error path.
     sorted_slots = torch.sort(slots).values
-    bad = (sorted_slots[0] < 0) | (sorted_slots[-1] >= rows)
+    bad = (sorted_slots[0] < -1) | (sorted_slots[-1] >= rows)
     if n > 1:
-        bad = bad | (sorted_slots[1:] == sorted_slots[:-1]).any()
+        repeated = (sorted_slots[1:] == sorted_slots[:-1]) & (sorted_slots[1:] >= 0)
+        bad = bad | repeated.any()
     if bool(bad):
         lo, hi = int(sorted_slots[0]), int(sorted_slots[-1])
-        if lo < 0 or hi >= rows:
+        if lo < -1 or hi >= rows:
             raise ValueError(
-                f"slots must lie in [0, {rows}) (the rows of `weights`), got min {lo}, max {hi}"
+                f"slots must lie in [0, {rows}) (the rows of `weights`; -1 skips a row), got "
+                f"min {lo}, max {hi}"
             )
-        dup = sorted_slots[1:][sorted_slots[1:] == sorted_slots[:-1]]
+        dup = sorted_slots[1:][(sorted_slots[1:] == sorted_slots[:-1]) & (sorted_slots[1:] >= 0)]
         raise ValueError(f"slots must be distinct; row {int(dup[0])} appears more than once")
 
 
@@ -496,6 +524,8 @@ def apply_row_update(
     update: RowUpdate,
     step: int,
     check_slots: bool = True,
+    ids: torch.Tensor | None = None,
+    seed: int = 0,
 ) -> None:
     """Apply one optimizer step to the rows ``slots`` of ``weights`` and ``state``, in place.
 
@@ -503,10 +533,12 @@ def apply_row_update(
     on CPU, see `backend`). Rows not in ``slots`` are left bit-identical.
 
     Args:
-        weights: float32 ``[R, dim]`` (may be a strided view).
+        weights: ``[R, dim]`` float32, float16 or bfloat16 (may be a strided view); half
+            precision is updated in float32 and rounded back (see ``ids``).
         state: float32 ``[R, C]``, ``C >= state_dim(update.rule, dim)``: the rule's state in
             columns ``[0, S)``; further columns are untouched (``C = 0`` for SGD).
-        slots: int64 ``[n]``, distinct row indices in ``[0, R)``.
+        slots: int64 ``[n]``, distinct row indices in ``[0, R)``, or -1 for a row to skip (an
+            id the cache has not admitted: its gradient is dropped).
         grads: float32 ``[n, dim]``, one aggregated gradient row per slot (see
             `aggregate_grads`).
         update: the rule and its hyper-parameters.
@@ -514,6 +546,9 @@ def apply_row_update(
             ADAM's bias corrections and ADAGRAD's ``lr_decay``.
         check_slots: verify that slots are in range and distinct (a sort and a host sync).
             Callers whose slots come from a cache resolve, distinct by construction, skip it.
+        ids: int64 ``[n]``, the rows' ids (fused ids): half-precision weights are then rounded
+            stochastically with draws of ``(seed, step, id, column)``; None rounds to nearest.
+        seed: the seed of those draws.
 
     Raises:
         TypeError: a wrong type or dtype.
@@ -521,9 +556,11 @@ def apply_row_update(
             repeated, mismatched devices, ``step < 1``. Nothing is changed when raised.
     """
     step = _check_step(step)
-    _check_row_update(weights, state, slots, grads, update, check_slots)
+    _check_row_update(weights, state, slots, grads, update, check_slots, ids)
     if slots.numel() == 0:
         return
+    if ids is not None and weights.dtype == torch.float32:
+        ids = None  # nothing to round
     rule = update.rule
     lr = update.lr
     if rule == OptimRule.ADAGRAD:
@@ -533,18 +570,25 @@ def apply_row_update(
         lr = update.lr * math.sqrt(1 - update.beta2**step) / (1 - update.beta1**step)
 
     wd = update.weight_decay
+    key = rounding_key(seed, step)
     if use_triton(weights):
         row_update_triton(weights, state, slots, grads, rule, lr, update.eps, update.beta1,
-                          update.beta2, wd)  # fmt: skip
-    elif rule == OptimRule.SGD:
-        sgd_update_ref(weights, slots, grads, lr, wd)
+                          update.beta2, wd, ids, key)  # fmt: skip
+        return
+    keep = slots >= 0  # the CPU path: dropping skipped rows costs no device sync
+    if not bool(keep.all()):
+        slots, grads = slots[keep], grads[keep]
+        ids = None if ids is None else ids[keep]
+    rounding = (ids, key)
+    if rule == OptimRule.SGD:
+        sgd_update_ref(weights, slots, grads, lr, wd, rounding)
     elif rule == OptimRule.ADAGRAD:
-        adagrad_update_ref(weights, state, slots, grads, lr, update.eps, wd)
+        adagrad_update_ref(weights, state, slots, grads, lr, update.eps, wd, rounding)
     elif rule == OptimRule.ROWWISE_ADAGRAD:
-        rowwise_adagrad_update_ref(weights, state, slots, grads, lr, update.eps, wd)
+        rowwise_adagrad_update_ref(weights, state, slots, grads, lr, update.eps, wd, rounding)
     else:
         adam_update_ref(weights, state, slots, grads, lr, update.beta1, update.beta2,
-                        update.eps, wd)  # fmt: skip
+                        update.eps, wd, rounding)  # fmt: skip
 
 
 def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

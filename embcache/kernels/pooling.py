@@ -1,10 +1,11 @@
 """Pooling: bags of cache rows -> pooled output, and its gradient -> one row per unique id.
 
 The forward reads rows straight from the cache slots: value j of a batch is the row
-``rows[slots[inverse[j]], :dim]`` (the cache row is ``[weights | optimizer state]``; only the
-first ``dim`` columns are read). Bags are feature-major: bag ``q = i * B + b`` is feature i of
-sample b and writes ``out[b, col_offsets[i] : col_offsets[i] + dim]``, so tables of different
-dims fill one ``[B, sum(dims)]`` output, one call per table.
+``rows[slots[inverse[j]], :dim]``, float32, float16 or bfloat16, accumulated in float32; a
+negative slot (an id the cache has not admitted) reads as a row of zeros. Bags are
+feature-major: bag ``q = i * B + b`` is feature i of sample b and writes
+``out[b, col_offsets[i] : col_offsets[i] + dim]``, so tables of different dims fill one
+``[B, sum(dims)]`` output, one call per table.
 
 Modes, with per-sample weights ``w_j`` (1 when absent) over the values j of a bag of length L:
 
@@ -32,6 +33,8 @@ import triton.language as tl
 from embcache.kernels import pooling_ref
 from embcache.kernels.backend import use_triton
 from embcache.kernels.checks import as_index, require
+
+_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class PoolingMode(enum.IntEnum):
@@ -71,7 +74,7 @@ def _pool_forward_kernel(
     """One bag, BLOCK_D columns: ``out[b, col + d] = pool_j(w_j * rows[slots[inverse[j]], d])``.
 
     MODE 0 SUM, 1 MEAN (sum / length), 2 MAX (also stores the first arg-max value index, -1 for
-    an empty bag). Accumulates in fp32.
+    an empty bag). Rows of any float dtype, accumulated in fp32; a slot < 0 is a zero row.
     """
     i_bag = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
@@ -91,7 +94,8 @@ def _pool_forward_kernel(
         b_slot = tl.load(slots_ptr + b_unique, mask=m_n, other=0).to(tl.int64)
         p_x = rows_ptr + b_slot[:, None] * stride_row + o_d[None, :] * stride_row_col
         m_x = m_n[:, None] & m_d[None, :]  # [BLOCK_N, BLOCK_D]
-        b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        m_row = m_x & (b_slot >= 0)[:, None]
+        b_x = tl.load(p_x, mask=m_row, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
         if HAS_WEIGHTS:
             b_w = tl.load(weights_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
             b_x = b_x * b_w[:, None]
@@ -345,9 +349,10 @@ def pool_forward(
     ``[B, 12]``, and a table of dim 4 for f2 at column 8: two calls fill the whole output.
 
     Args:
-        rows: float32 ``[R, W]``, ``W >= dim``, the cache rows (may be a strided view).
+        rows: ``[R, W]`` float32, float16 or bfloat16, ``W >= dim``, the cache rows (may be a
+            strided view); pooled in float32.
         dim: embedding dim of this table; columns ``[0, dim)`` of a row are read.
-        slots: int64 ``[U]``, cache row of each unique id.
+        slots: int64 ``[U]``, cache row of each unique id; -1 reads as a row of zeros.
         inverse: int64 ``[nnz]``, unique index of each value.
         offsets: int64 ``[F * B + 1]``, CSR over bags, feature-major (bag ``i * B + b``).
         per_sample_weights: float32 ``[nnz]`` or None.
@@ -364,8 +369,8 @@ def pool_forward(
         different rows tie exactly. Otherwise None.
     """
     mode = PoolingMode(mode)
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.float32 or rows.dim() != 2:
-        raise TypeError("rows must be a float32 [R, W] tensor")
+    if not isinstance(rows, torch.Tensor) or rows.dtype not in _ROW_DTYPES or rows.dim() != 2:
+        raise TypeError("rows must be a float32, float16 or bfloat16 [R, W] tensor")
     device = rows.device
     require(1 <= dim <= rows.shape[1], f"dim={dim} must be in [1, {rows.shape[1]}] (row width)")
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2:

@@ -61,6 +61,15 @@ def _pool_first_value_of(
     return order.index_select(0, pos).reshape(bags.shape)
 
 
+def _unique_rows(rows: torch.Tensor, dim: int, slots: torch.Tensor) -> torch.Tensor:
+    """float32 ``[U, dim]``: the rows at ``slots``, zeros where a slot is -1."""
+    skipped = slots < 0
+    if bool(skipped.any()):  # ids not admitted: a zero row, which backward never updates
+        picked = rows[:, :dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
+        return picked.masked_fill_(skipped.unsqueeze(1), 0.0)
+    return rows[:, :dim].index_select(0, slots).to(torch.float32)
+
+
 def pool_forward_ref(
     rows: torch.Tensor,
     dim: int,
@@ -76,14 +85,15 @@ def pool_forward_ref(
     """Pool bags of cache rows into columns of ``out``; the twin of `pooling.pool_forward`.
 
     Bag ``q = i * batch_size + b`` holds values ``offsets[q] <= j < offsets[q + 1]``; value j
-    reads ``x_j = rows[slots[inverse[j]], :dim]`` with weight ``w_j`` (1 without weights). The
+    reads ``x_j = rows[slots[inverse[j]], :dim]`` in float32 (zeros where the slot is -1) with
+    weight ``w_j`` (1 without weights). The
     bag's result goes to ``out[b, col_offsets[i] : col_offsets[i] + dim]``: SUM ``Σ w_j x_j``,
     MEAN ``Σ w_j x_j / len``, MAX the elementwise ``max w_j x_j``; an empty bag gives zeros.
 
     Args:
-        rows: float32 ``[R, W]``, ``W >= dim``, may be a strided view.
+        rows: ``[R, W]`` float32, float16 or bfloat16, ``W >= dim``, may be a strided view.
         dim: columns pooled.
-        slots: int64 ``[U]`` row of each unique id.
+        slots: int64 ``[U]`` row of each unique id, -1 for a row of zeros.
         inverse: int64 ``[nnz]`` unique index of each value.
         offsets: int64 ``[F * B + 1]`` CSR bag offsets, bags feature-major.
         per_sample_weights: float32 ``[nnz]`` or None.
@@ -101,17 +111,17 @@ def pool_forward_ref(
     nnz = inverse.numel()
     num_features = col_offsets.numel()
     lengths = offsets[1:] - offsets[:-1]  # [F*B]
-    unique_rows = rows[:, :dim].index_select(0, slots)  # [U, dim]
+    unique_rows = _unique_rows(rows, dim, slots)  # [U, dim] float32
     argmax = None
     if nnz == 0:
-        pooled = rows.new_zeros(num_bags, dim)
+        pooled = unique_rows.new_zeros(num_bags, dim)
         if mode == POOL_MAX:
             argmax = torch.full((num_bags, dim), -1, dtype=torch.int64, device=rows.device)
     elif mode == POOL_MAX and per_sample_weights is not None:
         bag_of_value = _pool_bag_of_values(offsets, nnz)
         vals = unique_rows.index_select(0, inverse) * per_sample_weights.unsqueeze(1)  # [nnz, D]
         index = bag_of_value.unsqueeze(1).expand(nnz, dim)
-        pooled = rows.new_zeros(num_bags, dim).scatter_reduce_(
+        pooled = unique_rows.new_zeros(num_bags, dim).scatter_reduce_(
             0, index, vals, "amax", include_self=False
         )
         o_j = torch.arange(nnz, dtype=torch.int64, device=rows.device).unsqueeze(1)

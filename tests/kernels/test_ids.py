@@ -11,6 +11,7 @@ import collections
 import pytest
 import torch
 
+from embcache.hashing import mix64
 from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids, unfuse_ids
 
 # Four features over three tables: two share a large table, one has a tiny table (so its last
@@ -118,12 +119,11 @@ BAD_IDS = [
     ("last-row+1", [5, 37, 7], 30, r"feature 'f2' \(table 't1'\): id 37 out of range \[0, 37\)"),
     ("far-out-of-range", [5, 10**6, 7], 30, r"id 1000000 out of range \[0, 37\)"),
     (
-        "overflow-k30",
-        [5, 7, 1 << 30],
-        30,
-        r"feature 'f3' \(table 't2'\): id 1073741824 needs more than fusion_k=30 bits",
+        "overflow-k5",
+        [5, 33, 1 << 40],
+        5,
+        r"feature 'f2' \(table 't1'\): id 33 needs more than fusion_k=5 bits",
     ),
-    ("overflow-k12", [5, 7, 1 << 12], 12, r"id 4096 needs more than fusion_k=12 bits"),
     ("first-of-several", [-3, 99, 1 << 40], 30, r"feature 'f0' \(table 't0'\): id -3 is negative"),
 ]
 
@@ -158,6 +158,28 @@ def test_fuse_ids_rejects_bad_ids(
         _fuse(values, lengths, fusion_k)
     assert torch.equal(values, before[0])
     assert torch.equal(lengths, before[1])
+
+
+@pytest.mark.parametrize("fusion_k", [30, 12, 48], ids=lambda k: f"k{k}")
+def test_fuse_ids_folds_wide_ids_of_unbounded_tables(
+    backend: str, device: torch.device, fusion_k: int
+) -> None:
+    """An unbounded table (f3) keeps ids below 2**fusion_k and folds any other int64 (wider,
+    negative: raw 64-bit hashes) into the id bits with mix64; bounded tables are untouched."""
+    gen = torch.Generator().manual_seed(fusion_k)
+    wide = torch.cat([
+        torch.randint(-(2**62), 2**62, (300,), generator=gen),
+        torch.tensor([-1, -(2**63), 2**63 - 1, 1 << fusion_k, (1 << fusion_k) - 1, 0]),
+    ])  # fmt: skip
+    values = torch.cat([torch.tensor([1, 2, 3, 36]), wide]).to(device)
+    lengths = torch.tensor([2, 1, 1, wide.numel()], device=device)
+    fused = _fuse(values, lengths, fusion_k).cpu()
+    mask = (1 << fusion_k) - 1
+    fits = (wide >= 0) & (wide <= mask)
+    expected_ids = torch.where(fits, wide, mix64(wide) & mask)
+    assert fused[:4].tolist() == _fuse_reference([1, 2, 3, 36], [2, 1, 1, 0], fusion_k)
+    assert torch.equal(fused[4:], expected_ids | (TABLE_IDX[3] << fusion_k))
+    assert bool((expected_ids >= 0).all()) and bool((expected_ids <= mask).all())
 
 
 BAD_ARGUMENTS = {

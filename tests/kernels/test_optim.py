@@ -360,7 +360,7 @@ BAD_CALLS = {
     "slots_int32": (lambda c: {"slots": c["slots"].int()}, TypeError, "slots must be int64"),
     "slots_2d": (lambda c: {"slots": c["slots"][None]}, ValueError, "slots must be 1-D"),
     "slot_too_big": (lambda c: {"slots": c["slots"] + 1}, ValueError, "[0, 6)"),
-    "slot_negative": (lambda c: {"slots": c["slots"] - 1}, ValueError, "min -1"),
+    "slot_negative": (lambda c: {"slots": c["slots"] - 2}, ValueError, "min -2"),
     "slots_repeated": (
         lambda c: {"slots": c["slots"].clone().fill_(2)},
         ValueError,
@@ -425,3 +425,101 @@ def test_aggregate_grads_bad_input(
 ) -> None:
     with pytest.raises(error):
         aggregate_grads(ids, grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# half-precision weights: float32 math, stochastic rounding, skipped rows
+# ----------------------------------------------------------------------------------------------
+
+HALF = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}  # relative gap between neighbours
+
+
+@pytest.mark.parametrize("dtype", list(HALF), ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dim", [3, 17])
+@pytest.mark.parametrize("rule", list(OptimRule), ids=RULE_IDS)
+def test_half_weights_update_in_float32_and_round_to_a_neighbour(
+    backend: str,
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    rule: OptimRule,
+    dim: int,
+    dtype: torch.dtype,
+) -> None:
+    """Half weights, float32 state: the state matches the float64 formula, each weight lands
+    within one gap of the float64 result, untouched rows and rows of slot -1 (not admitted: the
+    gradient is dropped) keep their bits, and the other backend agrees (the same draws; its
+    float32 update may differ by an ulp, as it may for float32 weights, which can move a
+    weight to its other neighbour)."""
+    gen = torch.Generator().manual_seed(77 * int(rule) + dim)
+    n_rows, n = 29, 11
+    update = dataclasses.replace(UPDATES[rule], weight_decay=0.02)
+    sdim = state_dim(rule, dim)
+    weights = torch.randn(n_rows, dim, generator=gen).to(dtype)
+    state = torch.rand(n_rows, sdim, generator=gen) + 0.1
+    if rule == OptimRule.ADAM:
+        state[:, :dim] = torch.randn(n_rows, dim, generator=gen) * 0.1
+    slots = torch.randperm(n_rows, generator=gen)[:n]
+    slots[::5] = -1
+    grads = torch.randn(n, dim, generator=gen)
+    ids = torch.randint(0, 2**62, (n,), generator=gen)
+    kept = slots >= 0
+    rows64 = torch.cat([weights.double(), state.double()], dim=1)
+    expected = formula_float64(rows64, dim, slots[kept], grads[kept], update, 4)
+    before_w, before_s = weights.clone(), state.clone()
+
+    w, s = weights.clone().to(device), state.clone().to(device)
+    apply_row_update(w, s, slots.to(device), grads.to(device), update, 4, ids=ids.to(device),
+                     seed=9)  # fmt: skip
+    w, s = w.cpu(), s.cpu()
+
+    assert w.dtype == dtype and s.dtype == torch.float32
+    assert_close(s[slots[kept]], expected[:, dim:], f"{rule.name} state")
+    target = expected[:, :dim]
+    gap = HALF[dtype] * target.abs().clamp(min=2.0**-14)
+    assert bool(((w[slots[kept]].double() - target).abs() <= gap).all()), "not a neighbour"
+    untouched = torch.ones(n_rows, dtype=torch.bool)
+    untouched[slots[kept]] = False
+    assert torch.equal(w[untouched].view(torch.int16), before_w[untouched].view(torch.int16))
+    assert_bits_equal(s[untouched], before_s[untouched], "untouched state")
+
+    monkeypatch.setenv("EMBCACHE_BACKEND", "torch" if backend == "triton" else "triton")
+    w2, s2 = weights.clone(), state.clone()
+    apply_row_update(w2, s2, slots, grads, update, 4, ids=ids, seed=9)
+    same = w2.view(torch.int16) == w.view(torch.int16)
+    assert int((~same).sum()) <= 1, f"backends differ in {int((~same).sum())} weights"
+    assert bool(((w2.double() - w.double()).abs() <= 2 * HALF[dtype] * w.double().abs()).all())
+    assert_close(s2, s, "state across backends")
+
+
+@pytest.mark.parametrize("dtype", list(HALF), ids=["fp16", "bf16"])
+def test_stochastic_rounding_keeps_updates_below_half_a_gap(
+    backend: str, device: torch.device, dtype: torch.dtype
+) -> None:
+    """SGD steps far below half the gap between neighbours: rounded to nearest the weights never
+    move; rounded stochastically they move by the step on average (unbiased)."""
+    n, dim, steps = 4096, 2, 10
+    gap = HALF[dtype] / 2  # between neighbours just below 1.0
+    lr = 0.2 * gap  # each step moves a weight by a fifth of the gap
+    update = RowUpdate(OptimRule.SGD, lr=lr)
+    grads = torch.ones(n, dim, device=device)
+    slots = torch.arange(n, device=device)
+    ids = torch.arange(n, device=device) * 31 + 5
+    nearest = torch.ones(n, dim, dtype=dtype, device=device)
+    stochastic = nearest.clone()
+    state = torch.empty(n, 0, device=device)
+    for step in range(1, steps + 1):
+        apply_row_update(nearest, state, slots, grads, update, step)
+        apply_row_update(stochastic, state, slots, grads, update, step, ids=ids, seed=1)
+    assert bool((nearest == 1.0).all()), "to nearest, steps below half a gap vanish"
+    moved = 1.0 - stochastic.double().mean().item()
+    sigma = gap * math.sqrt(steps / (n * dim))
+    assert abs(moved - steps * lr) <= 5 * sigma, f"moved {moved}, expected {steps * lr}"
+
+
+def test_half_weights_bad_ids() -> None:
+    good = _good_call(torch.device("cpu"))
+    good["weights"] = good["weights"].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="ids has 2 entries"):
+        apply_row_update(**good, ids=torch.arange(2))
+    with pytest.raises(TypeError, match="ids must be int64"):
+        apply_row_update(**good, ids=torch.arange(3, dtype=torch.int32))

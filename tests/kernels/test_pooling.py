@@ -348,3 +348,27 @@ def test_pool_backward_with_grouping_matches_autograd(
     loss.backward()
     assert_close(grouped, x.grad, "grouped grad of unique rows")
     assert_close(grouped, plain.double(), "grouped vs gather-and-scatter")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dim", [3, 17], ids=lambda d: f"dim{d}")
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_pool_forward_reads_half_rows_in_float32_and_negative_slots_as_zeros(
+    backend: str, device: torch.device, mode: PoolingMode, dim: int, dtype: torch.dtype
+) -> None:
+    """Half-precision cache rows are pooled with float32 accumulation (the float64 reference
+    pools the very same half values); a slot of -1 (an id not admitted) reads as zeros."""
+    bags = make_bags(seed_of("half", mode, dim, dtype), dim, True, device)
+    half = bags.rows.to(dtype)  # contiguous copy; its state columns stay NaN
+    slots = bags.slots.clone()
+    slots[::4] = -1
+    bags = dataclasses.replace(bags, rows=half, slots=slots)
+    col_offsets = [0, dim]
+    out = torch.full((bags.batch_size, 2 * dim), float("nan"), device=device)
+    run_forward(bags, mode, out, col_offsets)
+
+    unique = half[:, :dim].index_select(0, slots.clamp(min=0)).double().cpu()
+    unique[slots.cpu() < 0] = 0.0
+    expected = reference_pool(bags, unique, mode)
+    for q, b, cols in feature_columns(bags, col_offsets):
+        assert_close(out[b, cols], expected[q], f"bag {q}")
