@@ -1,14 +1,20 @@
-"""Configuration of a device cache: how many rows, which eviction policy, how associative."""
+"""Configuration of a device cache: how many rows, which eviction policy, how associative, in
+which precision, and what bounds the tier behind it."""
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from embcache.kv.base import host_memory_bytes
+from embcache.kv.base import ScorePolicy, host_memory_bytes
+
+_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+EXACT_LFU_MAX_ROWS = 1 << 24  # "auto": exact per-row LFU counts up to this many rows (128 MiB)
 
 CPU_MEMORY_BUDGET = 1 << 30  # bytes of slots a default cache takes on the CPU
 GPU_MEMORY_FRACTION = 0.25  # ... and the fraction of a GPU's memory it takes there
@@ -19,6 +25,18 @@ WIDEST_STATE = 2  # state values per weight of the widest optimizer (Adam)
 def slot_bytes(width: int) -> int:
     """Device bytes of one slot holding a row of ``width`` float32 values."""
     return 4 * width + SLOT_OVERHEAD
+
+
+def weight_dtype_of(value: Any, where: str) -> torch.dtype:
+    """A weight dtype from ``"fp32"``/``"fp16"``/``"bf16"``, a torch dtype, or torchrec's
+    ``DataType`` (FP32, FP16, BF16)."""
+    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES.values():
+        return value
+    if isinstance(value, enum.Enum):  # torchrec's DataType, recognised without torchrec
+        value = value.name
+    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.lower()]
+    raise ValueError(f"{where} must be FP32, FP16 or BF16, got {value!r}")
 
 
 class CachePolicy(enum.Enum):
@@ -55,9 +73,30 @@ class CacheConfig:
         lfu_decay: LFU only: every ``lfu_decay_interval`` lookups all frequencies are multiplied
             by this factor (0 < decay < 1), for traffic whose popular ids drift. None: no decay.
         lfu_decay_interval: lookups (batches) between two decays.
+        lfu_counters: LFU only: where frequencies live. ``"exact"``: one count per row of the
+            cache's tables (kept across evictions, as FBGEMM does; 8 bytes a row); ``"sketch"``:
+            a count-min sketch of ``sketch_depth x sketch_width`` int32 counters, whatever the
+            tables' size (overestimates a little; conservative update); ``"auto"``: exact for
+            tables of up to 16M rows in all, the sketch for larger or unbounded ones.
+        sketch_width: counters per row of a count-min sketch (LFU's and admission's).
+        sketch_depth: rows (hash functions) of a count-min sketch.
+        weight_dtype: the weights' precision in the cache and the tier: ``"fp32"``, ``"fp16"``,
+            ``"bf16"`` (or a torch dtype); None: each table's ``data_type``. Optimizer state
+            stays float32; half-precision updates round stochastically.
+        stochastic_rounding: round half-precision updates stochastically (unbiased, FBGEMM's
+            default for fp16 weights); False rounds to nearest.
+        tier_capacity: most rows the tier keeps per table (an int for every table, or a dict by
+            table name); None: no bound. A full table evicts its unpinned rows of lowest
+            score (never one the cache holds); an evicted row comes back from its
+            initialiser. Must leave room beyond the rows the cache holds.
+        tier_policy: the tier's eviction score, ``"lru"`` or ``"lfu"``.
+        admit_after: an id gets its own row only at its N-th sighting (a batch it appears in,
+            counted by a count-min sketch): before, it reads a row of zeros and its gradients
+            are dropped (``admissions_refused`` and ``gradients_dropped`` in `cache_stats`).
+            An int for every table or a dict by table name; None or 1: every id is admitted.
 
     A capacity at least the number of rows of a cache's (bounded) tables maps every row to its
-    own slot: nothing is ever evicted and no lookup is needed.
+    own slot: nothing is ever evicted and no lookup is needed (unless the tier is bounded).
     """
 
     capacity: int | None = None
@@ -68,6 +107,14 @@ class CacheConfig:
     max_scratch_rows: int = 1 << 20
     lfu_decay: float | None = None
     lfu_decay_interval: int = 1000
+    lfu_counters: str = "auto"
+    sketch_width: int = 1 << 20
+    sketch_depth: int = 4
+    weight_dtype: str | torch.dtype | Any = None
+    stochastic_rounding: bool = True
+    tier_capacity: int | Mapping[str, int] | None = None
+    tier_policy: ScorePolicy | str = ScorePolicy.LRU
+    admit_after: int | Mapping[str, int] | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.capacity is not None and self.load_factor is not None:
@@ -106,6 +153,40 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.lfu_decay must be in (0, 1), got {self.lfu_decay}")
         if self.lfu_decay_interval < 1:
             raise ValueError("CacheConfig.lfu_decay_interval must be >= 1")
+        if self.lfu_counters not in ("auto", "exact", "sketch"):
+            raise ValueError(
+                f"CacheConfig.lfu_counters must be 'auto', 'exact' or 'sketch', got "
+                f"{self.lfu_counters!r}"
+            )
+        for name in ("sketch_width", "sketch_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CacheConfig.{name} must be an int >= 1, got {value!r}")
+        if self.weight_dtype is not None:
+            self.weight_dtype = weight_dtype_of(self.weight_dtype, "CacheConfig.weight_dtype")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise TypeError(
+                f"CacheConfig.stochastic_rounding must be a bool, got {self.stochastic_rounding!r}"
+            )
+        try:
+            self.tier_policy = ScorePolicy(
+                self.tier_policy.lower() if isinstance(self.tier_policy, str) else self.tier_policy
+            )
+        except ValueError:
+            raise ValueError(
+                f"CacheConfig.tier_policy must be 'lru' or 'lfu', got {self.tier_policy!r}"
+            ) from None
+        for name in ("tier_capacity", "admit_after"):
+            value = getattr(self, name)
+            values = value.values() if isinstance(value, Mapping) else [value]
+            if any(
+                v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1)
+                for v in values
+            ):
+                raise ValueError(
+                    f"CacheConfig.{name} must be an int >= 1, a dict of them by table name, or "
+                    f"None; got {value!r}"
+                )
 
     def rows_for(
         self,
@@ -131,6 +212,21 @@ class CacheConfig:
             widest = slot_bytes((1 + WIDEST_STATE) * dim)
             return max(1, min(table_rows, self.budget(device) // widest))
         return max(1, math.ceil((self.load_factor or 1.0) * table_rows))
+
+    def tier_capacity_of(self, table: str) -> int | None:
+        """The tier capacity of ``table`` (None: unbounded)."""
+        if isinstance(self.tier_capacity, Mapping):
+            return self.tier_capacity.get(table)
+        return self.tier_capacity
+
+    def admit_after_of(self, table: str) -> int:
+        """Sightings before an id of ``table`` gets its own row (1: at once)."""
+        value = (
+            self.admit_after.get(table)
+            if isinstance(self.admit_after, Mapping)
+            else self.admit_after
+        )
+        return value or 1
 
     def budget(self, device: torch.device | str) -> int:
         """``memory_budget``, or the default one on ``device`` (see the class docstring)."""

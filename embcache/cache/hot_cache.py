@@ -30,6 +30,14 @@ never calls the tier, so an optimizer step that has updated rows cannot fail hal
 releasing them; `release` and `flush` keep every row they could not write (dirty, in its slot)
 and can be called again.
 
+Weights may be float16 or bfloat16 (the tables' ``dtype``, `CacheConfig.weight_dtype`): they
+travel to and from the tier in that precision, the state stays float32. When a table is bounded
+in the tier (a tier capacity), every row the cache holds is pinned there, from its read to its
+release (after its write-back), so the tier never evicts a row that is resident, dirty or locked
+here; such a cache never maps rows directly. With admission (`CacheConfig.admit_after`), an id
+seen in fewer batches than its table asks resolves to slot -1: it reads a row of zeros, its
+update is dropped, and nothing is read or created in the tier.
+
 Invariants (docs/design.md, "Cache invariants"): every row has one authoritative copy — its
 slot while resident (scratch included), the tier otherwise; a locked slot is never a victim;
 `flush` writes every dirty row back, after which the tier alone holds the model.
@@ -44,8 +52,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from embcache.cache.config import CacheConfig, CachePolicy
+from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig, CachePolicy
 from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
+from embcache.cache.sketch import Counters
+from embcache.cache.snapshot import PolicyState
 from embcache.cache.transfer import TierTransfer
 from embcache.hashing import mix64
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
@@ -67,19 +77,20 @@ class _Plan:
     load_slots: torch.Tensor  # ... into these slots
     victim_ids: torch.Tensor  # dirty rows evicted: ids ...
     victim_slots: torch.Tensor  # ... and the reserved slots still holding them until the commit
+    released: torch.Tensor | None = None  # every evicted id (bounded tiers: pins to release)
     reserved: torch.Tensor | None = None  # slots given new keys (None: all hits), for rollback
     old_keys: torch.Tensor | None = None
     old_scores: torch.Tensor | None = None
     old_dirty: torch.Tensor | None = None
     n_scratch: int = 0
     evicted: int = 0
+    refused: int = 0  # ids not admitted (slot -1)
 
 
-_LFU_SKETCH = 1 << 20  # frequency counters shared by the unbounded (hashed-id) tables of a cache
 _INT64_MAX = torch.iinfo(torch.int64).max
 
 
-class HotCache:
+class HotCache(PolicyState):
     """Device slots for the rows of tables of one dim, with write-back to a `Store`.
 
     Args:
@@ -92,7 +103,8 @@ class HotCache:
         fusion_k: bits of the raw id inside a fused id.
 
     Attributes:
-        weights: float32 ``[num_slots + scratch_rows, dim]``, the slots' weights, and
+        weights: ``[num_slots + scratch_rows, dim]`` of the tables' dtype, the slots' weights,
+        and
         state: float32 ``[num_slots + scratch_rows, state_dim]``, their optimizer state: the slot
             storage. Read them under ``lock`` when another thread may resolve concurrently (the
             scratch area may grow, which replaces both tensors).
@@ -113,7 +125,16 @@ class HotCache:
         dims = {spec.dim for _, spec in tables}
         if len(dims) != 1:
             raise ValueError(f"HotCache serves tables of one dim, got dims {sorted(dims)}")
+        dtypes = {spec.dtype for _, spec in tables}
+        if len(dtypes) != 1:
+            names = [spec.name for _, spec in tables]
+            raise ValueError(
+                f"tables {names} share a cache (dim {dims.pop()}) but not a weight dtype "
+                f"({sorted(str(d) for d in dtypes)}): give them one data_type, or set "
+                f"CacheConfig(weight_dtype=...)"
+            )
         self.dim = dims.pop()
+        self.dtype = dtypes.pop()
         self.config = config
         self.store = store
         self.device = torch.device(device)
@@ -123,24 +144,27 @@ class HotCache:
         self._specs = {idx: spec for idx, spec in tables}
         self.transfer = TierTransfer(store, self._specs, fusion_k, self.device)
         self.state_dim = tables[0][1].state_dim
+        self.pins = self.transfer.pins()  # bounded tier tables: pin what the cache holds
+        self.rounding_seed = tables[0][1].seed
+        self.stochastic_rounding = config.stochastic_rounding
 
         bounded = all(spec.num_embeddings is not None for _, spec in tables)
         total_rows = sum(spec.num_embeddings for _, spec in tables) if bounded else None
         capacity = cache_capacity(config, total_rows, self.dim, self.device, self._names())
-        self.direct = total_rows is not None and capacity >= total_rows
+        self.direct = total_rows is not None and capacity >= total_rows and not self.pins
         self.policy = CachePolicy(config.policy)
 
         n_idx = max(self._specs) + 1
-        row_offset = torch.full((n_idx,), -1, dtype=torch.int64)
-        is_bounded = torch.zeros(n_idx, dtype=torch.bool)
+        # Built on the CPU whatever torch's default device (`with torch.device("meta")`).
+        row_offset = torch.full((n_idx,), -1, dtype=torch.int64, device="cpu")
+        thresholds = torch.ones(n_idx, dtype=torch.int64, device="cpu")
         offset = 0
         for idx, spec in sorted(tables, key=lambda t: t[0]):
-            row_offset[idx] = offset
-            is_bounded[idx] = spec.num_embeddings is not None
-            offset += spec.num_embeddings or 0
-        self._row_offset = row_offset.to(self.device)  # slot (direct) / frequency base per table
-        self._is_bounded = is_bounded.to(self.device)
-        self._sketch_base = offset
+            if spec.num_embeddings is not None:
+                row_offset[idx] = offset
+                offset += spec.num_embeddings
+            thresholds[idx] = config.admit_after_of(spec.name)
+        self._row_offset = row_offset.to(self.device)  # slot (direct) / LFU count base per table
 
         if self.direct:
             self.ways, self.num_sets = 1, total_rows
@@ -149,9 +173,13 @@ class HotCache:
             self.num_sets = math.ceil(capacity / self.ways)
         self.num_slots = self.ways * self.num_sets
         lfu = self.policy is CachePolicy.LFU and not self.direct
-        freq_rows = offset + (0 if bounded else _LFU_SKETCH) if lfu else 0
-        check_fits(self.num_slots, self.width, freq_rows, self.device, self._names(), self.dim)
-        self._freq = torch.zeros(freq_rows, dtype=torch.int64, device=device) if lfu else None
+        counters = Counters(
+            row_offset, offset, thresholds, lfu, config.lfu_counters, EXACT_LFU_MAX_ROWS,
+            config.sketch_width, config.sketch_depth,
+        )  # fmt: skip
+        names = self._names()
+        check_fits(self.num_slots, self.width, counters.nbytes // 8, self.device, names, self.dim)
+        self._counts, self._admission = counters.build(self.device, fusion_k)
         self._overflow_warned = False
         self._tick = 0
         self._lookups = 0
@@ -164,8 +192,14 @@ class HotCache:
     # storage
 
     @property
+    def counter_bytes(self) -> int:
+        """Device bytes of the LFU counts and the admission sketch."""
+        total = 0 if self._counts is None else self._counts.nbytes
+        return total + (0 if self._admission is None else self._admission.sketch.nbytes)
+
+    @property
     def width(self) -> int:
-        """Columns of a row in the tier: ``dim + state_dim`` (weights, then state)."""
+        """Values of a row as float32: ``dim + state_dim`` (weights, then state)."""
         return self.dim + self.state_dim
 
     @property
@@ -174,8 +208,8 @@ class HotCache:
         return self.weights.shape[0] - self.num_slots
 
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """The tier rows ``[n, dim + state_dim]`` (weights, then state) held at ``slots``."""
-        return torch.cat([self.weights[slots], self.state[slots]], dim=1)
+        """The stored tier rows (`TableSpec.pack`: weights, then state) held at ``slots``."""
+        return self.transfer.spec.pack(self.weights[slots], self.state[slots])
 
     def _names(self) -> str:
         names = [spec.name for spec in self._specs.values()]
@@ -184,7 +218,7 @@ class HotCache:
     def _allocate(self, scratch_rows: int) -> None:
         self._filled = False  # direct mapping: every row loaded
         total = self.num_slots + scratch_rows
-        self.weights = torch.zeros(total, self.dim, dtype=torch.float32, device=self.device)
+        self.weights = torch.zeros(total, self.dim, dtype=self.dtype, device=self.device)
         self.state = torch.zeros(total, self.state_dim, dtype=torch.float32, device=self.device)
         self.slot_keys = torch.full((total,), -1, dtype=torch.int64, device=self.device)
         self.locks = torch.zeros(total, dtype=torch.int32, device=self.device)
@@ -210,7 +244,8 @@ class HotCache:
             )
         grow = want - self.scratch_rows
         dev = self.device
-        self.weights = torch.cat([self.weights, torch.zeros(grow, self.dim, device=dev)])
+        zeros = torch.zeros(grow, self.dim, dtype=self.dtype, device=dev)
+        self.weights = torch.cat([self.weights, zeros])
         self.state = torch.cat([self.state, torch.zeros(grow, self.state_dim, device=dev)])
         self.slot_keys = torch.cat(
             [self.slot_keys, torch.full((grow,), -1, dtype=torch.int64, device=dev)]
@@ -235,7 +270,9 @@ class HotCache:
     # resolve
 
     @profiled("cache.resolve")
-    def resolve(self, unique_ids: torch.Tensor, lock: bool = True) -> torch.Tensor:
+    def resolve(
+        self, unique_ids: torch.Tensor, lock: bool = True, count_sightings: bool = True
+    ) -> torch.Tensor:
         """Slots holding the rows of ``unique_ids``, loading misses from the tier.
 
         Three phases, so that a resolve running on a prefetch thread overlaps the training
@@ -250,9 +287,12 @@ class HotCache:
             lock: lock every returned slot (one count each) until `unlock`; a locked slot is
                 never evicted. Unlocked resolves must use the slots before the next resolve and
                 then call `release` so scratch rows they used are written back.
+            count_sightings: with admission, count this batch as a sighting of its ids (False
+                for ids resolved again, whose batch was counted already).
 
         Returns:
-            int64 ``[n]`` slot of each id, on the cache's device: ``rows[slots]`` are its rows.
+            int64 ``[n]`` slot of each id, on the cache's device: ``rows[slots]`` are its rows;
+            -1 for an id not admitted (a row of zeros, whose update is dropped).
 
         Raises:
             CacheCapacityError: the batch's rows cannot fit the cache plus the scratch area.
@@ -266,8 +306,12 @@ class HotCache:
             # tier error here changes nothing either (`release` keeps what it cannot write).
             self.release()
             with self.lock:
+                admitted = None
+                if self._admission is not None:
+                    admitted = self._admission.admit(ids, count_sightings)
                 try:
-                    plan = self._plan_direct(ids) if self.direct else self._plan_sets(ids)
+                    plan = self._plan_direct(ids, admitted) if self.direct else (
+                        self._plan_sets(ids, admitted))  # fmt: skip
                 except CacheCapacityError:
                     if not self._guarding():
                         raise
@@ -275,7 +319,7 @@ class HotCache:
                     # (its step is done, or the plan would have met its locks anyway).
                     self._batch_seq += 1
                     self.release()
-                    plan = self._plan_sets(ids)
+                    plan = self._plan_sets(ids, admitted)
             # Outside the lock: the reserved slots are locked by this resolve and no other
             # resolve runs (mutex), so nobody else reads or writes them, and `rows` is only
             # ever replaced by a resolve. The training thread keeps using its own slots.
@@ -285,8 +329,9 @@ class HotCache:
                     # One copy of all the ids the tier needs, one of the rows it gets.
                     host_ids = torch.cat([plan.victim_ids, plan.load_ids]).cpu()
                     victim_rows = self.rows_of(plan.victim_slots).cpu() if n_write else None
+                    released = None if plan.released is None else plan.released.cpu()
                     loaded = self.transfer.exchange(
-                        host_ids[:n_write], victim_rows, host_ids[n_write:]
+                        host_ids[:n_write], victim_rows, host_ids[n_write:], released
                     )
                     if loaded is not None:
                         self.transfer.copy_in(self.weights, self.state, plan.load_slots, loaded)
@@ -315,35 +360,51 @@ class HotCache:
         self._filled = True
 
     @profiled("cache.plan")
-    def _plan_direct(self, ids: torch.Tensor) -> _Plan:
+    def _plan_direct(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> _Plan:
         if not self._filled:
             self._prefill_direct()
         slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
-        miss = self.slot_keys[slots] < 0
-        load_slots = slots[miss]
-        plan = _Plan(ids, slots, ids[miss], load_slots, self._empty_ids(), self._empty_ids())
+        live_ids, live = ids, slots
+        if admitted is not None:
+            live_ids, live = ids[admitted], slots[admitted]
+            slots = torch.where(admitted, slots, -1)
+        miss = self.slot_keys[live] < 0
+        load_slots = live[miss]
+        plan = _Plan(ids, slots, live_ids[miss], load_slots, self._empty_ids(), self._empty_ids())
         plan.reserved, plan.old_keys = load_slots, self.slot_keys[load_slots].clone()
         plan.old_scores = plan.old_dirty = None
+        plan.refused = ids.numel() - live_ids.numel()
         self.slot_keys[load_slots] = plan.load_ids
-        self.locks[slots] += 1
+        self.locks[live] += 1
         return plan
 
+    def _live(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` without the -1 of ids not admitted (no copy when there is no admission)."""
+        return slots if self._admission is None else slots[slots >= 0]
+
     @profiled("cache.plan")
-    def _plan_sets(self, ids: torch.Tensor) -> _Plan:
+    def _plan_sets(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> _Plan:
         W = self.ways
         sets = set_index(ids, self.num_sets)
         ways = cache_lookup(self.slot_keys[: self.num_slots].view(self.num_sets, W), ids, sets)
         slots = torch.where(ways >= 0, sets * W + ways, torch.full_like(ways, -1))
         if self._scratch_used:
             self._find_in_scratch(ids, slots)
-        miss_pos = (slots < 0).nonzero().squeeze(1)
+        missing = slots < 0
+        refused = 0
+        if admitted is not None:  # ids not admitted keep slot -1 and are no misses
+            refused = int((~admitted).sum())
+            missing &= admitted
+        miss_pos = missing.nonzero().squeeze(1)
         self._tick += 1  # both undone if the plan is refused
         self._lookups += 1
         if not miss_pos.numel():
-            self.locks[slots] += 1
+            self.locks[self._live(slots)] += 1
             self._touch(ids, slots)
             empty = self._empty_ids()
-            return _Plan(ids, slots, empty, empty, empty, empty)
+            plan = _Plan(ids, slots, empty, empty, empty, empty)
+            plan.refused = refused
+            return plan
 
         # Ways this batch hits are as good as locked while its misses choose victims.
         self.locks[slots[slots >= 0]] += 1
@@ -354,7 +415,8 @@ class HotCache:
         lfu = self.policy is CachePolicy.LFU
         if lfu:
             miss_pos = miss_pos[torch.argsort(shuffle)]
-            miss_freq = self._freq[self._freq_index(ids[miss_pos])] + 1  # with this request
+            assert self._counts is not None
+            miss_freq = self._counts.get(ids[miss_pos]) + 1  # with this request
             by_freq = torch.argsort(miss_freq, descending=True, stable=True)
             miss_pos, miss_freq = miss_pos[by_freq], miss_freq[by_freq]
             miss_sets, order = torch.sort(sets[miss_pos], stable=True)
@@ -414,6 +476,9 @@ class HotCache:
         plan.old_scores = self.scores[place_slots].clone()
         plan.old_dirty = self.dirty[new_slots].clone()
         plan.n_scratch, plan.evicted = n_over, int((victims >= 0).sum())
+        plan.refused = refused
+        if self.pins:
+            plan.released = victims[victims >= 0]
         slots[new_pos] = new_slots
         self.slot_keys[new_slots] = plan.load_ids
         self.dirty[new_slots] = False
@@ -439,19 +504,21 @@ class HotCache:
         if plan.old_scores is not None:
             self.scores[plan.reserved[: plan.old_scores.numel()]] = plan.old_scores
         self._scratch_used -= plan.n_scratch
-        self.locks[plan.slots] -= 1
+        self.locks[self._live(plan.slots)] -= 1
 
     def _commit(self, plan: _Plan, lock: bool) -> None:
+        live = self._live(plan.slots)
         if not lock:
-            self.locks[plan.slots] -= 1
+            self.locks[live] -= 1
         n_miss = plan.load_ids.numel()
-        self.hits += plan.ids.numel() - n_miss
+        self.hits += plan.ids.numel() - n_miss - plan.refused
         self.misses += n_miss
+        self.admissions_refused += plan.refused
         self.evictions += plan.evicted
         self.writebacks += plan.victim_ids.numel()
         if lock and not self.direct:
             self._batch_seq += 1
-            self.batch_of[plan.slots] = self._batch_seq
+            self.batch_of[live] = self._batch_seq
 
     def _find_in_scratch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Fill ``slots`` (in place) for the ids held in the scratch area."""
@@ -464,38 +531,35 @@ class HotCache:
         # torch.where, not a boolean-mask assignment: no host synchronisation.
         slots.copy_(torch.where(found, self.num_slots + perm[pos], slots))
 
-    def _freq_index(self, ids: torch.Tensor) -> torch.Tensor:
-        """Where each id's LFU count lives: one counter per row of a bounded table (kept across
-        evictions, as FBGEMM does), a hashed sketch counter for unbounded tables."""
-        raw = ids & ((1 << self.fusion_k) - 1)
-        table = ids >> self.fusion_k
-        hashed = self._sketch_base + (mix64(raw) & _INT64_MAX) % _LFU_SKETCH
-        return torch.where(self._is_bounded[table], self._row_offset[table] + raw, hashed)
-
     def _touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Update the eviction scores of the resident slots of a batch."""
-        main = slots < self.num_slots
+        main = (slots >= 0) & (slots < self.num_slots)
         main_slots = slots[main]
         if self.policy is CachePolicy.LRU:
             self.scores[main_slots] = self._tick
             return
-        assert self._freq is not None
-        index = self._freq_index(ids)
-        self._freq.index_add_(0, index, torch.ones_like(index))
+        assert self._counts is not None
+        self._counts.add(ids)
         decay = self.config.lfu_decay
         if decay is not None and self._lookups % self.config.lfu_decay_interval == 0:
-            self._freq.copy_((self._freq.double() * decay).long())
+            self._counts.decay(decay)
             live = self.scores >= 0
             self.scores[live] = (self.scores[live].double() * decay).long()
-        self.scores[main_slots] = self._freq[index[main]]
+        self.scores[main_slots] = self._counts.get(ids[main])
 
     # ------------------------------------------------------------------------------------------
     # after the batch
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
-        """Record that the rows at ``slots`` were changed in place (e.g. by an optimizer)."""
+        """Record that the rows at ``slots`` were changed in place (e.g. by an optimizer); a
+        slot of -1 is an id not admitted, whose update was dropped (counted)."""
         with self.lock:
-            self.dirty[slots.to(self.device)] = True
+            slots = slots.to(self.device)
+            if self._admission is not None:
+                live = self._live(slots)
+                self.gradients_dropped += slots.numel() - live.numel()
+                slots = live
+            self.dirty[slots] = True
 
     def unlock(self, slots: torch.Tensor) -> None:
         """Drop one lock from each of ``slots`` (distinct).
@@ -507,7 +571,7 @@ class HotCache:
             RuntimeError: a slot is not locked (nothing is changed then).
         """
         with self.lock:
-            slots = slots.to(self.device)
+            slots = self._live(slots.to(self.device))
             if slots.numel() and bool((self.locks[slots] <= 0).any()):
                 raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
             self.locks[slots] -= 1
@@ -529,6 +593,8 @@ class HotCache:
             dirty = done_slots[self.dirty[done_slots]]
             if dirty.numel():
                 self._write_tier(self.slot_keys[dirty], dirty)
+            if self.pins:
+                self.transfer.unpin(self.slot_keys[done_slots].cpu())
             self.slot_keys[done_slots] = -1
             self.dirty[done_slots] = False
             self._scratch_used -= done_slots.numel()
@@ -549,6 +615,9 @@ class HotCache:
             if bool((self.locks > 0).any()):
                 raise RuntimeError("HotCache.invalidate: slots are locked by a batch in flight")
             self.flush()
+            if self.pins:
+                held = self.slot_keys[self.slot_keys >= 0]
+                self.transfer.unpin(held.cpu())
             self.slot_keys.fill_(-1)
             self.scores.fill_(-1)
             self.batch_of.fill_(-1)
@@ -561,10 +630,8 @@ class HotCache:
         Flushes and empties the cache, then re-declares the tables in the tier with the new
         state layout (the tier keeps weights and resets state to ``state_init``).
         """
-        freq_rows = 0 if self._freq is None else self._freq.numel()
-        check_fits(
-            self.num_slots, self.dim + state_dim, freq_rows, self.device, self._names(), self.dim
-        )
+        check_fits(self.num_slots, self.dim + state_dim, self.counter_bytes // 8, self.device,
+                   self._names(), self.dim)  # fmt: skip
         with self._resolve_mutex, self.lock:
             self.invalidate()
             for idx, spec in list(self._specs.items()):
@@ -575,7 +642,8 @@ class HotCache:
             self._allocate(scratch_rows=0)
 
     def read(self, fused_ids: torch.Tensor) -> torch.Tensor:
-        """Current rows ``[n, width]`` of ``fused_ids`` wherever they live; changes nothing.
+        """Current rows of ``fused_ids`` wherever they live, as float32 ``[n, width]``
+        (weights widened, then state); changes nothing.
 
         Rows resident in a slot (scratch included) are read there, others from the tier.
         """
@@ -592,10 +660,11 @@ class HotCache:
                 if self._scratch_used:
                     self._find_in_scratch(ids, slots)
             found = slots >= 0
+            spec = self.transfer.spec
             out = torch.empty(ids.numel(), self.width, device=self.device)
-            out[found] = self.rows_of(slots[found])
+            out[found] = spec.to_float(self.rows_of(slots[found]))
             if not bool(found.all()):
-                out[~found] = self.transfer.read(ids[~found].cpu()).to(self.device)
+                out[~found] = spec.to_float(self.transfer.read(ids[~found].cpu())).to(self.device)
             return out
 
     # ------------------------------------------------------------------------------------------
@@ -611,15 +680,22 @@ class HotCache:
           scratch row freed once its batch was done.
         * ``writebacks``: rows written to the tier because they were dirty: at an eviction or
           a `flush`.
+        * with admission (`CacheConfig.admit_after`) only: ``admissions_refused``, unique ids
+          of a batch not admitted yet (neither hits nor misses: they read zeros and touch no
+          tier), and ``gradients_dropped``, the gradient rows of such ids the optimizer dropped.
         """
         looked_up = self.hits + self.misses
-        return {
+        stats: dict[str, float] = {
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
             "writebacks": self.writebacks,
-            "hit_rate": self.hits / looked_up if looked_up else 0.0,
         }
+        if self._admission is not None:
+            stats["admissions_refused"] = self.admissions_refused
+            stats["gradients_dropped"] = self.gradients_dropped
+        stats["hit_rate"] = self.hits / looked_up if looked_up else 0.0
+        return stats
 
     def reset_stats(self) -> None:
         """Zero the counters of `cache_stats`."""
@@ -627,6 +703,8 @@ class HotCache:
         self.misses = 0
         self.evictions = 0
         self.writebacks = 0
+        self.admissions_refused = 0
+        self.gradients_dropped = 0
 
     def locked_slots(self) -> int:
         """Number of slots locked by batches in flight."""

@@ -11,6 +11,11 @@ table), and this class splits them by table on the host, where that costs no syn
 * Rows read come back into host memory (pinned when the cache is on a GPU) and are copied into
   their slots on a side stream; the compute stream waits for that copy through an event, so
   kernels already queued keep running.
+* Rows travel as the tier stores them (`TableSpec.pack`): half-precision weights move half the
+  bytes; they are split into the cache's weights and float32 state on the device.
+* Bounded tables (``spec.capacity``): rows read for the cache are pinned in the tier
+  (``get(..., pin=True)``) and released (`unpin`) when they leave the cache, after their
+  write-back, so the tier never evicts a row the cache holds.
 """
 
 from __future__ import annotations
@@ -51,8 +56,16 @@ class TierTransfer:
         self._copy_stream: torch.cuda.Stream | None = None
 
     @property
-    def width(self) -> int:
-        return next(iter(self.specs.values())).row_width
+    def spec(self) -> TableSpec:
+        """A table of the cache: all share dim, dtype and state layout."""
+        return next(iter(self.specs.values()))
+
+    def _bounded(self, idx: int) -> bool:
+        return self.specs[idx].capacity is not None
+
+    def _empty(self, n: int, pin: bool = False) -> torch.Tensor:
+        spec = self.spec
+        return torch.empty(n, spec.stored_width, dtype=spec.dtype, pin_memory=pin)
 
     # -- host side --------------------------------------------------------------------------
 
@@ -88,18 +101,22 @@ class TierTransfer:
         write_ids: torch.Tensor,
         write_rows: torch.Tensor | None,
         read_ids: torch.Tensor,
+        released: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Write rows back and read others in one round of tier calls (the ids differ, so the
-        order between them does not matter).
+        order between them does not matter), then release the rows that left the cache.
 
         Args:
             write_ids: host int64 ``[w]`` fused ids to write.
-            write_rows: host float32 ``[w, width]`` their rows (None when ``w == 0``).
-            read_ids: host int64 ``[r]`` fused ids to read.
+            write_rows: host stored rows ``[w, stored_width]`` (None when ``w == 0``).
+            read_ids: host int64 ``[r]`` fused ids to read (pinned in bounded tables).
+            released: host int64 fused ids that left the cache (written back first when
+                dirty): their pins in bounded tables are released.
 
         Returns:
-            Host float32 ``[r, width]`` rows read (pinned when the cache is on a GPU), or None
-            when nothing is read. A tier error propagates; nothing here holds state.
+            Host stored rows ``[r, stored_width]`` read (pinned memory when the cache is on a
+            GPU), or None when nothing is read. A tier error propagates; nothing here holds
+            state.
         """
         calls = []
         if write_ids.numel():
@@ -107,26 +124,45 @@ class TierTransfer:
                 calls.append(partial(self.store.put, self.specs[idx].name, raw, write_rows[pos]))
         n_puts = len(calls)
         groups = self.split_by_table(read_ids) if read_ids.numel() else []
-        calls += [partial(self.store.get, self.specs[idx].name, raw) for idx, _, raw in groups]
+        for idx, _, raw in groups:
+            name = self.specs[idx].name
+            if self._bounded(idx):
+                calls.append(partial(self.store.get, name, raw, pin=True))
+            else:
+                calls.append(partial(self.store.get, name, raw))
         results = self._run(calls)
+        if released is not None and released.numel():
+            self.unpin(released)
         if not groups:
             return None
-        pin = self.device.type == "cuda"
-        out = torch.empty(read_ids.numel(), self.width, dtype=torch.float32, pin_memory=pin)
+        out = self._empty(read_ids.numel(), pin=self.device.type == "cuda")
         for (_, pos, _), rows in zip(groups, results[n_puts:], strict=True):
             out[pos] = rows
         return out
 
+    def unpin(self, fused: torch.Tensor) -> None:
+        """Release the pins of host ``fused`` ids in their bounded tables."""
+        calls = [
+            partial(self.store.unpin, self.specs[idx].name, raw)
+            for idx, _, raw in self.split_by_table(fused)
+            if self._bounded(idx)
+        ]
+        self._run(calls)
+
+    def pins(self) -> bool:
+        """Whether any table is bounded (its rows pinned while cached)."""
+        return any(self._bounded(idx) for idx in self.specs)
+
     def write(self, fused: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write host ``rows`` ``[n, width]`` under host ``fused`` ids."""
+        """Write host stored ``rows`` ``[n, stored_width]`` under host ``fused`` ids."""
         self.exchange(fused, rows, fused[:0])
 
     def read(self, fused: torch.Tensor) -> torch.Tensor:
-        """Host rows ``[n, width]`` of host ``fused`` ids, through `Store.read`: rows the tier
-        does not hold read as their initial values and are not created there."""
+        """Host stored rows of host ``fused`` ids, through `Store.read`: rows the tier does
+        not hold read as their initial values and are not created there."""
         groups = self.split_by_table(fused) if fused.numel() else []
         calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
-        out = torch.empty(fused.numel(), self.width, dtype=torch.float32)
+        out = self._empty(fused.numel())
         for (_, pos, _), rows in zip(groups, self._run(calls), strict=True):
             out[pos] = rows
         return out
@@ -141,22 +177,23 @@ class TierTransfer:
         slots: torch.Tensor,
         host_rows: torch.Tensor,
     ) -> None:
-        """``weights[slots], state[slots] = host_rows`` split after the weights' columns. On a
+        """``weights[slots], state[slots] = host_rows`` (stored rows, `TableSpec.unpack`). On a
         GPU the copies run on a side stream and the current stream waits for them (an event):
         kernels queued after this see the rows."""
-        dim = weights.shape[1]
+        spec = self.spec
         if self.device.type != "cuda":
-            weights[slots] = host_rows[:, :dim]
-            state[slots] = host_rows[:, dim:]
+            w, s = spec.unpack(host_rows)
+            weights[slots] = w
+            state[slots] = s
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            rows = host_rows.to(self.device, non_blocking=True)
-            weights[slots] = rows[:, :dim]
-            state[slots] = rows[:, dim:]
+            w, s = spec.unpack(host_rows.to(self.device, non_blocking=True))
+            weights[slots] = w
+            state[slots] = s
             done = torch.cuda.Event()
             done.record(stream)
         torch.cuda.current_stream(self.device).wait_event(done)

@@ -252,7 +252,9 @@ class CacheEngine:
             return Located(prepared.unique, prepared.slots, grads, prepared)
         fused = torch.cat([e.ids | (table_index[e.table_name] << self.fusion_k) for e in entries])
         unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in entries]))
-        return Located(unique, self.cache.resolve(unique, lock=True), grads, None)
+        # Their forwards counted these ids' sightings already (admission).
+        slots = self.cache.resolve(unique, lock=True, count_sightings=False)
+        return Located(unique, slots, grads, None)
 
     def abandon(self, located: Located) -> None:
         """Give back the slots `locate` locked itself (a later engine failed to locate)."""
@@ -274,17 +276,22 @@ class CacheEngine:
     def _update_rows(self, unique, slots, grads, rule, steps) -> None:
         cache = self.cache
         table_steps = {steps[t.name] for t in self.layout.tables if t.name in steps}
+        # Half-precision weights round stochastically, with draws keyed by each row's id.
+        ids = unique if cache.stochastic_rounding else None
+        seed = cache.rounding_seed
         with cache.lock:
             # Slots from a resolve are distinct by construction: no sorted check.
             if len(table_steps) == 1:
                 step = table_steps.pop()
-                apply_row_update(cache.weights, cache.state, slots, grads, rule, step, False)
+                apply_row_update(cache.weights, cache.state, slots, grads, rule, step, False,
+                                 ids, seed)  # fmt: skip
             else:
                 bounds = self.layout.table_bounds(unique, self.fusion_k)
                 for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False):
                     if hi > lo:
                         apply_row_update(cache.weights, cache.state, slots[lo:hi], grads[lo:hi],
-                                         rule, steps[t.name], False)  # fmt: skip
+                                         rule, steps[t.name], False,
+                                         None if ids is None else ids[lo:hi], seed)  # fmt: skip
             cache.mark_dirty(slots)
 
     # -- 5. release --------------------------------------------------------------------------

@@ -34,7 +34,8 @@ UNFUSED_K = 48  # enable_fusion=False: internal fusion with room for ids below 2
 
 
 def checked_fusion_k(fusion_k: int, enable_fusion: bool, tables: Sequence[Table]) -> int:
-    """The fusion width a collection uses, after checking its tables fit it."""
+    """The fusion width a collection uses, after checking its bounded tables fit it (an
+    unbounded table's ids beyond it are folded into its bits by a hash, `kernels.ids`)."""
     if isinstance(fusion_k, bool) or not isinstance(fusion_k, int) or not 1 <= fusion_k <= 56:
         raise ValueError(f"fusion_k must be an int in [1, 56], got {fusion_k!r}")
     k = fusion_k if enable_fusion else UNFUSED_K
@@ -43,7 +44,7 @@ def checked_fusion_k(fusion_k: int, enable_fusion: bool, tables: Sequence[Table]
             f"{len(tables)} tables do not fit the {62 - k} prefix bits left by fusion_k={k}"
         )
     for t in tables:
-        if t.num_embeddings > 1 << k:
+        if t.num_embeddings is not None and t.num_embeddings > 1 << k:
             raise ValueError(
                 f"table {t.name!r}: num_embeddings={t.num_embeddings} needs more than "
                 f"fusion_k={k} bits; raise fusion_k to at least "
@@ -81,7 +82,10 @@ class WeightedFlag:
 def _whole_tables(tables: Sequence[Table], cache: CacheConfig, device: torch.device) -> bool:
     """Whether every cache (one per dim) holds all the rows of its tables."""
     for dim in {t.dim for t in tables}:
-        rows = sum(t.num_embeddings for t in tables if t.dim == dim)
+        mine = [t.num_embeddings for t in tables if t.dim == dim]
+        if None in mine:
+            return False
+        rows = sum(mine)  # type: ignore[arg-type]
         if cache.rows_for(rows, dim, device) < rows:
             return False
     return True
@@ -158,10 +162,20 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self.features = list(dict.fromkeys(f for t in self.tables for f in t.feature_names))
         self.output_keys = [k for t in self.tables for k in t.key_names]
         self.output_dims = [t.dim for t in self.tables for _ in t.key_names]
-        whole = _whole_tables(self.tables, self.cache_config, self.device)
+        cfg = self.cache_config
+        whole = cfg.tier_capacity is None and _whole_tables(self.tables, cfg, self.device)
         inits = table_inits(self.tables, seed, whole, self.device)
         self.specs = {
-            t.name: TableSpec(t.name, t.dim, t.num_embeddings, init=inits[t.name], seed=seed or 0)
+            t.name: TableSpec(
+                t.name,
+                t.dim,
+                t.num_embeddings,
+                init=inits[t.name],
+                seed=seed or 0,
+                dtype=cfg.weight_dtype or t.dtype,
+                capacity=cfg.tier_capacity_of(t.name),
+                score=cfg.tier_policy,
+            )
             for t in self.tables
         }
         for spec in self.specs.values():
@@ -272,8 +286,15 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         return self.engines.caches()
 
     def cache_stats(self) -> dict[str, float]:
-        """Hits, misses, evictions and writebacks summed over the caches, and the hit rate."""
-        return self.engines.cache_stats()
+        """The caches' counters (`HotCache.cache_stats`: hits, misses, evictions, writebacks,
+        admissions refused, gradients dropped) summed over the caches, and the hit rate."""
+        total: dict[str, float] = {}
+        for cache in self.caches():
+            for k, v in cache.cache_stats().items():
+                total[k] = total.get(k, 0) + v
+        looked_up = total.get("hits", 0) + total.get("misses", 0)
+        total["hit_rate"] = total.get("hits", 0) / looked_up if looked_up else 0.0
+        return total
 
     def reset_stats(self) -> None:
         self.engines.reset_stats()
@@ -281,7 +302,10 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
     # -- torchrec's state_dict keys ---------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        # An unbounded table has no [num_embeddings, dim] tensor: `embcache.save` holds its rows.
         for t in self.tables:
+            if t.num_embeddings is None:
+                continue
             key = f"{prefix}embedding_bags.{t.name}.weight"
             if self.device.type == "meta":
                 destination[key] = torch.empty(
@@ -300,7 +324,11 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         unexpected_keys,
         error_msgs,
     ) -> None:
-        expected = {f"{prefix}embedding_bags.{t.name}.weight": t for t in self.tables}
+        expected = {
+            f"{prefix}embedding_bags.{t.name}.weight": t
+            for t in self.tables
+            if t.num_embeddings is not None
+        }
         updates = []
         for key, t in expected.items():
             if key not in state_dict:

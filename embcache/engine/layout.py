@@ -47,12 +47,14 @@ class CacheLayout:
     lookups: list[Lookup]
     keys: list[str]  # output key of each position
     table_index: torch.Tensor = field(init=False)  # int64 [F] table of each feature
-    table_rows: torch.Tensor = field(init=False)  # int64 [F] num_embeddings of that table
+    table_rows: torch.Tensor = field(init=False)  # int64 [F] its num_embeddings (-1: unbounded)
     table_names: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.table_index = torch.tensor([t.index for t in self.feature_table])
-        self.table_rows = torch.tensor([t.num_embeddings for t in self.feature_table])
+        self.table_rows = torch.tensor(
+            [-1 if t.num_embeddings is None else t.num_embeddings for t in self.feature_table]
+        )
         self.table_names = [t.name for t in self.feature_table]
 
     @classmethod

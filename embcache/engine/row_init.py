@@ -42,8 +42,9 @@ _RECOGNISED: dict[Callable[..., Any], tuple[str, Callable[[dict[str, Any]], dict
 
 
 def default_init_fn(table: Table) -> Callable[[torch.Tensor], Any]:
-    """torchrec's default: uniform in ``±sqrt(1 / num_embeddings)``."""
-    bound = math.sqrt(1.0 / table.num_embeddings)
+    """torchrec's default: uniform in ``±sqrt(1 / num_embeddings)`` (an unbounded table:
+    ``±sqrt(1 / dim)``, as `kv.base.default_init`)."""
+    bound = math.sqrt(1.0 / (table.num_embeddings or table.dim))
     return functools.partial(torch.nn.init.uniform_, a=-bound, b=bound)
 
 

@@ -37,20 +37,24 @@ class TableConfig:
     Attributes:
         name: the table's name (unique in a collection; its rows are stored under it).
         embedding_dim: columns of a row.
-        num_embeddings: rows; ids of this table are ``0 <= id < num_embeddings``.
+        num_embeddings: rows; ids of this table are ``0 <= id < num_embeddings``. None: an
+            unbounded table of raw 64-bit ids (hashed features): any int64 id, its row created
+            on first touch; its cache needs an explicit ``CacheConfig(capacity=...)``, and
+            `CacheConfig.tier_capacity` bounds the rows its tier keeps.
         feature_names: the input keys looked up in this table (none: the table's name).
         pooling: how a bag's rows are combined: ``"sum"``, ``"mean"`` or ``"max"`` (or a
             `PoolingMode`, or torchrec's ``PoolingType.SUM``/``MEAN``).
         init_fn: initialiser of the weights, called on a ``[num_embeddings, embedding_dim]``
             tensor as torchrec calls it (``functools.partial(torch.nn.init.normal_, std=0.1)``);
             None: uniform in ``±sqrt(1 / num_embeddings)``, torchrec's default.
-        data_type: the weights' type in ``state_dict()``: ``"fp32"``, ``"fp16"``, ``"bf16"``
-            (or torchrec's ``DataType``, or a torch dtype).
+        data_type: the weights' type: ``"fp32"``, ``"fp16"``, ``"bf16"`` (or torchrec's
+            ``DataType``, or a torch dtype), as stored in the cache and the tier (unless
+            `CacheConfig.weight_dtype` says otherwise) and returned by ``state_dict()``.
     """
 
     name: str
     embedding_dim: int
-    num_embeddings: int
+    num_embeddings: int | None
     feature_names: list[str] = field(default_factory=list)
     pooling: PoolingMode | str | Any = PoolingMode.SUM
     init_fn: Callable[[torch.Tensor], Any] | None = None
@@ -68,7 +72,7 @@ class Table:
         index: position in the collection; the prefix of the table's fused ids.
         name: table name.
         dim: embedding dim.
-        num_embeddings: rows.
+        num_embeddings: rows (None: unbounded).
         feature_names: the input keys looked up in this table.
         pooling: how a bag's rows are combined.
         key_names: the output key of each feature: the feature's name, or
@@ -81,7 +85,7 @@ class Table:
     index: int
     name: str
     dim: int
-    num_embeddings: int
+    num_embeddings: int | None
     feature_names: tuple[str, ...]
     pooling: PoolingMode
     key_names: tuple[str, ...]
@@ -125,8 +129,12 @@ def _checked(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: name must be a non-empty string, got {name!r}")
     for key in ("embedding_dim", "num_embeddings"):
         value = fields[key]
+        if value is None and key == "num_embeddings":
+            continue  # unbounded: raw 64-bit ids
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{where}: {key} must be a positive int, got {value!r}")
+            what = "a positive int or None (unbounded)" if key == "num_embeddings" else (
+                "a positive int")  # fmt: skip
+            raise ValueError(f"{where}: {key} must be {what}, got {value!r}")
     features = fields["feature_names"]
     if (
         isinstance(features, str)

@@ -42,9 +42,10 @@ def fuse_ids_ref(
     """
     ids = values.to(torch.int64)
     table = table_idx.index_select(0, value_features)
-    if bool((num_embeddings < 0).any()):  # unbounded tables: fold ids beyond the id bits
-        fold = (num_embeddings.index_select(0, value_features) < 0) & ((ids >> fusion_k) != 0)
-        ids = torch.where(fold, mix64(ids) & ((1 << fusion_k) - 1), ids)
+    # Unbounded tables: fold ids beyond the id bits (computed for every value: asking first
+    # whether any table is unbounded would cost a host read per batch).
+    fold = (num_embeddings.index_select(0, value_features) < 0) & ((ids >> fusion_k) != 0)
+    ids = torch.where(fold, mix64(ids) & ((1 << fusion_k) - 1), ids)
     fused = ids | (table << fusion_k)
     # Good path: one bound per feature, min(num_embeddings, 2**fusion_k), and one mask.
     fits = (1 << fusion_k) if fusion_k < 63 else torch.iinfo(torch.int64).max

@@ -63,11 +63,9 @@ def _pool_first_value_of(
 
 def _unique_rows(rows: torch.Tensor, dim: int, slots: torch.Tensor) -> torch.Tensor:
     """float32 ``[U, dim]``: the rows at ``slots``, zeros where a slot is -1."""
-    skipped = slots < 0
-    if bool(skipped.any()):  # ids not admitted: a zero row, which backward never updates
-        picked = rows[:, :dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
-        return picked.masked_fill_(skipped.unsqueeze(1), 0.0)
-    return rows[:, :dim].index_select(0, slots).to(torch.float32)
+    # Ids not admitted (slot -1) read a zero row; no host read to find whether there are any.
+    picked = rows[:, :dim].index_select(0, slots.clamp(min=0)).to(torch.float32)
+    return picked.masked_fill_((slots < 0).unsqueeze(1), 0.0)
 
 
 def pool_forward_ref(

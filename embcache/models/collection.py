@@ -284,14 +284,27 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
 
         Reads through `Store.read`, so rows never trained are computed from the initialiser
         and not created in the tier: a later checkpoint still holds only the trained rows.
+        Half-precision weights are widened to float32.
+
+        Raises:
+            ValueError: an unbounded table (it has no whole: `embcache.save` holds its rows).
         """
+        spec = self._bounded_spec(table)
         self.engines.engine_of(table).cache.flush()
-        spec = self.store.table_spec(table)
         out = torch.empty(spec.num_embeddings, spec.row_width)
         for lo in range(0, spec.num_embeddings, chunk_rows):
             ids = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
-            out[lo : lo + ids.numel()] = self.store.read(table, ids)
+            out[lo : lo + ids.numel()] = spec.to_float(self.store.read(table, ids))
         return out
+
+    def _bounded_spec(self, table: str) -> Any:
+        spec = self.store.table_spec(table)
+        if spec.num_embeddings is None:
+            raise ValueError(
+                f"table {table!r} is unbounded (num_embeddings=None): it has no whole "
+                f"[num_embeddings, dim] tensor; embcache.save / embcache.load hold its rows"
+            )
+        return spec
 
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
         """Overwrite ``columns`` of every row of a table (others kept); empties the caches.
@@ -304,18 +317,20 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
             b.backward_done and any(p.locked for p in b.prepared) for b in engines.inflight
         ):
             raise RuntimeError("cannot overwrite tables while gradients await their step")
+        spec = self._bounded_spec(table)
         engines.release_all()
         self.engines.engine_of(table).cache.invalidate()
         self.engines.generation += 1
         rows = rows.to(torch.float32).cpu()
-        n = self.store.table_spec(table).num_embeddings
+        n = spec.num_embeddings
         chunk = 1 << 16
         for lo in range(0, n, chunk):
             ids = torch.arange(lo, min(lo + chunk, n))
             current = self.store.read(table, ids)
-            new = current.clone()
+            new = spec.to_float(current)
             new[:, columns] = rows[lo : lo + ids.numel()]
-            changed = (new.view(torch.int32) != current.view(torch.int32)).any(dim=1)
+            new = spec.from_float(new)  # weights rounded to the table's precision
+            changed = (new.view(torch.uint8) != current.view(torch.uint8)).any(dim=1)
             if bool(changed.any()):
                 self.store.put(table, ids[changed], new[changed])
 
@@ -325,7 +340,7 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         t = next((t for t in self.tables if t.name == table), None)
         if t is None:
             raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
-        if self.device.type == "meta":
+        if self.device.type == "meta" and t.num_embeddings is not None:
             return torch.empty(t.num_embeddings, t.dim, dtype=t.dtype, device="meta")
         return self.table_rows(table)[:, : t.dim].to(self.device, t.dtype)
 

@@ -391,8 +391,12 @@ def test_a_cache_the_device_cannot_hold_is_refused_before_allocating() -> None:
     store = HostKV()
     with pytest.raises(ValueError, match=r"needs [\d,]+ bytes of cpu memory .* more than"):
         HotCache(specs, CacheConfig(capacity=1 << 36), store, "cpu", 41)
+    exact = CacheConfig(capacity=1024, policy="lfu", lfu_counters="exact")
     with pytest.raises(ValueError, match="LFU counts"):  # LFU counts one per row of the table
-        HotCache(specs, CacheConfig(capacity=1024, policy="lfu"), store, "cpu", 41)
+        HotCache(specs, exact, store, "cpu", 41)
+    # By default a table that large counts in a count-min sketch of bounded size instead.
+    sketched = HotCache(specs, CacheConfig(capacity=1024, policy="lfu"), store, "cpu", 41)
+    assert sketched.counter_bytes == 4 * 4 * (1 << 20)
     with pytest.raises(ValueError, match="memory_budget must be an int >= 1"):
         CacheConfig(memory_budget=0)
 
