@@ -229,11 +229,15 @@ def test_bad_distributed_options(
 
 
 def _checkpoint_tensors(root: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every rank's latest snapshot under ``root``, by file and key."""
+    """Every tensor of every rank's latest snapshot under ``root``, by file and key, but the
+    caches' states: which rows a cache holds depends on the evaluations a run made (a resumed
+    run evaluated at its first checkpoint too), and with an unbounded tier it changes no number."""
     out = {}
     for rank_dir in sorted(root.glob("rank-*")):
         snap = latest_snapshot(rank_dir)
-        for f in sorted(snap.rglob("*.safetensors")):
+        for f in sorted((snap / "tables").glob("*.safetensors")) + sorted(
+            snap.glob("*.safetensors")
+        ):
             for key, value in load_file(f).items():
                 out[f"{rank_dir.name}/{f.relative_to(snap)}:{key}"] = value
     return out

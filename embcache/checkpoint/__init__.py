@@ -17,8 +17,13 @@ Layout of a checkpoint directory (format 2)::
                                   optimizer kinds, extra
         dense.safetensors         the model's state_dict without the cached tables' weights
         optim-0.safetensors ...   optimizer state: tensors, and its structure as JSON metadata
-        tables/<m>-<t>-<k>.safetensors   (ids, rows) chunks of at most ``chunk_rows`` rows of
-                                  table t of cached module m
+        tables/<m>-<t>-<k>.safetensors   (ids, rows[, scores]) chunks of at most ``chunk_rows``
+                                  rows of table t of cached module m, rows as the tier stores
+                                  them (half-precision weights stay half), with a bounded
+                                  table's eviction scores
+        caches/<m>-<c>.safetensors       cache c of module m: which row each slot holds, its
+                                  scores, LFU/admission counts and clocks (`HotCache.
+                                  policy_state`), so a resumed run makes the same choices
 
 Every file holds data only (safetensors and JSON; `embcache.checkpoint.files`). `save` flushes
 the caches, streams each table from its tier chunk by chunk (so a table larger than free memory
@@ -34,7 +39,10 @@ and optimizers. A tier that fails while rows are being written leaves the tables
 load again once it is back (a load is idempotent).
 
 Rows never touched are not stored (their value is their initialiser's, a function of the id).
-`load` therefore also resets rows that the live tier holds but the checkpoint does not.
+`load` therefore also resets rows that the live tier holds but the checkpoint does not (and
+removes them from a bounded table, so it holds exactly the rows saved). With the tier's scores
+and the caches' states restored, training resumed from a checkpoint is bit-exact with training
+that went on, bounded tiers included (a cache of another size starts empty instead).
 """
 
 from __future__ import annotations
@@ -137,18 +145,27 @@ def save(
     if tmp.exists():
         shutil.rmtree(tmp)
     (tmp / "tables").mkdir(parents=True)
+    (tmp / "caches").mkdir()
 
-    manifest: dict[str, Any] = {"version": FORMAT_VERSION, "tables": [], "optimizers": []}
+    manifest: dict[str, Any] = {
+        "version": FORMAT_VERSION,
+        "tables": [],
+        "optimizers": [],
+        "caches": [],
+    }
     for m_index, (m_name, coll) in enumerate(_collections(model)):
         coll.flush()
         for t_index, t in enumerate(coll.tables):
             spec = coll.store.table_spec(t.name)
+            scored = coll.store.keeps_scores(t.name)
             files, rows_total = [], 0
-            for k, (ids, rows) in enumerate(coll.store.export_rows(t.name, chunk_rows)):
+            chunks = coll.store.export_rows(t.name, chunk_rows, scores=scored)
+            for k, chunk in enumerate(chunks):
                 name = f"tables/{m_index}-{t_index}-{k:06d}.safetensors"
-                entry = write_tensors(tmp, name, {"ids": ids, "rows": rows})
-                files.append({**entry, "rows": ids.numel()})
-                rows_total += ids.numel()
+                tensors = dict(zip(("ids", "rows", "scores"), chunk, strict=False))
+                entry = write_tensors(tmp, name, tensors)
+                files.append({**entry, "rows": chunk[0].numel()})
+                rows_total += chunk[0].numel()
             manifest["tables"].append(
                 {
                     "module": m_name,
@@ -156,10 +173,17 @@ def save(
                     "dim": spec.dim,
                     "num_embeddings": spec.num_embeddings,
                     "state_dim": spec.state_dim,
+                    "dtype": str(spec.dtype).removeprefix("torch."),
+                    "scores": scored,
                     "rows": rows_total,
                     "files": files,
                 }
             )
+        for c_index, cache in enumerate(coll.caches()):
+            tensors, meta = cache.policy_state()
+            name = f"caches/{m_index}-{c_index}.safetensors"
+            entry = write_tensors(tmp, name, tensors, meta=meta)
+            manifest["caches"].append({"module": m_name, "cache": c_index, **entry})
     manifest["dense"] = write_tensors(tmp, "dense.safetensors", _dense_state(model))
     for i, (kind, opt) in enumerate(zip(kinds, optimizers, strict=True)):
         state = opt.hyper_state_dict() if kind == "sparse" else opt.state_dict()
@@ -171,6 +195,7 @@ def save(
     text = json.dumps(manifest, indent=1).encode()
     write_bytes(tmp / "manifest.json", text)
     fsync_dir(tmp / "tables")
+    fsync_dir(tmp / "caches")
     fsync_dir(tmp)
     os.rename(tmp, snap)
     fsync_dir(root)
@@ -286,6 +311,8 @@ def _check_manifest(manifest: dict[str, Any], where: Path) -> None:
         fail("'optimizers' is not a list of {kind: sparse|torch, ...}")
     if not isinstance(manifest.get("dense"), dict):
         fail("'dense' is missing")
+    if not isinstance(manifest.get("caches", []), list):
+        fail("'caches' is not a list")
     if not isinstance(manifest.get("extra"), dict):
         fail("'extra' is not an object")
 
@@ -317,6 +344,7 @@ def load(
     tables = _verify_tables(snap, manifest, colls)
     dense = _verify_dense(snap, manifest, model)
     states = _verify_optimizers(snap, manifest, optimizers)
+    caches = _verify_caches(snap, manifest, colls)
 
     # Everything checked: apply. Only the tier can fail from here on (then load again).
     for coll in colls.values():
@@ -324,13 +352,19 @@ def load(
     for coll, entry, saved in tables:
         table = entry["table"]
         spec = coll.store.table_spec(table)
-        for ids, _ in coll.store.export_rows(table):
-            stale = ids[~torch.isin(ids, saved)]
-            if stale.numel():
+        bounded = coll.store.keeps_scores(table)
+        for chunk in list(coll.store.export_rows(table)):
+            stale = chunk[0][~torch.isin(chunk[0], saved)]
+            if stale.numel() and bounded:  # a bounded table holds exactly the rows saved
+                coll.store.remove(table, stale)
+            elif stale.numel():
                 coll.store.put(table, stale, spec.initial_rows(stale))
         for k, f in enumerate(entry["files"]):
             chunk, _ = read_tensors(snap, f, f"table {table!r} chunk {k}")
-            coll.store.import_rows(table, chunk["ids"], chunk["rows"])
+            scores = chunk.get("scores") if bounded else None
+            coll.store.import_rows(table, chunk["ids"], chunk["rows"], scores)
+    for cache, tensors, meta in caches:
+        cache.load_policy_state(tensors, meta)
     backups = []
     try:
         for opt, state in zip(optimizers, states, strict=True):
@@ -376,28 +410,31 @@ def _verify_tables(
                 f"table {table!r}: checkpoint has (dim, rows, state) {want}, the model "
                 f"{got}; attach the same optimizer before loading"
             )
+        dtype = str(spec.dtype).removeprefix("torch.")
+        if entry.get("dtype", "float32") != dtype:
+            raise ValueError(
+                f"table {table!r}: checkpoint rows hold {entry.get('dtype')} weights, the model "
+                f"{dtype}; load it into a model of the same data_type / weight_dtype"
+            )
+        keys = {"ids", "rows", "scores"} if entry.get("scores") else {"ids", "rows"}
         saved, last = [], -1
         for k, f in enumerate(entry["files"]):
             what = f"table {table!r} chunk {k}"
             chunk, _ = read_tensors(snap, f, what)
             where = f"{snap / str(f['name'])} ({what})"
             ids, rows = chunk.get("ids"), chunk.get("rows")
-            if set(chunk) != {"ids", "rows"} or ids.dtype != torch.int64 or ids.dim() != 1:
-                raise CheckpointError(
-                    f"{where}: expected int64 ids [n] and rows, got {list(chunk)}"
-                )
+            if set(chunk) != keys or ids.dtype != torch.int64 or ids.dim() != 1:
+                raise CheckpointError(f"{where}: expected {sorted(keys)}, got {list(chunk)}")
             if (
                 ids.numel() != f["rows"]
-                or rows.dtype != torch.float32
-                or tuple(rows.shape)
-                != (
-                    ids.numel(),
-                    spec.row_width,
-                )
+                or rows.dtype != spec.dtype
+                or tuple(rows.shape) != (ids.numel(), spec.stored_width)
+                or ("scores" in keys and tuple(chunk["scores"].shape) != (ids.numel(),))
             ):
                 raise CheckpointError(
                     f"{where}: {ids.numel()} ids and rows {tuple(rows.shape)} {rows.dtype}; "
-                    f"expected {f['rows']} ids and float32 rows of width {spec.row_width}"
+                    f"expected {f['rows']} ids and {dtype} rows of width {spec.stored_width}"
+                    + (" with a score each" if "scores" in keys else "")
                 )
             if ids.numel():
                 ascending = bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) > last
@@ -412,6 +449,28 @@ def _verify_tables(
     missing = [(m, t.name) for m, c in colls.items() for t in c.tables if (m, t.name) not in seen]
     if missing:
         raise ValueError(f"the checkpoint holds no rows for tables {missing} of this model")
+    return out
+
+
+def _verify_caches(
+    snap: Path, manifest: dict[str, Any], colls: dict[str, CachedCollectionInterface]
+) -> list[tuple[Any, dict[str, torch.Tensor], dict[str, Any]]]:
+    """The caches' saved states, checked, with the caches they belong to (a checkpoint of a
+    model whose collections differ, or written before caches were saved, restores none)."""
+    out = []
+    for k, entry in enumerate(manifest.get("caches", [])):
+        if not isinstance(entry, dict) or not isinstance(entry.get("cache"), int):
+            raise CheckpointError(f"{snap / 'manifest.json'}: malformed cache entry {k}")
+        coll = colls.get(entry.get("module"))  # type: ignore[arg-type]
+        caches = coll.caches() if coll is not None else []
+        if not 0 <= entry["cache"] < len(caches):
+            continue
+        tensors, meta = read_tensors(snap, entry, f"cache {k}")
+        if not isinstance(meta, dict) or not all(
+            isinstance(meta.get(key), int) for key in ("tick", "lookups", "batch_seq")
+        ):
+            raise CheckpointError(f"{snap / str(entry['name'])}: malformed cache state")
+        out.append((caches[entry["cache"]], tensors, meta))
     return out
 
 

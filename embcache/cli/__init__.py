@@ -3,6 +3,8 @@ data or on Criteo and MovieLens files) and ``embcache bench`` (the scripts in ``
 
     embcache train                                  # ~1 minute on a 2-core CPU
     embcache train --data criteo:train.txt.gz --buckets 1000000 --eval-every 500
+    embcache train --data criteo:day_0.gz --buckets 0 --cache-capacity 500000 \
+        --tier-capacity 5000000 --admit-after 2 --weight-dtype bf16
     embcache train --data movielens:ml-1m --batch-size 512 --steps 2000
     embcache train --load-factor 0.05 --policy lfu --optimizer rowwise_adagrad --plot run.png
     embcache train --store redis://127.0.0.1:6379/0 --checkpoint ckpt/
@@ -95,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_BUCKETS,
         help="Criteo: rows of each categorical table; a categorical's hex value modulo this "
-        "is its id",
+        "is its id. 0: the raw hashed values are the ids, in unbounded tables (give "
+        "--cache-capacity, and --tier-capacity to bound the memory they take)",
     )
     data.add_argument(
         "--eval-fraction",
@@ -185,6 +188,33 @@ def build_parser() -> argparse.ArgumentParser:
         "when --cache-capacity is not given either)",
     )
     cache.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="eviction policy")
+    cache.add_argument(
+        "--weight-dtype",
+        choices=["fp32", "fp16", "bf16"],
+        default="fp32",
+        help="precision of the embedding weights in the cache and the tier (optimizer state "
+        "stays fp32; half-precision updates round stochastically)",
+    )
+    cache.add_argument(
+        "--tier-capacity",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="most rows the tier keeps per table; a full table evicts its least recently "
+        "(--tier-policy) used rows the cache does not hold, and an evicted row comes back from "
+        "its initial value (default: no bound)",
+    )
+    cache.add_argument(
+        "--tier-policy", choices=["lru", "lfu"], default="lru", help="the tier's eviction score"
+    )
+    cache.add_argument(
+        "--admit-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="an id gets its own row only from the N-th batch it appears in; before, it reads "
+        "zeros and its gradients are dropped (default: at once)",
+    )
     cache.add_argument(
         "--store",
         default="host",

@@ -78,10 +78,18 @@ def print_summary(
     """The end-of-run table: data, model, cache, optimizer, speed, loss, held-out AUC and log
     loss, cache counters (defined in the README) and tier traffic."""
     ebc = model.sparse_arch
-    total_rows = sum(data.rows)
+    unbounded = None in data.rows
+    total_rows = 0 if unbounded else sum(data.rows)  # type: ignore[arg-type]
     slots = sum(c.num_slots for c in ebc.caches())
     stats = result.cache_stats
-    cached = min(slots, total_rows)
+    cached = slots if unbounded else min(slots, total_rows)
+    share = "of unbounded tables" if unbounded else f"{cached / total_rows:.1%} of all"
+    precision = {"fp32": "", "fp16": ", fp16 weights", "bf16": ", bf16 weights"}
+    memory = precision[args.weight_dtype]
+    if args.tier_capacity is not None:
+        memory += f", tier {args.tier_capacity:,} rows/table ({args.tier_policy.upper()})"
+    if args.admit_after is not None:
+        memory += f", admit after {args.admit_after}"
     rows: list[tuple[str, str]] = [
         ("data", data.describe()),
         (
@@ -92,7 +100,7 @@ def print_summary(
         ),
         (
             "cache",
-            f"{cached:,} rows ({cached / total_rows:.1%} of all), {args.policy.upper()}, "
+            f"{cached:,} rows ({share}), {args.policy.upper()}{memory}, "
             f"store {redact_url(store)}, prefetch {'on' if prefetch else 'off'}",
         ),
         ("optimizer", f"{args.optimizer}, lr {lr:g} (sparse), {dense_lr:g} (dense)"),
@@ -139,7 +147,17 @@ def print_summary(
             "and written back",
         )
     )
+    if "admissions_refused" in stats:
+        rows.append(
+            (
+                "admission",
+                f"{stats['admissions_refused']:,} lookups of ids not admitted yet (read zeros), "
+                f"{stats['gradients_dropped']:,} of their gradient rows dropped",
+            )
+        )
     io = result.io_stats
+    if io is not None and io.get("tier_evictions"):
+        rows.append(("tier", f"{io['tier_evictions']:,} rows evicted from the bounded tables"))
     if io is not None and "bytes_read" in io:
         rows.append(
             (

@@ -30,10 +30,17 @@ def run_settings(args: argparse.Namespace) -> tuple[float, float, CacheConfig]:
         torch.set_num_threads(args.threads)
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
     dense_lr = args.dense_lr if args.dense_lr is not None else DEFAULT_DENSE_LR[args.optimizer]
+    memory = {
+        "policy": args.policy,
+        "weight_dtype": args.weight_dtype,
+        "tier_capacity": args.tier_capacity,
+        "tier_policy": args.tier_policy,
+        "admit_after": args.admit_after,
+    }
     if args.cache_capacity is not None:
-        cache = CacheConfig(capacity=args.cache_capacity, policy=args.policy)
+        cache = CacheConfig(capacity=args.cache_capacity, **memory)
     else:
-        cache = CacheConfig(load_factor=args.load_factor or DEFAULT_LOAD_FACTOR, policy=args.policy)
+        cache = CacheConfig(load_factor=args.load_factor or DEFAULT_LOAD_FACTOR, **memory)
     return lr, dense_lr, cache
 
 

@@ -32,10 +32,18 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         ("--dim", args.dim),
         ("--steps", args.steps),
         ("--batch-size", args.batch_size),
-        ("--buckets", args.buckets),
+        ("--tier-capacity", args.tier_capacity or 1),
+        ("--admit-after", args.admit_after or 1),
     ):
         if value < 1:
             fail(f"{flag} must be >= 1, got {value}")
+    if args.buckets < 0:
+        fail(f"--buckets must be >= 0 (0: raw ids, unbounded tables), got {args.buckets}")
+    if args.buckets == 0 and args.cache_capacity is None:
+        fail(
+            "--buckets 0 makes unbounded tables (raw hashed ids): give --cache-capacity, the "
+            "rows the device cache holds (a load factor needs a known row count)"
+        )
     for flag, value in (
         ("--threads", args.threads),
         ("--seed", args.seed),

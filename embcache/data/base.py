@@ -8,7 +8,8 @@ split, whatever its format.
     for batch in data.eval_batches():             # the held-out split, once
         ...
 
-Each feature has its own table (``t_<feature>``) of ``rows[i]`` rows; a feature's bag holds one
+Each feature has its own table (``t_<feature>``) of ``rows[i]`` rows (None: unbounded, raw
+hashed ids); a feature's bag holds one
 id (Criteo) or several (MovieLens genres).
 """
 
@@ -28,14 +29,14 @@ class ClickDataset(abc.ABC):
 
     Attributes:
         feature_names: the sparse features, in the order of their tables.
-        rows: rows of each feature's table.
+        rows: rows of each feature's table (None: unbounded).
         poolings: how each feature's bag is pooled (``"sum"`` unless a reader says otherwise).
         num_dense: dense features per sample (0 for none).
         batch_size: samples per batch.
     """
 
     feature_names: list[str]
-    rows: list[int]
+    rows: list[int | None]
     poolings: dict[str, str]
     num_dense: int
     batch_size: int

@@ -7,7 +7,9 @@ empty. The usual transforms, as torchrec's preprocessing applies them:
 
 * dense: ``log(1 + max(x, 0))`` (an empty count is 0);
 * categorical: the hex value as an integer (empty: 0), modulo ``buckets`` rows per table, so
-  the 26 tables are bounded (torchrec's ``hashes``; its DLRM example uses 100,000).
+  the 26 tables are bounded (torchrec's ``hashes``; its DLRM example uses 100,000); with
+  ``buckets=0`` the raw values go straight in, into unbounded tables (``num_embeddings=None``),
+  which need an explicit cache capacity and are best given a tier capacity.
 
 Held out: the last day when ``path`` is a directory of day files (``day_0``, ``day_1.gz``, ...),
 else the last ``eval_fraction`` of the file (by bytes for a plain file, by lines, counted once,
@@ -69,7 +71,7 @@ def parse_lines(lines: Sequence[bytes], buckets: np.ndarray, where: str, first_l
 
     Args:
         lines: ``B`` lines of 40 tab-separated fields.
-        buckets: int64 ``[26]`` rows of each categorical table.
+        buckets: int64 ``[26]`` rows of each categorical table (0: raw ids, unbounded).
         where: the file, for error messages.
         first_line: the 1-based line number of ``lines[0]`` in that file.
 
@@ -94,8 +96,16 @@ def parse_lines(lines: Sequence[bytes], buckets: np.ndarray, where: str, first_l
         raise ValueError(f"{at}: an integer feature is not an integer") from None
     dense = np.log1p(np.maximum(dense, 0)).astype(np.float32)
     cats = hex_ids([f for row in rows for f in row[1 + NUM_INT :]], at)
-    ids = cats.reshape(len(rows), NUM_CAT) % buckets  # [B, 26]
+    ids = cats.reshape(len(rows), NUM_CAT)  # [B, 26]
+    ids = np.where(buckets > 0, ids % np.maximum(buckets, 1), ids)
     return make_batch(dense, ids, labels)
+
+
+def describe_buckets(buckets: np.ndarray) -> str:
+    """How the categorical ids are laid out, for a summary."""
+    if not bool((buckets > 0).any()):
+        return "as raw hashed ids (unbounded tables)"
+    return f"hashed into {int(buckets.max()):,} rows each"
 
 
 def make_batch(dense: np.ndarray, ids: np.ndarray, labels: np.ndarray) -> Batch:
@@ -159,7 +169,8 @@ class CriteoText(ClickDataset):
     Args:
         path: a file (plain or gzip) or a directory of day files.
         batch_size: samples per batch.
-        buckets: rows of each categorical table (an int for all 26, or 26 ints).
+        buckets: rows of each categorical table (an int for all 26, or 26 ints); 0: the raw
+            hashed values, in unbounded tables.
         eval_fraction: the share held out when there are no day files to hold out.
         progress: show a bar while counting the lines of a gzip file.
         depth: batches parsed ahead of the trainer.
@@ -184,11 +195,13 @@ class CriteoText(ClickDataset):
         if not 0.0 < eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         rows = [buckets] * NUM_CAT if isinstance(buckets, int) else list(buckets)
-        if len(rows) != NUM_CAT or any(isinstance(n, bool) or n < 1 for n in rows):
-            raise ValueError(f"buckets must be an int >= 1 or 26 of them, got {buckets!r}")
+        if len(rows) != NUM_CAT or any(isinstance(n, bool) or n < 0 for n in rows):
+            raise ValueError(
+                f"buckets must be an int >= 0 (0: raw ids) or 26 of them, got {buckets!r}"
+            )
         self.batch_size = batch_size
         self.buckets = np.array(rows, dtype=np.int64)
-        self.rows = rows
+        self.rows = [n or None for n in rows]
         self.feature_names = list(FEATURE_NAMES)
         self.poolings = {}
         self.depth = depth
@@ -217,8 +230,8 @@ class CriteoText(ClickDataset):
 
     def describe(self) -> str:
         return (
-            f"Criteo text {self.path}: 13 dense, 26 categorical features hashed into "
-            f"{int(self.buckets.max()):,} rows each, {self.split}, batch {self.batch_size}"
+            f"Criteo text {self.path}: 13 dense, 26 categorical features "
+            f"{describe_buckets(self.buckets)}, {self.split}, batch {self.batch_size}"
         )
 
     def _chunks(self, segments: list[_Segment], drop_last: bool) -> Iterator[tuple]:

@@ -24,7 +24,14 @@ import numpy as np
 
 from embcache.data.base import ClickDataset
 from embcache.data.batch import Batch
-from embcache.data.criteo import DEFAULT_BUCKETS, FEATURE_NAMES, NUM_CAT, NUM_INT, make_batch
+from embcache.data.criteo import (
+    DEFAULT_BUCKETS,
+    FEATURE_NAMES,
+    NUM_CAT,
+    NUM_INT,
+    describe_buckets,
+    make_batch,
+)
 from embcache.data.loader import background
 
 _DENSE_RE = re.compile(r"day_(\d+)_dense\.npy")
@@ -108,7 +115,8 @@ class CriteoNpy(ClickDataset):
     Args:
         path: the directory of ``day_<d>_{dense,sparse,labels}.npy`` files.
         batch_size: samples per batch.
-        buckets: rows of each categorical table (an int for all 26, or 26 ints).
+        buckets: rows of each categorical table (an int for all 26, or 26 ints); 0: the
+            values as they are, in unbounded tables.
         eval_fraction: the share of rows held out when there is a single day.
         reader: how rows are read (default: torchrec's reader where installed, else numpy's).
         depth: batches read ahead of the trainer.
@@ -133,11 +141,13 @@ class CriteoNpy(ClickDataset):
         if not 0.0 < eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         rows = [buckets] * NUM_CAT if isinstance(buckets, int) else list(buckets)
-        if len(rows) != NUM_CAT or any(isinstance(n, bool) or n < 1 for n in rows):
-            raise ValueError(f"buckets must be an int >= 1 or 26 of them, got {buckets!r}")
+        if len(rows) != NUM_CAT or any(isinstance(n, bool) or n < 0 for n in rows):
+            raise ValueError(
+                f"buckets must be an int >= 0 (0: raw ids) or 26 of them, got {buckets!r}"
+            )
         self.batch_size = batch_size
         self.buckets = np.array(rows, dtype=np.int64)
-        self.rows = rows
+        self.rows = [n or None for n in rows]
         self.feature_names = list(FEATURE_NAMES)
         self.poolings = {}
         self.depth = depth
@@ -157,7 +167,7 @@ class CriteoNpy(ClickDataset):
     def describe(self) -> str:
         return (
             f"Criteo npy {self.path}: {self.train_rows:,} training rows, 13 dense, 26 "
-            f"categorical features into {int(self.buckets.max()):,} rows each, {self.split}, "
+            f"categorical features {describe_buckets(self.buckets)}, {self.split}, "
             f"batch {self.batch_size}"
         )
 
@@ -182,7 +192,8 @@ class CriteoNpy(ClickDataset):
         dense = np.concatenate([self.read(d.dense, a, n) for d, a, n in ranges])
         sparse = np.concatenate([self.read(d.sparse, a, n) for d, a, n in ranges])
         labels = np.concatenate([self.read(d.labels, a, n) for d, a, n in ranges])
-        ids = sparse.astype(np.int64) % self.buckets
+        ids = sparse.astype(np.int64)
+        ids = np.where(self.buckets > 0, ids % np.maximum(self.buckets, 1), ids)
         return make_batch(dense.astype(np.float32), ids, labels.reshape(-1).astype(np.float32))
 
     def train_batches(self, start: int = 0) -> Iterator[Batch]:
