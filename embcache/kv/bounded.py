@@ -15,10 +15,12 @@ score until released; ties are broken by id, so the choice depends only on which
 holds and their scores, not on where they sit in it (a table restored from a checkpoint evicts
 the same rows as the one that saved it).
 
-If a bucket has more new ids than free and unpinned ways, the insert is refused
-(`TierCapacityError`) before anything changes: the table's capacity must leave room beyond the
-rows its readers pin (the device cache's capacity), which the default bucket width makes all but
-certain once the capacity is a few times the pinned rows.
+If a bucket has more new ids than free and unpinned ways (ways the same call uses count as
+pinned), the insert is refused (`TierCapacityError`) before anything changes: a table's
+capacity must leave room beyond the rows its readers pin (the device cache's capacity) and the
+rows one call brings, which the default bucket width makes all but certain once the capacity is
+a few times both (a bucket of 64 ways receives on average ``64 * new / capacity`` of a call's
+new rows).
 """
 
 from __future__ import annotations
@@ -133,11 +135,12 @@ class BoundedIndex:
         way = way.gather(1, torch.argsort(kind.gather(1, way), dim=1, stable=True))
         usable = (kind < 2).sum(dim=1)  # [T]
         if bool((rank >= usable[owner]).any()):
-            bad = int(touched[owner[rank >= usable[owner]][0]])
+            t = int(owner[rank >= usable[owner]][0])
             raise TierCapacityError(
-                f"a bucket of {W} rows (bucket {bad}) has no room for {int(counts.max())} new "
-                f"rows: its rows are pinned by readers (the device cache). Give the table a "
-                f"capacity well above the rows the caches in front of it hold"
+                f"a bucket of {W} rows has no room for the {int(counts[t])} new rows one call "
+                f"brings: {W - int(usable[t])} of its rows are pinned by readers (the device "
+                f"cache) or used by the call. Give the table a capacity ({self.capacity:,} "
+                f"now) well above the rows the caches in front of it hold and one batch's rows"
             )
         chosen = way[owner, rank]  # [k]
         positions = touched[owner] * W + chosen

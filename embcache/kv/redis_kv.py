@@ -485,10 +485,11 @@ class RedisKV(Store):
                 self._refresh_topology()
                 continue
             except redis.exceptions.ResponseError as err:
-                if str(err).startswith("OOM"):
+                if isinstance(err, redis.exceptions.OutOfMemoryError):
                     raise TierFullError(
                         f"{self._describe()} is full: {op} on table {table!r} was refused "
-                        f"({error_text(err)}). Nothing was lost (the rows stay in the cache); "
+                        f"({type(err).__name__}): {error_text(err)} Nothing was lost (the rows "
+                        f"stay in the cache); "
                         f"raise the server's maxmemory, or bound the tables in front of it "
                         f"(a tier capacity), then repeat the call"
                     ) from None
