@@ -130,7 +130,8 @@ def test_a_bucket_of_pinned_rows_refuses_new_ones_and_changes_nothing() -> None:
         BoundedIndex(capacity=4, policy=ScorePolicy.LFU, ways=4).insert(
             torch.arange(10, 15), first[:0]
         )
-    assert all(torch.equal(a, b) for a, b in zip(before, (index.keys, index.scores, index.pins)))
+    after = (index.keys, index.scores, index.pins)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     index.unpin(positions[:1])  # id 1 released: it goes first
     _, evicted = index.insert(torch.tensor([5]), first[:0])
     assert evicted.tolist() == [1]
@@ -243,7 +244,7 @@ def test_scores_survive_export_and_import(kind: str, request: pytest.FixtureRequ
 
 def test_redis_refuses_a_capacity_of_its_own(server: RedisServer) -> None:
     kv = RedisKV(server.url, namespace="cap")
-    with pytest.raises(ValueError, match="does not bound a table's rows.*TieredKV"):
+    with pytest.raises(ValueError, match=r"does not bound a table's rows.*TieredKV"):
         kv.init_table(bounded_spec())
     kv.close()
 
@@ -297,7 +298,7 @@ def test_a_full_redis_refuses_writes_loudly_and_loses_nothing(tmp_path: Path) ->
         kv.init_table(spec)
         kept = torch.arange(100)
         kv.put("t", kept, torch.ones(100, 64))
-        with pytest.raises(TierFullError, match="is full.*Nothing was lost.*maxmemory"):
+        with pytest.raises(TierFullError, match=r"is full.*Nothing was lost.*maxmemory"):
             for lo in range(1000, 200_000, 4096):
                 kv.put("t", torch.arange(lo, lo + 4096), torch.zeros(4096, 64))
         assert torch.equal(kv.read("t", kept), torch.ones(100, 64))
