@@ -117,8 +117,8 @@ class LfuCounts:
     def _split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each id's exact index (where counted exactly) and whether it is."""
         offset = self.row_offset[ids >> self.fusion_k]
-        raw = ids & ((1 << self.fusion_k) - 1)
-        return (offset + raw).clamp(min=0), offset >= 0
+        exact = offset >= 0
+        return torch.where(exact, offset + (ids & ((1 << self.fusion_k) - 1)), 0), exact
 
     def get(self, ids: torch.Tensor) -> torch.Tensor:
         """int64 ``[n]``: each id's count."""

@@ -1,0 +1,213 @@
+"""The collection in bounded memory: unbounded tables (raw 64-bit ids), admission, half-precision
+rows, and checkpoints of all of it that resume bit for bit."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig
+
+import embcache
+from embcache import CacheConfig, CachedEmbeddingBagCollection, JaggedBatch, TableConfig
+from embcache.hashing import mix64
+
+INIT = functools.partial(torch.nn.init.uniform_, a=-0.1, b=0.1)
+K = 30  # the default fusion_k
+
+
+def tables(rows: int | None, kind: str = "config") -> list:
+    """Two tables of dim 4 sharing a cache, one of dim 3: as TableConfig, torchrec config or
+    dicts."""
+    fields = [
+        {"name": "a", "embedding_dim": 4, "num_embeddings": rows, "feature_names": ["fa"],
+         "init_fn": INIT},
+        {"name": "b", "embedding_dim": 4, "num_embeddings": rows, "feature_names": ["fb"],
+         "init_fn": INIT, "pooling": "mean"},
+        {"name": "c", "embedding_dim": 3, "num_embeddings": rows, "feature_names": ["fc"],
+         "init_fn": INIT},
+    ]  # fmt: skip
+    if kind == "dict":
+        return fields
+    if kind == "torchrec":
+        from torchrec import PoolingType
+
+        return [
+            EmbeddingBagConfig(**{**f, "pooling": PoolingType[f.get("pooling", "sum").upper()]})
+            for f in fields
+        ]
+    return [TableConfig(**f) for f in fields]
+
+
+def batch(gen: torch.Generator, high: int, size: int = 16) -> JaggedBatch:
+    lengths = torch.randint(0, 4, (3 * size,), generator=gen)
+    values = torch.randint(0, high, (int(lengths.sum()),), generator=gen)
+    return JaggedBatch.from_lengths(["fa", "fb", "fc"], values, lengths)
+
+
+def train(ebc, batches: list[JaggedBatch], lr: float = 0.2) -> list[torch.Tensor]:
+    opt = embcache.SparseAdaGrad([ebc], lr=lr)
+    outs = []
+    for b in batches:
+        out = ebc(b).values()
+        outs.append(out.detach().clone())
+        (out * torch.linspace(-1, 1, out.shape[1])).sum().backward()
+        opt.step()
+    return outs
+
+
+@pytest.mark.parametrize("kind", ["config", "torchrec", "dict"])
+def test_unbounded_tables_train_like_bounded_ones(kind: str) -> None:
+    """Tables with num_embeddings=None (any config kind) give the same outputs and rows as the
+    same tables bounded, on ids both accept; a state_dict leaves them out."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [batch(gen, 500) for _ in range(6)]
+    bounded = CachedEmbeddingBagCollection(tables(500), cache=CacheConfig(capacity=64), seed=3)
+    unbounded = CachedEmbeddingBagCollection(
+        tables(None, kind), cache=CacheConfig(capacity=64), seed=3
+    )
+    for got, want in zip(train(unbounded, batches), train(bounded, batches), strict=True):
+        assert torch.equal(got, want)
+    ids = torch.arange(500)
+    for name in "abc":
+        for ebc in (bounded, unbounded):
+            ebc.flush()
+        assert torch.equal(unbounded.store.read(name, ids), bounded.store.read(name, ids))
+    assert list(unbounded.state_dict()) == []
+    with pytest.raises(ValueError, match="unbounded"):
+        unbounded.table_rows("a")
+
+
+def test_raw_64_bit_ids_fold_into_the_id_bits() -> None:
+    """Ids at or beyond 2**fusion_k, negative ones (a uint64 hash seen as int64) included, are
+    folded by mix64 into the fusion_k bits: such an id reads the row of its folded value."""
+    ebc = CachedEmbeddingBagCollection(tables(None), cache=CacheConfig(capacity=64), seed=1)
+    raw = torch.tensor([2**62 + 5, -(2**63), -12345, 1 << K])
+    folded = mix64(raw) & ((1 << K) - 1)
+    lengths = torch.tensor([1] * 4 + [0] * 8)
+    with torch.no_grad():
+        wide = ebc(JaggedBatch.from_lengths(["fa", "fb", "fc"], raw, lengths)).values()
+        narrow = ebc(JaggedBatch.from_lengths(["fa", "fb", "fc"], folded, lengths)).values()
+    assert torch.equal(wide, narrow) and bool((wide[:, :4] != 0).all())
+
+
+def test_unbounded_tables_need_an_explicit_cache_capacity() -> None:
+    with pytest.raises(ValueError, match="needs an explicit capacity"):
+        CachedEmbeddingBagCollection(tables(None), cache=CacheConfig(load_factor=0.1))
+    with pytest.raises(ValueError, match="needs an explicit capacity"):
+        CachedEmbeddingBagCollection(tables(None))
+
+
+def test_admission_reads_zeros_and_drops_gradients_until_the_nth_batch() -> None:
+    """admit_after=2 on table a: an id of a reads zeros and is not trained in the first batch
+    it appears in; from the second it has its own row, starting from its initial value, as in
+    a collection without admission whose first batch trained only the other tables."""
+    config = CacheConfig(capacity=64, admit_after={"a": 2})
+    ebc = CachedEmbeddingBagCollection(tables(None), cache=config, seed=5)
+    plain = CachedEmbeddingBagCollection(tables(None), cache=CacheConfig(capacity=64), seed=5)
+    only_a = JaggedBatch.from_lengths(
+        ["fa", "fb", "fc"], torch.tensor([7, 8, 9]), torch.tensor([3, 0, 0])
+    )
+    first = train(ebc, [only_a])[0]
+    assert torch.equal(first, torch.zeros_like(first))
+    assert ebc.store.row_count("a") == 0
+    stats = ebc.cache_stats()
+    assert stats["admissions_refused"] == 3 and stats["gradients_dropped"] == 3
+    second = train(ebc, [only_a])[0]
+    with torch.no_grad():
+        want = plain(only_a).values()
+    assert torch.equal(second, want) and bool((second != 0).any())
+    assert ebc.store.row_count("a") == 3
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_rows_train_close_to_float32(dtype: str) -> None:
+    """weight_dtype stores rows in half precision in the cache and the tier (state float32):
+    after training the weights stay within a few half-precision steps of float32 training's,
+    state_dict gives the table's data_type, and the bytes moved per row shrink."""
+    gen = torch.Generator().manual_seed(2)
+    batches = [batch(gen, 300) for _ in range(12)]
+    runs = {}
+    for name, cfg in (("fp32", CacheConfig(capacity=64)),
+                      (dtype, CacheConfig(capacity=64, weight_dtype=dtype))):  # fmt: skip
+        ebc = CachedEmbeddingBagCollection(tables(300), cache=cfg, seed=4)
+        train(ebc, batches)
+        ebc.flush()
+        runs[name] = ebc
+    half, full = runs[dtype], runs["fp32"]
+    assert half.caches()[0].weights.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    for name in "abc":
+        w_half, w_full = half.table_rows(name), full.table_rows(name)
+        dim = half.store.table_spec(name).dim
+        tol = {"fp16": 2e-3, "bf16": 1.5e-2}[dtype] * w_full[:, :dim].abs().max()
+        assert (w_half[:, :dim] - w_full[:, :dim]).abs().max() <= tol
+        assert half.state_dict()[f"embedding_bags.{name}.weight"].dtype == torch.float32
+    row_bytes = {n: r.store.table_spec("a").row_bytes for n, r in runs.items()}
+    assert row_bytes[dtype] == 4 * 2 + 4 * 4 and row_bytes["fp32"] == 8 * 4
+
+
+def test_torchrec_data_type_is_the_stored_precision() -> None:
+    import torchrec
+
+    cfg = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=50, feature_names=["f"],
+                             data_type=torchrec.DataType.BF16)  # fmt: skip
+    ebc = CachedEmbeddingBagCollection([cfg], cache=CacheConfig(capacity=16))
+    assert ebc.store.table_spec("t").dtype == torch.bfloat16
+    assert ebc.caches()[0].weights.dtype == torch.bfloat16
+
+
+def _model(kind: str, store) -> CachedEmbeddingBagCollection:
+    config = {
+        "bounded-tier": CacheConfig(capacity=32, ways=8, tier_capacity=128, policy="lfu",
+                                    lfu_counters="sketch", sketch_width=512,
+                                    admit_after={"b": 2}, weight_dtype="bf16"),
+        "tiered": CacheConfig(capacity=32, ways=8, tier_capacity=128, tier_policy="lfu"),
+        "plain": CacheConfig(capacity=32, ways=8),
+    }[kind]  # fmt: skip
+    return CachedEmbeddingBagCollection(tables(None), cache=config, store=store, seed=9)
+
+
+@pytest.mark.parametrize("kind", ["bounded-tier", "tiered", "plain"])
+def test_resume_after_a_checkpoint_is_bit_exact(kind: str, tmp_path: Path) -> None:
+    """Unbounded tables, a tier bounded well below the ids seen (with evictions), admission,
+    bf16 rows, LFU in a sketch: training 10 batches, saving, and training 10 more gives the
+    same outputs, rows and scores as a new model loaded from the checkpoint training those 10."""
+    gen = torch.Generator().manual_seed(11)
+    batches = [batch(gen, 2**40, size=24) for _ in range(20)]
+
+    def store():
+        return embcache.kv.TieredKV(embcache.HostKV(), 50) if kind == "tiered" else None
+
+    first = _model(kind, store())
+    opt = embcache.SparseAdaGrad([first], lr=0.2)
+    train_with(first, opt, batches[:10])
+    embcache.save(tmp_path / "ckpt", first, [opt])
+    went_on = train_with(first, opt, batches[10:])
+    assert kind == "plain" or first.store.io_stats()["tier_evictions"] > 0
+
+    second = _model(kind, store())
+    opt2 = embcache.SparseAdaGrad([second], lr=0.2)
+    embcache.load(tmp_path / "ckpt", second, [opt2])
+    resumed = train_with(second, opt2, batches[10:])
+    for a, b in zip(resumed, went_on, strict=True):
+        assert torch.equal(a, b)
+    for ebc in (first, second):
+        ebc.flush()
+    for name in "abc":
+        scores = first.store.keeps_scores(name)
+        chunks = [list(ebc.store.export_rows(name, scores=scores)) for ebc in (first, second)]
+        for part in range(3 if scores else 2):
+            a, b = (torch.cat([c[part] for c in chunks_of]) for chunks_of in chunks)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, part)
+
+
+def train_with(ebc, opt, batches) -> list[torch.Tensor]:
+    outs = []
+    for b in batches:
+        out = ebc(b).values()
+        outs.append(out.detach().clone())
+        (out * torch.linspace(-1, 1, out.shape[1])).sum().backward()
+        opt.step()
+    return outs
