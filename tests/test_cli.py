@@ -315,6 +315,33 @@ def test_train_on_each_real_format(
         assert "0 dense and 7 sparse features" in out
 
 
+def test_raw_criteo_ids_in_bounded_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--buckets 0: the raw hashed ids go straight into unbounded tables; with a tier capacity,
+    admission and bf16 rows the run trains, evicts from the tier, refuses one-off ids, and says
+    so; --buckets 0 without a cache capacity is refused up front."""
+    from tests.data import formats
+
+    path = formats.write_criteo(tmp_path / "raw.txt", 2500, seed=0, pool=3000)
+    argv = ["train", "--data", f"criteo:{path}", *REAL[:-3], "--buckets", "0", "--no-progress"]
+    memory = ["--cache-capacity", "512", "--tier-capacity", "128", "--admit-after", "2",
+              "--weight-dtype", "bf16", "--checkpoint", str(tmp_path / "ck")]  # fmt: skip
+    assert main([*argv, *memory]) == 0
+    out = capsys.readouterr().out
+    assert "as raw hashed ids (unbounded tables)" in out
+    assert "bf16 weights, tier 128 rows/table (LRU), admit after 2" in out
+    found = re.search(r"admission\s+([\d,]+) lookups of ids not admitted", out)
+    assert found and int(found[1].replace(",", "")) > 0, out
+    assert re.search(r"tier\s+[\d,]+ rows evicted from the bounded tables", out), out
+    assert float(re.search(r"held-out\s+AUC ([\d.]+)", out)[1]) > 0.55, out
+    assert main([*argv, *memory, "--resume", str(tmp_path / "ck"), "--steps", "5"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "--buckets 0 makes unbounded tables" in capsys.readouterr().err
+
+
 def test_eval_every_plots_auc_and_log_loss(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -23,11 +23,9 @@ DIM = 4
 
 
 def unbounded_specs(capacity: int | None, dtype: torch.dtype = torch.float32, score: str = "lru"):
-    return [
-        (i, TableSpec(f"t{i}", DIM, None, state_dim=1, state_init=0.25, seed=i, dtype=dtype,
-                      capacity=capacity, score=score))  # fmt: skip
-        for i in range(2)
-    ]
+    fields = {"state_dim": 1, "state_init": 0.25, "dtype": dtype, "capacity": capacity,
+              "score": score}  # fmt: skip
+    return [(i, TableSpec(f"t{i}", DIM, None, seed=i, **fields)) for i in range(2)]
 
 
 def build(config: CacheConfig, specs, store=None) -> tuple[HotCache, HostKV]:
@@ -165,8 +163,9 @@ def test_lfu_in_a_sketch_hits_as_often_as_exact_counts() -> None:
     rates = {}
     for name, config in {
         "exact": CacheConfig(capacity=1024, policy="lfu", lfu_counters="exact"),
-        "sketch": CacheConfig(capacity=1024, policy="lfu", lfu_counters="sketch",
-                              sketch_width=4096, sketch_depth=4),  # fmt: skip
+        "sketch": CacheConfig(
+            capacity=1024, policy="lfu", lfu_counters="sketch", sketch_width=4096, sketch_depth=4
+        ),
         "lru": CacheConfig(capacity=1024, policy="lru"),
     }.items():
         cache, _ = build(config, spec)

@@ -69,9 +69,7 @@ def test_lfu_counts_exact_or_sketched() -> None:
     counts are the true ones, table 1's never below them."""
     raw = [(ids - 3) // 7919 for ids in zipf_stream(1, 50, 500, 3000)]  # ids in [0, 3000)
     stream = [torch.cat([ids[ids < 1000], ids[ids >= 1000] | (1 << FUSION_K)]) for ids in raw]
-    counts = LfuCounts(
-        torch.tensor([0, -1]), 1000, CountMinSketch(256, 4, "cpu"), FUSION_K
-    )
+    counts = LfuCounts(torch.tensor([0, -1]), 1000, CountMinSketch(256, 4, "cpu"), FUSION_K)
     for ids in stream:
         counts.add(ids.unique())
     truth = exact_counts([ids.unique() for ids in stream])
@@ -91,9 +89,7 @@ def test_lfu_counts_exact_or_sketched() -> None:
 def test_admission_after_n_sightings(threshold: int) -> None:
     """An id of table 0 is admitted at the batch where it is seen the threshold-th time, and
     from then on; table 1 admits every id; reading without counting does not advance it."""
-    admission = Admission(
-        torch.tensor([threshold, 1]), CountMinSketch(1 << 12, 4, "cpu"), FUSION_K
-    )
+    admission = Admission(torch.tensor([threshold, 1]), CountMinSketch(1 << 12, 4, "cpu"), FUSION_K)
     a, b = 5, 5 | (1 << FUSION_K)
     seen = []
     for _ in range(4):

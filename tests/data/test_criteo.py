@@ -25,7 +25,8 @@ def expected(lines: list[str], buckets: int = BUCKETS) -> tuple[torch.Tensor, ..
         fields = line.rstrip("\n").split("\t")
         labels.append(float(fields[0]))
         dense.append([math.log1p(max(int(f or 0), 0)) for f in fields[1:14]])
-        ids.append([int(f or "0", 16) % buckets for f in fields[14:]])
+        ids.append([int(f or "0", 16) % buckets if buckets else int(f or "0", 16)
+                    for f in fields[14:]])  # fmt: skip
     return (
         torch.tensor(dense, dtype=torch.float32),
         torch.tensor(ids, dtype=torch.int64),
@@ -66,6 +67,19 @@ def test_parse_lines_matches_a_plain_reading() -> None:
     batch = parse_lines([ln.encode() + b"\n" for ln in lines], np.full(26, BUCKETS), "f", 1)
     assert batch.dense_features.dtype == torch.float32 and batch.dense_features.shape == (300, 13)
     assert_samples(unpack([batch]), expected(lines))
+
+
+def test_buckets_zero_keeps_the_raw_ids_in_unbounded_tables(tmp_path: Path) -> None:
+    """buckets=0: each categorical's hex value is its id, the tables have no row count."""
+    path = write_criteo(tmp_path / "raw.txt", 40, pool=500)
+    data = CriteoText(path, batch_size=8, buckets=0, eval_fraction=0.2)
+    assert data.rows == [None] * 26
+    assert all(t.num_embeddings is None for t in data.tables(dim=4))
+    assert "raw hashed ids" in data.describe()
+    lines = path.read_text().splitlines()
+    got = unpack(itertools.islice(data.train_batches(), 4))
+    assert_samples(got, expected(lines[:32], buckets=0))
+    assert int(got[1].max()) >= 2**31  # 8 hex digits: far beyond any bucket count
 
 
 @pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
