@@ -141,14 +141,13 @@ def train_rank(rank: int, options: dict[str, Any]) -> None:
                 f"run has {world}: each rank holds the rows it owns"
             )
         first_step = int(extra.get("steps_done", 0))
-    # Prefetch is not sharded yet: every rank resolves in its forward.
     result = train(
         model,
         rank_data,
         sparse_opt,
         dense_opt,
         args.steps,
-        False,
+        args.prefetch,
         progress,
         first_step=first_step,
         wrapper=ddp,
@@ -172,6 +171,5 @@ def train_rank(rank: int, options: dict[str, Any]) -> None:
     if args.plot is not None and rank == 0:
         write_plot(result, args.plot)
     if rank == 0:
-        args.prefetch = False
         args.store = f"{args.store} (per rank), {world} ranks"
         print_summary(args, data, model, result, lr, dense_lr, time.perf_counter() - t_start)
