@@ -504,6 +504,19 @@ class HotCache:
             self.state_dim = state_dim
             self._allocate(scratch_rows=0)
 
+    def _resident_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each of ``ids`` where it is resident (scratch included), else -1."""
+        if self.direct:
+            slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
+            return torch.where(self.slot_keys[slots] == ids, slots, -1)
+        sets = set_index(ids, self.num_sets)
+        keys = self.slot_keys[: self.num_slots].view(self.num_sets, self.ways)
+        ways = cache_lookup(keys, ids, sets)
+        slots = torch.where(ways >= 0, sets * self.ways + ways, -1)
+        if self._scratch_used:
+            self._find_in_scratch(ids, slots)
+        return slots
+
     def read(self, fused_ids: torch.Tensor) -> torch.Tensor:
         """Current rows ``[n, width]`` of ``fused_ids`` wherever they live; changes nothing.
 
@@ -511,22 +524,37 @@ class HotCache:
         """
         with self._resolve_mutex, self.lock:
             ids = fused_ids.to(self.device, torch.int64)
-            if self.direct:
-                slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
-                slots = torch.where(self.slot_keys[slots] == ids, slots, -1)
-            else:
-                sets = set_index(ids, self.num_sets)
-                keys = self.slot_keys[: self.num_slots].view(self.num_sets, self.ways)
-                ways = cache_lookup(keys, ids, sets)
-                slots = torch.where(ways >= 0, sets * self.ways + ways, -1)
-                if self._scratch_used:
-                    self._find_in_scratch(ids, slots)
+            slots = self._resident_slots(ids)
             found = slots >= 0
             out = torch.empty(ids.numel(), self.width, device=self.device)
             out[found] = self.rows[slots[found]]
             if not bool(found.all()):
                 out[~found] = self.transfer.read(ids[~found].cpu()).to(self.device)
             return out
+
+    def write(self, fused_ids: torch.Tensor, rows: torch.Tensor, columns: slice) -> None:
+        """Overwrite ``columns`` of the rows of ``fused_ids`` (distinct) wherever they live:
+        in their slot (scratch included), which becomes dirty, or in the tier. The tier is
+        written first, so a tier error changes nothing here.
+
+        Args:
+            fused_ids: int64 ``[n]`` distinct fused ids.
+            rows: float32 ``[n, columns width]`` their new values.
+            columns: the columns of a row to replace (e.g. the weights ``slice(0, dim)``).
+        """
+        with self._resolve_mutex, self.lock:
+            ids = fused_ids.to(self.device, torch.int64)
+            rows = rows.to(self.device, torch.float32)
+            slots = self._resident_slots(ids)
+            found = slots >= 0
+            if not bool(found.all()):
+                absent = ids[~found].cpu()
+                current = self.transfer.read(absent)
+                current[:, columns] = rows[~found].cpu()
+                self.transfer.write(absent, current)
+            resident = slots[found]
+            self.rows[resident, columns] = rows[found]
+            self.dirty[resident] = True
 
     # ------------------------------------------------------------------------------------------
     # statistics
