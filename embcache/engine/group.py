@@ -19,6 +19,7 @@ prefetch that will not be used are in `embcache.engine.prefetch`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -240,7 +241,9 @@ class EngineGroup:
             if p is not None:
                 engine.release(p)
 
-    def issue(self, owner_id: int, batch: JaggedBatch, job) -> FusedPrefetchHandle:
+    def issue(
+        self, owner_id: int, batch: JaggedBatch, job: Callable[[int], Prefetched]
+    ) -> FusedPrefetchHandle:
         """Queue a prefetch (``job(seq) -> Prefetched`` on the worker); returns its handle."""
         return self.prefetches.issue(owner_id, self.generation, batch, job)
 

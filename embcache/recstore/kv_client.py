@@ -292,8 +292,16 @@ class KVClient:
                     "two collections would cache the same rows. Give the tables distinct names "
                     "or the collections distinct stores"
                 )
-            drop = weakref.ref(owner, lambda _, name=name: self._views.pop(name, None))
-            self._views[name] = (drop, view)
+            self._views[name] = (weakref.ref(owner, self._forget_view(name)), view)
+
+    def _forget_view(self, name: str) -> Callable[[weakref.ReferenceType], None]:
+        """The callback that drops ``name``'s entry when its collection is collected."""
+
+        def forget(ref: weakref.ReferenceType) -> None:
+            if self._views.get(name, (None,))[0] is ref:
+                del self._views[name]
+
+        return forget
 
     def _view(self, name: str) -> TableView | None:
         entry = self._views.get(name)
