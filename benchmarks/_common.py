@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
-try:
-    import embcache  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The embcache of this checkout, even where another one is installed (an editable install of a
+# sibling worktree would otherwise be measured instead).
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
-from embcache.kv.base import Store, TableSpec
+from embcache.kv.base import Store, TableSpec  # noqa: E402 (after the path is set)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -12,7 +12,7 @@ kernels, each as a ratio against a named baseline measured in the same run:
 Both baselines give the same answers as the ops; the script checks that before timing. Prints a
 table and writes ``benchmarks/results/cache_index.csv`` and ``cache_index.png``.
 
-    python benchmarks/bench_cache_index.py [--quick] [--device cpu|cuda] [--threads N]
+    python benchmarks/bench_cache_index.py [--quick | --tiny] [--device cpu|cuda] [--threads N]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embcache.kernels.cache_index import assign_ways_triton, cache_lookup_triton
-from embcache.kernels.reference import assign_ways_ref, cache_lookup_ref, set_index_ref
+from embcache.kernels.cache_index_ref import assign_ways_ref, cache_lookup_ref, set_index_ref
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WAYS = 32
@@ -265,6 +265,9 @@ def write_plot(rows: list[Row], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small sizes, a few seconds")
+    parser.add_argument(
+        "--tiny", action="store_true", help="one toy size (the GPU check's dry run)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
@@ -277,7 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # (sets, batch): a cache of sets x 32 ways, looked up by a batch of ids.
     sizes = (
-        [(1024, 4096), (8192, 32768)]
+        [(64, 256)]
+        if args.tiny
+        else [(1024, 4096), (8192, 32768)]
         if args.quick
         else [
             (1024, 4096),
@@ -286,11 +291,16 @@ def main(argv: list[str] | None = None) -> None:
             (262144, 524288),
         ]
     )
-    reps = 5 if args.quick else 20
+    reps = 2 if args.tiny else 5 if args.quick else 20
     gen = torch.Generator().manual_seed(0)
     rows = [row for s, b in sizes for row in bench_size(s, b, device, reps, gen)]
     rows.sort(key=lambda r: (r.op != "cache_lookup", r.num_sets))
     print_table(rows)
+    for op in ("cache_lookup", "assign_ways"):
+        r = max((r for r in rows if r.op == op), key=lambda r: r.num_sets)
+        ratio = r.triton_ratio if r.triton_ratio is not None else r.twin_ratio
+        who = "triton" if r.triton_ratio is not None else "twin"
+        print(f"summary: {op} sets={r.num_sets} {who} x{ratio:.2f} vs {r.baseline}")
     write_csv(rows, args.out)
     write_plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

@@ -44,7 +44,6 @@ from _common import (
     write_csv,
 )
 from torch import nn
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import embcache
 from embcache.kv.base import Store
@@ -73,7 +72,7 @@ class Config:
 
 @dataclass
 class Batch:
-    sparse: KeyedJaggedTensor
+    sparse: embcache.JaggedBatch
     dense: torch.Tensor  # float32 [B, NUM_DENSE]
     labels: torch.Tensor  # float32 [B]
 
@@ -92,7 +91,7 @@ def make_batches(cfg: Config, device: torch.device) -> list[Batch]:
         values = torch.cat(
             [law.sample(int(n), gen) for law, n in zip(laws, lengths.sum(dim=1), strict=True)]
         )
-        kjt = KeyedJaggedTensor.from_lengths_sync(
+        kjt = embcache.JaggedBatch.from_lengths(
             keys=feature_names(cfg), values=values, lengths=lengths.reshape(-1)
         )
         dense = torch.rand(cfg.batch, NUM_DENSE, generator=gen).to(device)
@@ -107,7 +106,7 @@ class TinyDLRM(nn.Module):
     def __init__(self, cfg: Config, store: Store, device: torch.device) -> None:
         super().__init__()
         tables = [
-            EmbeddingBagConfig(
+            embcache.TableConfig(
                 name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f]
             )
             for i, f in enumerate(feature_names(cfg))

@@ -33,6 +33,10 @@ def device() -> torch.device:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # EMBCACHE_TEST_DEVICE=cpu: tests/test_gpu.py stands in the CPU for CUDA (the GPU check's
+    # dry run walks it that way, with Triton through the interpreter).
+    if HAS_CUDA or os.environ.get("EMBCACHE_TEST_DEVICE") == "cpu":
+        return
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none on this machine"))

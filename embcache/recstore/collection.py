@@ -83,20 +83,6 @@ class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
         for table in self.tables:
             _register(kv_client, table.name, CollectionTable(self, table), self)
 
-    def embedding_bag_configs(self) -> list[TableConfig]:
-        """The tables' configs (torchrec's field names: ``name``, ``embedding_dim``,
-        ``num_embeddings``, ``feature_names``, ``pooling``)."""
-        return [
-            TableConfig(
-                name=t.name,
-                embedding_dim=t.dim,
-                num_embeddings=t.num_embeddings,
-                feature_names=list(t.feature_names),
-                pooling=t.pooling,
-            )
-            for t in self.tables
-        ]
-
 
 def _register(client: KVClient, name: str, view: CollectionTable, owner: Any) -> None:
     try:
@@ -155,7 +141,7 @@ class CollectionTable:
         """Overwrite the weights of distinct ``ids`` (their optimizer state kept)."""
         _, _, _, engine = self._parts()
         if ids.numel():
-            engine.cache.write(self._fused(ids), rows, slice(0, self.shape[1]))
+            engine.cache.write_weights(self._fused(ids), rows)
 
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One step of the collection's sparse optimizer (else SGD at its lr) on these rows:

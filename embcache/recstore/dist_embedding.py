@@ -1,10 +1,11 @@
 """DistEmbedding: one embedding table in the KV tier, RecStore's single-table module.
 
-Forward pulls the rows of ``ids`` through a `DistTensor`; backward dedups the ids
-(``torch.unique`` + ``index_add_``) and appends ``(ids, grads)`` to ``_trace``; `SparseSGD`
-then updates in Python: read the rows, ``w - lr * g``, write them back. Its rows are its
-``state_dict()`` (``weight``, ``[num_embeddings, embedding_dim]``) and go into `embcache.save`
-checkpoints with whatever optimizer state its tensor keeps beside them.
+Forward pulls the rows of ``ids`` through a `DistTensor` (the tier is on the host) and returns
+them on ``ids``' device; backward sums the gradient rows of equal ids on the gradient's device
+(`aggregate_grads`: deterministic there too) and appends ``(ids, grads)`` to ``_trace``;
+`SparseSGD` then updates in Python: read the rows, ``w - lr * g``, write them back. Its rows
+are its ``state_dict()`` (``weight``, ``[num_embeddings, embedding_dim]``) and go into
+`embcache.save` checkpoints with whatever optimizer state its tensor keeps beside them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class DistEmbedding(nn.Module):
         self._grad_anchor = torch.empty(0, requires_grad=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``[*ids.shape, embedding_dim]``."""
+        """Rows ``[*ids.shape, embedding_dim]``, on ``ids``' device."""
         if torch.is_grad_enabled() and self._trace:
             raise RuntimeError(
                 f"DistEmbedding {self.name!r}: forward while the previous backward's gradients "
@@ -79,8 +80,8 @@ class DistEmbedding(nn.Module):
         ids = torch.cat([ids for ids, _ in entries])
         grads = torch.cat([g for _, g in entries])
         unique, summed = aggregate_grads(ids, grads)
-        rows = self.weight[unique]
-        self.weight[unique] = rows - optimizer.lr * summed.to(rows.dtype)
+        rows = self.weight[unique]  # on the host, where the tier is
+        self.weight[unique] = rows - optimizer.lr * summed.to(rows.device, rows.dtype)
 
     def sparse_tables(self) -> list[Any]:
         return []  # SGD keeps no state beside the rows
@@ -135,14 +136,11 @@ class _DistLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, module, ids):
         ctx.module, ctx.ids = module, ids
-        return module.weight[ids]
+        return module.weight[ids].to(ids.device)
 
     @staticmethod
     def backward(ctx, grad_out):
-        ids = ctx.ids.reshape(-1).to(torch.int64)
-        grads = grad_out.reshape(ids.numel(), -1).float()
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(unique.numel(), grads.shape[1], device=grads.device)
-        summed.index_add_(0, inverse.to(grads.device), grads)
-        ctx.module._trace.append((unique, summed))
+        grads = grad_out.reshape(ctx.ids.numel(), -1).float().contiguous()
+        ids = ctx.ids.reshape(-1).to(device=grads.device, dtype=torch.int64)
+        ctx.module._trace.append(aggregate_grads(ids, grads))
         return None, None, None

@@ -380,8 +380,10 @@ class KVClient:
         unique, summed = aggregate_grads(ids, grads)
         rows = self.store.get(name, unique)
         meta.steps += 1
-        slots = torch.arange(unique.numel())
-        apply_row_update(rows, meta.shape[1], slots, summed, meta.optimizer.update, meta.steps)
+        dim, slots = meta.shape[1], torch.arange(unique.numel())
+        # Views of the row's two parts: the update writes them in place, inside ``rows``.
+        apply_row_update(rows[:, :dim], rows[:, dim:], slots, summed, meta.optimizer.update,
+                         meta.steps)  # fmt: skip
         self.store.put(name, unique, rows)
 
     def _add(self, name: str, ids: torch.Tensor, deltas: torch.Tensor) -> None:

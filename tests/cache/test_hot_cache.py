@@ -84,13 +84,18 @@ def train(cache: HotCache, dense: torch.Tensor, update: RowUpdate, steps: int, s
         unique = torch.unique(random_batch(gen, n_values))
         slots = cache.resolve(unique)
         rows = dense[dense_index(unique)]
-        assert torch.equal(cache.rows[slots], rows), f"I1: stale rows served at step {step}"
+        assert torch.equal(cache.rows_of(slots), rows), f"I1: stale rows served at step {step}"
         grads = torch.randn(unique.numel(), DIM, generator=gen)
         with cache.lock:
-            apply_row_update(cache.rows, DIM, slots, grads, update, step)
+            apply_row_update(cache.weights, cache.state, slots, grads, update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
-        apply_row_update(dense, DIM, dense_index(unique), grads, update, step)
+        apply_row_update(dense[:, :DIM], dense[:, DIM:], dense_index(unique), grads, update, step)
+
+
+def all_rows(cache: HotCache) -> torch.Tensor:
+    """Every slot's row (scratch included), weights then state."""
+    return cache.rows_of(torch.arange(cache.weights.shape[0]))
 
 
 def tier_rows(store, specs) -> torch.Tensor:
@@ -135,7 +140,7 @@ def test_sgd_dense_reference_matches_float64() -> None:
         unique = torch.unique(random_batch(gen, 30))
         slots = cache.resolve(unique)
         grads = torch.randn(unique.numel(), DIM, generator=gen)
-        apply_row_update(cache.rows, DIM, slots, grads, update, step)
+        apply_row_update(cache.weights, cache.state, slots, grads, update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
         ref64[dense_index(unique), :DIM] -= update.lr * grads.double()
@@ -175,14 +180,14 @@ def test_locked_slots_are_never_victims() -> None:
     first = torch.arange(8, dtype=torch.int64)
     held = cache.resolve(first)  # locked
     held_keys = cache.slot_keys[held].clone()
-    held_rows = cache.rows[held].clone()
+    held_rows = cache.rows_of(held).clone()
     # A second batch of 30 other ids, unlocked resolve: all of it must go around the held slots.
     second = torch.arange(8, 38, dtype=torch.int64)
     slots = cache.resolve(second, lock=False)
     assert torch.equal(cache.slot_keys[held], held_keys), "I4: a locked slot was evicted"
-    assert torch.equal(cache.rows[held], held_rows)
+    assert torch.equal(cache.rows_of(held), held_rows)
     assert set(slots.tolist()).isdisjoint(held.tolist())
-    assert torch.equal(cache.rows[slots], dense[second]), "overflow rows served wrong"
+    assert torch.equal(cache.rows_of(slots), dense[second]), "overflow rows served wrong"
     assert bool((slots >= cache.num_slots).all()), "every way is locked: all go to scratch"
     # read() finds rows in slots, in scratch and in the tier alike, and changes nothing.
     everywhere = torch.cat([first, second, torch.tensor([50, 7 | (1 << FUSION_K)])])
@@ -206,12 +211,12 @@ def test_batch_larger_than_cache_is_exact_and_stats_add_up() -> None:
         assert unique.numel() > 4 * 5
         looked_up += unique.numel()
         slots = cache.resolve(unique)
-        assert torch.equal(cache.rows[slots], dense[dense_index(unique)])
+        assert torch.equal(cache.rows_of(slots), dense[dense_index(unique)])
         grads = torch.randn(unique.numel(), DIM, generator=gen)
-        apply_row_update(cache.rows, DIM, slots, grads, update, step)
+        apply_row_update(cache.weights, cache.state, slots, grads, update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
-        apply_row_update(dense, DIM, dense_index(unique), grads, update, step)
+        apply_row_update(dense[:, :DIM], dense[:, DIM:], dense_index(unique), grads, update, step)
     stats = cache.cache_stats()
     assert stats["hits"] + stats["misses"] == looked_up
     assert math.isclose(stats["hit_rate"], stats["hits"] / looked_up)
@@ -224,11 +229,15 @@ def test_batch_larger_than_cache_is_exact_and_stats_add_up() -> None:
 def test_batch_beyond_cache_and_scratch_is_refused_cleanly() -> None:
     cache, store, _ = make_cache(CacheConfig(capacity=4, ways=4, max_scratch_rows=3), OptimRule.SGD)
     cache.resolve(torch.tensor([1, 2]), lock=False)
-    before = (cache.slot_keys.clone(), cache.rows.clone(), store.io_stats()["rows_read"])
+    before = (
+        cache.slot_keys.clone(),
+        all_rows(cache).clone(),
+        store.io_stats()["rows_read"],
+    )
     with pytest.raises(ValueError, match=r"max_scratch_rows>=\d+"):
         cache.resolve(torch.arange(10, 20))
     assert torch.equal(cache.slot_keys, before[0])
-    assert torch.equal(cache.rows, before[1])
+    assert torch.equal(all_rows(cache), before[1])
     assert store.io_stats()["rows_read"] == before[2], "no row may be read for a refused batch"
     assert cache.locked_slots() == 0
 
@@ -251,12 +260,16 @@ def test_failed_write_back_loses_nothing() -> None:
     dense = dense_reference(specs)
     train(cache, dense, update, steps=3, seed=1)
     store.down = True
-    state = (cache.slot_keys.clone(), cache.dirty.clone(), cache.rows.clone())
+    state = (
+        cache.slot_keys.clone(),
+        cache.dirty.clone(),
+        all_rows(cache).clone(),
+    )
     with pytest.raises(ConnectionError):
         cache.resolve(torch.arange(30, 50))  # must evict dirty rows: the write fails
     assert torch.equal(cache.slot_keys, state[0])
     assert torch.equal(cache.dirty, state[1]), "dirty rows must stay dirty"
-    assert torch.equal(cache.rows, state[2])
+    assert torch.equal(all_rows(cache), state[2])
     with pytest.raises(ConnectionError):
         cache.flush()
     store.down = False
@@ -280,9 +293,9 @@ def test_invalidate_and_set_state() -> None:
 
 
 @pytest.mark.parametrize("cap", ["tiny_4way", "whole_table"])
-def test_write_replaces_columns_wherever_the_row_lives(cap: str) -> None:
-    """`write` changes a resident row in its slot (dirty, so flush keeps it), a row in the
-    scratch area likewise, and any other row in the tier; the other columns stay."""
+def test_write_weights_wherever_the_row_lives(cap: str) -> None:
+    """`write_weights` changes a resident row in its slot (dirty, so flush keeps it), a row in
+    the scratch area likewise, and any other row in the tier; the state columns stay."""
     cache, store, specs = make_cache(CacheConfig(**CAPACITIES[cap]), OptimRule.ADAGRAD)
     dense = dense_reference(specs)
     train(cache, dense, UPDATES["adagrad"], steps=6, seed=4)
@@ -292,7 +305,7 @@ def test_write_replaces_columns_wherever_the_row_lives(cap: str) -> None:
     resident = torch.isin(ids, cache.slot_keys)
     assert bool(resident.any()) and (cap == "whole_table" or not bool(resident.all()))
     rows = torch.randn(ids.numel(), DIM, generator=gen)
-    cache.write(ids, rows, slice(0, DIM))
+    cache.write_weights(ids, rows)
     dense[dense_index(ids), :DIM] = rows
     assert torch.equal(cache.read(ids), dense[dense_index(ids)])
     cache.unlock(locked)

@@ -53,6 +53,8 @@ def pooled(weights: dict[str, torch.Tensor], kjt: KeyedJaggedTensor) -> torch.Te
 
 
 def collection(**kwargs) -> embcache.RecStoreEmbeddingBagCollection:
+    """A collection of CONFIGS whose rows depend on the seed alone (two built alike agree)."""
+    kwargs.setdefault("seed", 0)
     return embcache.RecStoreEmbeddingBagCollection(embedding_bag_configs=CONFIGS, **kwargs)
 
 

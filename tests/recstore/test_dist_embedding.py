@@ -1,6 +1,7 @@
 """DistEmbedding: RecStore's single-table module.
 
-The backward's ``_trace`` holds unique ids and summed gradients equal to a dense reference's;
+The backward's ``_trace`` holds unique ids and summed gradients equal to a dense reference's, on
+the ids' device;
 `SparseSGD` steps to ``w - lr * g`` (duplicate ids included); its rows are its ``state_dict()``
 and part of `embcache.save` checkpoints, from which a model resumes bit-exact.
 """
@@ -62,6 +63,28 @@ def test_dist_embedding_sgd_step(lr: float | None) -> None:
             atol=1e-6,
             msg=f"step {step}",
         )
+
+
+def test_dist_embedding_runs_on_the_ids_device(backend: str, device: torch.device) -> None:
+    """Ids on the device (CUDA where there is one): rows come back there, the backward sums on
+    the gradient's device (Triton or the twin), and SGD writes the tier on the host."""
+    emb = embcache.DistEmbedding(20, 4, name="on_device")
+    opt = embcache.SparseSGD([emb], lr=0.1)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.tensor([3, 7, 3, 3, 19, 0, 7])
+    coeff = torch.randn(ids.numel(), 4, generator=gen)
+    dense = _dense_reference(emb)
+    out = emb(ids.to(device))
+    assert out.device == device
+    (out * coeff.to(device)).square().sum().backward()
+    (dense[ids] * coeff.double()).square().sum().backward()
+    [(trace_ids, grads)] = emb._trace
+    assert trace_ids.device == device and grads.device == device
+    assert torch.equal(trace_ids.cpu(), torch.unique(ids))
+    torch.testing.assert_close(grads.double().cpu(), dense.grad[trace_ids.cpu()])
+    opt.step()
+    expected = dense.detach() - 0.1 * dense.grad
+    torch.testing.assert_close(emb.weight[torch.arange(20)].double(), expected)
 
 
 def test_dist_embedding_uses_init_func() -> None:

@@ -1,0 +1,341 @@
+"""Does every Triton kernel give its torch twin's answer on this GPU, at a realistic size?
+
+The first step of `gpu_check.sh`, so that a broken kernel is named within a minute instead of
+surfacing as a failed training test minutes later. Each kernel runs once on the device (cold
+compile included) on one batch of B=2048 samples and 26 features, Zipf(1.05) ids with
+duplicates; its torch twin runs on the CPU copy of the same inputs; the device is synchronised
+after each kernel. One line per check; the first mismatch (or error) names the kernel and ends
+the run with exit status 1.
+
+    python benchmarks/gpu_preflight.py                       # on CUDA
+    python benchmarks/gpu_preflight.py --device cpu --tiny   # dry run: Triton's interpreter
+
+Outputs written by a kernel are compared whole, and freshly allocated ones are filled with NaN
+first where the op takes them (pooling), so an element a kernel never writes fails the check.
+Ids, sets, ways and slots must match exactly; float results to float32 rounding of a different
+summation order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+class MismatchError(AssertionError):
+    """A kernel's result differs from its twin's."""
+
+
+def check_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
+    """Exact equality (ids, sets, ways); returns 0.0 or raises `MismatchError`."""
+    got = got.cpu()
+    if got.shape != want.shape:
+        raise MismatchError(f"{name}: shape {tuple(got.shape)}, twin {tuple(want.shape)}")
+    diff = got != want
+    if bool(diff.any()):
+        i = int(diff.reshape(-1).nonzero()[0])
+        raise MismatchError(
+            f"{name}: {int(diff.sum())} of {diff.numel()} elements differ; first at flat {i}: "
+            f"{got.reshape(-1)[i].item()} vs twin {want.reshape(-1)[i].item()}"
+        )
+    return 0.0
+
+
+def check_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> float:
+    """``|got - want| <= rtol * (|want| + max|want|)`` elementwise, NaN only where the twin has
+    NaN; returns the largest absolute difference or raises `MismatchError`. (float32 math: the
+    tolerance is far above its rounding, and the optimizer rows are tens of millions of
+    elements.)"""
+    got = got.cpu()
+    if got.shape != want.shape:
+        raise MismatchError(f"{name}: shape {tuple(got.shape)}, twin {tuple(want.shape)}")
+    nan_want = want.isnan()
+    nan_differs = got.isnan() != nan_want
+    if bool(nan_differs.any()):
+        i = int(nan_differs.reshape(-1).nonzero()[0])
+        raise MismatchError(
+            f"{name}: NaN at different places (a kernel skipped or corrupted an element); first "
+            f"at flat {i}: {got.reshape(-1)[i].item()} vs twin {want.reshape(-1)[i].item()}"
+        )
+    magnitude = want.abs().nan_to_num_(0.0)
+    scale = float(magnitude.max()) if want.numel() else 0.0
+    err = (got - want).abs_().nan_to_num_(0.0)
+    bad = err > magnitude.add_(scale).mul_(rtol)
+    if bool(bad.any()):
+        i = int(err.reshape(-1).argmax())
+        raise MismatchError(
+            f"{name}: {int(bad.sum())} of {bad.numel()} elements differ; worst at flat {i}: "
+            f"{got.reshape(-1)[i].item()!r} vs twin {want.reshape(-1)[i].item()!r}"
+        )
+    return float(err.max()) if err.numel() else 0.0
+
+
+@dataclass
+class Batch:
+    """One batch of F features over B samples, ids fused with their table, on the CPU."""
+
+    batch_size: int
+    num_features: int
+    rows: int
+    values: torch.Tensor  # int64 [nnz], feature-major
+    lengths: torch.Tensor  # int64 [F * B]
+    feature_lengths: torch.Tensor  # int64 [F]
+    weights: torch.Tensor  # float32 [nnz]
+    fusion_k: int = 32
+
+
+def make_batch(batch_size: int, num_features: int, rows: int, seed: int = 0) -> Batch:
+    """Bags of 0..8 ids (mean 4, some empty) drawn Zipf(1.05) per feature: hot ids repeat."""
+    from _common import ZipfIds
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 9, (num_features * batch_size,), generator=gen)
+    feature_lengths = lengths.reshape(num_features, batch_size).sum(1)
+    values = torch.cat(
+        [
+            ZipfIds(rows, 1.05, gen).sample(int(n), gen)
+            for n in feature_lengths.tolist()  # one table per feature
+        ]
+    )
+    weights = torch.rand(values.numel(), generator=gen) + 0.5
+    return Batch(batch_size, num_features, rows, values, lengths, feature_lengths, weights)
+
+
+class Preflight:
+    """Runs the checks in order, one line each; `check` raises on the first failure."""
+
+    def __init__(self, device: torch.device, batch: Batch, dim: int) -> None:
+        self.device = device
+        self.batch = batch
+        self.dim = dim
+        self.gen = torch.Generator().manual_seed(1)
+        self.count = 0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(self.device)
+
+    def check(self, name: str, run: Callable[[], float]) -> None:
+        """Run one check: ``run`` launches the kernel, syncs, compares, returns max |diff|."""
+        t0 = time.perf_counter()
+        try:
+            err = run()
+        except MismatchError as e:
+            print(f"{name:<40} MISMATCH  {e}", flush=True)
+            raise
+        except Exception as e:
+            print(f"{name:<40} ERROR     {type(e).__name__}: {e}", flush=True)
+            raise MismatchError(f"{name}: {type(e).__name__}: {e}") from e
+        self.count += 1
+        print(f"{name:<40} ok  {time.perf_counter() - t0:6.2f} s  max|diff| {err:.2e}", flush=True)
+
+    def triton(self, fn: Callable, *args, **kwargs):
+        """``fn`` on the device with the Triton backend, synchronised."""
+        os.environ["EMBCACHE_BACKEND"] = "triton"
+        out = fn(*[self.dev(a) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        self.sync()
+        return out
+
+    @staticmethod
+    def twin(fn: Callable, *args, **kwargs):
+        """``fn`` on the CPU with the torch twins."""
+        os.environ["EMBCACHE_BACKEND"] = "torch"
+        return fn(*args, **kwargs)
+
+
+def run_checks(p: Preflight) -> None:
+    from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+    from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids, unfuse_ids
+    from embcache.kernels.optim import (
+        OptimRule,
+        RowUpdate,
+        aggregate_grads,
+        apply_row_update,
+        state_dim,
+    )
+    from embcache.kernels.pooling import PoolingMode, pool_backward, pool_forward
+
+    b, dim, gen = p.batch, p.dim, p.gen
+    names = [f"f{i}" for i in range(b.num_features)]
+    table_idx = torch.arange(b.num_features)
+    num_embeddings = torch.full((b.num_features,), b.rows)
+    fuse_args = (b.values, b.feature_lengths, table_idx, num_embeddings, b.fusion_k, names, names)
+    fused = p.twin(fuse_ids, *fuse_args)
+    p.check("fuse_ids", lambda: check_equal("fuse_ids", p.triton(fuse_ids, *fuse_args), fused))
+
+    def unfuse() -> float:
+        got = p.triton(unfuse_ids, fused, b.fusion_k)
+        want = p.twin(unfuse_ids, fused, b.fusion_k)
+        return max(
+            check_equal(f"unfuse_ids[{i}]", g, w)
+            for i, (g, w) in enumerate(zip(got, want, strict=True))
+        )
+
+    p.check("unfuse_ids", unfuse)
+    unique_ids, inverse, counts = p.twin(dedup, fused)
+
+    def dedup_check() -> float:
+        got = p.triton(dedup, fused)
+        parts = zip(
+            ("unique_ids", "inverse", "counts"), got, (unique_ids, inverse, counts), strict=True
+        )
+        return max(check_equal(f"dedup {n}", g, w) for n, g, w in parts)
+
+    p.check("dedup", dedup_check)
+
+    def grouped_check() -> float:  # torch ops on every device: the device's sort vs the CPU's
+        got, want = p.triton(dedup_grouped, fused), p.twin(dedup_grouped, fused)
+        parts = zip(("unique_ids", "inverse", "order", "segments"), got, want, strict=True)
+        return max(check_equal(f"dedup_grouped {n}", g, w) for n, g, w in parts)
+
+    p.check("dedup_grouped (torch ops)", grouped_check)
+
+    # Pooling: the batch's unique ids sit in shuffled cache slots of rows [weights | state].
+    u = unique_ids.numel()
+    cache_rows = torch.randn(u + 7, dim + 2, generator=gen)
+    slots = torch.randperm(u + 7, generator=gen)[:u]
+    offsets = torch.nn.functional.pad(torch.cumsum(b.lengths, 0), (1, 0))
+    col_offsets = torch.arange(b.num_features) * dim
+    grad_out = torch.randn(b.batch_size, b.num_features * dim, generator=gen)
+    for mode in (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.MAX):
+        for weights in (None, b.weights) if mode == PoolingMode.SUM else (b.weights,):
+            tag = f"{mode.name}{' weighted' if weights is not None else ''}"
+            results = {}
+
+            def forward(mode=mode, weights=weights, tag=tag, results=results) -> float:
+                args = (cache_rows, dim, slots, inverse, offsets, weights, mode)
+                # NaN-filled outputs; the device's is moved there first, so it is written in place.
+                got = torch.full_like(grad_out, float("nan")).to(p.device)
+                want = torch.full_like(grad_out, float("nan"))
+                got_argmax = p.triton(pool_forward, *args, got, b.batch_size, col_offsets)
+                want_argmax = p.twin(pool_forward, *args, want, b.batch_size, col_offsets)
+                results["got"], results["want"] = (got, got_argmax), (want, want_argmax)
+                return check_close(f"pool_forward {tag}", got, want)
+
+            def backward(mode=mode, weights=weights, tag=tag, results=results) -> float:
+                args = (dim, inverse, u, offsets, weights, mode, b.batch_size, col_offsets)
+                got = p.triton(pool_backward, grad_out, *args, results["got"][1])
+                want = p.twin(pool_backward, grad_out, *args, results["want"][1])
+                return check_close(f"pool_backward {tag}", got, want, rtol=1e-4)
+
+            p.check(f"pool_forward {tag}", forward)
+            p.check(f"pool_backward {tag}", backward)
+
+    # Cache index: 8 ways a set, about half the batch's ids resident.
+    ways = 8
+    num_sets = max(u // ways, 1)
+    sets = p.twin(set_index, unique_ids, num_sets)
+    p.check(
+        "set_index",
+        lambda: check_equal("set_index", p.triton(set_index, unique_ids, num_sets), sets),
+    )
+    keys = torch.full((num_sets, ways), -1, dtype=torch.int64)
+    resident = torch.rand(u, generator=gen) < 0.5
+    by_set = torch.argsort(sets[resident], stable=True)
+    r_ids, r_sets = unique_ids[resident][by_set], sets[resident][by_set]
+    starts = torch.searchsorted(r_sets, r_sets, right=False)
+    rank = torch.arange(r_ids.numel()) - starts
+    fits = rank < ways
+    keys[r_sets[fits], rank[fits]] = r_ids[fits]
+    found = p.twin(cache_lookup, keys, unique_ids, sets)
+    p.check(
+        "cache_lookup",
+        lambda: check_equal("cache_lookup", p.triton(cache_lookup, keys, unique_ids, sets), found),
+    )
+    scores = torch.randint(-1, 50, (num_sets, ways), generator=gen)  # ties: broken by way
+    blocked = torch.rand(num_sets, ways, generator=gen) < 0.2
+    miss_sets = torch.sort(sets[found < 0]).values
+    victims = p.twin(assign_ways, scores, blocked, miss_sets)
+    p.check(
+        "assign_ways",
+        lambda: check_equal(
+            "assign_ways", p.triton(assign_ways, scores, blocked, miss_sets), victims
+        ),
+    )
+
+    # Optimizer: one aggregated gradient row per unique id, into shuffled cache rows.
+    grads = torch.randn(u, dim, generator=gen)
+    updates = {
+        OptimRule.SGD: RowUpdate(OptimRule.SGD, lr=0.1, weight_decay=0.01),
+        OptimRule.ADAGRAD: RowUpdate(OptimRule.ADAGRAD, lr=0.1, lr_decay=0.01),
+        OptimRule.ROWWISE_ADAGRAD: RowUpdate(OptimRule.ROWWISE_ADAGRAD, lr=0.1, eps=1e-8),
+        OptimRule.ADAM: RowUpdate(OptimRule.ADAM, lr=0.01, eps=1e-8),
+    }
+    for rule, update in updates.items():
+        width = dim + state_dim(rule, dim)
+        rows = torch.randn(u + 7, width + 1, generator=gen)
+        rows[:, dim:width] = rows[:, dim:width].abs()  # accumulators, second moments >= 0
+        rows[:, width] = float("nan")  # past the state: must stay NaN, untouched
+
+        def update_check(rows=rows, update=update, rule=rule) -> float:
+            got, want = rows.to(p.device), rows.clone()
+            p.triton(apply_row_update, got[:, :dim], got[:, dim:], slots, grads, update, 3)
+            p.twin(apply_row_update, want[:, :dim], want[:, dim:], slots, grads, update, 3)
+            return check_close(f"apply_row_update {rule.name}", got, want)
+
+        p.check(f"apply_row_update {rule.name}", update_check)
+
+    value_grads = torch.randn(fused.numel(), dim, generator=gen)
+
+    def aggregate() -> float:
+        got_ids, got = p.triton(aggregate_grads, fused, value_grads)
+        want_ids, want = p.twin(aggregate_grads, fused, value_grads)
+        check_equal("aggregate_grads unique_ids", got_ids, want_ids)
+        return check_close("aggregate_grads", got, want, rtol=1e-4)
+
+    p.check(f"aggregate_grads (hottest id x{int(counts.max())})", aggregate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="B=16, 3 features (dry run)")
+    parser.add_argument("--dim", type=int, default=None, help="embedding dim (default 64)")
+    args = parser.parse_args(argv)
+    if args.device == "cpu":
+        # The Triton kernels on CPU tensors: the interpreter, set before triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from _common import run_header
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_preflight: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    torch.set_num_threads(min(os.cpu_count() or 1, 8))
+    b, f, rows = (16, 3, 1000) if args.tiny else (2048, 26, 100_000)
+    dim = args.dim or (8 if args.tiny else 64)
+    print(run_header(device))
+    t0 = time.perf_counter()
+    batch = make_batch(b, f, rows)
+    print(
+        f"# batch: B={b} F={f} rows/table={rows} nnz={batch.values.numel()} dim={dim}; "
+        f"Triton on {device.type} vs torch twins on cpu",
+        flush=True,
+    )
+    pre = Preflight(device, batch, dim)
+    backend = os.environ.get("EMBCACHE_BACKEND")
+    try:
+        run_checks(pre)
+    except MismatchError as e:
+        print(f"summary: preflight FAILED after {pre.count} ok: {e}")
+        return 1
+    finally:  # each check switches the backend; leave it as it was
+        if backend is None:
+            os.environ.pop("EMBCACHE_BACKEND", None)
+        else:
+            os.environ["EMBCACHE_BACKEND"] = backend
+    print(f"summary: preflight {pre.count} checks ok in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
