@@ -113,9 +113,9 @@ def _rank_main(rank: int, run: str, w: Workload) -> dict:
     cache = embcache.CacheConfig(load_factor=w.load_factor)
     store = SlowStore(embcache.HostKV(), w.latency_ms * 1e-3)
     if run == BASELINE:
-        ebc = embcache.CachedEmbeddingBagCollection(tables, cache=cache, store=store)
+        ebc = embcache.CachedEmbeddingBagCollection(tables, cache=cache, store=store, seed=0)
     else:
-        ebc = ShardedEmbeddingBagCollection(tables, cache=cache, store=store)
+        ebc = ShardedEmbeddingBagCollection(tables, cache=cache, store=store, seed=0)
     opt = embcache.SparseAdaGrad([ebc], lr=0.05)
     batches = [
         part_kjt(w, step, range(rank * share, (rank + 1) * share))

@@ -118,7 +118,7 @@ def criteo(num_batches: int, batch: int, quick: bool, name: str) -> Workload:
 
 def _collection(w: Workload, load_factor: float) -> tuple:
     ebc = embcache.CachedEmbeddingBagCollection(
-        tables=w.tables, cache=embcache.CacheConfig(load_factor=load_factor)
+        tables=w.tables, cache=embcache.CacheConfig(load_factor=load_factor), seed=0
     )
     opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.05)
     width = sum(t.embedding_dim * len(t.feature_names) for t in w.tables)
