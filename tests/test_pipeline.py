@@ -257,3 +257,29 @@ def test_a_failing_prefetch_ends_the_run_cleanly() -> None:
     with pytest.raises(ConnectionError, match="tier unavailable"):
         pipeline(model, sparse, dense).run(make_batches(12))
     assert_clean(model)
+
+
+def test_handles_released_during_a_step_make_the_next_batch_run_synchronously() -> None:
+    """A ``reset_trace()`` (or ``zero_grad()``) inside the step releases the next batch's
+    prefetch, issued before this forward: that batch then resolves in its forward, same bits."""
+    batches = make_batches(6, seed=4)
+    cache = embcache.CacheConfig(load_factor=0.1, ways=4)
+    model, sparse, dense = build(cache)
+    reference_losses = train_plain(model, sparse, dense, batches)
+    reference = snapshot(model)
+
+    model, sparse, dense = build(cache)
+    released = []
+
+    def loss(m, b):
+        pending = list(pipe._pending or ())
+        m.sparse.reset_trace()  # nothing to drop but the pending prefetch
+        released.extend(h.used for h in pending)
+        return m(b)
+
+    pipe = TrainPipeline(model, sparse, dense, features=lambda b: b[0], loss=loss)
+    assert pipe.run(batches) == reference_losses
+    assert released and all(released)
+    for key, value in snapshot(model).items():
+        assert torch.equal(value, reference[key]), key
+    assert_clean(model)

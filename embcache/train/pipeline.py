@@ -117,9 +117,10 @@ class TrainPipeline:
 
     def _ready(
         self, handles: list[FusedPrefetchHandle]
-    ) -> list[FusedPrefetchHandle] | CacheCapacityError:
+    ) -> list[FusedPrefetchHandle] | CacheCapacityError | None:
         """Wait for ``handles``; a prefetch that did not fit releases them all and is returned
-        (the batch runs synchronously), any other failure is raised."""
+        (the batch runs synchronously), any other failure is raised. None: a handle was
+        released meanwhile (a ``zero_grad`` in the step), so the batch runs synchronously."""
         for handle in handles:
             error = handle.wait()
             if error is not None:
@@ -127,6 +128,9 @@ class TrainPipeline:
                 if isinstance(error, CacheCapacityError):
                     return error
                 raise error
+        if any(handle.used for handle in handles):
+            self._cancel(handles)
+            return None
         return handles
 
     def _cancel(self, handles: Sequence[FusedPrefetchHandle]) -> None:
