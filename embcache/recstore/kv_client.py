@@ -365,11 +365,11 @@ class KVClient:
         if not ids.numel():
             return torch.empty(0, meta.shape[1], dtype=meta.dtype)
         unique, inverse, _ = dedup(ids, with_counts=False)
-        return self.store.get(name, unique)[inverse, : meta.shape[1]].to(meta.dtype)
+        return self.store.read(name, unique)[inverse, : meta.shape[1]].to(meta.dtype)
 
     def _put(self, name: str, ids: torch.Tensor, weights: torch.Tensor) -> None:
         if ids.numel():
-            rows = self.store.get(name, ids)
+            rows = self.store.read(name, ids)
             rows[:, : weights.shape[1]] = weights
             self.store.put(name, ids, rows)
 
@@ -378,7 +378,7 @@ class KVClient:
         if not ids.numel():
             return
         unique, summed = aggregate_grads(ids, grads)
-        rows = self.store.get(name, unique)
+        rows = self.store.read(name, unique)
         meta.steps += 1
         dim, slots = meta.shape[1], torch.arange(unique.numel())
         # Views of the row's two parts: the update writes them in place, inside ``rows``.
@@ -390,7 +390,7 @@ class KVClient:
         if not ids.numel():
             return
         unique, summed = aggregate_grads(ids, deltas)
-        rows = self.store.get(name, unique)
+        rows = self.store.read(name, unique)
         rows[:, : deltas.shape[1]] += summed
         self.store.put(name, unique, rows)
 
