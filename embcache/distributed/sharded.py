@@ -248,7 +248,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         mine: _Exchange | None = None
         prefetched: Prefetched | None = None
         try:
-            if training and self.engines.trace and not self.accumulate_grads:
+            if training and self.engines.has_gradients and not self.accumulate_grads:
                 self.engines.begin_batch()  # raises: an un-stepped trace
             features = self.checked_input(features)
             prefetched = self.engines.take_prefetch(features)
@@ -477,7 +477,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
         """Overwrite ``columns`` of the rows this rank owns (``rows`` holds every row of the
         table, as on every rank); empties the table's cache. Not a collective."""
-        if self.engines.inflight or self.engines.trace:
+        if self.engines.inflight or self.engines.has_gradients:
             raise RuntimeError("cannot overwrite tables while a batch is in flight")
         self.engines.engine_of(table).cache.invalidate()
         self.engines.generation += 1

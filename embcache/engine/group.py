@@ -34,6 +34,7 @@ from embcache.engine.batch_state import (
     TraceEntry,
 )
 from embcache.engine.engine import CacheEngine
+from embcache.engine.fused_cpu import FusedCpuStep, PendingUpdate
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout
 from embcache.engine.prefetch import Prefetcher
@@ -83,12 +84,50 @@ class EngineGroup:
             self.engines.append(
                 CacheEngine(CacheLayout.of_tables(dim, mine), cache, fusion_k, device)
             )
-        self.trace: list[TraceEntry] = []
+        self._entries: list[TraceEntry] = []
+        self._pending: list[PendingUpdate] = []  # fused CPU updates not yet applied
         self.inflight: list[InFlight] = []
         self.prefetches = Prefetcher(self.release_shares, device)
         self.generation = 0  # bumped when caches are emptied: older handles become stale
         self.optimizer: Any = None
         self.owner: object = self  # the step counts' key at the optimizer (the collection)
+
+    @property
+    def trace(self) -> list[TraceEntry]:
+        """The recorded gradients, ``(table_name, ids, grads)`` per table and backward. Fused
+        CPU updates recorded since become entries here (their per-id gradient rows computed)
+        and then take the ordinary path."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for u in pending:
+                engine = self.engines[u.engine]
+                p = u.batch.prepared[u.engine]
+                grads = engine.grad_rows(p, u.batch_size, u.grad_out, u.columns, [None])
+                self._entries += engine.trace_entries(p.unique, grads, u.engine, u.batch)
+        return self._entries
+
+    @trace.setter
+    def trace(self, entries: list[TraceEntry]) -> None:
+        self._pending = []
+        self._entries = entries
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether a backward's gradients await their step (without computing any rows)."""
+        return bool(self._entries or self._pending)
+
+    def gradients_to_check(self) -> list[tuple[str, Any, torch.Tensor]]:
+        """What the optimizer checks for NaN/Inf before a step: the trace entries, and for a
+        fused update its pooled gradient and per-sample weights (a row's gradient is a
+        weighted sum of them, finite when they are)."""
+        out: list[tuple[str, Any, torch.Tensor]] = list(self._entries)
+        for u in self._pending:
+            names = ", ".join(t.name for t in self.engines[u.engine].layout.tables)
+            out.append((names, None, u.grad))
+            weights = u.batch.prepared[u.engine].weights
+            if weights is not None:
+                out.append((names, None, weights.unsqueeze(1)))
+        return out
 
     def engine_of(self, table: str) -> CacheEngine:
         for engine in self.engines:
@@ -101,7 +140,7 @@ class EngineGroup:
     def begin_batch(self) -> None:
         """Before a training forward: refuse to mix in an un-stepped trace; drop the locks of
         forwards that were never backpropagated."""
-        if self.trace and not self.accumulate_grads:
+        if self.has_gradients and not self.accumulate_grads:
             raise RuntimeError(
                 "forward called while the previous backward's gradients are still in _trace: "
                 "call optimizer.step() (or zero_grad()) first, or build the collection with "
@@ -132,16 +171,24 @@ class EngineGroup:
             engine.release(p)
             engine.cache.release()
 
-    def record_backward(self, batch: InFlight | None, grad_rows: list[torch.Tensor]) -> None:
-        """Record every engine's gradient rows of one backward (or apply them all at once)."""
+    def record_backward(
+        self, batch: InFlight | None, grad_rows: list[torch.Tensor | PendingUpdate]
+    ) -> None:
+        """Record every engine's gradient rows of one backward (or apply them all at once);
+        an engine on the fused CPU path hands a `PendingUpdate` instead of rows."""
         if batch is None:
             return
         batch.backward_done = True
-        entries = []
+        entries, pending = [], []
         for i, (engine, p, grads) in enumerate(
             zip(self.engines, batch.prepared, grad_rows, strict=True)
         ):
-            entries += engine.trace_entries(p.unique, grads, i, batch)
+            if isinstance(grads, PendingUpdate):
+                pending.append(grads)
+            else:
+                entries += engine.trace_entries(p.unique, grads, i, batch)
+        self._entries += entries
+        self._pending += pending
         if self.update_in_backward:
             if self.optimizer is None:
                 raise RuntimeError(
@@ -150,19 +197,18 @@ class EngineGroup:
                 )
             try:
                 # All engines at once: a bad gradient anywhere is refused before any update.
-                self.optimizer.check_gradients(entries)
-                self.apply(entries, self.optimizer)
+                self.optimizer.check_gradients(self.gradients_to_check())
+                self.apply_trace(self.optimizer, release=False)
             except ValueError:
+                self._entries, self._pending = [], []
                 self.release(batch)
                 raise
-        else:
-            self.trace.extend(entries)
 
     # -- the optimizer's side ----------------------------------------------------------------
 
     def attach(self, optimizer: Any) -> None:
         """Give every row the state columns of ``optimizer`` (fresh state, weights kept)."""
-        if self.trace:
+        if self.has_gradients:
             raise RuntimeError(
                 "attach the optimizer before training: gradients of a backward are pending"
             )
@@ -170,6 +216,10 @@ class EngineGroup:
         self.prefetches.release_all()
         for engine in self.engines:
             engine.cache.set_state(optimizer.state_dim(engine.dim), optimizer.state_init)
+            # Several backwards summed per id before one step need the per-id rows.
+            engine.fused = (
+                None if self.accumulate_grads else FusedCpuStep.for_engine(engine, optimizer)
+            )
         for name in self.specs:
             self.specs[name] = self.store.table_spec(name)
         self.generation += 1
@@ -194,19 +244,40 @@ class EngineGroup:
         for engine, loc in located:
             engine.apply(loc, optimizer.update, steps)
 
-    def apply_trace(self, optimizer: Any) -> None:
-        """Apply the trace, then clear it and release every batch in flight. Retriable: a
-        tier error leaves the trace in place and nothing applied; calling again once the tier
-        is back applies each gradient exactly once."""
-        if self.trace:
-            self.apply(self.trace, optimizer)
-        self.trace = []
-        self.release_all()
+    def apply_trace(self, optimizer: Any, release: bool = True) -> None:
+        """Apply the recorded gradients, then clear them and (``release``) every batch in
+        flight. Retriable: a tier error leaves the trace in place and nothing applied; calling
+        again once the tier is back applies each gradient exactly once.
+
+        Fused CPU updates run the TBE's backward (no tier call, so nothing to retry); one the
+        TBE cannot apply (the optimizer changed, the cache storage moved) becomes entries.
+        """
+        if any(not self._fusable(u, optimizer) for u in self._pending):
+            self.trace  # noqa: B018 (materialises every pending update as entries)
+        if self._entries:
+            self.apply(self._entries, optimizer)
+        if self._pending:
+            names = [t.name for u in self._pending for t in self.engines[u.engine].layout.tables]
+            optimizer.advance_steps(self.owner, names)
+            for u in self._pending:
+                engine = self.engines[u.engine]
+                p = u.batch.prepared[u.engine]
+                with engine.cache.lock:
+                    engine.fused.apply(u, p)
+                    engine.cache.mark_dirty(p.slots)
+                engine.release(p)
+        self._entries, self._pending = [], []
+        if release:
+            self.release_all()
+
+    def _fusable(self, u: PendingUpdate, optimizer: Any) -> bool:
+        fused = self.engines[u.engine].fused
+        return fused is not None and fused.can_apply(u, optimizer.update)
 
     def zero_grad(self) -> None:
         """Drop the recorded gradients and the locks of every forward in flight, prefetched
         ones included."""
-        self.trace = []
+        self._entries, self._pending = [], []
         self.release_all()
         self.prefetches.release_all()
 

@@ -243,8 +243,11 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         """Give every row ``optimizer``'s state columns (fresh state, weights kept)."""
         self.engines.attach(optimizer)
 
-    def sparse_gradients(self) -> list[TraceEntry]:
-        return list(self.engines.trace)
+    def sparse_gradients(self) -> list[tuple[str, Any, torch.Tensor]]:
+        """The gradients the next step applies, as the optimizer checks them for NaN/Inf:
+        ``(table_name, ids, grads)`` trace entries, and for a cache on the fused CPU path its
+        pooled gradient (``ids`` None). ``_trace`` gives the per-id rows of every table."""
+        return self.engines.gradients_to_check()
 
     def apply_sparse_gradients(self, optimizer: Any) -> None:
         self.engines.apply_trace(optimizer)

@@ -208,7 +208,11 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         training = torch.is_grad_enabled()
         if training:
             try:
-                if engines.trace and not self.accumulate_grads and engines.optimizer is None:
+                if (
+                    engines.has_gradients
+                    and not self.accumulate_grads
+                    and engines.optimizer is None
+                ):
                     raise RuntimeError(
                         "the previous backward's gradients of this collection were never "
                         "applied: nothing trains its tables. Give its parameters "
@@ -315,7 +319,7 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         holds (its initial ones, say) creates no row in the tier. Forwards never
         backpropagated lose their locks (their rows are being replaced)."""
         engines = self.engines
-        if engines.trace or any(
+        if engines.has_gradients or any(
             b.backward_done and any(p.locked for p in b.prepared) for b in engines.inflight
         ):
             raise RuntimeError("cannot overwrite tables while gradients await their step")
