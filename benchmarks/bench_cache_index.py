@@ -34,7 +34,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embcache.kernels.cache_index import assign_ways_triton, cache_lookup_triton
-from embcache.kernels.reference import assign_ways_ref, cache_lookup_ref, set_index_ref
+from embcache.kernels.cache_index_ref import assign_ways_ref, cache_lookup_ref, set_index_ref
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WAYS = 32

@@ -100,9 +100,9 @@ def _rank_main(rank: int, run: str, w: Workload) -> dict:
     tables = table_configs(w)
     cache = embcache.CacheConfig(load_factor=w.load_factor)
     if run == BASELINE:
-        ebc = embcache.CachedEmbeddingBagCollection(tables, cache=cache)
+        ebc = embcache.CachedEmbeddingBagCollection(tables, cache=cache, seed=0)
     else:
-        ebc = ShardedEmbeddingBagCollection(tables, cache=cache)
+        ebc = ShardedEmbeddingBagCollection(tables, cache=cache, seed=0)
     opt = embcache.SparseAdaGrad([ebc], lr=0.05)
     batches = [
         part_kjt(w, step, range(rank * share, (rank + 1) * share))

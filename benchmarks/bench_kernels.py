@@ -373,7 +373,7 @@ def _check_update(rule: OptimRule, update: RowUpdate, make_opt, dim: int, u: int
     rows = torch.zeros(u, dim + state_dim(rule, dim))
     rows[:, :dim] = w0
     with backend("torch"):
-        apply_row_update(rows, dim, slots, grads, update, step=1)
+        apply_row_update(rows[:, :dim], rows[:, dim:], slots, grads, update, step=1)
     if rule == OptimRule.ROWWISE_ADAGRAD:
         acc = (grads * grads).mean(dim=1, keepdim=True)
         want = w0 - update.lr * grads / (acc.sqrt() + update.eps)
@@ -411,14 +411,15 @@ def bench_updates(b: Bench, w: Workload, dim: int) -> list[Row]:
         steps = itertools.count(1)
 
         def ours(cache_rows=cache_rows, update=update, steps=steps) -> None:
-            apply_row_update(cache_rows, dim, w.slots, grads, update, next(steps))
+            weights, state = cache_rows[:, :dim], cache_rows[:, dim:]
+            apply_row_update(weights, state, w.slots, grads, update, next(steps))
 
         if b.on_gpu:  # Triton against the twin, one step each, on the touched rows
             touched = []
             for impl in b.implementations():
                 other = cache_rows.clone()
                 with backend(impl):
-                    apply_row_update(other, dim, w.slots, grads, update, 1)
+                    apply_row_update(other[:, :dim], other[:, dim:], w.slots, grads, update, 1)
                 touched.append(other[w.slots])
                 del other
             torch.testing.assert_close(*touched, atol=1e-6, rtol=1e-5, msg=rule.name)

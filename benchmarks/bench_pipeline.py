@@ -177,6 +177,7 @@ class TinyDLRM(nn.Module):
             cache=embcache.CacheConfig(load_factor=cfg.cache),
             store=store,
             device=device,
+            seed=0,
         )
         torch.manual_seed(0)
         self.head = nn.Linear(cfg.tables * cfg.dim + NUM_DENSE, 1).to(device)

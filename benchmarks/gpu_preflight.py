@@ -278,8 +278,8 @@ def run_checks(p: Preflight) -> None:
 
         def update_check(rows=rows, update=update, rule=rule) -> float:
             got, want = rows.to(p.device), rows.clone()
-            p.triton(apply_row_update, got, dim, slots, grads, update, 3)
-            p.twin(apply_row_update, want, dim, slots, grads, update, 3)
+            p.triton(apply_row_update, got[:, :dim], got[:, dim:], slots, grads, update, 3)
+            p.twin(apply_row_update, want[:, :dim], want[:, dim:], slots, grads, update, 3)
             return check_close(f"apply_row_update {rule.name}", got, want)
 
         p.check(f"apply_row_update {rule.name}", update_check)

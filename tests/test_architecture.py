@@ -4,7 +4,7 @@ repository.
 
 Layers, lowest first (a module may import its own package and lower layers only):
 
-    hashing
+    hashing, profiling               the id hash; named phases for torch.profiler
     kernels, kv                     the Triton kernels with their twins; the tiers
     cache, optim                    the device cache and its transfers; the optimizer rules
     engine                          one step's data path per cache, inputs, tables
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "embcache"
 
 LAYERS = [
-    ["hashing"],
+    ["hashing", "profiling"],
     ["kernels", "kv"],
     ["cache", "optim"],
     ["engine"],

@@ -198,7 +198,9 @@ def test_a_tier_error_inside_step_is_retriable(tmp_path: Path) -> None:
     def small(store):
         from tests.test_redis_training import TABLES
 
-        ebc = embcache.CachedEmbeddingBagCollection(tables=TABLES, cache=config, store=store)
+        ebc = embcache.CachedEmbeddingBagCollection(
+            tables=TABLES, cache=config, store=store, seed=0
+        )
         return ebc, embcache.SparseAdaGrad([ebc], lr=0.1)
 
     ref, ref_opt = small(embcache.HostKV())

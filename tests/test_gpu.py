@@ -208,6 +208,7 @@ class Side:
             cache=case.cache_config(),
             device=device,
             update_in_backward=update_in_backward,
+            seed=0,  # the same initial rows on both sides
         )
         self.opt = OPTIMIZERS[case.optimizer](self.ebc)
 
@@ -311,6 +312,7 @@ def pipeline_run(device: torch.device, backend: str, prefetch: bool):
         tables=PIPELINE_TABLES,
         cache=embcache.CacheConfig(capacity=SMALL_CAPACITY, ways=SMALL_WAYS),
         device=device,
+        seed=0,  # the same initial rows on every run
     )
     width = sum(t.embedding_dim * len(t.feature_names) for t in PIPELINE_TABLES)
     model = nn.ModuleDict({"sparse": sparse, "head": nn.Linear(width, 1).to(device)})

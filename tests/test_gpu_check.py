@@ -125,7 +125,7 @@ def unwritten_bag(original):
 
 BROKEN = {
     "wrong-values": ("cache_index", "set_index_triton", wrong_sets, "set_index"),
-    "unwritten-output": ("pooling", "_pool_forward_triton", unwritten_bag, "pool_forward SUM"),
+    "unwritten-output": ("pooling", "pool_forward_triton", unwritten_bag, "pool_forward SUM"),
 }
 
 

@@ -59,7 +59,7 @@ tables = [
      "pooling": "mean"},
 ]
 ebc = embcache.CachedEmbeddingBagCollection(
-    tables=tables, cache=embcache.CacheConfig(capacity=16, ways=4, policy="lfu")
+    tables=tables, cache=embcache.CacheConfig(capacity=16, ways=4, policy="lfu"), seed=0
 )
 opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.1)
 batches = torch.load(sys.argv[1])
@@ -105,6 +105,7 @@ def test_training_through_jagged_batch_matches_the_kjt_run(tmp_path: Path) -> No
             ),
         ],
         cache=embcache.CacheConfig(capacity=16, ways=4, policy="lfu"),
+        seed=0,  # the same rows in both processes
     )
     opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.1)
     for lengths, values, coeff in batches:

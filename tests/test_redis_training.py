@@ -38,7 +38,10 @@ def batches(n: int) -> list[KeyedJaggedTensor]:
 
 def build(store) -> tuple[embcache.CachedEmbeddingBagCollection, embcache.SparseOptimizer]:
     ebc = embcache.CachedEmbeddingBagCollection(
-        tables=TABLES, cache=embcache.CacheConfig(load_factor=0.05, ways=4), store=store
+        tables=TABLES,
+        cache=embcache.CacheConfig(load_factor=0.05, ways=4),
+        store=store,
+        seed=0,  # the same rows on every tier
     )
     return ebc, embcache.SparseAdaGrad([ebc], lr=0.1)
 

@@ -1,7 +1,8 @@
 """HotCache: a fixed number of device slots holding the rows a batch needs, backed by a tier.
 
-One cache serves the tables of one embedding dim. A slot holds a row ``[weights | state]``
-(``dim + state_dim`` float32) of one table, keyed by its fused id
+One cache serves the tables of one embedding dim. A slot holds a row of one table, its weights
+(``weights[slot]``, ``dim`` float32) and its optimizer state (``state[slot]``, ``state_dim``
+float32), keyed by its fused id
 ``id | (table_idx << fusion_k)``. Slots form a set-associative index: a key lives in set
 ``set_index(key)``, in one of that set's ``ways`` slots. When the capacity covers every row of
 the cache's tables, each row gets its own slot instead (direct mapping: no lookup, no eviction).
@@ -42,6 +43,7 @@ from embcache.cache.transfer import TierTransfer
 from embcache.hashing import mix64
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
 from embcache.kv.base import Store, TableSpec
+from embcache.profiling import profiled
 
 
 class CacheCapacityError(ValueError):
@@ -83,9 +85,10 @@ class HotCache:
         fusion_k: bits of the raw id inside a fused id.
 
     Attributes:
-        rows: float32 ``[num_slots + scratch_rows, dim + state_dim]``, the slot storage. Read it
-            under ``lock`` when another thread may resolve concurrently (the scratch area may
-            grow, which replaces this tensor).
+        weights: float32 ``[num_slots + scratch_rows, dim]``, the slots' weights, and
+        state: float32 ``[num_slots + scratch_rows, state_dim]``, their optimizer state: the slot
+            storage. Read them under ``lock`` when another thread may resolve concurrently (the
+            scratch area may grow, which replaces both tensors).
         num_slots: slots of the cache proper (scratch excluded).
         direct: True when every row has its own slot.
     """
@@ -154,18 +157,23 @@ class HotCache:
 
     @property
     def width(self) -> int:
-        """Columns of a slot: ``dim + state_dim``."""
+        """Columns of a row in the tier: ``dim + state_dim`` (weights, then state)."""
         return self.dim + self.state_dim
 
     @property
     def scratch_rows(self) -> int:
         """Rows currently allocated to the scratch area."""
-        return self.rows.shape[0] - self.num_slots
+        return self.weights.shape[0] - self.num_slots
+
+    def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The tier rows ``[n, dim + state_dim]`` (weights, then state) held at ``slots``."""
+        return torch.cat([self.weights[slots], self.state[slots]], dim=1)
 
     def _allocate(self, scratch_rows: int) -> None:
         self._filled = False  # direct mapping: every row loaded
         total = self.num_slots + scratch_rows
-        self.rows = torch.zeros(total, self.width, dtype=torch.float32, device=self.device)
+        self.weights = torch.zeros(total, self.dim, dtype=torch.float32, device=self.device)
+        self.state = torch.zeros(total, self.state_dim, dtype=torch.float32, device=self.device)
         self.slot_keys = torch.full((total,), -1, dtype=torch.int64, device=self.device)
         self.locks = torch.zeros(total, dtype=torch.int32, device=self.device)
         self.dirty = torch.zeros(total, dtype=torch.bool, device=self.device)
@@ -189,7 +197,8 @@ class HotCache:
             )
         grow = want - self.scratch_rows
         dev = self.device
-        self.rows = torch.cat([self.rows, torch.zeros(grow, self.width, device=dev)])
+        self.weights = torch.cat([self.weights, torch.zeros(grow, self.dim, device=dev)])
+        self.state = torch.cat([self.state, torch.zeros(grow, self.state_dim, device=dev)])
         self.slot_keys = torch.cat(
             [self.slot_keys, torch.full((grow,), -1, dtype=torch.int64, device=dev)]
         )
@@ -203,12 +212,13 @@ class HotCache:
     def _write_tier(self, fused: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the rows held at ``slots`` back to the tier under their ``fused`` ids (one
         copy of the ids and one of the rows to the host)."""
-        self.transfer.write(fused.cpu(), self.rows[slots].cpu())
+        self.transfer.write(fused.cpu(), self.rows_of(slots).cpu())
         self.writebacks += fused.numel()
 
     # ------------------------------------------------------------------------------------------
     # resolve
 
+    @profiled("cache.resolve")
     def resolve(self, unique_ids: torch.Tensor, lock: bool = True) -> torch.Tensor:
         """Slots holding the rows of ``unique_ids``, loading misses from the tier.
 
@@ -246,12 +256,12 @@ class HotCache:
                 if n_write or n_read:
                     # One copy of all the ids the tier needs, one of the rows it gets.
                     host_ids = torch.cat([plan.victim_ids, plan.load_ids]).cpu()
-                    victim_rows = self.rows[plan.victim_slots].cpu() if n_write else None
+                    victim_rows = self.rows_of(plan.victim_slots).cpu() if n_write else None
                     loaded = self.transfer.exchange(
                         host_ids[:n_write], victim_rows, host_ids[n_write:]
                     )
                     if loaded is not None:
-                        self.transfer.copy_in(self.rows, plan.load_slots, loaded)
+                        self.transfer.copy_in(self.weights, self.state, plan.load_slots, loaded)
             except BaseException:
                 with self.lock:
                     self._rollback(plan)
@@ -268,11 +278,13 @@ class HotCache:
             for lo in range(0, spec.num_embeddings, chunk_rows):
                 raw = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
                 slots = (base + raw).to(self.device)
-                self.transfer.copy_in(self.rows, slots, self.store.get(spec.name, raw))
+                rows = self.store.get(spec.name, raw)
+                self.transfer.copy_in(self.weights, self.state, slots, rows)
                 self.slot_keys[slots] = (raw | (idx << self.fusion_k)).to(self.device)
                 self.dirty[slots] = False
         self._filled = True
 
+    @profiled("cache.plan")
     def _plan_direct(self, ids: torch.Tensor) -> _Plan:
         if not self._filled:
             self._prefill_direct()
@@ -286,6 +298,7 @@ class HotCache:
         self.locks[slots] += 1
         return plan
 
+    @profiled("cache.plan")
     def _plan_sets(self, ids: torch.Tensor) -> _Plan:
         W = self.ways
         sets = set_index(ids, self.num_sets)
@@ -452,6 +465,7 @@ class HotCache:
                 raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
             self.locks[slots] -= 1
 
+    @profiled("cache.release_scratch")
     def release(self) -> None:
         """Write back and free the scratch rows no batch holds any more. If the write fails
         the rows stay in scratch, dirty, and the error propagates: call again later."""
@@ -470,6 +484,7 @@ class HotCache:
             self.dirty[done_slots] = False
             self._scratch_used -= done_slots.numel()
 
+    @profiled("cache.flush")
     def flush(self) -> None:
         """Write every dirty row back to the tier (rows stay cached, now clean)."""
         with self._resolve_mutex, self.lock:
@@ -523,7 +538,7 @@ class HotCache:
                     self._find_in_scratch(ids, slots)
             found = slots >= 0
             out = torch.empty(ids.numel(), self.width, device=self.device)
-            out[found] = self.rows[slots[found]]
+            out[found] = self.rows_of(slots[found])
             if not bool(found.all()):
                 out[~found] = self.transfer.read(ids[~found].cpu()).to(self.device)
             return out

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from embcache.kv.base import Store, TableSpec
+from embcache.profiling import profiled
 
 
 class TierTransfer:
@@ -81,6 +82,7 @@ class TierTransfer:
             )
         return list(self._pool.map(lambda call: call(), calls))
 
+    @profiled("cache.tier_io")
     def exchange(
         self,
         write_ids: torch.Tensor,
@@ -126,18 +128,30 @@ class TierTransfer:
 
     # -- device side ------------------------------------------------------------------------
 
-    def copy_in(self, rows: torch.Tensor, slots: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """``rows[slots] = host_rows``. On a GPU the copy runs on a side stream and the current
-        stream waits for it (an event): kernels queued after this see the rows."""
+    @profiled("cache.copy_in")
+    def copy_in(
+        self,
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        host_rows: torch.Tensor,
+    ) -> None:
+        """``weights[slots], state[slots] = host_rows`` split after the weights' columns. On a
+        GPU the copies run on a side stream and the current stream waits for them (an event):
+        kernels queued after this see the rows."""
+        dim = weights.shape[1]
         if self.device.type != "cuda":
-            rows[slots] = host_rows
+            weights[slots] = host_rows[:, :dim]
+            state[slots] = host_rows[:, dim:]
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            rows[slots] = host_rows.to(self.device, non_blocking=True)
+            rows = host_rows.to(self.device, non_blocking=True)
+            weights[slots] = rows[:, :dim]
+            state[slots] = rows[:, dim:]
             done = torch.cuda.Event()
             done.record(stream)
         torch.cuda.current_stream(self.device).wait_event(done)

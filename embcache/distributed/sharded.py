@@ -192,8 +192,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             column[f], col = col, col + d
         self._num_columns = col
         self._feature_cols = [
-            torch.tensor([column[f] for f in e.layout.features], device=self.device)
-            for e in engines
+            torch.tensor([column[k] for k in e.layout.keys], device=self.device) for e in engines
         ]
 
     # ------------------------------------------------------------------------------------------
@@ -289,7 +288,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             return with_status(None, self._no_ids(), o.counts, cache.dim)
         with cache.lock:
             return with_status(
-                cache.rows, o.prepared.slots[o.prepared.inverse], o.counts, cache.dim
+                cache.weights, o.prepared.slots[o.prepared.inverse], o.counts, cache.dim
             )
 
     def _unlock(self, owned: list[_Owned]) -> None:

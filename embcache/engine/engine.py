@@ -27,6 +27,7 @@ from embcache.engine.layout import Bags, CacheLayout
 from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
 from embcache.kernels.optim import aggregate_grads, apply_row_update
 from embcache.kernels.pooling import pool_backward, pool_forward
+from embcache.profiling import profiled
 
 
 def pool_bags(
@@ -131,6 +132,7 @@ class CacheEngine:
 
     # -- 1. prepare ------------------------------------------------------------------------
 
+    @profiled("engine.fuse")
     def fuse(self, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Validated fused ids, bag lengths and weights of this cache's features in a checked
         batch (device tensors). A bad id raises here, before any cache changes."""
@@ -163,6 +165,7 @@ class CacheEngine:
         p.locked = lock
         return p
 
+    @profiled("engine.dedup")
     def dedup(
         self, fused: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
     ) -> Prepared:
@@ -191,6 +194,7 @@ class CacheEngine:
     def bags(self, p: Prepared, batch_size: int, columns: torch.Tensor) -> list[Bags]:
         return self.layout.bags(p.inverse, p.offsets, p.weights, batch_size, columns)
 
+    @profiled("engine.pool")
     def pool(
         self, p: Prepared, batch_size: int, out: torch.Tensor, columns: torch.Tensor
     ) -> list[torch.Tensor | None]:
@@ -198,8 +202,9 @@ class CacheEngine:
         # No cache lock: this batch's slots are locked, so no resolve writes them, and a
         # resolve that replaces `rows` (growing the scratch area) copies them unchanged.
         bags = self.bags(p, batch_size, columns)
-        return pool_bags(self.layout, self.cache.rows, p.slots, bags, batch_size, out)
+        return pool_bags(self.layout, self.cache.weights, p.slots, bags, batch_size, out)
 
+    @profiled("engine.grad_rows")
     def grad_rows(
         self,
         p: Prepared,
@@ -214,6 +219,7 @@ class CacheEngine:
             self.layout, grad_out, p.unique.numel(), bags, batch_size, argmaxes, p.grouping
         )
 
+    @profiled("engine.trace")
     def trace_entries(
         self, unique: torch.Tensor, grads: torch.Tensor, index: int, batch: InFlight | None
     ) -> list[TraceEntry]:
@@ -226,6 +232,7 @@ class CacheEngine:
 
     # -- 4. apply a rule ---------------------------------------------------------------------
 
+    @profiled("engine.locate")
     def locate(self, entries: list[TraceEntry], table_index: dict[str, int]) -> Located:
         """The slots (locked) and per-id gradients of this cache's trace entries.
 
@@ -252,6 +259,7 @@ class CacheEngine:
         if located.prepared is None:
             self.cache.unlock(located.slots)
 
+    @profiled("engine.apply_rule")
     def apply(self, located: Located, rule: Any, steps: dict[str, int]) -> None:
         """Update located rows and their state in place with ``rule`` (a
         `kernels.optim.RowUpdate`; ``steps`` gives each table's step number), mark them dirty
@@ -267,20 +275,21 @@ class CacheEngine:
         cache = self.cache
         table_steps = {steps[t.name] for t in self.layout.tables if t.name in steps}
         with cache.lock:
+            # Slots from a resolve are distinct by construction: no sorted check.
             if len(table_steps) == 1:
-                # Slots from a resolve are distinct by construction: skip the sorted check.
-                apply_row_update(cache.rows, self.dim, slots, grads, rule, table_steps.pop(),
-                                 check_slots=False)  # fmt: skip
+                step = table_steps.pop()
+                apply_row_update(cache.weights, cache.state, slots, grads, rule, step, False)
             else:
                 bounds = self.layout.table_bounds(unique, self.fusion_k)
                 for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False):
                     if hi > lo:
-                        apply_row_update(cache.rows, self.dim, slots[lo:hi], grads[lo:hi], rule,
-                                         steps[t.name], check_slots=False)  # fmt: skip
+                        apply_row_update(cache.weights, cache.state, slots[lo:hi], grads[lo:hi],
+                                         rule, steps[t.name], False)  # fmt: skip
             cache.mark_dirty(slots)
 
     # -- 5. release --------------------------------------------------------------------------
 
+    @profiled("engine.release")
     def release(self, p: Prepared) -> None:
         """Unlock a batch's slots (once) and write back scratch rows no batch holds."""
         if p.locked:

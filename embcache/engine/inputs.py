@@ -240,7 +240,11 @@ def as_jagged(features: object) -> JaggedBatch:
         return features
     if is_kjt(features):
         if features.variable_stride_per_key():
-            raise ValueError("KJTs with a variable batch size per feature are not supported")
+            raise ValueError(
+                "KJTs with a variable batch size per feature (stride_per_key_per_rank) are not "
+                "supported: every feature needs the same batch size B; pad the shorter "
+                "features with empty bags"
+            )
         offsets = features.offsets_or_none()
         # torchrec reads a KJT whose offsets start past 0 from that position: refuse it rather
         # than read it differently.
@@ -253,20 +257,22 @@ def as_jagged(features: object) -> JaggedBatch:
     )
 
 
-def check_batch(batch: JaggedBatch, output_keys: Sequence[str], is_weighted: bool) -> None:
-    """Raise unless ``batch`` has exactly the features ``output_keys``, integer 1-D ids,
-    consistent lengths, and weights iff ``is_weighted``; nothing is changed either way."""
+def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool) -> JaggedBatch:
+    """``batch`` checked for a collection that looks up ``features``: each of them present,
+    integer 1-D ids, consistent lengths, weights when ``is_weighted``. As in torchrec, keys the
+    collection does not look up are ignored, and so are the weights of a batch given to an
+    unweighted collection (the batch returned then carries none). Raises naming what is wrong;
+    nothing is changed either way."""
     keys = batch.keys()
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"duplicate feature keys {dup} in {keys}")
-    known = set(output_keys)
-    unknown = [k for k in keys if k not in known]
-    if unknown:
-        raise ValueError(f"unknown feature keys {unknown}; this collection looks up {output_keys}")
-    missing = [k for k in output_keys if k not in keys]
+    missing = [k for k in features if k not in keys]
     if missing:
-        raise ValueError(f"the input lacks features {missing}")
+        raise ValueError(
+            f"the input lacks features {missing}; this collection looks up {list(features)}, "
+            f"the input has {keys}"
+        )
     values, lengths = batch.values(), batch.lengths()
     if not isinstance(values, torch.Tensor) or not isinstance(lengths, torch.Tensor):
         raise TypeError("values and lengths must be tensors")
@@ -294,20 +300,22 @@ def check_batch(batch: JaggedBatch, output_keys: Sequence[str], is_weighted: boo
     weights = batch.weights_or_none()
     if is_weighted and weights is None:
         raise ValueError("this collection is_weighted=True but the input carries no weights")
-    if not is_weighted and weights is not None:
-        raise ValueError("the input carries weights but the collection is_weighted=False")
     if weights is not None:
         if not weights.is_floating_point():
             raise TypeError(f"weights must be floating point, got {weights.dtype}")
         if weights.numel() != values.numel():
             raise ValueError(f"the input has {weights.numel()} weights for {values.numel()} values")
+        if not is_weighted:
+            return JaggedBatch(keys, values, lengths, None, batch._offsets)
+    return batch
 
 
 def group_inputs(
     batch: JaggedBatch, group_features: list[str]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Values, lengths and weights of ``group_features`` (a checked batch's keys, in the order
-    given); the batch's own tensors when that is already its key order."""
+    """Values, lengths and weights of ``group_features`` (keys of a checked batch, in the order
+    given; a key may repeat, and the batch may hold others); the batch's own tensors when that
+    is already its key order."""
     keys = batch.keys()
     B = batch.stride()
     values, lengths = batch.values(), batch.lengths()

@@ -4,16 +4,17 @@
 (`attach_sparse_optimizer`, `sparse_gradients`, `apply_sparse_gradients`, `zero_grad`, whole
 tables through `table_rows` / `write_table_rows`), `TrainPipeline` (`issue_fused_prefetch`,
 `set_fused_prefetch_handle`, `cancel_fused_prefetch`), checkpoints (``store``, ``tables``,
-`flush`, `invalidate_caches`) and torchrec-style ``state_dict()`` keys. Each collection holds an
-`EngineGroup` (``self.engines``) and its own data path; neither subclasses the other, as
-torchrec's sharded modules implement its module interfaces rather than extend the unsharded
-ones.
+`flush`, `invalidate_caches`), torchrec-style ``state_dict()`` keys and the accessors of
+torchrec's ``EmbeddingBagCollectionInterface`` (`embedding_bag_configs`, `is_weighted`,
+``device``). Each collection holds an `EngineGroup` (``self.engines``) and its own data path;
+neither subclasses the other, as torchrec's sharded modules implement its module interfaces
+rather than extend the unsharded ones.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,8 +24,9 @@ from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
 from embcache.engine.batch_state import FusedPrefetchHandle, TraceEntry
 from embcache.engine.group import EngineGroup
-from embcache.engine.inputs import JaggedBatch, as_jagged, check_batch
-from embcache.engine.tables import Table, normalize_tables
+from embcache.engine.inputs import JaggedBatch, as_jagged, checked_batch
+from embcache.engine.row_init import table_inits
+from embcache.engine.tables import Table, TableConfig, normalize_tables
 from embcache.kv.base import Store, TableSpec
 from embcache.kv.url import open_store
 
@@ -50,6 +52,58 @@ def checked_fusion_k(fusion_k: int, enable_fusion: bool, tables: Sequence[Table]
     return k
 
 
+class WeightedFlag:
+    """``is_weighted`` of a collection: call it as torchrec does (``ebc.is_weighted()``) or
+    read it as a bool as RecStore-style code does (``if ebc.is_weighted:``); both give the
+    same answer."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: bool) -> None:
+        self._value = bool(value)
+
+    def __call__(self) -> bool:
+        return self._value
+
+    def __bool__(self) -> bool:
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        return self._value == (other._value if isinstance(other, WeightedFlag) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return repr(self._value)
+
+
+def _whole_tables(tables: Sequence[Table], cache: CacheConfig) -> bool:
+    """Whether every cache (one per dim) holds all the rows of its tables."""
+    for dim in {t.dim for t in tables}:
+        rows = sum(t.num_embeddings for t in tables if t.dim == dim)
+        if cache.rows_for(rows) < rows:
+            return False
+    return True
+
+
+def _as_config(table: Table, cfg: Any) -> Any:
+    """The config object `embedding_bag_configs` returns for one table."""
+    if isinstance(cfg, Mapping):
+        return TableConfig(
+            name=table.name,
+            embedding_dim=table.dim,
+            num_embeddings=table.num_embeddings,
+            feature_names=list(table.feature_names),
+            pooling=table.pooling,
+            init_fn=table.init_fn,
+            data_type=table.dtype,
+        )
+    if not cfg.feature_names:
+        cfg.feature_names = list(table.feature_names)  # torchrec fills it in the same way
+    return cfg
+
+
 class CachedCollectionInterface(nn.Module, abc.ABC):
     """Pooled embedding lookups over device caches with a write-back tier behind them.
 
@@ -59,8 +113,11 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
     Attributes:
         tables: the normalised tables (`Table`), in the order given.
         store: the tier.
+        device: where the caches and outputs live.
         engines: the `EngineGroup` (one `CacheEngine` per embedding dim).
-        output_keys: the output's keys: every table's features, in table order.
+        features: the input keys looked up, each once, in table order.
+        output_keys: the output's keys: every table's features, in table order
+            (``feature@table`` for a feature several tables look up).
         output_dims: the embedding dim of each output key.
     """
 
@@ -78,23 +135,34 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         update_in_backward: bool,
         accumulate_grads: bool,
         lr: float | None,
-        seed: int,
+        seed: int | None,
     ) -> None:
+        """Build what both collections share: tables, store, initialisers, engines.
+
+        ``device=None`` is torch's default device (``with torch.device("meta"):`` included);
+        ``seed=None`` takes the rows' randomness from torch's generator (`engine.row_init`).
+        """
         self.tables = normalize_tables(tables)
+        self._configs = [_as_config(t, cfg) for t, cfg in zip(self.tables, tables, strict=True)]
         self.fusion_k = checked_fusion_k(fusion_k, enable_fusion, self.tables)
         self.enable_fusion = enable_fusion
-        self.is_weighted = is_weighted
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._is_weighted = bool(is_weighted)
+        self.device = torch.device(device) if device is not None else torch.get_default_device()
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
         self.cache_config = cache or CacheConfig()
         self.store = open_store(store)
         self.update_in_backward = update_in_backward
         self.accumulate_grads = accumulate_grads
         self.lr = lr
-        self.feature_to_table = {f: t for t in self.tables for f in t.feature_names}
-        self.output_keys = [f for t in self.tables for f in t.feature_names]
-        self.output_dims = [self.feature_to_table[f].dim for f in self.output_keys]
+        self.features = list(dict.fromkeys(f for t in self.tables for f in t.feature_names))
+        self.output_keys = [k for t in self.tables for k in t.key_names]
+        self.output_dims = [t.dim for t in self.tables for _ in t.key_names]
+        whole = _whole_tables(self.tables, self.cache_config)
+        inits = table_inits(self.tables, seed, whole, self.device)
         self.specs = {
-            t.name: TableSpec(t.name, t.dim, t.num_embeddings, seed=seed) for t in self.tables
+            t.name: TableSpec(t.name, t.dim, t.num_embeddings, init=inits[t.name], seed=seed or 0)
+            for t in self.tables
         }
         for spec in self.specs.values():
             self.store.init_table(spec)
@@ -113,10 +181,22 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self.grad_anchor = torch.empty(0, requires_grad=True)
 
     def checked_input(self, features: object) -> JaggedBatch:
-        """``features`` (a KJT or a `JaggedBatch`) as a checked `JaggedBatch`."""
-        batch = as_jagged(features)
-        check_batch(batch, self.output_keys, self.is_weighted)
-        return batch
+        """``features`` (a KJT or a `JaggedBatch`) as a checked `JaggedBatch` holding what this
+        collection looks up (other keys are ignored, as are weights when not `is_weighted`)."""
+        return checked_batch(as_jagged(features), self.features, self._is_weighted)
+
+    # -- torchrec's EmbeddingBagCollectionInterface -----------------------------------------
+
+    @property
+    def is_weighted(self) -> WeightedFlag:
+        """Whether inputs carry per-sample weights: ``ebc.is_weighted()`` (torchrec) or
+        ``bool(ebc.is_weighted)``."""
+        return WeightedFlag(self._is_weighted)
+
+    def embedding_bag_configs(self) -> list[Any]:
+        """The table configs as given (torchrec ``EmbeddingBagConfig`` objects where given;
+        `TableConfig` objects for `TableConfig` objects and dicts)."""
+        return self._configs
 
     # -- the data path (each collection's own) ----------------------------------------------
 
@@ -202,9 +282,13 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         for t in self.tables:
-            destination[f"{prefix}embedding_bags.{t.name}.weight"] = self.table_rows(t.name)[
-                :, : t.dim
-            ]
+            key = f"{prefix}embedding_bags.{t.name}.weight"
+            if self.device.type == "meta":
+                destination[key] = torch.empty(
+                    t.num_embeddings, t.dim, dtype=t.dtype, device="meta"
+                )
+            else:
+                destination[key] = self.table_rows(t.name)[:, : t.dim].to(t.dtype)
 
     def _load_from_state_dict(
         self,
@@ -235,13 +319,16 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
                     f"{t.name!r} is {(t.num_embeddings, t.dim)}"
                 )
                 continue
-            if not bool(torch.isfinite(value).all()):
+            if not value.is_meta and not bool(torch.isfinite(value).all()):
                 error_msgs.append(f"{key} holds NaN or Inf values")
                 continue
             updates.append((t, value))
-        # Every key under this module's prefix is ours: it has no parameters or children.
+        # Every key under this module's prefix is ours: its parameters stand for the tables,
+        # which state_dict() holds under these keys, and its children hold nothing.
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
         if error_msgs or (strict and (missing_keys or unexpected_keys)):
             return  # nn.Module raises with these messages; nothing was written
+        if self.device.type == "meta":
+            return  # no rows to write, as torchrec's meta weights take no values
         for t, value in updates:
             self.write_table_rows(t.name, value.detach(), slice(0, t.dim))

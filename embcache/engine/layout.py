@@ -1,6 +1,10 @@
 """How a collection lays out its features over its caches: one `CacheLayout` per embedding dim,
 its features ordered so that those sharing a pooling mode form one contiguous `Lookup`, and the
-bags of one batch cut along those lookups (`CacheLayout.bags`)."""
+bags of one batch cut along those lookups (`CacheLayout.bags`).
+
+A position of a layout is one (table, feature) lookup: ``features[i]`` is the input key it
+reads (a feature looked up by two tables of one dim appears twice) and ``keys[i]`` the output
+key it writes (``feature@table`` for such a feature, as torchrec names it)."""
 
 from __future__ import annotations
 
@@ -38,9 +42,10 @@ class CacheLayout:
 
     dim: int
     tables: list[Table]
-    features: list[str]
+    features: list[str]  # input key of each position
     feature_table: list[Table]
     lookups: list[Lookup]
+    keys: list[str]  # output key of each position
     table_index: torch.Tensor = field(init=False)  # int64 [F] table of each feature
     table_rows: torch.Tensor = field(init=False)  # int64 [F] num_embeddings of that table
     table_names: list[str] = field(init=False)
@@ -54,16 +59,25 @@ class CacheLayout:
     def of_tables(cls, dim: int, tables: list[Table]) -> CacheLayout:
         """The layout of ``tables`` (all of dim ``dim``): their features in table order, then
         stably sorted by pooling mode so that each mode is one `Lookup`."""
-        pairs = [(f, t) for t in tables for f in t.feature_names]
-        pairs.sort(key=lambda p: int(p[1].pooling))  # stable: same-mode features contiguous
+        triples = [
+            (f, k, t) for t in tables for f, k in zip(t.feature_names, t.key_names, strict=True)
+        ]
+        triples.sort(key=lambda p: int(p[2].pooling))  # stable: same-mode features contiguous
         lookups: list[Lookup] = []
-        for i, (f, t) in enumerate(pairs):
+        for i, (f, _, t) in enumerate(triples):
             if lookups and lookups[-1].mode == t.pooling:
                 lookups[-1].features.append(f)
                 lookups[-1].feature_hi = i + 1
             else:
                 lookups.append(Lookup(t.pooling, [f], i, i + 1))
-        return cls(dim, tables, [f for f, _ in pairs], [t for _, t in pairs], lookups)
+        return cls(
+            dim,
+            tables,
+            [f for f, _, _ in triples],
+            [t for _, _, t in triples],
+            lookups,
+            [k for _, k, _ in triples],
+        )
 
     def table_bounds(self, unique: torch.Tensor, fusion_k: int) -> list[int]:
         """Where each table's ids start in ascending fused ``unique`` ids (``[T + 1]``, the last

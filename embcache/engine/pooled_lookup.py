@@ -18,8 +18,8 @@ class PooledLookup(torch.autograd.Function):
     output per engine (its features' columns side by side, in its layout's order).
 
     ``anchor`` is a tensor that requires grad, so the node is recorded even though the rows it
-    reads are not autograd leaves; ``batch`` is the `InFlight` the gradients belong to (None
-    under ``torch.no_grad``)."""
+    reads are not autograd leaves (it gets a zero-size gradient); ``batch`` is the `InFlight`
+    the gradients belong to (None under ``torch.no_grad``)."""
 
     @staticmethod
     def forward(
@@ -38,6 +38,7 @@ class PooledLookup(torch.autograd.Function):
             outs.append(out)
             columns.append(cols)
         ctx.group, ctx.prepared, ctx.batch = group, prepared, batch
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
         ctx.batch_size, ctx.argmaxes, ctx.columns = batch_size, argmaxes, columns
         return tuple(outs)
 
@@ -51,4 +52,7 @@ class PooledLookup(torch.autograd.Function):
                 grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
             rows.append(engine.grad_rows(p, ctx.batch_size, grad_out, cols, argmaxes))
         ctx.group.record_backward(ctx.batch, rows)
-        return None, None, None, None, None
+        # A (zero-size) gradient for the anchor, so that hooks on it run after every backward
+        # (apply_optimizer_in_backward) and DDP sees it used.
+        shape, dtype, device = ctx.anchor
+        return torch.zeros(shape, dtype=dtype, device=device), None, None, None, None

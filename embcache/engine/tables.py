@@ -7,19 +7,26 @@ torchrec is installed), embcache's own `TableConfig`, or RecStore-style dicts.
                                 feature_names=["f0"], pooling=PoolingType.SUM)
 
 all describe the same table; `normalize_tables` turns a list of them into `Table` records.
+
+As in torchrec, a table without feature names looks up the feature named after it, and a
+feature looked up in several tables gives one output key per table, ``feature@table``.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from embcache.kernels.pooling import PoolingMode
 
 _POOLING_NAMES = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "max": PoolingMode.MAX}
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FIELDS = ("name", "embedding_dim", "num_embeddings", "feature_names")
+_OPTIONAL = {"pooling": PoolingMode.SUM, "init_fn": None, "data_type": "fp32"}
 
 
 @dataclass(kw_only=True)
@@ -31,9 +38,14 @@ class TableConfig:
         name: the table's name (unique in a collection; its rows are stored under it).
         embedding_dim: columns of a row.
         num_embeddings: rows; ids of this table are ``0 <= id < num_embeddings``.
-        feature_names: the input keys looked up in this table.
+        feature_names: the input keys looked up in this table (none: the table's name).
         pooling: how a bag's rows are combined: ``"sum"``, ``"mean"`` or ``"max"`` (or a
             `PoolingMode`, or torchrec's ``PoolingType.SUM``/``MEAN``).
+        init_fn: initialiser of the weights, called on a ``[num_embeddings, embedding_dim]``
+            tensor as torchrec calls it (``functools.partial(torch.nn.init.normal_, std=0.1)``);
+            None: uniform in ``±sqrt(1 / num_embeddings)``, torchrec's default.
+        data_type: the weights' type in ``state_dict()``: ``"fp32"``, ``"fp16"``, ``"bf16"``
+            (or torchrec's ``DataType``, or a torch dtype).
     """
 
     name: str
@@ -41,6 +53,8 @@ class TableConfig:
     num_embeddings: int
     feature_names: list[str] = field(default_factory=list)
     pooling: PoolingMode | str | Any = PoolingMode.SUM
+    init_fn: Callable[[torch.Tensor], Any] | None = None
+    data_type: str | torch.dtype | Any = "fp32"
 
     def __post_init__(self) -> None:
         _checked(self.__dict__, f"TableConfig {self.name!r}")
@@ -57,6 +71,11 @@ class Table:
         num_embeddings: rows.
         feature_names: the input keys looked up in this table.
         pooling: how a bag's rows are combined.
+        key_names: the output key of each feature: the feature's name, or
+            ``feature@table`` when several tables look the feature up (torchrec's names).
+        dtype: the weights' type in ``state_dict()``.
+        init_fn: the config's initialiser (None: torchrec's default uniform).
+        config: the config object as given (what ``embedding_bag_configs()`` returns).
     """
 
     index: int
@@ -65,6 +84,10 @@ class Table:
     num_embeddings: int
     feature_names: tuple[str, ...]
     pooling: PoolingMode
+    key_names: tuple[str, ...]
+    dtype: torch.dtype
+    init_fn: Callable[[torch.Tensor], Any] | None = field(default=None, compare=False)
+    config: Any = field(default=None, compare=False, repr=False)
 
 
 def pooling_mode(value: Any, where: str) -> PoolingMode:
@@ -80,6 +103,21 @@ def pooling_mode(value: Any, where: str) -> PoolingMode:
     raise ValueError(f"{where}: pooling must be SUM, MEAN or MAX, got {value!r}")
 
 
+def weight_dtype(value: Any, where: str) -> torch.dtype:
+    """The torch dtype of a table's weights from a name (``"fp16"``), a torch dtype or a
+    torchrec ``DataType`` (FP32, FP16, BF16; the integer types are for quantized inference)."""
+    if isinstance(value, torch.dtype) and value in _DTYPES.values():
+        return value
+    if isinstance(value, enum.Enum):  # torchrec's DataType, recognised without torchrec
+        value = value.name
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ValueError(
+        f"{where}: data_type must be FP32, FP16 or BF16, got {value!r} (the integer types "
+        "are torchrec's quantized inference formats, not trainable tables)"
+    )
+
+
 def _checked(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The fields of one table, checked; raises ValueError naming ``where``."""
     name = fields["name"]
@@ -93,24 +131,32 @@ def _checked(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
     if (
         isinstance(features, str)
         or not isinstance(features, Sequence)
-        or not features
         or not all(isinstance(f, str) and f for f in features)
     ):
-        raise ValueError(
-            f"{where}: feature_names must be a non-empty list of strings, got {features!r}"
-        )
-    return {**fields, "pooling": pooling_mode(fields.get("pooling", PoolingMode.SUM), where)}
+        raise ValueError(f"{where}: feature_names must be a list of strings, got {features!r}")
+    if len(set(features)) != len(features):
+        raise ValueError(f"{where}: feature_names repeat a name: {list(features)}")
+    init_fn = fields.get("init_fn")
+    if init_fn is not None and not callable(init_fn):
+        raise ValueError(f"{where}: init_fn must be callable, got {init_fn!r}")
+    return {
+        **fields,
+        "feature_names": list(features) or [name],  # torchrec: the table's own name
+        "pooling": pooling_mode(fields.get("pooling", PoolingMode.SUM), where),
+        "data_type": weight_dtype(fields.get("data_type", "fp32"), where),
+    }
 
 
 def _fields_of(cfg: Any, index: int) -> dict[str, Any]:
     if isinstance(cfg, Mapping):
-        missing = set(_FIELDS) - set(cfg)
+        missing = {"name", "embedding_dim", "num_embeddings"} - set(cfg)
         if missing:
             raise ValueError(f"table config {index}: missing {sorted(missing)}")
-        return dict(cfg)
+        return {"feature_names": [], **cfg}
     if isinstance(cfg, TableConfig) or type(cfg).__name__ == "EmbeddingBagConfig":
         # torchrec's EmbeddingBagConfig is read by its fields, so torchrec need not be imported.
-        return {k: getattr(cfg, k) for k in (*_FIELDS, "pooling")}
+        fields = {k: getattr(cfg, k) for k in _FIELDS}
+        return {**fields, **{k: getattr(cfg, k, v) for k, v in _OPTIONAL.items()}}
     raise TypeError(
         f"table config {index}: expected a TableConfig, torchrec EmbeddingBagConfig or dict, "
         f"got {type(cfg).__name__}"
@@ -119,42 +165,44 @@ def _fields_of(cfg: Any, index: int) -> dict[str, Any]:
 
 def normalize_tables(configs: Sequence[Any]) -> list[Table]:
     """Validate table configs (`TableConfig`, torchrec `EmbeddingBagConfig`, or dicts with
-    ``name``, ``embedding_dim``, ``num_embeddings``, ``feature_names`` and optional
-    ``pooling``).
+    ``name``, ``embedding_dim``, ``num_embeddings`` and optional ``feature_names``,
+    ``pooling``, ``init_fn``, ``data_type``). An empty list is a collection of no tables.
 
     Raises:
         TypeError: a config of another type.
-        ValueError: missing or bad fields, duplicate table names, a feature in two tables.
+        ValueError: missing or bad fields, duplicate table or feature names.
     """
     if isinstance(configs, (str, bytes, Mapping)) or not isinstance(configs, Sequence):
         raise TypeError(
             f"tables must be a list of TableConfig, EmbeddingBagConfig or dicts, got {configs!r}"
         )
-    if not configs:
-        raise ValueError("a collection needs at least one table")
-    tables: list[Table] = []
-    owner: dict[str, str] = {}
+    checked = []
     for index, cfg in enumerate(configs):
         raw = _fields_of(cfg, index)
         where = f"table {raw['name']!r}" if isinstance(raw["name"], str) else f"table {index}"
         fields = _checked(raw, where)
-        name = fields["name"]
-        if any(t.name == name for t in tables):
+        if any(f["name"] == fields["name"] for f in checked):
             raise ValueError(f"{where}: duplicate table name")
+        checked.append(fields)
+    # torchrec's output names: a feature looked up by several tables is "feature@table".
+    uses: dict[str, int] = {}
+    for fields in checked:
         for feature in fields["feature_names"]:
-            if feature in owner:
-                raise ValueError(
-                    f"{where}: feature {feature!r} is already looked up in table {owner[feature]!r}"
-                )
-            owner[feature] = name
-        tables.append(
-            Table(
-                index=index,
-                name=name,
-                dim=fields["embedding_dim"],
-                num_embeddings=fields["num_embeddings"],
-                feature_names=tuple(fields["feature_names"]),
-                pooling=fields["pooling"],
-            )
+            uses[feature] = uses.get(feature, 0) + 1
+    return [
+        Table(
+            index=index,
+            name=fields["name"],
+            dim=fields["embedding_dim"],
+            num_embeddings=fields["num_embeddings"],
+            feature_names=tuple(fields["feature_names"]),
+            pooling=fields["pooling"],
+            key_names=tuple(
+                f"{f}@{fields['name']}" if uses[f] > 1 else f for f in fields["feature_names"]
+            ),
+            dtype=fields["data_type"],
+            init_fn=fields.get("init_fn"),
+            config=cfg,
         )
-    return tables
+        for index, (fields, cfg) in enumerate(zip(checked, configs, strict=True))
+    ]

@@ -2,7 +2,7 @@
 
 `EMBCACHE_BACKEND` decides, read at every call so tests can switch it per test:
 
-* ``auto`` (default): Triton for CUDA tensors, the torch twins in `reference.py` for CPU tensors.
+* ``auto`` (default): Triton for CUDA tensors, the torch twins (``*_ref.py``) for CPU tensors.
 * ``triton``: Triton always. On CPU tensors this needs ``TRITON_INTERPRET=1`` set before
   triton is first imported (the test suite's conftest does that on machines without a GPU).
 * ``torch``: the torch twins always, also on CUDA tensors.

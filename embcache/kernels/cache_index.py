@@ -1,7 +1,7 @@
 """Set-associative cache index: hash ids to sets, find the way holding an id, pick victim ways.
 
 The cache keeps ``S`` sets of ``W`` ways; ``keys[s, w]`` is the id held by way ``w`` of set
-``s`` (-1 when empty). Three ops, each a Triton kernel with a torch twin in `reference.py`:
+``s`` (-1 when empty). Three ops, each a Triton kernel with a torch twin in `cache_index_ref.py`:
 
 * `set_index`: the set of each id, a splitmix64 hash of the id modulo ``S``.
 * `cache_lookup`: the way holding each id in its set, or -1 (a miss).
@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from embcache.kernels.backend import use_triton
-from embcache.kernels.reference import assign_ways_ref, cache_lookup_ref, set_index_ref
+from embcache.kernels.cache_index_ref import assign_ways_ref, cache_lookup_ref, set_index_ref
+from embcache.kernels.checks import check_tensor, require
 
 # Elements one program holds at once. Wide enough that the interpreter runs few programs, small
 # enough that a GPU program keeps its int64 blocks in registers.
@@ -253,19 +254,12 @@ def assign_ways_triton(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int | None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
-
-
 def _check_table(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    _check(name, t, dtype, 2)
-    if t.shape[0] < 1 or t.shape[1] < 1:
-        raise ValueError(f"{name} must have at least one set and one way, got {tuple(t.shape)}")
+    check_tensor(name, t, dtype, 2)
+    require(
+        t.shape[0] >= 1 and t.shape[1] >= 1,
+        f"{name} must have at least one set and one way, got {tuple(t.shape)}",
+    )
 
 
 def set_index(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
@@ -279,7 +273,7 @@ def set_index(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
         int64 tensor of ``ids``' shape, values in ``[0, num_sets)``; the same bits on every
         backend.
     """
-    _check("ids", ids, torch.int64, None)
+    check_tensor("ids", ids, torch.int64, None)
     if isinstance(num_sets, bool) or not isinstance(num_sets, int) or not 1 <= num_sets < 2**63:
         raise ValueError(f"num_sets must be an int in [1, 2**63), got {num_sets!r}")
     if use_triton(ids):
@@ -300,8 +294,8 @@ def cache_lookup(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> t
         int64 ``[n]``: the way in ``[0, W)`` holding ``ids[i]`` in set ``sets[i]``, else -1.
     """
     _check_table("keys", keys, torch.int64)
-    _check("ids", ids, torch.int64, 1)
-    _check("sets", sets, torch.int64, 1)
+    check_tensor("ids", ids, torch.int64, 1)
+    check_tensor("sets", sets, torch.int64, 1)
     if ids.shape != sets.shape:
         raise ValueError(f"ids and sets differ in shape: {tuple(ids.shape)} vs {tuple(sets.shape)}")
     if use_triton(keys):
@@ -328,8 +322,8 @@ def assign_ways(
         int64 ``[m]``: the way in ``[0, W)`` assigned to each miss, or -1 for an overflow.
     """
     _check_table("scores", scores, torch.int64)
-    _check("blocked", blocked, torch.bool, 2)
-    _check("miss_sets", miss_sets, torch.int64, 1)
+    check_tensor("blocked", blocked, torch.bool, 2)
+    check_tensor("miss_sets", miss_sets, torch.int64, 1)
     if blocked.shape != scores.shape:
         raise ValueError(
             f"blocked and scores differ in shape: {tuple(blocked.shape)} vs {tuple(scores.shape)}"

@@ -24,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from embcache.kernels import reference
+from embcache.kernels import ids_ref
 from embcache.kernels.backend import use_triton
+from embcache.kernels.checks import INDEX_DTYPES, check_int, check_tensor
 
 _BLOCK_N = 1024
-_INT_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,14 +125,14 @@ def _grid(n: int) -> tuple[int]:
     return (max(1, triton.cdiv(n, _BLOCK_N)),)
 
 
-def _fuse_ids_triton(
+def fuse_ids_triton(
     values: torch.Tensor,
     value_features: torch.Tensor,
     table_idx: torch.Tensor,
     num_embeddings: torch.Tensor,
     fusion_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `reference.fuse_ids_ref` (same arguments and results)."""
+    """Triton twin of `ids_ref.fuse_ids_ref` (same arguments and results)."""
     nnz = values.numel()
     fused = torch.empty(nnz, dtype=torch.int64, device=values.device)
     verdict = torch.empty(nnz, dtype=torch.int8, device=values.device)
@@ -151,8 +151,8 @@ def _fuse_ids_triton(
     return fused, verdict
 
 
-def _unfuse_ids_triton(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `reference.unfuse_ids_ref`."""
+def unfuse_ids_triton(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `ids_ref.unfuse_ids_ref`."""
     n = fused.numel()
     table_idx = torch.empty(n, dtype=torch.int64, device=fused.device)
     ids = torch.empty(n, dtype=torch.int64, device=fused.device)
@@ -161,8 +161,8 @@ def _unfuse_ids_triton(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor
     return table_idx, ids
 
 
-def _dedup_triton(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of `reference.dedup_ref`: sort, mark segment starts, scatter."""
+def dedup_triton(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of `ids_ref.dedup_ref`: sort, mark segment starts, scatter."""
     n = ids.numel()
     device = ids.device
     if n == 0:
@@ -188,20 +188,12 @@ def _dedup_triton(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name} must be int64 or int32, got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+def _check_ids(name: str, t: torch.Tensor) -> None:
+    check_tensor(name, t, INDEX_DTYPES, 1)
 
 
 def _check_fusion_k(fusion_k: int) -> None:
-    if isinstance(fusion_k, bool) or not isinstance(fusion_k, int):
-        raise TypeError(f"fusion_k must be an int, got {type(fusion_k).__name__}")
-    if not 0 <= fusion_k <= 63:
-        raise ValueError(f"fusion_k={fusion_k} must be in [0, 63]")
+    check_int("fusion_k", fusion_k, 0, 63)
 
 
 def _bad_id_error(
@@ -218,9 +210,9 @@ def _bad_id_error(
     kind = int(verdict[j])
     i = int(value_features[j])
     where = f"feature {feature_names[i]!r} (table {table_names[i]!r}): id {int(ids[j])}"
-    if kind == reference.ID_NEGATIVE:
+    if kind == ids_ref.ID_NEGATIVE:
         return ValueError(f"{where} is negative; ids must be >= 0")
-    if kind == reference.ID_OUT_OF_RANGE:
+    if kind == ids_ref.ID_OUT_OF_RANGE:
         return ValueError(f"{where} out of range [0, {int(num_embeddings[i])})")
     return ValueError(
         f"{where} needs more than fusion_k={fusion_k} bits (ids must be < 2**{fusion_k})"
@@ -265,7 +257,7 @@ def fuse_ids(
         ("table_idx", table_idx),
         ("num_embeddings", num_embeddings),
     ):
-        _check_int(name, t)
+        _check_ids(name, t)
     _check_fusion_k(fusion_k)
     num_features = feature_lengths.numel()
     sizes = {
@@ -300,11 +292,11 @@ def fuse_ids(
         value_features = torch.searchsorted(ends, o_n, right=True).clamp_(max=num_features - 1)
 
     if use_triton(values):
-        fused, verdict = _fuse_ids_triton(
+        fused, verdict = fuse_ids_triton(
             values.contiguous(), value_features, table_idx, num_embeddings, fusion_k
         )
     else:
-        fused, verdict = reference.fuse_ids_ref(
+        fused, verdict = ids_ref.fuse_ids_ref(
             values, value_features, table_idx, num_embeddings, fusion_k
         )
     bad_table = table_idx < 0
@@ -315,7 +307,7 @@ def fuse_ids(
             (lengths < 0).any(),
             ends[-1] != nnz,
             bad_table.any(),
-            (verdict != reference.ID_OK).any(),
+            (verdict != ids_ref.ID_OK).any(),
         ]
     ).tolist()  # the one host sync of the good path
     if not any(flags):
@@ -355,8 +347,8 @@ def dedup_grouped(
         int64 ``[n]`` positions sorted by id (ascending within an id) and ``segments`` int64
         ``[U + 1]``: id u owns ``order[segments[u] : segments[u + 1]]``.
     """
-    _check_int("ids", ids)
-    return reference.dedup_grouped_ref(ids)
+    _check_ids("ids", ids)
+    return ids_ref.dedup_grouped_ref(ids)
 
 
 def unfuse_ids(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,11 +361,11 @@ def unfuse_ids(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.
     Returns:
         ``(table_idx, ids)``, both int64 ``[n]``.
     """
-    _check_int("fused", fused)
+    _check_ids("fused", fused)
     _check_fusion_k(fusion_k)
     if use_triton(fused):
-        return _unfuse_ids_triton(fused.contiguous(), fusion_k)
-    return reference.unfuse_ids_ref(fused, fusion_k)
+        return unfuse_ids_triton(fused.contiguous(), fusion_k)
+    return ids_ref.unfuse_ids_ref(fused, fusion_k)
 
 
 def dedup(
@@ -392,7 +384,7 @@ def dedup(
         ``unique_ids[inverse] == ids``, int64 ``[U]`` occurrences of each unique id (None
         when not asked for on the CPU path).
     """
-    _check_int("ids", ids)
+    _check_ids("ids", ids)
     if use_triton(ids):
-        return _dedup_triton(ids.contiguous())
-    return reference.dedup_ref(ids, with_counts)
+        return dedup_triton(ids.contiguous())
+    return ids_ref.dedup_ref(ids, with_counts)

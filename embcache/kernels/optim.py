@@ -1,6 +1,7 @@
 """Optimizer row updates: one fused kernel reads a row's weights and state and writes both.
 
-A cache row is ``[weights (dim) | optimizer state (S)]`` in float32, ``S = state_dim(rule, dim)``:
+A cache row's weights ``[dim]`` and its optimizer state ``[S]`` (``S = state_dim(rule, dim)``)
+live in two float32 tensors, ``weights [R, dim]`` and ``state [R, >= S]``:
 
 =================  =========  ===========================================================
 rule               S          state columns
@@ -51,7 +52,8 @@ import triton
 import triton.language as tl
 
 from embcache.kernels.backend import use_triton
-from embcache.kernels.reference import (
+from embcache.kernels.checks import check_tensor, require
+from embcache.kernels.optim_ref import (
     adagrad_update_ref,
     adam_update_ref,
     aggregate_grads_ref,
@@ -170,13 +172,16 @@ def _axpy(a, x, y):
 
 @triton.jit
 def _row_update_kernel(
-    rows_ptr,
+    weights_ptr,
+    state_ptr,
     slots_ptr,
     grads_ptr,
     n,
     dim,
-    stride_rn,
-    stride_rd,
+    stride_wn,
+    stride_wd,
+    stride_sn,
+    stride_sd,
     stride_gn,
     stride_gd,
     lr,
@@ -189,19 +194,19 @@ def _row_update_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Update rows ``slots[i]`` with ``grads[i]`` in place; ``w`` = columns ``[0, dim)``.
+    """Update rows ``slots[i]`` of ``weights`` and ``state`` with ``grads[i]`` in place.
 
     ``lr`` is the step's effective rate (SGD and ROWWISE_ADAGRAD: lr; ADAGRAD: the decayed
     ``clr``; ADAM: ``lr * sqrt(1 - beta2**step) / (1 - beta1**step)``). With weight decay
     ``g = g + weight_decay * w`` first (ROWWISE_ADAGRAD: in the mean square only, the update
-    folds it into ``w`` as FBGEMM does). State columns follow ``w``:
+    folds it into ``w`` as FBGEMM does). State columns:
 
     * SGD: ``w = w + (-lr) * g``.
-    * ADAGRAD: ``a = a + g * g``; ``w = w + (-lr) * (g / (sqrt(a) + eps))``, a = ``[dim, 2dim)``.
+    * ADAGRAD: ``a = a + g * g``; ``w = w + (-lr) * (g / (sqrt(a) + eps))``, a = ``[0, dim)``.
     * ROWWISE_ADAGRAD: ``a = a + sum(g * g) / dim``; ``mult = lr / (sqrt(a) + eps)``;
-      ``w = (1 - mult * weight_decay) * w - g * mult``, a = column ``dim``.
+      ``w = (1 - mult * weight_decay) * w - g * mult``, a = column 0.
     * ADAM: ``m = m + (g - m) * (1 - beta1)``; ``v = v + (g * g - v) * (1 - beta2)``;
-      ``w = w + (-lr) * (m / (sqrt(v) + eps))``, m = ``[dim, 2dim)``, v = ``[2dim, 3dim)``.
+      ``w = w + (-lr) * (m / (sqrt(v) + eps))``, m = ``[0, dim)``, v = ``[dim, 2dim)``.
 
     Division and square root are IEEE-rounded (``div_rn``, ``sqrt_rn``), as torch's are; a
     product feeds an add unrounded (an FMA) exactly where torch's op is ``add(x, alpha=a)``:
@@ -212,7 +217,8 @@ def _row_update_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < n
     b_slot = tl.load(slots_ptr + o_n, mask=m_n, other=0).to(tl.int64)  # [BLOCK_N]
-    p_row = rows_ptr + b_slot * stride_rn  # [BLOCK_N]
+    p_row = weights_ptr + b_slot * stride_wn  # [BLOCK_N]
+    p_state = state_ptr + b_slot * stride_sn  # [BLOCK_N]
     p_grad = grads_ptr + o_n * stride_gn  # [BLOCK_N]
 
     if RULE == _ROWWISE_ADAGRAD:
@@ -224,11 +230,11 @@ def _row_update_kernel(
             p_g = p_grad[:, None] + o_d[None, :] * stride_gd
             b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
             if HAS_WEIGHT_DECAY:
-                p_w = p_row[:, None] + o_d[None, :] * stride_rd
+                p_w = p_row[:, None] + o_d[None, :] * stride_wd
                 b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
                 b_g = _axpy(weight_decay, b_w, b_g)
             b_sq += tl.sum(b_g * b_g, axis=1)
-        p_acc = p_row + dim * stride_rd  # [BLOCK_N]
+        p_acc = p_state  # [BLOCK_N]
         b_acc = tl.load(p_acc, mask=m_n, other=0.0)  # [BLOCK_N]
         b_acc = b_acc + tl.div_rn(b_sq, tl.zeros_like(b_sq) + dim)
         tl.store(p_acc, b_acc, mask=m_n)
@@ -237,7 +243,7 @@ def _row_update_kernel(
         for d0 in range(0, dim, BLOCK_D):
             o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
             m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
-            p_w = p_row[:, None] + o_d[None, :] * stride_rd
+            p_w = p_row[:, None] + o_d[None, :] * stride_wd
             p_g = p_grad[:, None] + o_d[None, :] * stride_gd
             b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
             b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -249,7 +255,8 @@ def _row_update_kernel(
         for d0 in range(0, dim, BLOCK_D):
             o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
             m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
-            p_w = p_row[:, None] + o_d[None, :] * stride_rd  # [BLOCK_N, BLOCK_D]
+            p_w = p_row[:, None] + o_d[None, :] * stride_wd  # [BLOCK_N, BLOCK_D]
+            p_s = p_state[:, None] + o_d[None, :] * stride_sd  # [BLOCK_N, BLOCK_D]
             p_g = p_grad[:, None] + o_d[None, :] * stride_gd
             b_w = tl.load(p_w, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
             b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -258,13 +265,13 @@ def _row_update_kernel(
             if RULE == _SGD:
                 b_w = _axpy(-lr, b_g, b_w)
             elif RULE == _ADAGRAD:
-                p_acc = p_w + dim * stride_rd
+                p_acc = p_s
                 b_acc = tl.load(p_acc, mask=m_nd, other=0.0) + b_g * b_g  # [BLOCK_N, BLOCK_D]
                 tl.store(p_acc, b_acc, mask=m_nd)
                 b_w = _axpy(-lr, tl.div_rn(b_g, tl.sqrt_rn(b_acc) + eps), b_w)
             elif RULE == _ADAM:
-                p_m = p_w + dim * stride_rd
-                p_v = p_m + dim * stride_rd
+                p_m = p_s
+                p_v = p_s + dim * stride_sd
                 b_m = tl.load(p_m, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
                 b_v = tl.load(p_v, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
                 b_m = b_m + (b_g - b_m) * one_minus_beta1
@@ -326,8 +333,8 @@ def _segment_sum_kernel(
 
 
 def row_update_triton(
-    rows: torch.Tensor,
-    dim: int,
+    weights: torch.Tensor,
+    state: torch.Tensor,
     slots: torch.Tensor,
     grads: torch.Tensor,
     rule: OptimRule,
@@ -341,20 +348,23 @@ def row_update_triton(
 
     ``lr`` is the step's effective rate, as the kernel's docstring says.
     """
-    n = slots.numel()
+    n, dim = slots.numel(), weights.shape[1]
     if n == 0:
         return
     block_d = min(triton.next_power_of_2(dim), _ROW_MAX_BLOCK_D)
     block_n = min(max(_ROW_ELEMS // block_d, 1), triton.next_power_of_2(n))
     grid = (triton.cdiv(n, block_n),)
     _row_update_kernel[grid](
-        rows,
+        weights,
+        state,
         slots,
         grads,
         n,
         dim,
-        rows.stride(0),
-        rows.stride(1),
+        weights.stride(0),
+        weights.stride(1),
+        state.stride(0),
+        state.stride(1),
         grads.stride(0),
         grads.stride(1),
         lr,
@@ -425,8 +435,8 @@ def _check_step(step: int) -> int:
 
 
 def _check_row_update(
-    rows: torch.Tensor,
-    dim: int,
+    weights: torch.Tensor,
+    state: torch.Tensor,
     slots: torch.Tensor,
     grads: torch.Tensor,
     update: RowUpdate,
@@ -435,71 +445,67 @@ def _check_row_update(
     """Raise TypeError/ValueError naming the first bad input; reads rows, never writes."""
     if not isinstance(update, RowUpdate):
         raise TypeError(f"update must be a RowUpdate, got {type(update).__name__}")
-    for name, t in (("rows", rows), ("slots", slots), ("grads", grads)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-        raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-    if rows.dtype != torch.float32:
-        raise TypeError(f"rows must be float32, got {rows.dtype}")
-    if slots.dtype != torch.int64:
-        raise TypeError(f"slots must be int64, got {slots.dtype}")
-    if grads.dtype != torch.float32:
-        raise TypeError(f"grads must be float32, got {grads.dtype}")
-    if rows.dim() != 2:
-        raise ValueError(f"rows must be 2-D [R, dim + state], got shape {tuple(rows.shape)}")
-    need = dim + update.state_dim(dim)
-    if rows.shape[1] < need:
+    check_tensor("weights", weights, torch.float32, 2)
+    check_tensor("state", state, torch.float32, 2)
+    check_tensor("slots", slots, torch.int64)
+    check_tensor("grads", grads, torch.float32)
+    dim = weights.shape[1]
+    require(dim >= 1, f"weights must have at least one column, got shape {tuple(weights.shape)}")
+    require(
+        state.shape[0] == weights.shape[0],
+        f"state has {state.shape[0]} rows, weights {weights.shape[0]}: one state row per row",
+    )
+    need = update.state_dim(dim)
+    if state.shape[1] < need:
         raise ValueError(
-            f"rows has {rows.shape[1]} columns; {update.rule.name} with dim={dim} needs "
-            f"{need} (dim + {update.state_dim(dim)} state columns)"
+            f"state has {state.shape[1]} columns; {update.rule.name} with dim={dim} needs {need}"
         )
-    if slots.dim() != 1:
-        raise ValueError(f"slots must be 1-D [n], got shape {tuple(slots.shape)}")
+    require(slots.dim() == 1, f"slots must be 1-D [n], got shape {tuple(slots.shape)}")
     n = slots.numel()
     if tuple(grads.shape) != (n, dim):
         raise ValueError(f"grads must have shape [n, dim] = [{n}, {dim}], got {tuple(grads.shape)}")
-    if slots.device != rows.device or grads.device != rows.device:
-        raise ValueError(
-            f"rows, slots and grads must share a device, got {rows.device}, {slots.device}, "
-            f"{grads.device}"
-        )
+    devices = {weights.device, state.device, slots.device, grads.device}
+    require(
+        len(devices) == 1,
+        f"weights, state, slots and grads must share a device, got {weights.device}, "
+        f"{state.device}, {slots.device}, {grads.device}",
+    )
     if n == 0 or not check_slots:
         return
+    rows = weights.shape[0]
     # One host sync for the range and distinctness checks; details only on the error path.
     sorted_slots = torch.sort(slots).values
-    bad = (sorted_slots[0] < 0) | (sorted_slots[-1] >= rows.shape[0])
+    bad = (sorted_slots[0] < 0) | (sorted_slots[-1] >= rows)
     if n > 1:
         bad = bad | (sorted_slots[1:] == sorted_slots[:-1]).any()
     if bool(bad):
         lo, hi = int(sorted_slots[0]), int(sorted_slots[-1])
-        if lo < 0 or hi >= rows.shape[0]:
+        if lo < 0 or hi >= rows:
             raise ValueError(
-                f"slots must lie in [0, {rows.shape[0]}) (the rows of `rows`), got min {lo}, "
-                f"max {hi}"
+                f"slots must lie in [0, {rows}) (the rows of `weights`), got min {lo}, max {hi}"
             )
         dup = sorted_slots[1:][sorted_slots[1:] == sorted_slots[:-1]]
         raise ValueError(f"slots must be distinct; row {int(dup[0])} appears more than once")
 
 
 def apply_row_update(
-    rows: torch.Tensor,
-    dim: int,
+    weights: torch.Tensor,
+    state: torch.Tensor,
     slots: torch.Tensor,
     grads: torch.Tensor,
     update: RowUpdate,
     step: int,
     check_slots: bool = True,
 ) -> None:
-    """Apply one optimizer step to the rows ``slots`` of ``rows``, in place.
+    """Apply one optimizer step to the rows ``slots`` of ``weights`` and ``state``, in place.
 
     Weights and state are read and written by one fused kernel (Triton on CUDA, the torch twin
     on CPU, see `backend`). Rows not in ``slots`` are left bit-identical.
 
     Args:
-        rows: float32 ``[R, C]``, ``C >= dim + state_dim(update.rule, dim)``: weights in columns
-            ``[0, dim)``, the rule's state in ``[dim, dim + S)``; further columns are untouched.
-        dim: embedding dim.
+        weights: float32 ``[R, dim]`` (may be a strided view).
+        state: float32 ``[R, C]``, ``C >= state_dim(update.rule, dim)``: the rule's state in
+            columns ``[0, S)``; further columns are untouched (``C = 0`` for SGD).
         slots: int64 ``[n]``, distinct row indices in ``[0, R)``.
         grads: float32 ``[n, dim]``, one aggregated gradient row per slot (see
             `aggregate_grads`).
@@ -511,11 +517,11 @@ def apply_row_update(
 
     Raises:
         TypeError: a wrong type or dtype.
-        ValueError: a wrong shape, too few columns for the rule's state, slots out of range or
-            repeated, mismatched devices, ``step < 1``. ``rows`` is unchanged when raised.
+        ValueError: a wrong shape, too few state columns for the rule, slots out of range or
+            repeated, mismatched devices, ``step < 1``. Nothing is changed when raised.
     """
     step = _check_step(step)
-    _check_row_update(rows, dim, slots, grads, update, check_slots)
+    _check_row_update(weights, state, slots, grads, update, check_slots)
     if slots.numel() == 0:
         return
     rule = update.rule
@@ -526,29 +532,19 @@ def apply_row_update(
         # torch.optim.SparseAdam's step size, computed in double as torch does.
         lr = update.lr * math.sqrt(1 - update.beta2**step) / (1 - update.beta1**step)
 
-    if use_triton(rows):
-        row_update_triton(
-            rows,
-            dim,
-            slots,
-            grads,
-            rule,
-            lr,
-            update.eps,
-            update.beta1,
-            update.beta2,
-            update.weight_decay,
-        )
+    wd = update.weight_decay
+    if use_triton(weights):
+        row_update_triton(weights, state, slots, grads, rule, lr, update.eps, update.beta1,
+                          update.beta2, wd)  # fmt: skip
     elif rule == OptimRule.SGD:
-        sgd_update_ref(rows, dim, slots, grads, lr, update.weight_decay)
+        sgd_update_ref(weights, slots, grads, lr, wd)
     elif rule == OptimRule.ADAGRAD:
-        adagrad_update_ref(rows, dim, slots, grads, lr, update.eps, update.weight_decay)
+        adagrad_update_ref(weights, state, slots, grads, lr, update.eps, wd)
     elif rule == OptimRule.ROWWISE_ADAGRAD:
-        rowwise_adagrad_update_ref(rows, dim, slots, grads, lr, update.eps, update.weight_decay)
+        rowwise_adagrad_update_ref(weights, state, slots, grads, lr, update.eps, wd)
     else:
-        adam_update_ref(
-            rows, dim, slots, grads, lr, update.beta1, update.beta2, update.eps, update.weight_decay
-        )
+        adam_update_ref(weights, state, slots, grads, lr, update.beta1, update.beta2,
+                        update.eps, wd)  # fmt: skip
 
 
 def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -571,21 +567,16 @@ def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tenso
         TypeError: a wrong type or dtype.
         ValueError: a wrong shape or mismatched devices.
     """
-    for name, t in (("ids", ids), ("grads", grads)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ids.dtype != torch.int64:
-        raise TypeError(f"ids must be int64, got {ids.dtype}")
-    if grads.dtype != torch.float32:
-        raise TypeError(f"grads must be float32, got {grads.dtype}")
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D [n], got shape {tuple(ids.shape)}")
-    if grads.dim() != 2 or grads.shape[0] != ids.numel():
-        raise ValueError(
-            f"grads must have shape [n, dim] with n = {ids.numel()}, got {tuple(grads.shape)}"
-        )
-    if ids.device != grads.device:
-        raise ValueError(f"ids and grads must share a device, got {ids.device}, {grads.device}")
+    check_tensor("ids", ids, torch.int64, 1)
+    check_tensor("grads", grads, torch.float32)
+    require(
+        grads.dim() == 2 and grads.shape[0] == ids.numel(),
+        f"grads must have shape [n, dim] with n = {ids.numel()}, got {tuple(grads.shape)}",
+    )
+    require(
+        ids.device == grads.device,
+        f"ids and grads must share a device, got {ids.device}, {grads.device}",
+    )
     if use_triton(grads):
         return aggregate_grads_triton(ids, grads)
     return aggregate_grads_ref(ids, grads)

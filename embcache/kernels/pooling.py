@@ -29,16 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from embcache.kernels import reference
+from embcache.kernels import pooling_ref
 from embcache.kernels.backend import use_triton
+from embcache.kernels.checks import as_index, require
 
 
 class PoolingMode(enum.IntEnum):
     """How a bag's rows are reduced (values match torch's ``embedding_bag`` modes)."""
 
-    SUM = reference.POOL_SUM
-    MEAN = reference.POOL_MEAN
-    MAX = reference.POOL_MAX
+    SUM = pooling_ref.POOL_SUM
+    MEAN = pooling_ref.POOL_MEAN
+    MAX = pooling_ref.POOL_MAX
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def _blocks(dim: int) -> tuple[int, int]:
     return block_n, block_d
 
 
-def _pool_forward_triton(
+def pool_forward_triton(
     rows: torch.Tensor,
     dim: int,
     slots: torch.Tensor,
@@ -208,7 +209,7 @@ def _pool_forward_triton(
     batch_size: int,
     col_offsets: torch.Tensor,
 ) -> torch.Tensor | None:
-    """Triton twin of `reference.pool_forward_ref` (same arguments and results)."""
+    """Triton twin of `pooling_ref.pool_forward_ref` (same arguments and results)."""
     num_bags = offsets.numel() - 1
     argmax = None
     if mode == PoolingMode.MAX:
@@ -240,7 +241,7 @@ def _pool_forward_triton(
     return argmax
 
 
-def _pool_backward_triton(
+def pool_backward_triton(
     grad_out: torch.Tensor,
     dim: int,
     inverse: torch.Tensor,
@@ -252,7 +253,7 @@ def _pool_backward_triton(
     col_offsets: torch.Tensor,
     argmax: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Triton twin of `reference.pool_backward_ref`: stable sort by unique id, segment walk."""
+    """Triton twin of `pooling_ref.pool_backward_ref`: stable sort by unique id, segment walk."""
     device = grad_out.device
     nnz = inverse.numel()
     grad_unique = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
@@ -298,20 +299,6 @@ def _pool_backward_triton(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
-def _as_index(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32):
-        got = getattr(t, "dtype", type(t).__name__)
-        raise TypeError(f"{name} must be an int64 (or int32) tensor, got {got}")
-    _check(t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    _check(t.device == device, f"{name} is on {t.device}, expected {device}")
-    return t.to(torch.int64).contiguous()
-
-
 def _check_bags(
     inverse: torch.Tensor,
     offsets: torch.Tensor,
@@ -320,8 +307,8 @@ def _check_bags(
     col_offsets: torch.Tensor,
 ) -> None:
     num_features = col_offsets.numel()
-    _check(batch_size >= 0, f"batch_size={batch_size} must be >= 0")
-    _check(
+    require(batch_size >= 0, f"batch_size={batch_size} must be >= 0")
+    require(
         offsets.numel() == num_features * batch_size + 1,
         f"offsets has {offsets.numel()} entries, expected F * B + 1 = "
         f"{num_features} * {batch_size} + 1 for F = col_offsets.numel()",
@@ -329,12 +316,12 @@ def _check_bags(
     if per_sample_weights is not None:
         if per_sample_weights.dtype != torch.float32:
             raise TypeError(f"per_sample_weights must be float32, got {per_sample_weights.dtype}")
-        _check(
+        require(
             per_sample_weights.shape == inverse.shape,
             f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
             f"expected {tuple(inverse.shape)} like inverse",
         )
-        _check(
+        require(
             per_sample_weights.device == inverse.device,
             f"per_sample_weights is on {per_sample_weights.device}, expected {inverse.device}",
         )
@@ -380,22 +367,22 @@ def pool_forward(
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.float32 or rows.dim() != 2:
         raise TypeError("rows must be a float32 [R, W] tensor")
     device = rows.device
-    _check(1 <= dim <= rows.shape[1], f"dim={dim} must be in [1, {rows.shape[1]}] (row width)")
+    require(1 <= dim <= rows.shape[1], f"dim={dim} must be in [1, {rows.shape[1]}] (row width)")
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2:
         raise TypeError("out must be a float32 [B, C] tensor")
-    _check(out.device == device, f"out is on {out.device}, rows on {device}")
-    _check(out.shape[0] == batch_size, f"out has {out.shape[0]} rows, batch_size={batch_size}")
-    slots = _as_index("slots", slots, device)
-    inverse = _as_index("inverse", inverse, device)
-    offsets = _as_index("offsets", offsets, device)
-    col_offsets = _as_index("col_offsets", col_offsets, device)
+    require(out.device == device, f"out is on {out.device}, rows on {device}")
+    require(out.shape[0] == batch_size, f"out has {out.shape[0]} rows, batch_size={batch_size}")
+    slots = as_index("slots", slots, device)
+    inverse = as_index("inverse", inverse, device)
+    offsets = as_index("offsets", offsets, device)
+    col_offsets = as_index("col_offsets", col_offsets, device)
     _check_bags(inverse, offsets, per_sample_weights, batch_size, col_offsets)
     if per_sample_weights is not None:
         per_sample_weights = per_sample_weights.contiguous()
     args = (rows, dim, slots, inverse, offsets, per_sample_weights, mode, out, batch_size)
     if use_triton(rows):
-        return _pool_forward_triton(*args, col_offsets)
-    return reference.pool_forward_ref(*args, col_offsets)
+        return pool_forward_triton(*args, col_offsets)
+    return pooling_ref.pool_forward_ref(*args, col_offsets)
 
 
 def pool_backward(
@@ -437,15 +424,15 @@ def pool_backward(
     if grad_out.dtype != torch.float32:
         grad_out = grad_out.to(torch.float32)
     device = grad_out.device
-    _check(dim >= 1, f"dim={dim} must be >= 1")
-    _check(num_unique >= 0, f"num_unique={num_unique} must be >= 0")
-    _check(
+    require(dim >= 1, f"dim={dim} must be >= 1")
+    require(num_unique >= 0, f"num_unique={num_unique} must be >= 0")
+    require(
         grad_out.shape[0] == batch_size,
         f"grad_out has {grad_out.shape[0]} rows, batch_size={batch_size}",
     )
-    inverse = _as_index("inverse", inverse, device)
-    offsets = _as_index("offsets", offsets, device)
-    col_offsets = _as_index("col_offsets", col_offsets, device)
+    inverse = as_index("inverse", inverse, device)
+    offsets = as_index("offsets", offsets, device)
+    col_offsets = as_index("col_offsets", col_offsets, device)
     _check_bags(inverse, offsets, per_sample_weights, batch_size, col_offsets)
     if per_sample_weights is not None:
         per_sample_weights = per_sample_weights.contiguous()
@@ -460,12 +447,12 @@ def pool_backward(
         argmax = None
     args = (grad_out, dim, inverse, num_unique, offsets, per_sample_weights, mode, batch_size)
     if use_triton(grad_out):
-        return _pool_backward_triton(*args, col_offsets, argmax)
+        return pool_backward_triton(*args, col_offsets, argmax)
     if grouping is not None:
         order, segments = grouping
-        _check(
+        require(
             order.numel() == inverse.numel() and segments.numel() == num_unique + 1,
             f"grouping covers {order.numel()} values and {segments.numel() - 1} ids, expected "
             f"{inverse.numel()} and {num_unique}",
         )
-    return reference.pool_backward_ref(*args, col_offsets, argmax, grouping)
+    return pooling_ref.pool_backward_ref(*args, col_offsets, argmax, grouping)

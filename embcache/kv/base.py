@@ -107,16 +107,66 @@ def default_init(spec: TableSpec) -> RowInit:
     touches gives the same rows, on any tier. Unbounded tables use ``±sqrt(1 / dim)``.
     """
     bound = math.sqrt(1.0 / (spec.num_embeddings or spec.dim))
-    salt = (spec.seed * 1_000_003 + table_hash(spec.name)) & 0x7FFFFFFFFFFF
+    return hashed_init(spec.name, spec.seed, "uniform", low=-bound, high=bound)
 
-    def init(ids: torch.Tensor, dim: int) -> torch.Tensor:
+
+HASHED_DISTRIBUTIONS = {
+    "uniform": ("low", "high"),
+    "normal": ("mean", "std"),
+    "constant": ("value",),
+}
+_ANGLE_SALT = 0x5851F42D4C957F2D  # a second, independent stream for Box-Muller's angle
+
+
+def hashed_init(name: str, seed: int, distribution: str, **params: float) -> RowInit:
+    """Weights drawn per id from a counter-based hash of ``(seed, table name, id, column)``:
+    any order of first touches gives the same rows, on any tier.
+
+    Args:
+        name: the table's name (salts the hash, so tables differ).
+        seed: the seed.
+        distribution: ``"uniform"`` (``low``, ``high``; 24 random bits per value),
+            ``"normal"`` (``mean``, ``std``; Box-Muller on two 53-bit draws) or ``"constant"``
+            (``value``).
+        **params: the distribution's parameters, named as above.
+    """
+    if distribution not in HASHED_DISTRIBUTIONS or set(params) != set(
+        HASHED_DISTRIBUTIONS[distribution]
+    ):
+        raise ValueError(
+            f"table {name!r}: unknown init {distribution}({sorted(params)}); known: "
+            f"{HASHED_DISTRIBUTIONS}"
+        )
+    salt = (seed * 1_000_003 + table_hash(name)) & 0x7FFFFFFFFFFF
+    if distribution == "constant":
+        value = float(params["value"])
+        return lambda ids, dim: torch.full((ids.numel(), dim), value, dtype=torch.float32)
+
+    def counters(ids: torch.Tensor, dim: int) -> torch.Tensor:
         cols = torch.arange(dim, dtype=torch.int64)
-        counter = mix64(ids.to(torch.int64).cpu() ^ salt).unsqueeze(1) + cols.unsqueeze(0)
-        bits = (mix64(counter) >> 40) & 0xFFFFFF  # 24 uniform bits
-        unit = bits.to(torch.float64) * (1.0 / (1 << 24))  # [0, 1)
-        return ((2.0 * unit - 1.0) * bound).to(torch.float32)
+        return mix64(ids.to(torch.int64).cpu() ^ salt).unsqueeze(1) + cols.unsqueeze(0)
 
-    return init
+    if distribution == "uniform":
+        mid = (params["high"] + params["low"]) / 2.0
+        half = (params["high"] - params["low"]) / 2.0
+
+        def uniform(ids: torch.Tensor, dim: int) -> torch.Tensor:
+            bits = (mix64(counters(ids, dim)) >> 40) & 0xFFFFFF  # 24 uniform bits
+            unit = bits.to(torch.float64) * (1.0 / (1 << 24))  # [0, 1)
+            return ((2.0 * unit - 1.0) * half + mid).to(torch.float32)
+
+        return uniform
+
+    mean, std = float(params["mean"]), float(params["std"])
+
+    def normal(ids: torch.Tensor, dim: int) -> torch.Tensor:
+        c = counters(ids, dim)
+        u1 = (((mix64(c) >> 11) & ((1 << 53) - 1)).to(torch.float64) + 0.5) / (1 << 53)
+        u2 = ((mix64(c ^ _ANGLE_SALT) >> 11) & ((1 << 53) - 1)).to(torch.float64) / (1 << 53)
+        z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+        return (mean + std * z).to(torch.float32)
+
+    return normal
 
 
 def checked_ids(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:

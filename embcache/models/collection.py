@@ -29,40 +29,53 @@ One training step, top to bottom (`embcache.engine` holds each piece):
 
 A forward whose output is never backpropagated holds its locks only until the next forward; a
 forward while an un-stepped trace exists is an error unless ``accumulate_grads=True``.
+
+The torchrec way works too (see `models.torch_optim`): a torch optimizer over
+``model.parameters()`` (the collection's ``grad_anchor`` stands for its tables), or
+``optimizer_type=``/``optimizer_kwargs=`` as torchrec's ``FusedEmbeddingBagCollection`` takes
+them, the update then running inside backward, with ``fused_optimizer()`` a torchrec
+``KeyedOptimizer``. Where torchrec is imported, the class is registered as a torchrec
+``EmbeddingBagCollectionInterface``, so torchrec's model classes take it.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from embcache.cache.config import CacheConfig
 from embcache.engine.batch_state import FusedPrefetchHandle
 from embcache.engine.inputs import JaggedBatch, pooled_output
 from embcache.engine.interface import CachedCollectionInterface
 from embcache.engine.pooled_lookup import PooledLookup
-from embcache.engine.tables import TableConfig
+from embcache.engine.tables import Table, TableConfig
 from embcache.kv.base import Store
+from embcache.models.torch_optim import FusedRowOptimizer, keyed_optimizer, register_anchor
 
 
 class CachedEmbeddingBagCollection(CachedCollectionInterface):
     """Pooled embedding lookups over a device cache with a write-back tier behind it.
 
     Same input, output, keys and values as `torchrec.EmbeddingBagCollection` given the same
-    weights, plus MAX pooling; tables may be far larger than the device, only the cached rows
-    live there.
+    weights (and, built without a ``seed`` with every row cached, the same initial weights
+    after the same ``torch.manual_seed``), plus MAX pooling; tables may be far larger than the
+    device, only the cached rows live there.
 
     Args:
         tables: `TableConfig` objects, torchrec `EmbeddingBagConfig` objects or dicts (``name``,
             ``embedding_dim``, ``num_embeddings``, ``feature_names``, optional ``pooling``:
-            SUM, MEAN or MAX).
+            SUM, MEAN or MAX, ``init_fn``, ``data_type``). May be empty.
         is_weighted: the inputs carry per-sample weights.
         cache: capacity and policy of each cache (one per distinct dim); None caches everything.
         store: the tier: a `Store`, a URL (``"redis://127.0.0.1:6379/0"``) or None for an
             in-process `HostKV`.
-        device: where the caches live.
+        device: where the caches live; None: torch's default device (``with
+            torch.device("meta"):`` builds a collection of shapes only, which allocates no row).
         enable_fusion: fuse ids of all tables into one key space with ``fusion_k`` bits for the
             raw id (RecStore's layout). With False, the collection still fuses internally but
             with 48 id bits, so only ``num_embeddings`` limits ids.
@@ -73,7 +86,14 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         accumulate_grads: allow several forward/backward passes before one ``step()``, whose
             gradients are summed per id.
         lr: learning rate a sparse optimizer uses when given none (RecStore compatibility).
-        seed: seed of the default row initialiser.
+        seed: seed of the row initialisers (rows drawn per id, never materialised); None: the
+            randomness comes from torch's generator (`embcache.engine.row_init`).
+        optimizer_type: a fused optimizer, as torchrec's ``FusedEmbeddingBagCollection`` takes
+            it (``torch.optim.SGD``, ``Adagrad``, ``Adam``, torchrec's ``RowWiseAdagrad``),
+            applied inside backward; see `fused_optimizer`.
+        optimizer_kwargs: its hyper-parameters (``{"lr": 0.02}``), by the torch names.
+        location: accepted for ``FusedEmbeddingBagCollection``'s signature; the cache decides
+            what lives on the device.
     """
 
     def __init__(
@@ -88,9 +108,19 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         update_in_backward: bool = False,
         accumulate_grads: bool = False,
         lr: float | None = None,
-        seed: int = 0,
+        seed: int | None = None,
+        optimizer_type: type | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        location: Any = None,
     ) -> None:
         super().__init__()
+        if optimizer_type is None and optimizer_kwargs:
+            raise ValueError("optimizer_kwargs needs an optimizer_type (e.g. torch.optim.SGD)")
+        if cache is not None and not isinstance(cache, CacheConfig):
+            raise TypeError(
+                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__} "
+                "(torchrec's third positional argument is device: pass device=...)"
+            )
         self._setup(
             tables,
             is_weighted,
@@ -99,20 +129,90 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
             device,
             enable_fusion,
             fusion_k,
-            update_in_backward,
+            update_in_backward or optimizer_type is not None,
             accumulate_grads,
             lr,
             seed,
         )
+        del location  # the cache decides placement
+        # The tables' stand-in in model.parameters(): a torch optimizer holding it trains them.
+        # Zero rows of a 2-D "table", as optimizers written for embedding weights expect.
+        self.grad_anchor = nn.Parameter(torch.empty(0, 1, device=self.device))
+        self.embedding_bags = nn.ModuleDict({t.name: TableWeights(self, t) for t in self.tables})
+        self.torch_optimizer_rule: Any = None  # set by the first torch optimizer step
+        self._optimizer_type = optimizer_type
+        self._optimizer_kwargs = dict(optimizer_kwargs or {})
+        self._fused = (
+            FusedRowOptimizer(self, optimizer_type, self._optimizer_kwargs)
+            if optimizer_type is not None
+            else None
+        )
+        self._keyed_optimizer: Any = None
+        register_anchor(self)
+        register_with_torchrec()
+
+    # -- torchrec's fused-optimizer conventions ----------------------------------------------
+
+    def fused_optimizer(self) -> Any:
+        """The optimizer applied inside backward, as a torchrec ``KeyedOptimizer``: an LR
+        scheduler can drive its ``param_groups``; ``state_dict()`` / ``load_state_dict()``
+        carry the optimizer state of every row. Needs torchrec and ``optimizer_type=``."""
+        if self._fused is None:
+            raise RuntimeError(
+                "this collection has no fused optimizer: build it with optimizer_type=... and "
+                "optimizer_kwargs=... (as torchrec's FusedEmbeddingBagCollection)"
+            )
+        if self._keyed_optimizer is None:
+            self._keyed_optimizer = keyed_optimizer(self, self._fused)
+        return self._keyed_optimizer
+
+    def embedding_configs(self) -> list[Any]:
+        """The same configs as `embedding_bag_configs`: torchrec's managed-collision wrapper
+        asks any module that is not torchrec's own ``EmbeddingBagCollection`` for them under
+        this name."""
+        return self.embedding_bag_configs()
+
+    def optimizer_type(self) -> type | None:
+        return self._optimizer_type
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(self._optimizer_kwargs)
+
+    # -- the data path -----------------------------------------------------------------------
 
     def forward(self, features: JaggedBatch | Any) -> Any:
         """Pooled embeddings of every feature ``[B, sum of dims]``, keyed by the tables' feature
         names in table order (as torchrec orders them): a torchrec `KeyedTensor` for a KJT
-        input, a `PooledEmbeddings` for a `JaggedBatch`."""
+        input, a `PooledEmbeddings` for a `JaggedBatch`. Under ``torch.fx`` tracing the call is
+        one leaf node."""
+        if isinstance(features, torch.fx.Proxy):
+            tracer = features.tracer
+            path = tracer.path_of_module(self)
+            if not path:
+                raise TypeError(
+                    "a CachedEmbeddingBagCollection is a leaf of torch.fx traces: trace the "
+                    "model that holds it, not the collection itself"
+                )
+            return tracer.create_proxy("call_module", path, (features,), {})
+        if torch.compiler.is_exporting():
+            return self._exported_forward(features)
+        if self.device.type == "meta":  # shapes only, as torchrec's meta weights give
+            values = torch.empty(features.stride(), sum(self.output_dims), device="meta")
+            return pooled_output(features, self.output_keys, self.output_dims, values)
         batch = self.checked_input(features)
+        if not self.tables:
+            values = torch.empty(batch.stride(), 0, device=self.device)
+            return pooled_output(features, self.output_keys, self.output_dims, values)
         engines = self.engines
         training = torch.is_grad_enabled()
         if training:
+            if engines.trace and not self.accumulate_grads and engines.optimizer is None:
+                raise RuntimeError(
+                    "the previous backward's gradients of this collection were never applied: "
+                    "nothing trains its tables. Give its parameters (model.parameters()) to the "
+                    "torch optimizer, build it with optimizer_type=..., or attach an embcache "
+                    "optimizer (embcache.SparseAdaGrad([collection], lr=...)) and call step()"
+                )
             try:
                 engines.begin_batch()
             except RuntimeError:
@@ -127,14 +227,33 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         finally:
             if not training:
                 engines.finish_untracked(prepared)
-        if len(outs) == 1 and engines.engines[0].layout.features == self.output_keys:
+        if len(outs) == 1 and engines.engines[0].layout.keys == self.output_keys:
             values = outs[0]
         else:
             blocks: dict[str, torch.Tensor] = {}
             for engine, out in zip(engines.engines, outs, strict=True):
-                for i, f in enumerate(engine.layout.features):
-                    blocks[f] = out[:, i * engine.dim : (i + 1) * engine.dim]
-            values = torch.cat([blocks[f] for f in self.output_keys], dim=1)
+                for i, k in enumerate(engine.layout.keys):
+                    blocks[k] = out[:, i * engine.dim : (i + 1) * engine.dim]
+            values = torch.cat([blocks[k] for k in self.output_keys], dim=1)
+        return pooled_output(features, self.output_keys, self.output_dims, values)
+
+    def _exported_forward(self, features: Any) -> Any:
+        """The forward as ``torch.export`` records it: one ``embcache::pooled_lookup`` op that
+        calls this live collection when the exported program runs (inference: the op records
+        no gradient)."""
+        _EXPORTED[id(self)] = self
+        keys = features.keys()
+        if keys != self.features:
+            features = features.permute([keys.index(f) for f in self.features])
+        weights = features.weights_or_none() if self._is_weighted else None
+        values = pooled_lookup(
+            id(self),
+            features.values(),
+            features.lengths(),
+            weights,
+            features.stride(),
+            sum(self.output_dims),
+        )
         return pooled_output(features, self.output_keys, self.output_dims, values)
 
     def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
@@ -158,9 +277,14 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         return out
 
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
-        """Overwrite ``columns`` of every row of a table (others kept); empties the caches."""
-        if self.engines.inflight or self.engines.trace:
-            raise RuntimeError("cannot overwrite tables while a batch is in flight")
+        """Overwrite ``columns`` of every row of a table (others kept); empties the caches.
+        Forwards never backpropagated lose their locks (their rows are being replaced)."""
+        engines = self.engines
+        if engines.trace or any(
+            b.backward_done and any(p.locked for p in b.prepared) for b in engines.inflight
+        ):
+            raise RuntimeError("cannot overwrite tables while gradients await their step")
+        engines.release_all()
         current = self.table_rows(table)
         current[:, columns] = rows.to(torch.float32).cpu()
         self.engines.engine_of(table).cache.invalidate()
@@ -169,3 +293,80 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         for lo in range(0, current.shape[0], chunk):
             ids = torch.arange(lo, min(lo + chunk, current.shape[0]))
             self.store.put(table, ids, current[lo : lo + ids.numel()])
+
+    def table_weight(self, table: str) -> torch.Tensor:
+        """A copy ``[num_embeddings, dim]`` of a table's current weights on the collection's
+        device, in its ``data_type`` (a meta tensor on the meta device)."""
+        t = next((t for t in self.tables if t.name == table), None)
+        if t is None:
+            raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
+        if self.device.type == "meta":
+            return torch.empty(t.num_embeddings, t.dim, dtype=t.dtype, device="meta")
+        return self.table_rows(table)[:, : t.dim].to(self.device, t.dtype)
+
+
+class TableWeights(nn.Module):
+    """What stands in ``embedding_bags[name]`` where torchrec has an ``nn.EmbeddingBag``:
+    ``weight`` is a copy of the table's current rows (writing to it changes nothing; load
+    weights with ``load_state_dict``). It holds no parameter; the collection saves and loads
+    the table under ``embedding_bags.<name>.weight``."""
+
+    def __init__(self, owner: CachedEmbeddingBagCollection, table: Table) -> None:
+        super().__init__()
+        self._owner = weakref.ref(owner)  # a plain reference would make the owner its child
+        self.table = table
+
+    @property
+    def weight(self) -> torch.Tensor:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError(f"the collection of table {self.table.name!r} no longer exists")
+        return owner.table_weight(self.table.name)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the collection loads the table."""
+
+    def extra_repr(self) -> str:
+        t = self.table
+        return f"{t.num_embeddings}, {t.dim}, mode={t.pooling.name.lower()}"
+
+
+_EXPORTED: weakref.WeakValueDictionary[int, CachedEmbeddingBagCollection] = (
+    weakref.WeakValueDictionary()
+)
+
+
+@torch.library.custom_op("embcache::pooled_lookup", mutates_args=())
+def pooled_lookup(
+    collection: int,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch_size: int,
+    width: int,
+) -> torch.Tensor:
+    """The pooled lookup of the live collection ``id(collection)`` as one op, for programs
+    ``torch.export`` recorded: ``values``, ``lengths`` (``[F * B]``) and ``weights`` hold the
+    collection's features in its order; returns ``[B, width]``."""
+    owner = _EXPORTED.get(collection)
+    if owner is None:
+        raise RuntimeError("this exported program's embedding collection no longer exists")
+    batch = JaggedBatch.from_lengths(owner.features, values, lengths, weights)
+    with torch.no_grad():
+        return owner(batch).values().clone()
+
+
+@pooled_lookup.register_fake
+def _pooled_lookup_shape(collection, values, lengths, weights, batch_size, width):
+    return values.new_empty(batch_size, width, dtype=torch.float32)
+
+
+def register_with_torchrec() -> None:
+    """Register the collection as a torchrec ``EmbeddingBagCollectionInterface`` (an ABC's
+    virtual subclass) once torchrec is imported; never imports torchrec itself."""
+    module = sys.modules.get("torchrec.modules.embedding_modules")
+    if module is not None:
+        module.EmbeddingBagCollectionInterface.register(CachedEmbeddingBagCollection)
+
+
+register_with_torchrec()

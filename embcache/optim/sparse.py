@@ -28,6 +28,7 @@ import torch
 
 from embcache.kernels.optim import OptimRule, RowUpdate, state_dim
 from embcache.optim.protocol import SparseParameters
+from embcache.profiling import profiled
 
 _STATE_NAMES = {
     OptimRule.SGD: [],
@@ -128,6 +129,7 @@ class SparseOptimizer:
         for m in self.modules:
             m.zero_grad()
 
+    @profiled("optim.check_gradients")
     def check_gradients(self, entries: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """Refuse NaN/Inf gradients (unless ``allow_nonfinite``), naming the table.
 

@@ -93,13 +93,19 @@ def train(cache: HotCache, dense: torch.Tensor, update: RowUpdate, steps: int, s
         unique = torch.unique(random_batch(gen, n_values))
         slots = cache.resolve(unique)
         rows = dense[dense_index(unique, dense.device)]
-        assert torch.equal(cache.rows[slots], rows), f"I1: stale rows served at step {step}"
+        assert torch.equal(cache.rows_of(slots), rows), f"I1: stale rows served at step {step}"
         grads = torch.randn(unique.numel(), DIM, generator=gen).to(dense.device)
         with cache.lock:
-            apply_row_update(cache.rows, DIM, slots, grads, update, step)
+            apply_row_update(cache.weights, cache.state, slots, grads, update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
-        apply_row_update(dense, DIM, dense_index(unique, dense.device), grads, update, step)
+        index = dense_index(unique, dense.device)
+        apply_row_update(dense[:, :DIM], dense[:, DIM:], index, grads, update, step)
+
+
+def all_rows(cache: HotCache) -> torch.Tensor:
+    """Every slot's row (scratch included), weights then state."""
+    return cache.rows_of(torch.arange(cache.weights.shape[0], device=cache.device))
 
 
 def tier_rows(store, specs, device: torch.device) -> torch.Tensor:
@@ -148,7 +154,7 @@ def test_sgd_dense_reference_matches_float64(device: torch.device) -> None:
         unique = torch.unique(random_batch(gen, 30))
         slots = cache.resolve(unique)
         grads = torch.randn(unique.numel(), DIM, generator=gen)
-        apply_row_update(cache.rows, DIM, slots, grads.to(device), update, step)
+        apply_row_update(cache.weights, cache.state, slots, grads.to(device), update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
         ref64[dense_index(unique), :DIM] -= update.lr * grads.double()
@@ -189,14 +195,14 @@ def test_locked_slots_are_never_victims(device: torch.device) -> None:
     first = torch.arange(8, dtype=torch.int64)
     held = cache.resolve(first)  # locked
     held_keys = cache.slot_keys[held].clone()
-    held_rows = cache.rows[held].clone()
+    held_rows = cache.rows_of(held).clone()
     # A second batch of 30 other ids, unlocked resolve: all of it must go around the held slots.
     second = torch.arange(8, 38, dtype=torch.int64)
     slots = cache.resolve(second, lock=False)
     assert torch.equal(cache.slot_keys[held], held_keys), "I4: a locked slot was evicted"
-    assert torch.equal(cache.rows[held], held_rows)
+    assert torch.equal(cache.rows_of(held), held_rows)
     assert set(slots.tolist()).isdisjoint(held.tolist())
-    assert torch.equal(cache.rows[slots], dense[second.to(device)]), "overflow rows served wrong"
+    assert torch.equal(cache.rows_of(slots), dense[second.to(device)]), "overflow rows served wrong"
     assert bool((slots >= cache.num_slots).all()), "every way is locked: all go to scratch"
     # read() finds rows in slots, in scratch and in the tier alike, and changes nothing.
     everywhere = torch.cat([first, second, torch.tensor([50, 7 | (1 << FUSION_K)])])
@@ -220,12 +226,13 @@ def test_batch_larger_than_cache_is_exact_and_stats_add_up(device: torch.device)
         assert unique.numel() > 4 * 5
         looked_up += unique.numel()
         slots = cache.resolve(unique)
-        assert torch.equal(cache.rows[slots], dense[dense_index(unique, device)])
+        assert torch.equal(cache.rows_of(slots), dense[dense_index(unique, device)])
         grads = torch.randn(unique.numel(), DIM, generator=gen).to(device)
-        apply_row_update(cache.rows, DIM, slots, grads, update, step)
+        apply_row_update(cache.weights, cache.state, slots, grads, update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
-        apply_row_update(dense, DIM, dense_index(unique, device), grads, update, step)
+        index = dense_index(unique, device)
+        apply_row_update(dense[:, :DIM], dense[:, DIM:], index, grads, update, step)
     stats = cache.cache_stats()
     assert stats["hits"] + stats["misses"] == looked_up
     assert math.isclose(stats["hit_rate"], stats["hits"] / looked_up)
@@ -239,11 +246,11 @@ def test_batch_beyond_cache_and_scratch_is_refused_cleanly(device: torch.device)
     config = CacheConfig(capacity=4, ways=4, max_scratch_rows=3)
     cache, store, _ = make_cache(config, OptimRule.SGD, device)
     cache.resolve(torch.tensor([1, 2]), lock=False)
-    before = (cache.slot_keys.clone(), cache.rows.clone(), store.io_stats()["rows_read"])
+    before = (cache.slot_keys.clone(), all_rows(cache).clone(), store.io_stats()["rows_read"])
     with pytest.raises(ValueError, match=r"max_scratch_rows>=\d+"):
         cache.resolve(torch.arange(10, 20))
     assert torch.equal(cache.slot_keys, before[0])
-    assert torch.equal(cache.rows, before[1])
+    assert torch.equal(all_rows(cache), before[1])
     assert store.io_stats()["rows_read"] == before[2], "no row may be read for a refused batch"
     assert cache.locked_slots() == 0
 
@@ -267,12 +274,12 @@ def test_failed_write_back_loses_nothing(device: torch.device) -> None:
     dense = dense_reference(specs, device)
     train(cache, dense, update, steps=3, seed=1)
     store.down = True
-    state = (cache.slot_keys.clone(), cache.dirty.clone(), cache.rows.clone())
+    state = (cache.slot_keys.clone(), cache.dirty.clone(), all_rows(cache).clone())
     with pytest.raises(ConnectionError):
         cache.resolve(torch.arange(30, 50))  # must evict dirty rows: the write fails
     assert torch.equal(cache.slot_keys, state[0])
     assert torch.equal(cache.dirty, state[1]), "dirty rows must stay dirty"
-    assert torch.equal(cache.rows, state[2])
+    assert torch.equal(all_rows(cache), state[2])
     with pytest.raises(ConnectionError):
         cache.flush()
     store.down = False

@@ -158,6 +158,7 @@ def to_kjt(parts_by_rank: list[dict], weighted: bool) -> KeyedJaggedTensor:
 def make_collection(sc: Scenario, cls, **kwargs):
     return cls(
         TABLES,
+        seed=0,  # the same rows in every process and in the one-process reference
         is_weighted=sc.weighted,
         update_in_backward=sc.update_in_backward,
         accumulate_grads=sc.passes_per_step > 1,

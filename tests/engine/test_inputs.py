@@ -87,6 +87,7 @@ def _train(tables, inputs, weighted: bool = False):
         is_weighted=weighted,
         cache=embcache.CacheConfig(capacity=8, ways=4),
         store=embcache.HostKV(),
+        seed=0,  # the same rows in every collection, whatever torch's generator holds
     )
     opt = embcache.SparseAdaGrad([ebc], lr=0.1)
     outs = []
@@ -171,11 +172,22 @@ def test_bad_input_names_what_and_changes_nothing(case: str) -> None:
         (dict(num_embeddings=0), ["num_embeddings", "positive int"]),
         (dict(embedding_dim=2.5), ["embedding_dim"]),
         (dict(feature_names="f0"), ["feature_names", "list of strings"]),
-        (dict(feature_names=[]), ["feature_names"]),
+        (dict(feature_names=["f", "f"]), ["feature_names", "repeat"]),
+        (dict(init_fn=0.1), ["init_fn", "callable"]),
+        (dict(data_type="int8"), ["data_type", "FP16"]),
         (dict(pooling="median"), ["pooling", "median"]),
         (dict(name=""), ["name"]),
     ],
-    ids=["zero-rows", "float-dim", "str-features", "no-features", "bad-pooling", "no-name"],
+    ids=[
+        "zero-rows",
+        "float-dim",
+        "str-features",
+        "repeated-feature",
+        "init-not-callable",
+        "int8",
+        "bad-pooling",
+        "no-name",
+    ],
 )
 def test_table_config_refuses_bad_fields(fields: dict, words: list[str]) -> None:
     base = dict(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])
@@ -218,3 +230,29 @@ def test_table_config_pooling_names_match_torchrec() -> None:
                 )
             ]
         )
+
+
+def test_jagged_batch_keys_not_looked_up_and_unused_weights_are_ignored() -> None:
+    gen = torch.Generator().manual_seed(5)
+    lengths, values, weights = _random_batch(gen, batch=4, weighted=True)
+    exact = JaggedBatch.from_lengths(KEYS, values, lengths)
+    extra_len = torch.tensor([2, 0, 1, 1])
+    extra_val = torch.tensor([9, 8, 7, 6])
+    lenient = JaggedBatch.from_lengths(
+        ["x", *KEYS], torch.cat([extra_val, values]), torch.cat([extra_len, lengths]),
+        torch.cat([torch.rand(4), weights]),
+    )  # fmt: skip
+    _, want = _train(_tables("TableConfig"), [exact])
+    _, got = _train(_tables("TableConfig"), [lenient])
+    assert got[0].keys() == want[0].keys() == KEYS
+    assert torch.equal(got[0].values(), want[0].values())
+
+
+def test_a_table_config_without_features_looks_up_its_own_name() -> None:
+    tables = [
+        TableConfig(name="t", embedding_dim=4, num_embeddings=10),
+        dict(name="u", embedding_dim=2, num_embeddings=5),
+    ]
+    ebc = embcache.CachedEmbeddingBagCollection(tables=tables)
+    out = ebc(JaggedBatch.from_lengths(["u", "t"], torch.tensor([1, 2]), torch.tensor([1, 1])))
+    assert out.keys() == ["t", "u"] and out.values().shape == (1, 6)

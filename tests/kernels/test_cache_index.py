@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
-from embcache.kernels.reference import set_index_ref
+from embcache.kernels.cache_index_ref import set_index_ref
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1

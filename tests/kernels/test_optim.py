@@ -114,7 +114,7 @@ def test_rule_matches_formula(
     before = rows.clone()
 
     rows, slots, grads = rows.to(device), slots.to(device), grads.to(device)
-    apply_row_update(rows, dim, slots, grads, update, step)
+    apply_row_update(rows[:, :dim], rows[:, dim:], slots, grads, update, step)
 
     rows, slots = rows.cpu(), slots.cpu()
     assert_close(rows[slots, :width], expected, f"{rule.name} touched rows")
@@ -130,7 +130,8 @@ def test_no_slots_is_a_no_op(backend: str, device: torch.device, rule: OptimRule
     rows = torch.randn(5, dim + state_dim(rule, dim), device=device)
     before = rows.clone()
     empty = torch.empty(0, dtype=torch.int64, device=device)
-    apply_row_update(rows, dim, empty, torch.empty(0, dim, device=device), UPDATES[rule], 1)
+    grads = torch.empty(0, dim, device=device)
+    apply_row_update(rows[:, :dim], rows[:, dim:], empty, grads, UPDATES[rule], 1)
     assert_bits_equal(rows, before, "rows")
 
 
@@ -204,7 +205,7 @@ def test_matches_torch_optimizer(backend: str, device: torch.device, case: str) 
         assert_close(summed, coalesced._values(), f"step {step} aggregated grads")
         optimizer.step()
 
-        apply_row_update(rows, dim, unique_ids, summed, update, step)
+        apply_row_update(rows[:, :dim], rows[:, dim:], unique_ids, summed, update, step)
         assert_close(rows[:, :dim], bag.weight.detach(), f"{case} step {step} weights")
         torch_state = optimizer.state[bag.weight]
         for k, name in enumerate(state_names):
@@ -255,7 +256,7 @@ def test_rowwise_adagrad_matches_fbgemm(backend: str, device: torch.device) -> N
         bag(ids.to(device), offsets.to(device)).backward(grad_out.to(device))
         grad = bag.weight.grad
         unique_ids, summed = aggregate_grads(grad._indices()[0], grad._values())
-        apply_row_update(rows, dim, unique_ids, summed, update, step)
+        apply_row_update(rows[:, :dim], rows[:, dim:], unique_ids, summed, update, step)
 
         assert_close(rows[:, :dim], tbe.split_embedding_weights()[0], f"step {step} weights")
         momentum = tbe.split_optimizer_states()[0][0]
@@ -338,8 +339,8 @@ def test_aggregate_grads_is_deterministic(backend: str, device: torch.device) ->
 def _good_call(device: torch.device) -> dict:
     dim = 4
     return {
-        "rows": torch.randn(6, dim + 2 * dim, device=device),
-        "dim": dim,
+        "weights": torch.randn(6, dim, device=device),
+        "state": torch.randn(6, 2 * dim, device=device),
         "slots": torch.tensor([5, 0, 2], device=device),
         "grads": torch.randn(3, dim, device=device),
         "update": UPDATES[OptimRule.ADAM],
@@ -348,9 +349,14 @@ def _good_call(device: torch.device) -> dict:
 
 
 BAD_CALLS = {
-    "rows_float64": (lambda c: {"rows": c["rows"].double()}, TypeError, "rows must be float32"),
-    "rows_1d": (lambda c: {"rows": c["rows"][0]}, ValueError, "rows must be 2-D"),
-    "rows_too_narrow": (lambda c: {"rows": c["rows"][:, :11]}, ValueError, "needs 12"),
+    "weights_float64": (
+        lambda c: {"weights": c["weights"].double()},
+        TypeError,
+        "weights must be float32",
+    ),
+    "weights_1d": (lambda c: {"weights": c["weights"][0]}, ValueError, "weights must be 2-D"),
+    "state_too_narrow": (lambda c: {"state": c["state"][:, :7]}, ValueError, "needs 8"),
+    "state_rows": (lambda c: {"state": c["state"][:5]}, ValueError, "state has 5 rows"),
     "slots_int32": (lambda c: {"slots": c["slots"].int()}, TypeError, "slots must be int64"),
     "slots_2d": (lambda c: {"slots": c["slots"][None]}, ValueError, "slots must be 1-D"),
     "slot_too_big": (lambda c: {"slots": c["slots"] + 1}, ValueError, "[0, 6)"),
@@ -363,7 +369,6 @@ BAD_CALLS = {
     "grads_float64": (lambda c: {"grads": c["grads"].double()}, TypeError, "grads must be float32"),
     "grads_wrong_dim": (lambda c: {"grads": c["grads"][:, :3]}, ValueError, "[3, 4]"),
     "grads_wrong_n": (lambda c: {"grads": c["grads"][:2]}, ValueError, "[3, 4]"),
-    "dim_zero": (lambda c: {"dim": 0}, ValueError, "dim must be"),
     "step_zero": (lambda c: {"step": 0}, ValueError, "step must be >= 1"),
     "step_float": (lambda c: {"step": 1.5}, TypeError, "step must be an int"),
     "update_dict": (lambda c: {"update": {"rule": 3}}, TypeError, "RowUpdate"),
@@ -375,13 +380,12 @@ def test_bad_input_raises_and_changes_nothing(
     backend: str, device: torch.device, case: str
 ) -> None:
     make_bad, error, message = BAD_CALLS[case]
-    call = _good_call(device)
-    call.update(make_bad(call))
-    rows = call["rows"]
-    before = rows.clone()
+    good = _good_call(device)
+    before = {k: good[k].clone() for k in ("weights", "state")}
     with pytest.raises(error, match=re.escape(message)):
-        apply_row_update(**call)
-    assert torch.equal(rows, before)
+        apply_row_update(**{**good, **make_bad(good)})
+    for k, t in before.items():  # bad views share the good tensors' storage
+        assert torch.equal(good[k], t), k
 
 
 BAD_UPDATES = {

@@ -1,0 +1,229 @@
+"""Where does one training step's time go? A per-phase profile of forward + backward + sparse
+step through the cache.
+
+Question: for each workload, the share of a step spent in each phase of the data path, read
+from the ``torch.profiler`` ranges the library marks (`embcache.profiling.profiled`):
+
+* ``engine.fuse`` (validate and fuse ids), ``engine.dedup``, ``cache.resolve`` (split into
+  ``cache.plan``: set lookup and victim choice; ``cache.tier_io``: write-backs and reads;
+  ``cache.copy_in``: rows into slots; ``cache.release_scratch``; and the rest of the resolve),
+  ``engine.pool`` (forward pooling), ``engine.grad_rows`` (backward), ``engine.trace``,
+  ``optim.check_gradients``, ``engine.locate``, ``engine.apply_rule`` (the optimizer's row
+  update), ``engine.release``, and ``other`` (the step's time outside every range: Python,
+  autograd, the loss).
+
+The named baseline is the step itself: each phase is a fraction of it. Step times are measured
+without the profiler (which adds its own cost), shares with it.
+
+Workloads (1 torch thread, Zipf ids, the same batches for every phase):
+
+* ``long_bags``: 8 tables x 200k rows x dim 64, batch 2048, 20 ids per bag, Zipf(1.05);
+* ``criteo``: 26 tables of the Criteo Kaggle sizes x 0.01, dim 16, batch 2048, 1 id per bag;
+* ``batch256``: the criteo tables at batch 256;
+
+each with the whole table cached and with 10% cached (LRU), `SparseRowWiseAdaGrad` on `HostKV`.
+
+Prints a table; writes ``benchmarks/results/step_profile.csv`` and ``step_profile.png``.
+
+    python benchmarks/bench_step_profile.py [--quick] [--steps N] [--out results/step_profile.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from _common import RESULTS, pyplot, run_header, set_threads, write_csv
+
+import embcache
+from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
+
+PHASES = [
+    "engine.fuse",
+    "engine.dedup",
+    "cache.plan",
+    "cache.tier_io",
+    "cache.copy_in",
+    "cache.release_scratch",
+    "cache.resolve (rest)",
+    "engine.pool",
+    "engine.grad_rows",
+    "engine.trace",
+    "optim.check_gradients",
+    "engine.locate",
+    "engine.apply_rule",
+    "engine.release",
+    "other",
+]
+_RESOLVE_PARTS = ("cache.plan", "cache.tier_io", "cache.copy_in", "cache.release_scratch")
+_TOP = [p for p in PHASES if p not in (*_RESOLVE_PARTS, "cache.resolve (rest)", "other")]
+
+
+@dataclass
+class Row:
+    workload: str
+    cached: str
+    ms_per_step: float
+    phase: str
+    ms: float
+    share: float
+
+
+@dataclass
+class Workload:
+    name: str
+    tables: list[embcache.TableConfig]
+    batches: list[embcache.JaggedBatch]
+    batch_size: int
+
+
+def _zipf_ids(gen: torch.Generator, n: int, rows: int, exponent: float) -> torch.Tensor:
+    ranks = torch.arange(1, rows + 1, dtype=torch.float64)
+    cdf = torch.cumsum(ranks**-exponent, 0)
+    cdf /= cdf[-1].clone()
+    r = torch.searchsorted(cdf, torch.rand(n, dtype=torch.float64, generator=gen))
+    return (r.clamp(max=rows - 1) * 7919 + 13) % rows  # hot ids spread over the table
+
+
+def long_bags(num_batches: int, quick: bool) -> Workload:
+    tables, rows, dim, batch, bag = (
+        (8, 200_000, 64, 2048, 20) if not quick else (4, 20_000, 64, 256, 20)
+    )
+    gen = torch.Generator().manual_seed(0)
+    keys = [f"f{i}" for i in range(tables)]
+    batches = []
+    for _ in range(num_batches):
+        values = torch.cat([_zipf_ids(gen, batch * bag, rows, 1.05) for _ in range(tables)])
+        lengths = torch.full((tables * batch,), bag, dtype=torch.int64)
+        batches.append(embcache.JaggedBatch.from_lengths(keys, values, lengths))
+    configs = [
+        embcache.TableConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
+                             feature_names=[k])
+        for i, k in enumerate(keys)
+    ]  # fmt: skip
+    return Workload("long_bags", configs, batches, batch)
+
+
+def criteo(num_batches: int, batch: int, quick: bool, name: str) -> Workload:
+    data = SyntheticCriteo(
+        SyntheticConfig(scale=0.001 if quick else 0.01, batch_size=batch, zipf=1.05, seed=0)
+    )
+    batches = [data.batch(i).sparse_features for i in range(num_batches)]
+    return Workload(name, data.tables(16), batches, batch)
+
+
+def _collection(w: Workload, load_factor: float) -> tuple:
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=w.tables, cache=embcache.CacheConfig(load_factor=load_factor), seed=0
+    )
+    opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.05)
+    width = sum(t.embedding_dim * len(t.feature_names) for t in w.tables)
+    coeff = torch.randn(w.batch_size, width, generator=torch.Generator().manual_seed(1))
+    return ebc, opt, coeff
+
+
+def _step(ebc, opt, coeff, batch) -> None:
+    out = ebc(batch).values()
+    ((out * coeff).sum() + 0.5 * out.square().sum()).backward()
+    opt.step()
+
+
+def profile(w: Workload, load_factor: float, warm: int) -> tuple[float, dict[str, float]]:
+    """``(ms per step without the profiler, ms per phase per step with it)``."""
+    ebc, opt, coeff = _collection(w, load_factor)
+    half = (len(w.batches) - warm) // 2
+    for b in w.batches[:warm]:
+        _step(ebc, opt, coeff, b)
+    timed = w.batches[warm : warm + half]
+    start = time.perf_counter()
+    for b in timed:
+        _step(ebc, opt, coeff, b)
+    step_ms = (time.perf_counter() - start) * 1e3 / len(timed)
+
+    profiled = w.batches[warm + half :]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for b in profiled:
+            _step(ebc, opt, coeff, b)
+        wall_ms = (time.perf_counter() - start) * 1e3 / len(profiled)
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.key.startswith(("engine.", "cache.", "optim.")):
+            totals[event.key] = event.cpu_time_total / 1e3 / len(profiled)
+    phases = {p: totals.get(p, 0.0) for p in PHASES if p in _TOP or p in _RESOLVE_PARTS}
+    # A prefetch-free step: resolves run inside engine.prepare, outside the engine.* ranges.
+    phases["cache.resolve (rest)"] = max(
+        totals.get("cache.resolve", 0.0) - sum(phases[p] for p in _RESOLVE_PARTS), 0.0
+    )
+    top = sum(phases[p] for p in _TOP) + totals.get("cache.resolve", 0.0)
+    phases["other"] = max(wall_ms - top, 0.0)
+    scale = step_ms / wall_ms  # shares from the profiled run, in unprofiled milliseconds
+    return step_ms, {p: phases[p] * scale for p in PHASES}
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    plt = pyplot()
+    cases = sorted({(r.workload, r.cached) for r in rows}, key=lambda c: (c[0], c[1]))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(cases) + 2.5))
+    left = [0.0] * len(cases)
+    colors = plt.cm.tab20.colors
+    for k, phase in enumerate(PHASES):
+        widths = [
+            next(r.ms for r in rows if (r.workload, r.cached) == c and r.phase == phase)
+            for c in cases
+        ]
+        ax.barh([f"{w} ({c})" for w, c in cases], widths, left=left, color=colors[k % 20],
+                label=phase)  # fmt: skip
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("ms per step (1 thread)")
+    ax.set_title("Where a training step's time goes, per phase (SparseRowWiseAdaGrad, HostKV)")
+    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few steps")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per case")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS / "step_profile.csv")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    steps = args.steps or (4 if args.quick else 10)
+    warm = 2 if args.quick else 4
+    n = warm + 2 * steps
+    workloads = [
+        long_bags(n, args.quick),
+        criteo(n, 2048, args.quick, "criteo"),
+        criteo(n, 256, args.quick, "batch256"),
+    ]
+    print(run_header(torch.device("cpu")))
+    rows: list[Row] = []
+    for w in workloads:
+        for cached, lf in (("whole", 1.0), ("10%", 0.1)):
+            step_ms, phases = profile(w, lf, warm)
+            print(f"\n{w.name} ({cached} cached): {step_ms:.1f} ms/step")
+            for phase in PHASES:
+                share = phases[phase] / step_ms if step_ms else 0.0
+                rows.append(Row(w.name, cached, step_ms, phase, phases[phase], share))
+                if phases[phase] >= 0.005 * step_ms:
+                    print(f"  {phase:<24} {phases[phase]:8.2f} ms  {share:6.1%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out)
+    png = args.out.with_suffix(".png")
+    plot(rows, png)
+    worst = max((r for r in rows if r.phase != "other"), key=lambda r: r.share)
+    print(
+        f"\nsummary: largest phase {worst.phase} {worst.share:.0%} of "
+        f"{worst.workload} ({worst.cached})"
+    )
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

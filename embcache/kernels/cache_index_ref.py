@@ -1,0 +1,85 @@
+"""Torch twins of the cache-index kernels (`kernels/cache_index.py`): set hashing, lookup
+of the way holding an id, and victim choice for a batch's misses.
+
+Each function computes exactly what its Triton kernel computes: the specification, and the CPU
+path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from embcache.hashing import LOW63, mix64
+
+
+def set_index_ref(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
+    """Set of each key: ``(mix64(id) & (2**63 - 1)) % num_sets``.
+
+    Args:
+        ids: int64 ``[n]`` fused ids (any value, negative ones included).
+        num_sets: number of sets, >= 1.
+
+    Returns:
+        int64 ``[n]`` in ``[0, num_sets)``.
+    """
+    return (mix64(ids) & LOW63) % num_sets
+
+
+def cache_lookup_ref(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:
+    """Way holding each id in its set, or -1.
+
+    Args:
+        keys: int64 ``[S, W]``, the id held by each way, -1 for an empty way. An id appears in at
+            most one way of its set.
+        ids: int64 ``[n]``, ids to look up (never -1).
+        sets: int64 ``[n]``, ``set_index(ids, S)``.
+
+    Returns:
+        int64 ``[n]``: the way in ``[0, W)`` holding ``ids[i]`` in set ``sets[i]``, else -1.
+    """
+    match = keys.index_select(0, sets) == ids.unsqueeze(1)  # [n, W]
+    way = match.to(torch.int8).argmax(dim=1)
+    return torch.where(match.any(dim=1), way, torch.full_like(way, -1))
+
+
+def assign_ways_ref(
+    scores: torch.Tensor, blocked: torch.Tensor, miss_sets: torch.Tensor
+) -> torch.Tensor:
+    """Give each miss a distinct way of its set: the k-th miss of a set gets its k-th best victim.
+
+    Ways of a set are ordered by ``(blocked, score, way)`` ascending: unblocked ways with the
+    lowest score first (callers give empty ways the lowest score), ties broken by way index. The
+    k-th miss of a set (k counted in the order of ``miss_sets``) takes the k-th way of that order
+    when k is below the set's number of unblocked ways, else it overflows (-1).
+
+    Args:
+        scores: int64 ``[S, W]`` eviction scores (LRU: last-use tick; LFU: frequency; empty: -1),
+            below ``2**57`` (the twin orders ways by ``score * W + way``).
+        blocked: bool ``[S, W]``, ways that must not be taken (locked, or hit by this batch).
+        miss_sets: int64 ``[m]``, the set of each miss, sorted ascending.
+
+    Returns:
+        int64 ``[m]``: the way in ``[0, W)`` assigned to each miss, or -1 for an overflow.
+    """
+    m = miss_sets.numel()
+    if m == 0:
+        return torch.empty(0, dtype=torch.int64, device=scores.device)
+    W = scores.shape[1]
+    touched, counts = torch.unique_consecutive(miss_sets, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    owner = torch.repeat_interleave(torch.arange(touched.numel(), device=scores.device), counts)
+    rank = torch.arange(m, device=scores.device) - starts[owner]
+    s_blocked = blocked.index_select(0, touched)  # [T, W]
+    # Distinct keys (score, then way) make the order total, so a partial sort of the first k
+    # ways per set (k = most misses in one set, usually 1 or 2) equals a stable full sort.
+    o_w = torch.arange(W, dtype=torch.int64, device=scores.device)
+    key = torch.where(
+        s_blocked,
+        torch.iinfo(torch.int64).max,
+        scores.index_select(0, touched) * W + o_w,
+    )  # [T, W]
+    k = min(int(counts.max()), W)
+    order = torch.topk(key, k, dim=1, largest=False, sorted=True).indices  # [T, k]
+    n_free = (~s_blocked).sum(dim=1)  # [T]
+    way = order[owner, rank.clamp(max=k - 1)]
+    return torch.where(rank < n_free[owner], way, torch.full_like(way, -1))
