@@ -47,7 +47,7 @@ ALPHA = 1.05
 
 
 class SlowStore(Store):
-    """A `Store` that forwards to ``inner`` after sleeping ``latency_s`` in each get/put call.
+    """A `Store` that forwards to ``inner`` after sleeping ``latency_s`` in each get/read/put call.
 
     Thread-safe: the prefetch thread, the training thread and the cache's per-table I/O
     threads may all call it. ``tier_seconds`` is the wall time during which at least one call
@@ -84,6 +84,9 @@ class SlowStore(Store):
 
     def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         return self._timed(self.inner.get, table, ids)
+
+    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.inner.read, table, ids)
 
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self._timed(self.inner.put, table, ids, rows)

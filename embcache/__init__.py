@@ -6,7 +6,7 @@ kernels dedup ids, pool bags and apply the optimizer in place. Dirty rows are wr
 eviction or flush.
 """
 
-from embcache.cache import CacheConfig, CachePolicy, HotCache
+from embcache.cache import CacheConfig, CacheOverflowWarning, CachePolicy, HotCache
 from embcache.checkpoint import load, save
 from embcache.data import Batch, SyntheticConfig, SyntheticCriteo
 from embcache.distributed import ShardedEmbeddingBagCollection
@@ -22,7 +22,7 @@ from embcache.kv import (
     TierUnavailableError,
     open_store,
 )
-from embcache.models import CachedEmbeddingBagCollection, FusedPrefetchHandle
+from embcache.models import DLRM, CachedEmbeddingBagCollection, FusedPrefetchHandle
 from embcache.optim import (
     SparseAdaGrad,
     SparseAdam,
@@ -43,8 +43,10 @@ from embcache.train.pipeline import PrefetchFallbackWarning, TrainPipeline
 __version__ = "0.1.0"
 
 __all__ = [
+    "DLRM",
     "Batch",
     "CacheConfig",
+    "CacheOverflowWarning",
     "CachePolicy",
     "CachedEmbeddingBagCollection",
     "DistEmbedding",

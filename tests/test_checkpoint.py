@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -114,3 +115,61 @@ def test_load_errors(tmp_path: Path) -> None:
     osparse = embcache.SparseSGD([other.sparse], lr=0.1)  # no state columns: layout differs
     with pytest.raises(ValueError, match="attach the same optimizer"):
         embcache.load(tmp_path, other, [osparse, odense])
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [None, embcache.CacheConfig(load_factor=0.1, ways=4)],
+    ids=["whole-table", "10pct"],
+)
+def test_reads_create_no_rows_so_a_save_holds_the_trained_rows_only(
+    tmp_path: Path, cache: embcache.CacheConfig | None
+) -> None:
+    """state_dict(), table_rows and a load of unchanged weights read every row of every table;
+    none of it may create rows in the tier, so the checkpoint holds the 1% of rows trained
+    (ids and bytes), exactly as when nothing was read."""
+    from safetensors.torch import load_file
+
+    rows, dim, n_tables = 20_000, 8, 3
+    tables = [
+        embcache.TableConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
+                             feature_names=[f"f{i}"])
+        for i in range(n_tables)
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    pools = [torch.randperm(rows, generator=gen)[: rows // 100] for _ in range(n_tables)]
+
+    def trained(read_everything: bool, where: Path) -> dict[str, set[int]]:
+        ebc = embcache.CachedEmbeddingBagCollection(tables=tables, cache=cache)
+        opt = embcache.SparseAdaGrad(ebc, lr=0.1)
+        gen.manual_seed(1)  # the same batches in both runs
+        for _ in range(4):
+            picks = [p[torch.randint(p.numel(), (64,), generator=gen)] for p in pools]
+            batch = embcache.JaggedBatch.from_lengths(
+                [f"f{i}" for i in range(n_tables)],
+                torch.cat(picks),
+                torch.ones(64 * n_tables, dtype=torch.int64),
+            )
+            ebc(batch).values().square().sum().backward()
+            opt.step()
+        if read_everything:
+            state = ebc.state_dict()
+            assert state["embedding_bags.t0.weight"].shape == (rows, dim)
+            for t in tables:
+                ebc.table_rows(t.name)
+            ebc.load_state_dict(state)  # the weights it holds: nothing changes
+        snap = embcache.save(where, ebc, [opt])
+        saved: dict[str, set[int]] = {}
+        for entry in json.loads((snap / "manifest.json").read_text())["tables"]:
+            ids = [load_file(snap / f["name"])["ids"] for f in entry["files"]]
+            saved[entry["table"]] = set(torch.cat(ids).tolist()) if ids else set()
+        return saved
+
+    quiet = trained(False, tmp_path / "quiet")
+    read = trained(True, tmp_path / "read")
+    assert read == quiet
+    for i, t in enumerate(tables):
+        assert read[t.name] <= set(pools[i].tolist()), "only rows looked up for training"
+    table_bytes = sum(f.stat().st_size for f in (tmp_path / "read").rglob("tables/*"))
+    whole = n_tables * rows * 2 * dim * 4  # weights + AdaGrad state of every row
+    assert table_bytes < 0.02 * whole, (table_bytes, whole)

@@ -165,6 +165,7 @@ def test_help_mentions_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         "--scale", "--dim", "--cache-capacity", "--load-factor", "--policy", "--optimizer",
         "--lr", "--dense-lr", "--store", "--steps", "--batch-size", "--zipf", "--seed",
         "--checkpoint", "--device", "--plot", "--prefetch", "--eval-batches", "--threads",
+        "--data", "--buckets", "--eval-fraction", "--eval-every",
     ):  # fmt: skip
         assert flag in out, flag
 
@@ -259,3 +260,142 @@ def test_two_ranks_checkpoint_and_resume(tmp_path: Path) -> None:
     assert resumed.keys() == straight.keys() and resumed
     for key, value in straight.items():
         assert torch.equal(resumed[key], value), key
+
+
+# -- --data KIND:PATH: every real format, written here in small files ---------------------------
+
+
+def _real_data(kind: str, root: Path) -> str:
+    from tests.data import formats
+
+    if kind == "criteo":
+        return f"criteo:{formats.write_criteo(root / 'train.txt', 2500, seed=0)}"
+    if kind == "criteo-gzip":
+        return f"criteo:{formats.write_criteo(root / 'train.txt.gz', 2500, seed=0, gz=True)}"
+    if kind == "criteo-days":
+        return f"criteo:{formats.write_criteo_days(root / 'days', days=3, n=900, gz=True)}"
+    if kind == "criteo-npy":
+        return f"criteo-npy:{formats.write_criteo_npy(root / 'npy', days=3, n=900)}"
+    if kind == "ml-100k":
+        return f"movielens:{formats.write_ml_100k(root / 'ml-100k')}"
+    return f"movielens:{formats.write_ml_1m(root / 'ml-1m')}"
+
+
+REAL = ["--steps", "40", "--batch-size", "64", "--dim", "8", "--buckets", "500", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    "kind", ["criteo", "criteo-gzip", "criteo-days", "criteo-npy", "ml-100k", "ml-1m"]
+)
+def test_train_on_each_real_format(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`embcache train --data KIND:PATH` trains on the file and evaluates on its held-out
+    split: AUC and log loss in the summary, above chance (the files' labels follow their
+    features)."""
+    spec = _real_data(kind, tmp_path)
+    argv = ["train", "--data", spec, *REAL]
+    if kind.startswith("ml"):
+        argv = [a for a in argv if a not in ("--buckets", "500")]  # Criteo's option
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"held-out\s+AUC ([\d.]+), logloss ([\d.]+) on ([\d,]+) samples", out)
+    assert found, out
+    assert float(found[1]) > 0.6, out
+    assert 0 < float(found[2]) < 0.69, out  # better than a constant guess at p = 0.5
+    expected = {"criteo-npy": "Criteo npy", "ml-100k": "MovieLens ml-100k", "ml-1m": "ml-1m"}
+    assert expected.get(kind, "Criteo text") in out
+    if kind == "criteo-days":
+        assert "last day held out (day_2.gz)" in out and "on 900 samples" in out
+    if kind.startswith("ml"):
+        assert "0 dense and 7 sparse features" in out
+
+
+def test_eval_every_plots_auc_and_log_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = _real_data("ml-1m", tmp_path)
+    png = tmp_path / "run.png"
+    argv = ["train", "--data", spec, *REAL[:-3], "--no-progress", "--eval-every", "10"]
+    assert main([*argv, "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"during run\s+3 evaluations \(every 10 steps\); best AUC 0\.\d+ at step", out)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from embcache.cli.report import write_plot
+    from embcache.train.loop import TrainResult
+
+    # The third panel exists only with evaluations: the PNG is taller.
+    plain = tmp_path / "plain.png"
+    write_plot(TrainResult([0.5] * 4, [0.5] * 4, 1.0, 4, {}, None), plain)
+    from matplotlib.image import imread
+
+    assert imread(png).shape[0] > imread(plain).shape[0]
+
+
+def test_train_on_real_data_with_two_ranks(tmp_path: Path) -> None:
+    spec = _real_data("criteo", tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "embcache.cli", "train", "--data", spec, *REAL, "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("embcache train: summary") == 1
+    assert "2 ranks" in done.stdout and "prefetch off" in done.stdout
+    found = re.search(r"held-out\s+AUC ([\d.]+)", done.stdout)
+    assert found and float(found[1]) > 0.6, done.stdout
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ("parquet:/x", "expected KIND:PATH with KIND one of criteo, criteo-npy, movielens"),
+        ("criteo:/nonexistent/train.txt", "no such file or directory"),
+        ("movielens:.", "neither u.data (ml-100k) nor ratings.dat (ml-1m)"),
+    ],
+    ids=["kind", "missing", "not-movielens"],
+)
+def test_bad_data_exits_2(data: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(["train", "--data", data, *REAL]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the usage line
+    assert last.startswith(f"embcache train: error: --data {data}: ") and message in last, last
+
+
+def test_a_bad_line_mid_run_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.data.formats import criteo_lines
+
+    bad = tmp_path / "bad.txt"
+    lines = criteo_lines(600, seed=1)
+    lines[300] = "1\tnot\tenough"
+    bad.write_text("\n".join(lines) + "\n")
+    assert _exit_code(["train", "--data", f"criteo:{bad}", *REAL]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"--data: {bad} line 301: expected a 0/1 label" in err
+
+
+def test_synthetic_options_are_refused_with_data(tmp_path: Path, capsys) -> None:
+    spec = _real_data("ml-100k", tmp_path)
+    assert _exit_code(["train", "--data", spec, "--scale", "0.1"]) == 2
+    assert "--scale describes the synthetic data" in capsys.readouterr().err
+
+
+def test_torchrun_runs_the_same_job(tmp_path: Path) -> None:
+    """Under torchrun (WORLD_SIZE set) each rank runs the one training job as its rank."""
+    spec = _real_data("ml-100k", tmp_path)
+    argv = ["train", "--data", spec, *[a for a in REAL if a not in ("--buckets", "500")]]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "embcache.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("embcache train: summary") == 1
+    assert "2 ranks" in done.stdout and "MovieLens ml-100k" in done.stdout
+    found = re.search(r"held-out\s+AUC ([\d.]+)", done.stdout)
+    assert found and float(found[1]) > 0.6, done.stdout

@@ -2,5 +2,6 @@
 
 from embcache.cache.config import CacheConfig, CachePolicy
 from embcache.cache.hot_cache import HotCache
+from embcache.cache.sizing import CacheOverflowWarning
 
-__all__ = ["CacheConfig", "CachePolicy", "HotCache"]
+__all__ = ["CacheConfig", "CacheOverflowWarning", "CachePolicy", "HotCache"]

@@ -11,12 +11,18 @@ the cache's tables, each row gets its own slot instead (direct mapping: no looku
 
 1. hits: keys already resident (or in the scratch area) keep their slot;
 2. misses take distinct ways of their set, lowest score first (LRU: last use; LFU: frequency),
-   skipping locked ways and the ways this batch hits (`kernels.cache_index.assign_ways`);
+   skipping locked ways, the ways this batch hits and those of the last locked batch
+   (`kernels.cache_index.assign_ways`);
 3. dirty victims are written back to the tier in one batched call per table, then the missing
    rows are read from the tier (created there on first touch) and copied into their slots;
 4. misses that find no free way in their set are served from a scratch area behind the cache,
    whose rows are written back (when dirty) and freed by the first `release` after their last
-   lock is dropped (the next resolve starts with one).
+   lock is dropped and a later batch was resolved (each resolve starts with one).
+
+The last locked batch's rows are guarded like locked ones until the next locked batch is
+resolved: under prefetch that batch is in flight then, so guarding it without prefetch too
+makes a run evict the same rows and count the same stats either way (dropped when the guard
+leaves a batch too little room).
 
 Every tier call happens before any index change, so a tier that fails mid-resolve leaves the
 cache as it was: no row is lost, nothing is half-applied, and the call can be retried. `unlock`
@@ -39,6 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from embcache.cache.config import CacheConfig, CachePolicy
+from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.transfer import TierTransfer
 from embcache.hashing import mix64
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
@@ -119,7 +126,7 @@ class HotCache:
 
         bounded = all(spec.num_embeddings is not None for _, spec in tables)
         total_rows = sum(spec.num_embeddings for _, spec in tables) if bounded else None
-        capacity = config.rows_for(total_rows)
+        capacity = cache_capacity(config, total_rows, self.dim, self.device, self._names())
         self.direct = total_rows is not None and capacity >= total_rows
         self.policy = CachePolicy(config.policy)
 
@@ -141,13 +148,14 @@ class HotCache:
             self.ways = min(config.ways, capacity)
             self.num_sets = math.ceil(capacity / self.ways)
         self.num_slots = self.ways * self.num_sets
-        self._freq = (
-            torch.zeros(offset + (0 if bounded else _LFU_SKETCH), dtype=torch.int64, device=device)
-            if self.policy is CachePolicy.LFU and not self.direct
-            else None
-        )
+        lfu = self.policy is CachePolicy.LFU and not self.direct
+        freq_rows = offset + (0 if bounded else _LFU_SKETCH) if lfu else 0
+        check_fits(self.num_slots, self.width, freq_rows, self.device, self._names(), self.dim)
+        self._freq = torch.zeros(freq_rows, dtype=torch.int64, device=device) if lfu else None
+        self._overflow_warned = False
         self._tick = 0
         self._lookups = 0
+        self._batch_seq = 0  # number of the last locked resolve; its rows are guarded
         self._scratch_used = 0
         self._allocate(scratch_rows=0)
         self.reset_stats()
@@ -169,6 +177,10 @@ class HotCache:
         """The tier rows ``[n, dim + state_dim]`` (weights, then state) held at ``slots``."""
         return torch.cat([self.weights[slots], self.state[slots]], dim=1)
 
+    def _names(self) -> str:
+        names = [spec.name for spec in self._specs.values()]
+        return f"table {names[0]!r}" if len(names) == 1 else f"{len(names)} tables {names[:3]}"
+
     def _allocate(self, scratch_rows: int) -> None:
         self._filled = False  # direct mapping: every row loaded
         total = self.num_slots + scratch_rows
@@ -178,6 +190,7 @@ class HotCache:
         self.locks = torch.zeros(total, dtype=torch.int32, device=self.device)
         self.dirty = torch.zeros(total, dtype=torch.bool, device=self.device)
         self.scores = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
+        self.batch_of = torch.full((total,), -1, dtype=torch.int64, device=self.device)
 
     def _grow_scratch(self, needed_free: int) -> None:
         """Make at least ``needed_free`` scratch rows free, growing the area (kept contents)."""
@@ -204,6 +217,9 @@ class HotCache:
         )
         self.locks = torch.cat([self.locks, torch.zeros(grow, dtype=torch.int32, device=dev)])
         self.dirty = torch.cat([self.dirty, torch.zeros(grow, dtype=torch.bool, device=dev)])
+        self.batch_of = torch.cat(
+            [self.batch_of, torch.full((grow,), -1, dtype=torch.int64, device=dev)]
+        )
 
     # ------------------------------------------------------------------------------------------
     # tier transfers (`TierTransfer` on host tensors; every call may raise and must leave the
@@ -242,12 +258,24 @@ class HotCache:
             CacheCapacityError: the batch's rows cannot fit the cache plus the scratch area.
         """
         ids = unique_ids.to(self.device, torch.int64)
+        if ids.numel() > self.num_slots and not self._overflow_warned:
+            self._overflow_warned = True
+            warn_overflow(ids.numel(), self.num_slots, self._names(), self.dim)
         with self._resolve_mutex:
             # Scratch rows of finished batches go first, so they do not crowd this one out; a
             # tier error here changes nothing either (`release` keeps what it cannot write).
             self.release()
             with self.lock:
-                plan = self._plan_direct(ids) if self.direct else self._plan_sets(ids)
+                try:
+                    plan = self._plan_direct(ids) if self.direct else self._plan_sets(ids)
+                except CacheCapacityError:
+                    if not self._guarding():
+                        raise
+                    # Too little room beside the last batch's rows: they stop being guarded
+                    # (its step is done, or the plan would have met its locks anyway).
+                    self._batch_seq += 1
+                    self.release()
+                    plan = self._plan_sets(ids)
             # Outside the lock: the reserved slots are locked by this resolve and no other
             # resolve runs (mutex), so nobody else reads or writes them, and `rows` is only
             # ever replaced by a resolve. The training thread keeps using its own slots.
@@ -272,13 +300,15 @@ class HotCache:
 
     def _prefill_direct(self, chunk_rows: int = 1 << 16) -> None:
         """Direct mapping holds every row: read them all from the tier at once, in chunks,
-        instead of paying a tier call per batch for first touches over the whole run."""
+        instead of paying a tier call per batch for first touches over the whole run. Through
+        `Store.read`, which creates nothing: a row reaches the tier only once it is written
+        back dirty, so a checkpoint holds the rows trained, not the whole table."""
         for idx, spec in self._specs.items():
             base = int(self._row_offset[idx])
             for lo in range(0, spec.num_embeddings, chunk_rows):
                 raw = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
                 slots = (base + raw).to(self.device)
-                rows = self.store.get(spec.name, raw)
+                rows = self.store.read(spec.name, raw)
                 self.transfer.copy_in(self.weights, self.state, slots, rows)
                 self.slot_keys[slots] = (raw | (idx << self.fusion_k)).to(self.device)
                 self.dirty[slots] = False
@@ -307,7 +337,7 @@ class HotCache:
         if self._scratch_used:
             self._find_in_scratch(ids, slots)
         miss_pos = (slots < 0).nonzero().squeeze(1)
-        self._tick += 1
+        self._tick += 1  # both undone if the plan is refused
         self._lookups += 1
         if not miss_pos.numel():
             self.locks[slots] += 1
@@ -337,7 +367,13 @@ class HotCache:
         touched, owner = torch.unique_consecutive(miss_sets, return_inverse=True)
         locks_view = self.locks[: self.num_slots].view(self.num_sets, W)
         scores_view = self.scores.view(self.num_sets, W)
-        assigned = assign_ways(scores_view[touched], locks_view[touched] > 0, owner)
+        # The last locked batch's rows are as good as locked: under prefetch they are (that
+        # batch is in flight), so a run evicts the same rows with and without prefetch.
+        guarded = locks_view[touched] > 0
+        guarded |= self.batch_of[: self.num_slots].view(self.num_sets, W)[touched] == (
+            self._batch_seq
+        )
+        assigned = assign_ways(scores_view[touched], guarded, owner)
         if lfu:
             # Admission: a miss displaces a resident row only if asked for more often (an
             # empty way has score -1); the others are served from scratch for this batch,
@@ -354,6 +390,8 @@ class HotCache:
                 self._grow_scratch(n_over)
             except CacheCapacityError:
                 self.locks[slots[slots >= 0]] -= 1
+                self._tick -= 1
+                self._lookups -= 1
                 raise
             free = (self.slot_keys[self.num_slots :] < 0).nonzero().squeeze(1)[:n_over]
             over_slots = self.num_slots + free
@@ -384,6 +422,11 @@ class HotCache:
         self._touch(ids, slots)
         return plan
 
+    def _guarding(self) -> bool:
+        """Whether any unlocked row is guarded as the last locked batch's."""
+        guarded = (self.batch_of == self._batch_seq) & (self.locks == 0)
+        return bool(guarded.any())
+
     def _empty_ids(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
@@ -406,6 +449,9 @@ class HotCache:
         self.misses += n_miss
         self.evictions += plan.evicted
         self.writebacks += plan.victim_ids.numel()
+        if lock and not self.direct:
+            self._batch_seq += 1
+            self.batch_of[plan.slots] = self._batch_seq
 
     def _find_in_scratch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Fill ``slots`` (in place) for the ids held in the scratch area."""
@@ -415,7 +461,8 @@ class HotCache:
         )
         pos = torch.searchsorted(sorted_keys, ids).clamp(max=sorted_keys.numel() - 1)
         found = (sorted_keys[pos] == ids) & (slots < 0)
-        slots[found] = self.num_slots + perm[pos[found]]
+        # torch.where, not a boolean-mask assignment: no host synchronisation.
+        slots.copy_(torch.where(found, self.num_slots + perm[pos], slots))
 
     def _freq_index(self, ids: torch.Tensor) -> torch.Tensor:
         """Where each id's LFU count lives: one counter per row of a bounded table (kept across
@@ -467,13 +514,15 @@ class HotCache:
 
     @profiled("cache.release_scratch")
     def release(self) -> None:
-        """Write back and free the scratch rows no batch holds any more. If the write fails
-        the rows stay in scratch, dirty, and the error propagates: call again later."""
+        """Write back and free the scratch rows no batch holds any more (those of the last
+        locked batch are kept until the next one). If the write fails the rows stay in
+        scratch, dirty, and the error propagates: call again later."""
         with self.lock:
             if not self._scratch_used:
                 return
             scratch = slice(self.num_slots, None)
             done = (self.slot_keys[scratch] >= 0) & (self.locks[scratch] == 0)
+            done &= self.batch_of[scratch] != self._batch_seq  # guarded until the next batch
             done_slots = self.num_slots + done.nonzero().squeeze(1)
             if not done_slots.numel():
                 return
@@ -483,6 +532,7 @@ class HotCache:
             self.slot_keys[done_slots] = -1
             self.dirty[done_slots] = False
             self._scratch_used -= done_slots.numel()
+            self.evictions += done_slots.numel()
 
     @profiled("cache.flush")
     def flush(self) -> None:
@@ -501,6 +551,7 @@ class HotCache:
             self.flush()
             self.slot_keys.fill_(-1)
             self.scores.fill_(-1)
+            self.batch_of.fill_(-1)
             self._scratch_used = 0
             self._filled = False
 
@@ -510,6 +561,10 @@ class HotCache:
         Flushes and empties the cache, then re-declares the tables in the tier with the new
         state layout (the tier keeps weights and resets state to ``state_init``).
         """
+        freq_rows = 0 if self._freq is None else self._freq.numel()
+        check_fits(
+            self.num_slots, self.dim + state_dim, freq_rows, self.device, self._names(), self.dim
+        )
         with self._resolve_mutex, self.lock:
             self.invalidate()
             for idx, spec in list(self._specs.items()):
@@ -547,7 +602,16 @@ class HotCache:
     # statistics
 
     def cache_stats(self) -> dict[str, float]:
-        """Counters since the last `reset_stats`: hits and misses count unique ids per batch."""
+        """Counters since the last `reset_stats`, each counted once per batch, when the batch
+        is resolved (by its prefetch or its forward):
+
+        * ``hits``: unique ids of a batch whose row was on the device (a slot or the scratch
+          area); ``misses``: the others, read from the tier; ``hit_rate`` = hits / both.
+        * ``evictions``: rows that left the device: a slot's row replaced by a miss, or a
+          scratch row freed once its batch was done.
+        * ``writebacks``: rows written to the tier because they were dirty: at an eviction or
+          a `flush`.
+        """
         looked_up = self.hits + self.misses
         return {
             "hits": self.hits,

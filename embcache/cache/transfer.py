@@ -122,9 +122,14 @@ class TierTransfer:
         self.exchange(fused, rows, fused[:0])
 
     def read(self, fused: torch.Tensor) -> torch.Tensor:
-        """Host rows ``[n, width]`` of host ``fused`` ids."""
-        out = self.exchange(fused[:0], None, fused)
-        return out if out is not None else torch.empty(0, self.width)
+        """Host rows ``[n, width]`` of host ``fused`` ids, through `Store.read`: rows the tier
+        does not hold read as their initial values and are not created there."""
+        groups = self.split_by_table(fused) if fused.numel() else []
+        calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
+        out = torch.empty(fused.numel(), self.width, dtype=torch.float32)
+        for (_, pos, _), rows in zip(groups, self._run(calls), strict=True):
+            out[pos] = rows
+        return out
 
     # -- device side ------------------------------------------------------------------------
 

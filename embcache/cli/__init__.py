@@ -1,7 +1,9 @@
-"""The ``embcache`` command: ``embcache train`` (DLRM on synthetic Criteo-like data through the
-cache) and ``embcache bench`` (the scripts in ``benchmarks/``).
+"""The ``embcache`` command: ``embcache train`` (DLRM through the cache, on synthetic Criteo-like
+data or on Criteo and MovieLens files) and ``embcache bench`` (the scripts in ``benchmarks/``).
 
     embcache train                                  # ~1 minute on a 2-core CPU
+    embcache train --data criteo:train.txt.gz --buckets 1000000 --eval-every 500
+    embcache train --data movielens:ml-1m --batch-size 512 --steps 2000
     embcache train --load-factor 0.05 --policy lfu --optimizer rowwise_adagrad --plot run.png
     embcache train --store redis://127.0.0.1:6379/0 --checkpoint ckpt/
     embcache train --resume ckpt/ --steps 200
@@ -15,17 +17,21 @@ import argparse
 from pathlib import Path
 
 from embcache.cli.bench import available_benchmarks, cmd_bench
+from embcache.cli.job import save_checkpoint
 from embcache.cli.report import write_plot
 from embcache.cli.settings import (
     DEFAULT_BATCH,
     DEFAULT_DENSE_LR,
     DEFAULT_DIM,
+    DEFAULT_EVAL_BATCHES,
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LR,
     DEFAULT_SCALE,
     DEFAULT_STEPS,
+    DEFAULT_ZIPF,
 )
-from embcache.cli.train import cmd_train, save_checkpoint
+from embcache.cli.train import cmd_train
+from embcache.data import DEFAULT_BUCKETS, KINDS
 from embcache.train.loop import SPARSE_OPTIMIZERS
 
 __all__ = ["available_benchmarks", "build_parser", "main", "save_checkpoint", "write_plot"]
@@ -61,34 +67,77 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        help="train DLRM on synthetic Criteo-like data through the embedding cache",
+        help="train DLRM through the embedding cache, on synthetic or real click data",
         description=(
-            "Train DLRM on a synthetic Criteo-like click dataset (13 dense and 26 categorical "
-            "features with the Criteo Kaggle table sizes times --scale, Zipf-distributed ids, "
-            "labels from a hidden model). The 26 tables live in the tier (--store); the device "
-            "cache holds --cache-capacity rows (or --load-factor of all rows). Prints a progress "
-            "bar and a summary: loss, held-out AUC, throughput, hit rate, evictions and the "
-            "bytes moved between cache and tier."
+            "Train DLRM on click data: by default a synthetic Criteo-like dataset (13 dense and "
+            "26 categorical features with the Criteo Kaggle table sizes times --scale, "
+            "Zipf-distributed ids, labels from a hidden model); with --data KIND:PATH, Criteo "
+            "text logs, torchrec's preprocessed Criteo npy day files or MovieLens, with the "
+            "last day (or the last --eval-fraction by time) held out. The tables live in the "
+            "tier (--store); the device cache holds --cache-capacity rows (or --load-factor of "
+            "all rows). Prints a progress bar and a summary: loss, held-out AUC and log loss, "
+            "throughput, hit rate, evictions and the bytes moved between cache and tier."
         ),
         formatter_class=_HelpFormatter,
     )
     data = train.add_argument_group("data")
     data.add_argument(
-        "--scale",
-        type=float,
-        default=DEFAULT_SCALE,
-        help="table sizes as a fraction of Criteo Kaggle's (33.8M rows at 1.0), in (0, 1]",
+        "--data",
+        default=None,
+        metavar="KIND:PATH",
+        help=f"train on files instead of synthetic data; KIND is one of {', '.join(KINDS)}: "
+        "criteo:FILE_OR_DIR (Kaggle train.txt or Terabyte day_N files, plain or gzip), "
+        "criteo-npy:DIR (day_N_dense/sparse/labels.npy from torchrec's preprocessing), "
+        "movielens:DIR (ml-100k or ml-1m)",
     )
     data.add_argument(
-        "--zipf", type=float, default=1.05, help="Zipf exponent of the ids (0: uniform)"
+        "--buckets",
+        type=int,
+        default=DEFAULT_BUCKETS,
+        help="Criteo: rows of each categorical table; a categorical's hex value modulo this "
+        "is its id",
+    )
+    data.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.1,
+        help="--data without day files: the share held out, the latest samples",
+    )
+    data.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="synthetic data: table sizes as a fraction of Criteo Kaggle's (33.8M rows at 1.0), "
+        f"in (0, 1] (default {DEFAULT_SCALE})",
+    )
+    data.add_argument(
+        "--zipf",
+        type=float,
+        default=None,
+        help=f"synthetic data: Zipf exponent of the ids, 0 for uniform (default {DEFAULT_ZIPF})",
     )
     data.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="samples per step")
-    data.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
+    data.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help="training steps (files are read again from the start when they end)",
+    )
     data.add_argument(
         "--eval-batches",
         type=int,
-        default=20,
-        help="held-out batches (a separate seed stream) for AUC and logloss; 0 skips evaluation",
+        default=None,
+        help="held-out batches for AUC and log loss; 0 skips evaluation (default: "
+        f"{DEFAULT_EVAL_BATCHES} for synthetic data, a separate seed stream; the whole "
+        "held-out split of files)",
+    )
+    data.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also evaluate every N steps during training (0: only at the end); shown in the "
+        "summary and the plot",
     )
     data.add_argument("--seed", type=int, default=0, help="seeds the data, the MLPs and the rows")
 
@@ -191,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="PNG",
-        help="write loss and hit-rate curves to this PNG",
+        help="write loss, hit-rate and held-out AUC / log-loss curves to this PNG",
     )
     run.add_argument(
         "--threads",

@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+import math
+from argparse import Namespace
 from pathlib import Path
 
+from embcache.data import ClickDataset
 from embcache.kv.redact import redact_url
+from embcache.models.dlrm import DLRM
 from embcache.train.loop import TrainResult
 
 
 def write_plot(result: TrainResult, path: Path) -> None:
-    """Loss and per-step hit rate against the step, raw and smoothed, in one PNG."""
+    """Loss and per-step hit rate against the step, raw and smoothed, and the held-out AUC and
+    log loss of each evaluation (``--eval-every``, and the final one), in one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    evals = list(result.evals)
+    if result.eval:
+        evals.append({**result.eval, "step": float(len(result.losses))})
+    panels = 3 if evals else 2
     window = max(1, len(result.losses) // 50)
-    fig, (ax_loss, ax_hit) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3 * panels), sharex=True)
     for ax, values, name in (
-        (ax_loss, result.losses, "training loss (BCE)"),
-        (ax_hit, result.hit_rates, "cache hit rate"),  # steps that looked rows up
+        (axes[0], result.losses, "training loss (BCE)"),
+        (axes[1], result.hit_rates, "cache hit rate"),  # steps that looked rows up
     ):
         steps = range(1, len(values) + 1)
         ax.plot(steps, values, alpha=0.3, linewidth=0.8, label="per step")
@@ -27,8 +36,19 @@ def write_plot(result: TrainResult, path: Path) -> None:
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
-    ax_hit.set_ylim(0, 1)
-    ax_hit.set_xlabel("step")
+    axes[1].set_ylim(0, 1)
+    if evals:
+        steps = [e["step"] for e in evals]
+        ax_auc = axes[2]
+        ax_auc.plot(steps, [e["auc"] for e in evals], "o-", color="C2", label="held-out AUC")
+        ax_auc.set_ylabel("held-out AUC")
+        ax_auc.grid(alpha=0.3)
+        ax_loss = ax_auc.twinx()
+        ax_loss.plot(steps, [e["logloss"] for e in evals], "s--", color="C3", label="log loss")
+        ax_loss.set_ylabel("held-out log loss")
+        lines = ax_auc.get_lines() + ax_loss.get_lines()
+        ax_auc.legend(lines, [line.get_label() for line in lines], loc="best")
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -44,27 +64,36 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def print_summary(args, data, model, result, lr, dense_lr, total_s) -> None:
+def print_summary(
+    args: Namespace,
+    data: ClickDataset,
+    model: DLRM,
+    result: TrainResult,
+    lr: float,
+    dense_lr: float,
+    total_s: float,
+    store: str,
+    prefetch: bool,
+) -> None:
+    """The end-of-run table: data, model, cache, optimizer, speed, loss, held-out AUC and log
+    loss, cache counters (defined in the README) and tier traffic."""
     ebc = model.sparse_arch
     total_rows = sum(data.rows)
     slots = sum(c.num_slots for c in ebc.caches())
     stats = result.cache_stats
     cached = min(slots, total_rows)
     rows: list[tuple[str, str]] = [
-        (
-            "data",
-            f"synthetic Criteo, scale {args.scale:g}: {total_rows:,} rows in {len(data.rows)} "
-            f"tables, zipf {args.zipf:g}, batch {args.batch_size}",
-        ),
+        ("data", data.describe()),
         (
             "model",
-            f"DLRM dim {args.dim}, {sum(p.numel() for p in model.dense_parameters()):,} dense "
-            f"params, device {args.device}",
+            f"DLRM dim {args.dim}, {data.num_dense} dense and {len(data.rows)} sparse "
+            f"features, {sum(p.numel() for p in model.dense_parameters()):,} dense params, "
+            f"device {args.device}",
         ),
         (
             "cache",
             f"{cached:,} rows ({cached / total_rows:.1%} of all), {args.policy.upper()}, "
-            f"store {redact_url(args.store)}, prefetch {'on' if args.prefetch else 'off'}",
+            f"store {redact_url(store)}, prefetch {'on' if prefetch else 'off'}",
         ),
         ("optimizer", f"{args.optimizer}, lr {lr:g} (sparse), {dense_lr:g} (dense)"),
         (
@@ -81,11 +110,19 @@ def print_summary(args, data, model, result, lr, dense_lr, total_s) -> None:
     ]
     if result.eval:
         e = result.eval
+        auc = "AUC n/a (torchmetrics missing)" if math.isnan(e["auc"]) else f"AUC {e['auc']:.4f}"
+        if "hidden_auc" in e:
+            auc += f" (hidden model {e['hidden_auc']:.4f})"
+        rows.append(
+            ("held-out", f"{auc}, logloss {e['logloss']:.4f} on {int(e['samples']):,} samples")
+        )
+    if result.evals:
+        best = max(result.evals, key=lambda e: e["auc"] if not math.isnan(e["auc"]) else -1.0)
         rows.append(
             (
-                "held-out",
-                f"AUC {e['auc']:.4f} (hidden model {e['hidden_auc']:.4f}), logloss "
-                f"{e['logloss']:.4f} on {int(e['samples']):,} samples",
+                "during run",
+                f"{len(result.evals)} evaluations (every {args.eval_every} steps); best AUC "
+                f"{best['auc']:.4f} at step {int(best['step'])}",
             )
         )
     rows.append(
@@ -96,7 +133,11 @@ def print_summary(args, data, model, result, lr, dense_lr, total_s) -> None:
         )
     )
     rows.append(
-        ("evictions", f"{stats['evictions']:,} ({stats['writebacks']:,} dirty rows written back)")
+        (
+            "evictions",
+            f"{stats['evictions']:,} rows left the cache, {stats['writebacks']:,} of them dirty "
+            "and written back",
+        )
     )
     io = result.io_stats
     if io is not None and "bytes_read" in io:

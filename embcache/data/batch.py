@@ -35,3 +35,20 @@ class Batch:
     @property
     def batch_size(self) -> int:
         return self.labels.numel()
+
+    def samples(self, lo: int, hi: int) -> Batch:
+        """Samples ``[lo, hi)`` of the batch (every feature's bags of those samples)."""
+        kjt = self.sparse_features
+        keys, batch = kjt.keys(), kjt.stride()
+        offsets = kjt.offsets().view(-1)
+        starts = offsets[:-1].view(len(keys), batch)[:, lo].tolist()
+        ends = offsets[1:].view(len(keys), batch)[:, hi - 1].tolist()
+        pieces = list(zip(starts, ends, strict=True))
+        weights = kjt.weights_or_none()
+        sparse = JaggedBatch.from_lengths(
+            keys=keys,
+            values=torch.cat([kjt.values()[a:b] for a, b in pieces]),
+            lengths=kjt.lengths().view(len(keys), batch)[:, lo:hi].reshape(-1),
+            weights=None if weights is None else torch.cat([weights[a:b] for a, b in pieces]),
+        )
+        return Batch(self.dense_features[lo:hi], sparse, self.labels[lo:hi])

@@ -30,12 +30,14 @@ training batch. Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from embcache.data.base import ClickDataset
 from embcache.data.batch import Batch
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.tables import TableConfig
@@ -121,18 +123,22 @@ class SyntheticConfig:
         return [max(1, math.ceil(c * self.scale)) for c in self.cardinalities]
 
 
-class SyntheticCriteo:
+class SyntheticCriteo(ClickDataset):
     """Batches of the synthetic data described in the module docstring.
 
     Args:
         config: the data's shape and seed.
     """
 
+    num_dense = NUM_DENSE
+
     def __init__(self, config: SyntheticConfig | None = None) -> None:
         self.config = config or SyntheticConfig()
         cfg = self.config
         self.rows = cfg.rows
+        self.batch_size = cfg.batch_size
         self.feature_names = [f"cat_{i}" for i in range(len(self.rows))]
+        self.poolings = {}
         gen = torch.Generator().manual_seed(_mix(cfg.seed, 0x5EED, 0))
         # Rank r of table t has id (a_t * r + b_t) mod n_t: a bijection since gcd(a_t, n_t) = 1.
         self._perm_a: list[int] = []
@@ -155,7 +161,9 @@ class SyntheticCriteo:
 
     # ------------------------------------------------------------------------------------------
 
-    def tables(self, dim: int, pooling: PoolingMode | str = PoolingMode.SUM) -> list[TableConfig]:
+    def tables(
+        self, dim: int, pooling: PoolingMode | str | None = PoolingMode.SUM
+    ) -> list[TableConfig]:
         """One `TableConfig` per feature (table ``t_cat_i`` looks up ``cat_i``)."""
         return [
             TableConfig(
@@ -163,10 +171,27 @@ class SyntheticCriteo:
                 embedding_dim=dim,
                 num_embeddings=n,
                 feature_names=[f],
-                pooling=pooling,
+                pooling=pooling or PoolingMode.SUM,
             )
             for f, n in zip(self.feature_names, self.rows, strict=True)
         ]
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """Training batches ``start, start + 1, ...`` (drawn on demand, without end)."""
+        return (self.batch(i) for i in itertools.count(start))
+
+    def eval_batches(self, limit: int | None = None) -> Iterator[Batch]:
+        """The first ``limit`` batches of the held-out split (a stream of its own)."""
+        if limit is None:
+            raise ValueError("synthetic data has no end: give the number of held-out batches")
+        return self.batches(limit, split="eval")
+
+    def describe(self) -> str:
+        cfg = self.config
+        return (
+            f"synthetic Criteo, scale {cfg.scale:g}: {sum(self.rows):,} rows in "
+            f"{len(self.rows)} tables, zipf {cfg.zipf:g}, batch {cfg.batch_size}"
+        )
 
     def batch(self, index: int, split: str = "train") -> Batch:
         """Batch ``index`` of ``split`` ("train" or "eval"), on the CPU."""

@@ -353,7 +353,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         for lo in range(0, spec.num_embeddings, chunk_rows):
             ids, owners = self._owned_ids(table, lo, min(lo + chunk_rows, spec.num_embeddings))
             counts = torch.bincount(owners, minlength=W)
-            mine = self.store.get(table, ids[owners == self.rank])
+            mine = self.store.read(table, ids[owners == self.rank])  # creates no row
             padded = torch.zeros(int(counts.max()), spec.row_width)
             padded[: mine.shape[0]] = mine
             parts = [torch.empty_like(padded, device=self._comm.device) for _ in range(W)]

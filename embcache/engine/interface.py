@@ -78,11 +78,11 @@ class WeightedFlag:
         return repr(self._value)
 
 
-def _whole_tables(tables: Sequence[Table], cache: CacheConfig) -> bool:
+def _whole_tables(tables: Sequence[Table], cache: CacheConfig, device: torch.device) -> bool:
     """Whether every cache (one per dim) holds all the rows of its tables."""
     for dim in {t.dim for t in tables}:
         rows = sum(t.num_embeddings for t in tables if t.dim == dim)
-        if cache.rows_for(rows) < rows:
+        if cache.rows_for(rows, dim, device) < rows:
             return False
     return True
 
@@ -158,7 +158,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self.features = list(dict.fromkeys(f for t in self.tables for f in t.feature_names))
         self.output_keys = [k for t in self.tables for k in t.key_names]
         self.output_dims = [t.dim for t in self.tables for _ in t.key_names]
-        whole = _whole_tables(self.tables, self.cache_config)
+        whole = _whole_tables(self.tables, self.cache_config, self.device)
         inits = table_inits(self.tables, seed, whole, self.device)
         self.specs = {
             t.name: TableSpec(t.name, t.dim, t.num_embeddings, init=inits[t.name], seed=seed or 0)

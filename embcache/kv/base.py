@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -93,6 +94,11 @@ class TableSpec:
         rows[:, : self.dim] = weights
         rows[:, self.dim :] = self.state_init
         return rows
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory, in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def table_hash(name: str) -> int:
@@ -220,9 +226,15 @@ class Store(abc.ABC):
     """A backing tier: batched row reads and writes, per table. Tiers subclass it.
 
     ``get`` creates rows that do not exist yet (with the table's initialiser) and returns them;
-    ``put`` overwrites rows (creating them). Both take CPU int64 ids; rows are CPU float32
-    ``[n, dim + state_dim]``. Ids within one call are distinct. Calls are synchronous: when
-    ``put`` returns, a later ``get`` sees the rows.
+    ``read`` returns the same values but creates nothing (a row never written reads as its
+    initial value, which is a function of its id, and stays absent); ``put`` overwrites rows
+    (creating them). All take CPU int64 ids; rows are CPU float32 ``[n, dim + state_dim]``.
+    Ids within one call are distinct. Calls are synchronous: when ``put`` returns, a later
+    ``get`` or ``read`` sees the rows.
+
+    Which rows exist matters for checkpoints: `export_rows` lists only them, so whole-table
+    reads (``state_dict()``, ``table_rows``) go through ``read`` and a checkpoint holds only
+    the rows that were looked up for training or written.
 
     Capabilities, declared here with their defaults so callers never probe for them:
 
@@ -254,6 +266,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``[n, dim + state_dim]`` of ``ids``; missing rows are created first."""
+
+    @abc.abstractmethod
+    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``[n, dim + state_dim]`` of ``ids`` without creating any: a row that does not
+        exist reads as its initial value and is not stored."""
 
     @abc.abstractmethod
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -22,7 +22,14 @@ from collections.abc import Iterator
 
 import torch
 
-from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
+from embcache.kv.base import (
+    IOStats,
+    Store,
+    TableSpec,
+    checked_ids,
+    checked_rows,
+    host_memory_bytes,
+)
 from embcache.kv.hash_index import HashIndex, next_pow2
 
 _MIN_ROWS = 64
@@ -40,6 +47,7 @@ class _DenseTable:
         if self.rows is None or self.created is None:
             n = self.spec.num_embeddings
             assert n is not None
+            _check_dense_fits(self.spec)  # a clear error, not the allocator's
             self.rows = torch.empty(n, self.spec.row_width, dtype=torch.float32)
             self.created = torch.zeros(n, dtype=torch.bool)
         return self.rows, self.created
@@ -55,6 +63,16 @@ class _DenseTable:
             created[missing] = True
         torch.index_select(rows, 0, ids, out=out)
         return missing.numel()
+
+    def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows of ``ids`` into ``out``, initial values for rows never created (not stored)."""
+        if self.rows is None or self.created is None:
+            out.copy_(self.spec.initial_rows(ids))
+            return
+        torch.index_select(self.rows, 0, ids, out=out)
+        absent = ~self.created[ids]
+        if bool(absent.any()):
+            out[absent] = self.spec.initial_rows(ids[absent])
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         rows, created = self._allocate()
@@ -75,6 +93,8 @@ class _DenseTable:
 
     def redeclare(self, spec: TableSpec) -> None:
         """Adopt ``spec`` (same dim and num_embeddings); reset state columns if they changed."""
+        if self.rows is not None and spec.state_dim != self.spec.state_dim:
+            _check_dense_fits(spec)  # the array is allocated again, wider
         old, self.spec = self.spec, spec
         if self.rows is None or self.created is None:
             return
@@ -142,6 +162,13 @@ class _HashTable:
         torch.index_select(self.rows, 0, positions, out=out)
         return created
 
+    def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        positions = self.index.find(ids)
+        present = positions >= 0
+        out[present] = self.rows[positions[present]]
+        if not bool(present.all()):
+            out[~present] = self.spec.initial_rows(ids[~present])
+
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         positions, _ = self._locate(ids, init=False)
         self.rows.index_copy_(0, positions, values)
@@ -168,6 +195,24 @@ class _HashTable:
 
 
 _Table = _DenseTable | _HashTable
+
+
+def _check_dense_fits(spec: TableSpec) -> None:
+    """A bounded table is one dense array, allocated at its first write (pages committed as
+    rows are touched): refuse, before allocating, one larger than this machine's memory, which
+    the allocator would refuse with a raw error (declaring it allocates nothing, so a model on
+    the meta device may declare any size)."""
+    if spec.num_embeddings is None:
+        return
+    need = spec.num_embeddings * (4 * spec.row_width + 1)  # rows and the `created` mask
+    have = host_memory_bytes()
+    if need > have:
+        raise ValueError(
+            f"table {spec.name!r}: {spec.num_embeddings:,} rows of {spec.row_width} float32 "
+            f"need {need:,} bytes as a dense host array, more than this machine's {have:,}; "
+            "use num_embeddings=None (hashed ids: memory grows with the rows touched) or a "
+            "Redis tier"
+        )
 
 
 class HostKV(Store):
@@ -214,7 +259,9 @@ class HostKV(Store):
 
         Raises:
             TypeError: ``spec`` is not a `TableSpec`.
-            ValueError: the table exists with another ``dim`` or ``num_embeddings``.
+            ValueError: the table exists with another ``dim`` or ``num_embeddings``, or its
+                rows are allocated and wider state columns could not fit this machine's memory
+                (refused before anything changes).
         """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"init_table expects a TableSpec, got {type(spec).__name__}")
@@ -267,6 +314,27 @@ class HostKV(Store):
             created = t.get(ids, out)
             self._count("read", ids.numel(), t.spec)
             self._stats["rows_created"] += created
+            return out
+
+    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` without creating any: rows never touched read as their initial
+        values and stay absent (`export_rows` does not list them).
+
+        Args:
+            table: a declared table.
+            ids: integer ``[n]`` (converted to CPU int64), in range for the table.
+
+        Returns:
+            float32 ``[n, dim + state_dim]``, a copy (pinned when the store pins).
+        """
+        with self._lock:
+            t = self._table(table)
+            ids = checked_ids(t.spec, ids)
+            out = torch.empty(
+                ids.numel(), t.spec.row_width, dtype=torch.float32, pin_memory=self.pin_memory
+            )
+            t.read(ids, out)
+            self._count("read", ids.numel(), t.spec)
             return out
 
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -323,7 +391,7 @@ class HostKV(Store):
     # -- accounting and life cycle ---------------------------------------------------------
 
     def io_stats(self) -> dict[str, int]:
-        """Traffic through `get`/`put` since creation or the last `reset_io_stats`.
+        """Traffic through `get`/`read`/`put` since creation or the last `reset_io_stats`.
 
         Keys: ``rows_read``, ``rows_written``, ``bytes_read``, ``bytes_written``, ``get_calls``,
         ``put_calls``, ``rows_created`` (rows made by the initialiser on first touch).

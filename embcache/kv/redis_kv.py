@@ -302,6 +302,28 @@ class RedisKV(Store):
         self._count("read", ids.numel(), t, created=created)
         return out
 
+    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` without creating any on the server: rows not there read as their
+        initial values (one MGET per chunk, write marks checked as for `get`).
+
+        Args:
+            table: a declared table.
+            ids: integer ``[n]``, in range for the table.
+
+        Returns:
+            float32 ``[n, dim + state_dim]``.
+        """
+        with self._lock:
+            t = self._table(table)
+        ids = checked_ids(t.spec, ids)
+        out = torch.empty(ids.numel(), t.spec.row_width, dtype=torch.float32)
+        for start in range(0, ids.numel(), self.chunk_rows):
+            chunk = ids[start : start + self.chunk_rows]
+            rows = self._call("read", table, lambda c=chunk: self._read_chunk(t, c))
+            out[start : start + chunk.numel()] = rows
+        self._count("read", ids.numel(), t)
+        return out
+
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Overwrite (creating) the rows of ``ids``.
 
@@ -365,7 +387,7 @@ class RedisKV(Store):
     # -- accounting and life cycle ---------------------------------------------------------
 
     def io_stats(self) -> dict[str, int]:
-        """Traffic through `get`/`put` since creation or the last `reset_io_stats`.
+        """Traffic through `get`/`read`/`put` since creation or the last `reset_io_stats`.
 
         Keys as `HostKV`'s: ``rows_read``, ``rows_written``, ``bytes_read``, ``bytes_written``
         (row payload, not protocol bytes), ``get_calls``, ``put_calls``, ``rows_created``
@@ -545,6 +567,17 @@ class RedisKV(Store):
         out = torch.empty_like(rows)
         out[batch.order] = rows
         return out, created
+
+    def _read_chunk(self, t: TableLayout, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of one chunk of ids, initial values where the server has none."""
+        found, rows = self._fetch_existing(t, ids)
+        if found.numel() == ids.numel():
+            return rows
+        present = torch.isin(ids, found)  # found and rows keep the order of ``ids``
+        out = torch.empty(ids.numel(), t.spec.row_width, dtype=torch.float32)
+        out[present] = rows
+        out[~present] = t.spec.initial_rows(ids[~present])
+        return out
 
     def _fetch_existing(
         self, t: TableLayout, ids: torch.Tensor

@@ -220,6 +220,26 @@ class TieredKV(Store):
             self._evict()
             return out
 
+    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` without creating any: held ones from memory, the others from
+        ``back.read``. Rows read from ``back`` are not held, so a whole-table read
+        (``state_dict()``) does not push the working set out.
+
+        Returns:
+            float32 ``[n, dim + state_dim]``, a copy.
+        """
+        with self._lock:
+            held = self._table(table)
+            ids = checked_ids(held.spec, ids)
+            slots = held.lookup(ids)
+            hit = slots >= 0
+            out = torch.empty(ids.numel(), held.spec.row_width, dtype=torch.float32)
+            out[hit] = held.rows[slots[hit]]
+            if not bool(hit.all()):
+                out[~hit] = self.back.read(table, ids[~hit])
+            self._count("read", ids.numel(), held.spec)
+            return out
+
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows into host memory (dirty); they reach ``back`` on eviction or `flush`."""
         with self._lock:
@@ -282,8 +302,8 @@ class TieredKV(Store):
         """Counters since creation or the last `reset_io_stats`.
 
         ``rows_read``/``rows_written``/``bytes_read``/``bytes_written``/``get_calls``/
-        ``put_calls``: traffic through this store's `get`/`put` (as `HostKV` counts it);
-        ``hits``/``misses``: ids of `get` served here or fetched from ``back``;
+        ``put_calls``: traffic through this store's `get`/`read`/`put` (as `HostKV` counts
+        it); ``hits``/``misses``: ids of `get` served here or fetched from ``back``;
         ``evictions``: rows dropped for capacity; ``writebacks``: dirty rows written to
         ``back`` (by eviction or flush).
         """

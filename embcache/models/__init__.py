@@ -2,5 +2,6 @@
 
 from embcache.engine.batch_state import FusedPrefetchHandle
 from embcache.models.collection import CachedEmbeddingBagCollection
+from embcache.models.dlrm import DLRM
 
-__all__ = ["CachedEmbeddingBagCollection", "FusedPrefetchHandle"]
+__all__ = ["DLRM", "CachedEmbeddingBagCollection", "FusedPrefetchHandle"]

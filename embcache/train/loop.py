@@ -1,24 +1,30 @@
 """Training and evaluating a DLRM: optimizer factories, the training loop (through
 `TrainPipeline`, with prefetch of the next batch), held-out evaluation and its metrics.
 
-    model = DLRM(data.tables(dim=16), cache=CacheConfig(load_factor=0.1))
+    data = open_dataset("criteo:train.txt.gz")        # or SyntheticCriteo(...), any ClickDataset
+    model = DLRM(data.tables(dim=16), dense_in_features=data.num_dense, ...)
     sparse_opt = make_sparse_optimizer("adagrad", model.sparse_arch, lr=0.05)
     dense_opt = make_dense_optimizer("adagrad", model.dense_parameters(), lr=0.01)
-    result = train(model, data, sparse_opt, dense_opt, steps=800, prefetch=True)
-    metrics = evaluate(model, data, num_batches=20)     # AUC and logloss on held-out batches
+    result = train(model, data.train_batches(), sparse_opt, dense_opt, steps=800, prefetch=True,
+                   evaluate_every=200, held_out=lambda: data.eval_batches(20))
+    metrics = evaluate(model, data.eval_batches())    # AUC and log loss on the held-out split
+
+AUC is torchmetrics' ``binary_auroc`` and log loss torch's binary cross-entropy (on logits),
+both over every held-out sample at once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional
 
-from embcache.data.synthetic import SyntheticCriteo
+from embcache.data.batch import Batch
 from embcache.models.dlrm import DLRM
 from embcache.optim.sparse import (
     SparseAdaGrad,
@@ -45,8 +51,7 @@ def make_sparse_optimizer(
         raise ValueError(
             f"unknown sparse optimizer {name!r}; choose from {list(SPARSE_OPTIMIZERS)}"
         )
-    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
-    return SPARSE_OPTIMIZERS[name](mods, lr=lr)
+    return SPARSE_OPTIMIZERS[name](modules, lr=lr)
 
 
 def make_dense_optimizer(
@@ -64,39 +69,79 @@ def make_dense_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; choose from {list(SPARSE_OPTIMIZERS)}")
 
 
-def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve of ``scores`` for 0/1 ``labels`` (Mann-Whitney U over ranks;
-    tied scores share their mean rank). NaN when one class is absent."""
-    scores = scores.detach().double().reshape(-1).cpu()
-    positive = labels.detach().reshape(-1).cpu() > 0.5
-    n_pos = int(positive.sum())
-    n_neg = positive.numel() - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    sorted_scores, order = torch.sort(scores)
-    _, counts = torch.unique_consecutive(sorted_scores, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()  # 1-based rank of each tie group's last member
-    mean_rank = ends - (counts.double() - 1) / 2
-    ranks = torch.empty_like(scores)
-    ranks[order] = torch.repeat_interleave(mean_rank, counts)
-    u = float(ranks[positive].sum()) - n_pos * (n_pos + 1) / 2
-    return u / (n_pos * n_neg)
+# ----------------------------------------------------------------------------------------------
+# metrics and evaluation
+
+
+def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """AUC (torchmetrics' ``binary_auroc``; NaN when one class is absent or torchmetrics is
+    not installed) and log loss (mean binary cross-entropy of the logits) of 0/1 ``labels``.
+
+    Args:
+        logits: ``[n]`` scores before the sigmoid.
+        labels: ``[n]`` 0 or 1.
+    """
+    logits = logits.detach().float().reshape(-1).cpu()
+    labels = labels.detach().reshape(-1).cpu()
+    out = {
+        "logloss": float(functional.binary_cross_entropy_with_logits(logits, labels.float())),
+        "auc": float("nan"),
+        "samples": float(labels.numel()),
+    }
+    positives = int((labels > 0.5).sum())
+    if 0 < positives < labels.numel():
+        try:
+            from torchmetrics.functional.classification import binary_auroc
+        except ImportError:  # as on a GPU image without it: the summary says so
+            return out
+        out["auc"] = float(binary_auroc(torch.sigmoid(logits), labels.long()))
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: DLRM, batches: Iterable[Batch]) -> dict[str, float]:
+    """AUC, log loss and sample count of ``model`` over ``batches`` (the held-out split)."""
+    was_training = model.training
+    model.eval()
+    logits, labels = [], []
+    try:
+        for batch in batches:
+            batch = batch.to(model.device)
+            logits.append(model(batch.dense_features, batch.sparse_features).float().cpu())
+            labels.append(batch.labels.cpu())
+    finally:
+        model.train(was_training)
+    if not labels:
+        raise ValueError("evaluate: the held-out split gave no batch")
+    return binary_metrics(torch.cat(logits), torch.cat(labels))
 
 
 # ----------------------------------------------------------------------------------------------
-# training and evaluation on the synthetic data
+# training
 
 
 @dataclass
 class TrainResult:
-    """What a training run measured (training phase only, evaluation excluded)."""
+    """What a training run measured (training phase only, evaluations excluded).
+
+    Attributes:
+        losses: training loss per step.
+        hit_rates: per step: hits / lookups of that step's unique ids.
+        seconds: wall time of the training steps (evaluations during the run excluded).
+        samples: training samples seen.
+        cache_stats: the collection's counters over the training steps alone.
+        io_stats: the tier's traffic over the run (None when it keeps none).
+        evals: ``{"step", "auc", "logloss", "samples"}`` of each evaluation during the run.
+        eval: the final evaluation (set by the caller).
+    """
 
     losses: list[float]
-    hit_rates: list[float]  # per step: hits / lookups of that step's unique ids
+    hit_rates: list[float]
     seconds: float
     samples: int
     cache_stats: dict[str, float]
     io_stats: dict[str, int] | None
+    evals: list[dict[str, float]] = field(default_factory=list)
     eval: dict[str, float] = field(default_factory=dict)
 
     def loss_window(self, last: bool) -> float:
@@ -106,27 +151,47 @@ class TrainResult:
         return sum(window) / len(window)
 
 
+def _stat_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in ("hits", "misses", "evictions", "writebacks")}
+
+
 def train(
     model: DLRM,
-    data: SyntheticCriteo,
+    batches: Iterable[Batch],
     sparse_opt: Any,
     dense_opt: torch.optim.Optimizer,
     steps: int,
     prefetch: bool,
     progress: bool = True,
-    first_step: int = 0,
     wrapper: nn.Module | None = None,
+    evaluate_every: int = 0,
+    held_out: Callable[[], Iterable[Batch]] | None = None,
 ) -> TrainResult:
-    """Train ``model`` on batches ``first_step .. first_step + steps - 1`` of ``data``'s
-    training split; forwards go through ``wrapper`` when given (DistributedDataParallel)."""
+    """Train ``model`` on the first ``steps`` of ``batches``.
+
+    Args:
+        model: the DLRM.
+        batches: training batches (CPU); each goes to ``model.device``.
+        sparse_opt, dense_opt: the embcache and torch optimizers.
+        steps: training steps.
+        prefetch: resolve batch i+1 on a worker thread while batch i trains.
+        progress: a tqdm bar with loss, samples/s and hit rate.
+        wrapper: forwards go through it when given (DistributedDataParallel).
+        evaluate_every: evaluate on ``held_out()`` every that many steps (0: never); the
+            lookups of those evaluations are left out of the result's cache stats.
+        held_out: the held-out batches, a fresh iterable per call.
+    """
     from tqdm import tqdm
 
+    if evaluate_every and held_out is None:
+        raise ValueError("train: evaluate_every needs held_out")
     ebc = model.sparse_arch
     ebc.reset_stats()
     store = ebc.store
     store.reset_io_stats()
     device = model.device
     hit_rates: list[float] = []
+    evals: list[dict[str, float]] = []
     bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True, leave=True)
     model.train()
     pipe = TrainPipeline(
@@ -141,9 +206,15 @@ def train(
     )
     # Per-step hit rate: the lookups between two steps (with prefetch, the next batch's).
     before = [ebc.cache_stats()]
+    outside = dict.fromkeys(("hits", "misses", "evictions", "writebacks"), 0)  # evaluations
     recent_losses: list[float] = []
+    seen = [0]
+    paused = [0.0]
 
-    def on_step(i: int, loss: torch.Tensor) -> None:
+    losses: list[float] = []
+
+    def on_step(step_in_run: int, loss: torch.Tensor) -> None:
+        i = len(losses) + step_in_run
         after = ebc.cache_stats()
         if after["hits"] + after["misses"] > before[0]["hits"] + before[0]["misses"]:
             hit_rates.append(_hit_rate(before[0], after))  # the last step has no prefetch
@@ -151,30 +222,56 @@ def train(
         recent_losses.append(float(loss))
         bar.update(1)
         if progress and (i % 10 == 0 or i == steps):
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - start - paused[0]
             recent = hit_rates[-50:] or [0.0]
             bar.set_postfix(
                 loss=f"{sum(recent_losses[-10:]) / len(recent_losses[-10:]):.4f}",
-                samples_s=f"{i * data.config.batch_size / elapsed:,.0f}",
+                samples_s=f"{seen[0] / elapsed:,.0f}",
                 hit_rate=f"{sum(recent) / len(recent):.3f}",
+                **({"auc": f"{evals[-1]['auc']:.4f}"} if evals else {}),
                 refresh=False,
             )
 
+    def to_device(source: Iterable[Batch]) -> Iterator[Batch]:
+        for batch in source:
+            seen[0] += batch.labels.numel()
+            yield batch.to(device)
+
     start = time.perf_counter()
-    batches = (data.batch(first_step + i).to(device) for i in range(steps))
-    losses = pipe.run(batches, on_step=on_step)
+    stream = to_device(batches)
+    while len(losses) < steps:
+        # Up to the next evaluation: the pipeline stops without a prefetch in flight, so the
+        # evaluation's lookups are its own (and each batch is still resolved once).
+        run = min(evaluate_every or steps, steps - len(losses))
+        done = pipe.run(stream, max_steps=run, on_step=on_step)
+        losses += done
+        if len(done) < run:
+            raise ValueError(f"train: the batches ran out after {len(losses)} of {steps} steps")
+        if evaluate_every and len(losses) < steps:
+            t0 = time.perf_counter()
+            evals.append({"step": float(len(losses)), **evaluate(model, held_out())})
+            now = ebc.cache_stats()
+            for k, v in _stat_delta(now, before[0]).items():
+                outside[k] += v
+            before[0] = now
+            paused[0] += time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start - paused[0]
     bar.close()
-    io = store.io_stats() or None
+    stats = ebc.cache_stats()
+    for k, v in outside.items():
+        stats[k] -= v
+    looked_up = stats["hits"] + stats["misses"]
+    stats["hit_rate"] = stats["hits"] / looked_up if looked_up else 0.0
     return TrainResult(
         losses=losses,
         hit_rates=hit_rates,
         seconds=seconds,
-        samples=steps * data.config.batch_size,
-        cache_stats=ebc.cache_stats(),
-        io_stats=io,
+        samples=seen[0],
+        cache_stats=stats,
+        io_stats=store.io_stats() or None,
+        evals=evals,
     )
 
 
@@ -182,24 +279,3 @@ def _hit_rate(before: dict[str, float], after: dict[str, float]) -> float:
     hits = after["hits"] - before["hits"]
     looked_up = hits + after["misses"] - before["misses"]
     return hits / looked_up if looked_up else 0.0
-
-
-@torch.no_grad()
-def evaluate(model: DLRM, data: SyntheticCriteo, num_batches: int) -> dict[str, float]:
-    """AUC and logloss of ``model`` on the held-out split, and the hidden model's AUC."""
-    model.eval()
-    logits, labels, hidden = [], [], []
-    for i in range(num_batches):
-        batch = data.batch(i, split="eval").to(model.device)
-        logits.append(model(batch.dense_features, batch.sparse_features).float().cpu())
-        labels.append(batch.labels.cpu())
-        hidden.append(data.hidden_logits(i, split="eval"))
-    model.train()
-    y = torch.cat(labels)
-    p = torch.cat(logits)
-    return {
-        "auc": roc_auc(p, y),
-        "logloss": float(DLRM.loss(p, y)),
-        "hidden_auc": roc_auc(torch.cat(hidden), y),
-        "samples": float(y.numel()),
-    }

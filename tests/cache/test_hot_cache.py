@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import zlib
 
 import pytest
 import torch
 
-from embcache.cache.config import CacheConfig
+from embcache.cache.config import CacheConfig, slot_bytes
 from embcache.cache.hot_cache import HotCache
+from embcache.cache.sizing import CacheOverflowWarning
 from embcache.kernels.optim import OptimRule, RowUpdate, apply_row_update, state_dim
 from embcache.kv.base import TableSpec, default_init
 from embcache.kv.host import HostKV
@@ -356,3 +358,97 @@ def test_concurrent_tier_calls_are_exact(device: torch.device, policy: str) -> N
     cache.flush()
     assert torch.equal(tier_rows(store, specs, device), dense)
     assert any(name.startswith("embcache-tier") for name in store.threads), store.threads
+
+
+# -- sizes at real scale ------------------------------------------------------------------------
+
+
+def _one_table(rows: int, dim: int) -> tuple[list[tuple[int, TableSpec]], HostKV]:
+    store = HostKV()
+    spec = TableSpec("big", dim, rows)
+    store.init_table(spec)
+    return [(0, spec)], store
+
+
+def test_default_cache_keeps_to_its_memory_budget_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 2**22 x 64 table does not fit the 1 GiB default budget (slots counted with Adam's
+    state): the cache takes the rows that fit, and one log line says which load factor."""
+    specs, store = _one_table(1 << 22, 64)
+    with caplog.at_level("WARNING", logger="embcache.cache"):
+        cache = HotCache(specs, CacheConfig(), store, "cpu", 30)
+    assert not cache.direct
+    assert cache.num_slots < 1 << 22
+    assert cache.num_slots * slot_bytes(3 * 64) <= (1 << 30) + cache.ways * slot_bytes(3 * 64)
+    assert cache.weights.nbytes + cache.state.nbytes < 1 << 30
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "memory budget" in said[0] and "load factor 0.32" in said[0], said
+    # A budget of one's own; a table that fits it is cached whole, silently.
+    caplog.clear()
+    specs, store = _one_table(10_000, 8)
+    with caplog.at_level("WARNING", logger="embcache.cache"):
+        small = HotCache(specs, CacheConfig(memory_budget=1 << 20), store, "cpu", 30)
+        whole = HotCache(specs, CacheConfig(), store, "cpu", 30)
+    assert small.num_slots * slot_bytes(24) <= (1 << 20) + small.ways * slot_bytes(24)
+    assert not small.direct and whole.direct and whole.num_slots == 10_000
+    assert len(caplog.records) == 1
+
+
+def test_a_cache_the_device_cannot_hold_is_refused_before_allocating() -> None:
+    specs = [(0, TableSpec("big", 64, 1 << 40))]  # never declared: the store is not asked
+    store = HostKV()
+    with pytest.raises(ValueError, match=r"needs [\d,]+ bytes of cpu memory .* more than"):
+        HotCache(specs, CacheConfig(capacity=1 << 36), store, "cpu", 41)
+    with pytest.raises(ValueError, match="LFU counts"):  # LFU counts one per row of the table
+        HotCache(specs, CacheConfig(capacity=1024, policy="lfu"), store, "cpu", 41)
+    with pytest.raises(ValueError, match="memory_budget must be an int >= 1"):
+        CacheConfig(memory_budget=0)
+
+
+def test_a_batch_wider_than_the_cache_warns_once() -> None:
+    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
+    with pytest.warns(CacheOverflowWarning, match=r"20 unique rows .* 8 slots"):
+        cache.unlock(cache.resolve(torch.arange(20)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.unlock(cache.resolve(torch.arange(20, 40)))  # said once per cache
+        cache.unlock(cache.resolve(torch.arange(4)))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("capacity", [8, 32], ids=["cap8", "cap32"])
+def test_stats_and_rows_are_the_same_with_and_without_prefetch(policy: str, capacity: int) -> None:
+    """Prefetch resolves batch i+1 before batch i's step (i's rows still locked); without it
+    batch i is stepped first. Each counter must come out the same either way, as the rows do."""
+    update = UPDATES["adagrad"]
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.unique(random_batch(gen, 40 if i % 3 else 120)) for i in range(12)]
+    grads = [torch.randn(b.numel(), DIM, generator=gen) for b in batches]
+
+    def step(cache: HotCache, i: int, slots: torch.Tensor) -> None:
+        with cache.lock:
+            apply_row_update(cache.weights, cache.state, slots, grads[i], update, i + 1)
+        cache.mark_dirty(slots)
+        cache.unlock(slots)
+
+    def run(prefetch: bool) -> tuple[dict[str, float], torch.Tensor]:
+        config = CacheConfig(capacity=capacity, ways=4, policy=policy)
+        cache, store, specs = make_cache(config, update.rule)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CacheOverflowWarning)
+            ahead = cache.resolve(batches[0]) if prefetch else None
+            for i in range(len(batches)):
+                slots = ahead if prefetch else cache.resolve(batches[i])
+                if prefetch and i + 1 < len(batches):
+                    ahead = cache.resolve(batches[i + 1])  # while batch i is in flight
+                step(cache, i, slots)
+        stats = cache.cache_stats()
+        cache.flush()
+        return stats, tier_rows(store, specs)
+
+    (with_stats, with_rows), (without_stats, without_rows) = run(True), run(False)
+    assert torch.equal(with_rows, without_rows)
+    assert with_stats == without_stats
+    assert with_stats["evictions"] > 0 and with_stats["writebacks"] > 0
+    assert with_stats["writebacks"] <= with_stats["evictions"], "a write-back is of an eviction"

@@ -322,6 +322,49 @@ def test_export_lists_created_rows_only() -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_read_creates_nothing_and_sees_written_rows(layout: str) -> None:
+    kv = make_store(spec_for(layout, state_dim=2, state_init=0.5))
+    fresh = make_store(spec_for(layout, state_dim=2, state_init=0.5))
+    ids = torch.tensor([N - 1, 0, 17, 3]) if layout == "bounded" else torch.tensor([BIG, 0, 17, 3])
+    # Untouched rows read as the initialiser's, and stay absent: nothing to export.
+    assert torch.equal(kv.read("t", ids), fresh.get("t", ids))
+    assert export_all(kv, "t")[0].numel() == 0
+    assert kv.io_stats()["rows_created"] == 0
+    assert kv.io_stats()["rows_read"] == ids.numel()
+    # Rows that exist read as stored; the others still as the initialiser's, still absent.
+    kv.put("t", ids[:1], torch.full((1, 7), 3.0))
+    kv.get("t", ids[1:2])
+    got = kv.read("t", ids)
+    assert torch.equal(got[0], torch.full((7,), 3.0))
+    assert torch.equal(got[1:], fresh.get("t", ids[1:]))
+    assert sorted(export_all(kv, "t")[0].tolist()) == sorted(ids[:2].tolist())
+    assert kv.read("t", torch.empty(0, dtype=torch.int64)).shape == (0, 7)
+    with pytest.raises(ValueError, match="negative"):
+        kv.read("t", torch.tensor([-1]))
+
+
+def test_a_dense_table_larger_than_memory_is_refused_before_anything_changes() -> None:
+    """2**32 rows x 64: declaring allocates nothing (a meta-device model may); reading creates
+    nothing; the first write is refused with a ValueError before anything is allocated."""
+    kv = make_store(
+        spec_for("bounded", name="small"), TableSpec("huge", dim=64, num_embeddings=2**32)
+    )
+    ids = torch.tensor([0, 2**32 - 1])
+    assert kv.read("huge", ids).shape == (2, 64)
+    message = r"'huge': 4,294,967,296 rows of 64 float32 need [\d,]+ bytes as a dense host array"
+    with pytest.raises(ValueError, match=message):
+        kv.get("huge", ids)
+    with pytest.raises(ValueError, match="dense host array"):
+        kv.put("huge", ids, torch.ones(2, 64))
+    assert kv.memory_bytes() == 0 and kv.io_stats()["rows_created"] == 0
+    assert export_all(kv, "huge")[0].numel() == 0
+    kv.get("small", torch.arange(3))
+    with pytest.raises(ValueError, match="dense host array"):  # state columns that cannot fit
+        kv.init_table(spec_for("bounded", name="small", state_dim=2**40))
+    assert kv.table_spec("small").state_dim == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_io_stats_add_up(layout: str) -> None:
     kv = make_store(spec_for(layout, state_dim=3))
     kv.get("t", torch.arange(10))

@@ -113,6 +113,24 @@ def test_get_put_round_trip_and_initial_rows_equal_hostkv(
     other.close()
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_read_creates_no_row_on_the_server(url: str, namespace: str, spec: TableSpec) -> None:
+    kv = RedisKV(url, namespace=namespace, chunk_rows=16)
+    kv.init_table(spec)
+    host = _host(spec)
+    ids = _some_ids(spec, 40)
+    assert torch.equal(kv.read("t0", ids), host.get("t0", ids))
+    assert _export(kv, "t0")[0].numel() == 0, "a read must not create rows"
+    rows = torch.randn(5, spec.row_width)
+    kv.put("t0", ids[:5], rows)
+    got = kv.read("t0", ids)
+    assert torch.equal(got[:5], rows)
+    assert torch.equal(got[5:], host.get("t0", ids[5:]))
+    assert sorted(_export(kv, "t0")[0].tolist()) == sorted(ids[:5].tolist())
+    assert kv.io_stats()["rows_created"] == 0
+    kv.close()
+
+
 def test_io_stats_count_rows_and_bytes(server: RedisServer) -> None:
     kv = RedisKV(server.url)
     kv.init_table(TableSpec("t0", dim=3, num_embeddings=100, state_dim=1))

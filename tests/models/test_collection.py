@@ -829,3 +829,24 @@ def test_embedding_bag_reference_agrees_with_torch() -> None:
         )
         got = reference_pooled({"t": w}, [("t", ["a"], mode)], kjt)
         assert_close(got, expected, mode)
+
+
+def test_a_table_the_host_cannot_hold_is_refused_cleanly_at_its_first_write() -> None:
+    """2**32 rows x 64 in the default HostKV: the collection builds (a cache within its
+    budget, no table allocated); the first forward is refused with the tier's ValueError,
+    nothing locked or cached, and the same call fails the same way again."""
+    table = embcache.TableConfig(
+        name="huge", embedding_dim=64, num_embeddings=2**32, feature_names=["f"]
+    )
+    budget = embcache.CacheConfig(memory_budget=1 << 22)  # a small cache: a light test
+    ebc = embcache.CachedEmbeddingBagCollection(tables=[table], cache=budget, fusion_k=32)
+    assert ebc.caches()[0].num_slots * 4 * 3 * 64 <= 1 << 22
+    batch = embcache.JaggedBatch.from_lengths(
+        ["f"], torch.tensor([5, 2**32 - 1]), torch.ones(2, dtype=torch.int64)
+    )
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"'huge': 4,294,967,296 rows .* dense host array"):
+            ebc(batch)
+        assert ebc.caches()[0].locked_slots() == 0
+        assert int((ebc.caches()[0].slot_keys >= 0).sum()) == 0
+    assert ebc.store.memory_bytes() == 0

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from torchmetrics.functional import auroc
 
 import embcache
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
@@ -13,7 +14,6 @@ from embcache.train.loop import (
     SPARSE_OPTIMIZERS,
     make_dense_optimizer,
     make_sparse_optimizer,
-    roc_auc,
     train,
 )
 
@@ -130,7 +130,9 @@ def test_prefetch_changes_nothing(data: SyntheticCriteo, device: torch.device) -
         model = _model(data, device, load_factor=0.1, policy="lfu")
         sparse = make_sparse_optimizer("rowwise_adagrad", model.sparse_arch, lr=0.05)
         dense = make_dense_optimizer("rowwise_adagrad", model.dense_parameters(), lr=0.01)
-        runs.append(train(model, data, sparse, dense, 8, prefetch=prefetch, progress=False))
+        runs.append(
+            train(model, data.train_batches(), sparse, dense, 8, prefetch=prefetch, progress=False)
+        )
     assert runs[0].losses == runs[1].losses
     assert runs[1].io_stats is not None and runs[1].io_stats["rows_read"] > 0
 
@@ -146,14 +148,101 @@ def test_unknown_optimizer(data: SyntheticCriteo) -> None:
         make_sparse_optimizer("lamb", model.sparse_arch, lr=0.1)
 
 
-@pytest.mark.parametrize("n", [2, 7, 500], ids=lambda n: f"n{n}")
-def test_roc_auc_matches_torchmetrics(n: int) -> None:
-    gen = torch.Generator().manual_seed(n)
-    labels = torch.arange(n) % 2
-    scores = torch.randint(0, 5, (n,), generator=gen).float()  # many ties
-    expected = float(auroc(scores, labels, task="binary"))
-    assert roc_auc(scores, labels.float()) == pytest.approx(expected, abs=1e-6)
+# -- the model API: exported, built collections, any number of dense features ------------------
 
 
-def test_roc_auc_one_class_is_nan() -> None:
-    assert roc_auc(torch.rand(4), torch.zeros(4)) != roc_auc(torch.rand(4), torch.zeros(4))
+def _kjt_tables(n_tables: int = 3, rows: int = 50) -> list:
+    from torchrec import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f{i}"]
+        )
+        for i in range(n_tables)
+    ]
+
+
+def _kjt(gen: torch.Generator, n_tables: int = 3, batch: int = 6, rows: int = 50):
+    from torchrec import KeyedJaggedTensor
+
+    lengths = torch.randint(0, 4, (n_tables * batch,), generator=gen)
+    values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{i}" for i in range(n_tables)], values=values, lengths=lengths
+    )
+
+
+def test_dlrm_is_public() -> None:
+    assert embcache.DLRM is DLRM
+    assert "DLRM" in embcache.__all__
+
+
+def test_a_built_collection_ours_or_torchrecs_gives_the_same_model() -> None:
+    """DLRM over a collection built beforehand: ours, and torchrec's EmbeddingBagCollection
+    holding the same weights, give the same logits and gradients as DLRM built from configs."""
+    from torchrec import EmbeddingBagCollection
+
+    tables = _kjt_tables()
+    from_configs = DLRM(tables, dense_in_features=3, bottom_mlp=(8, DIM), top_mlp=(8,), seed=3)
+    ours = embcache.CachedEmbeddingBagCollection(tables=tables, seed=3)
+    theirs = EmbeddingBagCollection(tables=tables)
+    theirs.load_state_dict(ours.state_dict())
+    models = [
+        from_configs,
+        DLRM(ours, dense_in_features=3, bottom_mlp=(8, DIM), top_mlp=(8,), seed=3),
+        DLRM(theirs, dense_in_features=3, bottom_mlp=(8, DIM), top_mlp=(8,), seed=3),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    kjt, dense = _kjt(gen), torch.randn(6, 3, generator=gen)
+    logits = [m(dense, kjt) for m in models]
+    for other in logits[1:]:
+        torch.testing.assert_close(other, logits[0])
+    grads = []
+    for m, out in zip(models, logits, strict=True):
+        out.sum().backward()
+        grads.append([p.grad for p in m.dense_parameters()])
+    for other in grads[1:]:
+        for a, b in zip(other, grads[0], strict=True):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match=r"built collection and \['cache'\]"):
+        DLRM(ours, cache=embcache.CacheConfig(), dense_in_features=3, bottom_mlp=(8, DIM))
+    with pytest.raises(TypeError, match="cannot tell the output features"):
+        DLRM(torch.nn.Linear(2, 2), dense_in_features=3, bottom_mlp=(8, DIM))
+
+
+@pytest.mark.parametrize("dense_features", [0, 1, 13], ids=lambda n: f"dense{n}")
+def test_any_number_of_dense_features_without_warnings(dense_features: int) -> None:
+    tables = _kjt_tables()
+    bottom = (8, DIM) if dense_features else ()
+    gen = torch.Generator().manual_seed(dense_features)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. nn.Linear(0, ...): "Initializing zero-element"
+        model = DLRM(tables, dense_in_features=dense_features, bottom_mlp=bottom, top_mlp=(8,))
+        kjt = _kjt(gen)
+        dense = torch.randn(6, dense_features, generator=gen)
+        logits = model(dense, kjt)
+        model.loss(logits, torch.ones(6)).backward()
+    assert logits.shape == (6,)
+    assert all(p.grad is not None for p in model.dense_parameters())
+    pairs = 3 * 2 // 2 if not dense_features else DIM + 4 * 3 // 2
+    assert model.top_mlp[0].in_features == pairs
+    assert (model.bottom_mlp is None) == (dense_features == 0)
+    if not dense_features:
+        with torch.no_grad():
+            torch.testing.assert_close(model(None, kjt), logits.detach())
+
+
+def test_bad_model_options_are_refused() -> None:
+    tables = _kjt_tables()
+    with pytest.raises(ValueError, match="no dense features: there is no bottom MLP"):
+        DLRM(tables, dense_in_features=0, bottom_mlp=(8, DIM))
+    with pytest.raises(ValueError, match="dense_in_features must be >= 0"):
+        DLRM(tables, dense_in_features=-1)
+    with pytest.raises(ValueError, match="two vectors per sample"):
+        DLRM(tables[:1], dense_in_features=0, bottom_mlp=())
+    mixed = [
+        {"name": f"t{i}", "embedding_dim": dim, "num_embeddings": 50, "feature_names": [f"f{i}"]}
+        for i, dim in enumerate((DIM, DIM, DIM + 1))
+    ]
+    with pytest.raises(ValueError, match="one embedding dim across tables"):
+        DLRM(mixed, bottom_mlp=(8, DIM))

@@ -281,6 +281,31 @@ def test_optimizers_refuse_what_they_cannot_update() -> None:
         embcache.SparseSGD([m], lr=float("nan"))
 
 
+@pytest.mark.parametrize(
+    "cls",
+    [
+        embcache.SparseSGD,
+        embcache.SparseAdaGrad,
+        embcache.SparseRowWiseAdaGrad,
+        embcache.SparseAdam,
+    ],
+    ids=lambda c: c.__name__,
+)
+def test_optimizers_take_a_module_or_a_list(cls: type) -> None:
+    """``cls(ebc, lr=...)`` (a module, as torch.optim takes parameters) is ``cls([ebc], ...)``."""
+    data = batches(11, 3)
+    alone, listed = fresh(seed=4), fresh(seed=4)
+    opt_alone, opt_listed = cls(alone, lr=0.05), cls([listed], lr=0.05)
+    assert opt_alone.modules == [alone]
+    train(alone, opt_alone, data)
+    train(listed, opt_listed, data)
+    assert_state_dicts_equal(alone.state_dict(), listed.state_dict(), "module vs list")
+    with pytest.raises(TypeError, match="a module or a list of modules, got str"):
+        cls("ebc", lr=0.05)
+    with pytest.raises(TypeError, match="got int"):
+        cls(5, lr=0.05)
+
+
 def test_zero_grad_drops_the_trace() -> None:
     m = fresh(seed=0)
     opt = embcache.SparseSGD([m], lr=0.1)
