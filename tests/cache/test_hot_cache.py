@@ -406,8 +406,8 @@ def test_a_cache_the_device_cannot_hold_is_refused_before_allocating() -> None:
         CacheConfig(memory_budget=0)
 
 
-def test_a_batch_wider_than_the_cache_warns_once() -> None:
-    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
+def test_a_batch_wider_than_the_cache_warns_once(device: torch.device) -> None:
+    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD, device)
     with pytest.warns(CacheOverflowWarning, match=r"20 unique rows .* 8 slots"):
         cache.unlock(cache.resolve(torch.arange(20)))
     with warnings.catch_warnings():
@@ -418,13 +418,15 @@ def test_a_batch_wider_than_the_cache_warns_once() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("capacity", [8, 32], ids=["cap8", "cap32"])
-def test_stats_and_rows_are_the_same_with_and_without_prefetch(policy: str, capacity: int) -> None:
+def test_stats_and_rows_are_the_same_with_and_without_prefetch(
+    device: torch.device, policy: str, capacity: int
+) -> None:
     """Prefetch resolves batch i+1 before batch i's step (i's rows still locked); without it
     batch i is stepped first. Each counter must come out the same either way, as the rows do."""
     update = UPDATES["adagrad"]
     gen = torch.Generator().manual_seed(3)
     batches = [torch.unique(random_batch(gen, 40 if i % 3 else 120)) for i in range(12)]
-    grads = [torch.randn(b.numel(), DIM, generator=gen) for b in batches]
+    grads = [torch.randn(b.numel(), DIM, generator=gen).to(device) for b in batches]
 
     def step(cache: HotCache, i: int, slots: torch.Tensor) -> None:
         with cache.lock:
@@ -434,7 +436,7 @@ def test_stats_and_rows_are_the_same_with_and_without_prefetch(policy: str, capa
 
     def run(prefetch: bool) -> tuple[dict[str, float], torch.Tensor]:
         config = CacheConfig(capacity=capacity, ways=4, policy=policy)
-        cache, store, specs = make_cache(config, update.rule)
+        cache, store, specs = make_cache(config, update.rule, device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CacheOverflowWarning)
             ahead = cache.resolve(batches[0]) if prefetch else None
@@ -445,7 +447,7 @@ def test_stats_and_rows_are_the_same_with_and_without_prefetch(policy: str, capa
                 step(cache, i, slots)
         stats = cache.cache_stats()
         cache.flush()
-        return stats, tier_rows(store, specs)
+        return stats, tier_rows(store, specs, device)
 
     (with_stats, with_rows), (without_stats, without_rows) = run(True), run(False)
     assert torch.equal(with_rows, without_rows)
