@@ -45,6 +45,8 @@ TINY = os.environ.get("EMBCACHE_GPU_TEST_TINY", "0") == "1"
 BATCH, STEPS = (4, 3) if TINY else (128, 5)
 LONG_BAG = 70  # sample 0's bag of every feature: more than one BLOCK_N of the pooling kernels
 CPU = torch.device("cpu")
+# The run under test: Triton on DEVICE (auto picks it on CUDA; forced on the CPU stand-in).
+DEVICE_BACKEND = "auto" if DEVICE.type == "cuda" else "triton"
 
 # (atol, rtol) of the device run against the CPU path. Each step starts both from the same rows
 # (see `Side.restart_from`), so what differs is float32 rounding within one step: the backends
@@ -57,7 +59,9 @@ TOLERANCES = {"pooled": (1e-6, 1e-5), "grads": (1e-5, 2e-5), "rows": (1e-6, 2e-5
 PIPELINE_TOLERANCE = (1e-5, 1e-4)
 
 
-def table(name: str, dim: int, rows: int, pooling: str, features: list[str]):
+def table(
+    name: str, dim: int, rows: int, pooling: str, features: list[str]
+) -> embcache.TableConfig:
     return embcache.TableConfig(
         name=name, embedding_dim=dim, num_embeddings=rows, feature_names=features, pooling=pooling
     )
@@ -133,8 +137,8 @@ def on_backend(name: str) -> Iterator[None]:
 
 
 def device_run() -> AbstractContextManager[None]:
-    """The run under test: Triton on ``DEVICE`` (auto picks it on CUDA; forced on CPU)."""
-    return on_backend("auto" if DEVICE.type == "cuda" else "triton")
+    """The run under test: Triton on ``DEVICE``."""
+    return on_backend(DEVICE_BACKEND)
 
 
 def loss_of(out: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
@@ -146,7 +150,7 @@ def loss_of(out: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
 
 
 def make_batches(
-    tables: list, weighted: bool, n: int, seed: int = 0
+    tables: list[embcache.TableConfig], weighted: bool, n: int, seed: int = 0
 ) -> list[tuple[embcache.JaggedBatch, torch.Tensor]]:
     """``n`` batches of ``BATCH`` samples over every feature of ``tables``, with the loss's
     coefficients: Zipf-like ids (duplicates in and across bags), each table's last row, an
@@ -175,7 +179,9 @@ def make_batches(
     return out
 
 
-def touched_ids(batch: embcache.JaggedBatch, tables: list) -> dict[str, torch.Tensor]:
+def touched_ids(
+    batch: embcache.JaggedBatch, tables: list[embcache.TableConfig]
+) -> dict[str, torch.Tensor]:
     """The distinct ids of each table in ``batch`` (host tensors)."""
     return {
         t.name: torch.unique(torch.cat([batch[f].values() for f in t.feature_names]))
@@ -259,8 +265,7 @@ def test_auto_backend_runs_triton_on_cuda() -> None:
 def test_training_matches_the_cpu_path_at_every_step(case: Case) -> None:
     """Outputs, gradient rows and updated rows with their state agree with the CPU path at
     every step; after a flush the device's tier holds exactly the rows it served."""
-    device_backend = "auto" if DEVICE.type == "cuda" else "triton"
-    dev = Side(case, DEVICE, device_backend, update_in_backward=case.update_in_backward)
+    dev = Side(case, DEVICE, DEVICE_BACKEND, update_in_backward=case.update_in_backward)
     ref = Side(case, CPU, "torch")
     batches = make_batches(dev.tables, case.layout == "weighted", STEPS)
     for step, (batch, coeff) in enumerate(batches, start=1):
