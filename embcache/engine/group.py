@@ -11,20 +11,32 @@ to apply the optimizer's rule to its entries, then releases the slots.
 Rules for a batch that is never backpropagated: its locks last until the next training forward
 (`begin_batch`), `zero_grad` or `release_all`. A forward while an un-stepped trace exists is an
 error unless the collection accumulates gradients.
+
+A batch prefetched ahead of its forward (`issue`) is resolved on the `Prefetcher`'s worker
+thread; its forward takes what it resolved (`take_prefetch`). The rules that release a
+prefetch that will not be used are in `embcache.engine.prefetch`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
-from embcache.engine.batch_state import FusedPrefetchHandle, InFlight, Prepared, TraceEntry
+from embcache.engine.batch_state import (
+    FusedPrefetchHandle,
+    InFlight,
+    Prefetched,
+    Prepared,
+    TraceEntry,
+)
 from embcache.engine.engine import CacheEngine
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout
+from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
 from embcache.kv.base import Store, TableSpec
 
@@ -73,7 +85,7 @@ class EngineGroup:
             )
         self.trace: list[TraceEntry] = []
         self.inflight: list[InFlight] = []
-        self.prefetch: FusedPrefetchHandle | None = None
+        self.prefetches = Prefetcher(self.release_shares, device)
         self.generation = 0  # bumped when caches are emptied: older handles become stale
         self.optimizer: Any = None
         self.owner: object = self  # the step counts' key at the optimizer (the collection)
@@ -106,16 +118,7 @@ class EngineGroup:
     def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
         """Every engine's share of a checked batch; every id is validated (fused) before any
         cache changes, and a failing resolve leaves nothing locked."""
-        fused = [engine.fuse(batch) for engine in self.engines]
-        prepared: list[Prepared] = []
-        try:
-            for engine, args in zip(self.engines, fused, strict=True):
-                prepared.append(engine.prepare(*args, lock=lock))
-        except BaseException:
-            for engine, p in zip(self.engines, prepared, strict=False):
-                engine.release(p)
-            raise
-        return prepared
+        return self.prepare_fused([engine.fuse(batch) for engine in self.engines], lock)
 
     def start(self, prepared: list[Prepared]) -> InFlight:
         """Record a training forward's shares as a batch in flight."""
@@ -164,6 +167,7 @@ class EngineGroup:
                 "attach the optimizer before training: gradients of a backward are pending"
             )
         self.release_all()  # forwards that were never backpropagated
+        self.prefetches.release_all()
         for engine in self.engines:
             engine.cache.set_state(optimizer.state_dim(engine.dim), optimizer.state_init)
         for name in self.specs:
@@ -200,9 +204,11 @@ class EngineGroup:
         self.release_all()
 
     def zero_grad(self) -> None:
-        """Drop the recorded gradients and the locks of every forward in flight."""
+        """Drop the recorded gradients and the locks of every forward in flight, prefetched
+        ones included."""
         self.trace = []
         self.release_all()
+        self.prefetches.release_all()
 
     def release(self, batch: InFlight) -> None:
         for engine, p in zip(self.engines, batch.prepared, strict=True):
@@ -215,11 +221,31 @@ class EngineGroup:
 
     # -- prefetch ----------------------------------------------------------------------------
 
-    def handle(self, owner_id: int, batch: JaggedBatch, prepared: list[Prepared]):
-        return FusedPrefetchHandle(
-            owner_id, self.generation, list(batch.keys()), batch.lengths(), batch.values(),
-            prepared,
-        )  # fmt: skip
+    def prepare_fused(
+        self, fused: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], lock: bool
+    ) -> list[Prepared]:
+        """`prepare` after `CacheEngine.fuse` (every id validated): dedup and resolve each
+        engine's share; a failing resolve leaves nothing locked."""
+        prepared: list[Prepared] = []
+        try:
+            for engine, args in zip(self.engines, fused, strict=True):
+                prepared.append(engine.prepare(*args, lock=lock))
+        except BaseException:
+            self.release_shares(prepared)
+            raise
+        return prepared
+
+    def release_shares(self, prepared: list[Prepared | None]) -> None:
+        """Unlock the shares of a batch that will not run (a prefetch released unused)."""
+        for engine, p in zip(self.engines, prepared, strict=False):
+            if p is not None:
+                engine.release(p)
+
+    def issue(
+        self, owner_id: int, batch: JaggedBatch, job: Callable[[int], Prefetched]
+    ) -> FusedPrefetchHandle:
+        """Queue a prefetch (``job(seq) -> Prefetched`` on the worker); returns its handle."""
+        return self.prefetches.issue(owner_id, self.generation, batch, job)
 
     def check_handle(self, handle: FusedPrefetchHandle, owner_id: int) -> None:
         if not isinstance(handle, FusedPrefetchHandle):
@@ -227,32 +253,30 @@ class EngineGroup:
         if handle.module_id != owner_id:
             raise ValueError("prefetch handle was issued by another collection")
         if handle.used or handle.generation != self.generation:
-            raise ValueError("prefetch handle is stale: already used, or the cache was emptied")
+            raise ValueError(
+                "prefetch handle is stale: already used or released (a newer forward, "
+                "zero_grad, reset_trace), or the cache was emptied"
+            )
+
+    def set_prefetch(self, handle: FusedPrefetchHandle | None, owner_id: int) -> None:
+        """Make the next forward use ``handle`` (None: no handle)."""
+        if handle is not None:
+            self.check_handle(handle, owner_id)
+        self.prefetches.record(handle, explicit=True)
 
     def cancel(self, handle: FusedPrefetchHandle, owner_id: int) -> None:
         """Release a handle that will not be used."""
-        if handle.used or handle.module_id != owner_id:
-            return
-        handle.used = True
-        if self.prefetch is handle:
-            self.prefetch = None
-        for engine, p in zip(self.engines, handle.prepared, strict=True):
-            engine.release(p)
+        if handle.module_id == owner_id:
+            self.prefetches.release(handle.state)
 
-    def take_prefetch(self, batch: JaggedBatch, owner_id: int) -> FusedPrefetchHandle | None:
-        """The handle set for this forward, checked against its features (else cancelled)."""
-        handle, self.prefetch = self.prefetch, None
-        if handle is None:
-            return None
-        self.check_handle(handle, owner_id)
-        if not handle.issued_for(batch):
-            self.cancel(handle, owner_id)
-            raise ValueError(
-                "prefetch handle was issued for other features than this forward's; "
-                "it has been cancelled"
-            )
-        handle.used = True
-        return handle
+    def take_prefetch(self, batch: JaggedBatch) -> Prefetched | None:
+        """What the handle recorded for this forward resolved (None: read synchronously), after
+        waiting for its worker; releases the handles no forward can use any more."""
+        handle = self.prefetches.take(batch)
+        if handle is not None and handle.generation != self.generation:
+            self.prefetches.release(handle.state)
+            handle = None
+        return self.prefetches.use(handle)
 
     # -- caches ------------------------------------------------------------------------------
 

@@ -304,6 +304,27 @@ def test_invalidate_and_set_state(device: torch.device) -> None:
     assert bool((rows[:, DIM:] == 0.5).all())
 
 
+@pytest.mark.parametrize("cap", ["tiny_4way", "whole_table"])
+def test_write_weights_wherever_the_row_lives(device: torch.device, cap: str) -> None:
+    """`write_weights` changes a resident row in its slot (dirty, so flush keeps it), a row in
+    the scratch area likewise, and any other row in the tier; the state columns stay."""
+    cache, store, specs = make_cache(CacheConfig(**CAPACITIES[cap]), OptimRule.ADAGRAD, device)
+    dense = dense_reference(specs, device)
+    train(cache, dense, UPDATES["adagrad"], steps=6, seed=4)
+    locked = cache.resolve(torch.unique(random_batch(torch.Generator().manual_seed(9), 200)))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.unique(random_batch(gen, 40))
+    resident = torch.isin(ids, cache.slot_keys.cpu())
+    assert bool(resident.any()) and (cap == "whole_table" or not bool(resident.all()))
+    rows = torch.randn(ids.numel(), DIM, generator=gen)
+    cache.write_weights(ids, rows)
+    dense[dense_index(ids, device), :DIM] = rows.to(device)
+    assert torch.equal(cache.read(ids), dense[dense_index(ids, device)])
+    cache.unlock(locked)
+    cache.flush()
+    assert torch.equal(tier_rows(store, specs, device), dense)
+
+
 def test_locked_invalidate_and_bad_unlock_raise(device: torch.device) -> None:
     cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD, device)
     slots = cache.resolve(torch.tensor([1, 2, 3]))
