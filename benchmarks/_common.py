@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: threads, skewed ids, timing, CSV, run header.
+"""Helpers shared by the benchmark scripts: threads, skewed ids, timing, CSV, run header, and a
+tier with per-call latency (`SlowStore`).
 
 Imported as ``_common`` by scripts run from anywhere (``python benchmarks/bench_x.py``): Python
 puts the script's folder first on ``sys.path``.
@@ -12,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +28,8 @@ import torch
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+from embcache.kv.base import Store, TableSpec  # noqa: E402 (after the path is set)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -177,3 +181,74 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+class SlowStore(Store):
+    """A `Store` that forwards to ``inner`` after sleeping ``latency_s`` in each get/read/put call.
+
+    Thread-safe: the prefetch thread, the training thread and the cache's per-table I/O
+    threads may all call it. ``tier_seconds`` is the wall time during which at least one call
+    was in flight (concurrent calls count once), ``calls`` counts them. ``parallel_io`` tells
+    the cache that concurrent calls overlap their latency, as a remote tier's do.
+    """
+
+    parallel_io = True
+
+    def __init__(self, inner: Store, latency_s: float) -> None:
+        self.inner = inner
+        self.latency_s = latency_s
+        self.calls = 0
+        self.tier_seconds = 0.0
+        self._active = 0  # calls in flight
+        self._busy_since = 0.0
+        self._lock = threading.Lock()
+
+    def _timed(self, fn, *args):
+        with self._lock:
+            if not self._active:
+                self._busy_since = time.perf_counter()
+            self._active += 1
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self.calls += 1
+                self._active -= 1
+                if not self._active:
+                    self.tier_seconds += time.perf_counter() - self._busy_since
+
+    def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.inner.get, table, ids)
+
+    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.inner.read, table, ids)
+
+    def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self._timed(self.inner.put, table, ids, rows)
+
+    def snapshot(self) -> tuple[int, float]:
+        """``(calls, tier_seconds)`` so far."""
+        with self._lock:
+            return self.calls, self.tier_seconds
+
+    def init_table(self, spec: TableSpec) -> None:
+        self.inner.init_table(spec)
+
+    def table_spec(self, table: str) -> TableSpec:
+        return self.inner.table_spec(table)
+
+    def tables(self) -> list[str]:
+        return self.inner.tables()
+
+    def export_rows(
+        self, table: str, chunk_rows: int = 65536
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.inner.export_rows(table, chunk_rows)
+
+    def import_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.inner.import_rows(table, ids, rows)
+
+    def close(self) -> None:
+        self.inner.close()

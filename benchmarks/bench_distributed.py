@@ -8,7 +8,14 @@ contend with the neighbours and the numbers swing by 10x; ``--threads`` changes 
 * ``single``     one process, `CachedEmbeddingBagCollection` on the whole global batch: the
                  named baseline every ratio is against;
 * ``sharded/1``  `ShardedEmbeddingBagCollection` on one rank (the exchange machinery, no peer);
-* ``sharded/2``  two ranks, each on half of every global batch, each owning about half the rows.
+* ``sharded/2``  two ranks, each on half of every global batch, each owning about half the rows;
+* ``prefetch/2`` the same two ranks with prefetch: each step's id exchange and owner resolve
+                 (tier I/O) run on the prefetch worker during the step before. ``vs sharded/2``
+                 is its ratio to ``sharded/2``, and ``identical`` says that both trained to the
+                 same bits.
+
+Every run trains through `TrainPipeline` (``prefetch=False`` but for ``prefetch/2``). The tier
+is a `HostKV`, behind `SlowStore` with ``--latency-ms`` per call (default 0: host memory).
 
 samples/s is the global batch times the timed steps over the slowest rank's time (the ranks meet
 at a barrier before and after); the runs take turns ``--repeats`` times and each keeps its best,
@@ -18,8 +25,9 @@ all_to_alls send per step (header, ids, rows, gradients:
 are Zipf(1.0) per table, scattered over the rows. Prints a table; writes
 benchmarks/results/distributed.csv and distributed.png.
 
-    .venv/bin/python benchmarks/bench_distributed.py            # full
-    .venv/bin/python benchmarks/bench_distributed.py --quick    # < 1 min
+    .venv/bin/python benchmarks/bench_distributed.py                    # full
+    .venv/bin/python benchmarks/bench_distributed.py --quick            # < 1 min
+    .venv/bin/python benchmarks/bench_distributed.py --latency-ms 2     # a remote-like tier
 """
 
 from __future__ import annotations
@@ -31,12 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import RESULTS, ZipfIds, pyplot, write_csv
+from _common import RESULTS, SlowStore, ZipfIds, pyplot, write_csv
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import embcache
 from embcache.distributed.launch import spawn
 from embcache.distributed.sharded import ShardedEmbeddingBagCollection
+from embcache.train.pipeline import TrainPipeline
 
 PARTS = 2  # a global batch is this many equal parts; rank r of W takes PARTS / W of them
 BASELINE = "single"
@@ -54,6 +63,7 @@ class Workload:
     load_factor: float
     threads: int  # torch threads per rank
     repeats: int
+    latency_ms: float = 0.0  # per tier call
 
 
 @dataclass
@@ -68,6 +78,8 @@ class Row:
     bytes_to_peers_per_step: float
     all_to_alls_per_step: float
     hit_rate: float
+    vs_sharded_2: float  # samples/s over sharded/2's
+    identical: bool  # trained to the same tables as sharded/2
 
 
 def table_configs(w: Workload) -> list[EmbeddingBagConfig]:
@@ -99,36 +111,40 @@ def _rank_main(rank: int, run: str, w: Workload) -> dict:
     share = PARTS // world
     tables = table_configs(w)
     cache = embcache.CacheConfig(load_factor=w.load_factor)
+    store = SlowStore(embcache.HostKV(), w.latency_ms * 1e-3)
     if run == BASELINE:
-        ebc = embcache.CachedEmbeddingBagCollection(tables, cache=cache, seed=0)
+        ebc = embcache.CachedEmbeddingBagCollection(tables, cache=cache, store=store, seed=0)
     else:
-        ebc = ShardedEmbeddingBagCollection(tables, cache=cache, seed=0)
+        ebc = ShardedEmbeddingBagCollection(tables, cache=cache, store=store, seed=0)
     opt = embcache.SparseAdaGrad([ebc], lr=0.05)
     batches = [
         part_kjt(w, step, range(rank * share, (rank + 1) * share))
         for step in range(w.warmup + w.steps)
     ]
-
-    def train(kjt: KeyedJaggedTensor) -> None:
-        ebc(kjt).values().square().sum().backward()
-        opt.step()
-
-    for kjt in batches[: w.warmup]:
-        train(kjt)
+    pipe = TrainPipeline(
+        ebc,
+        opt,
+        None,
+        features=lambda kjt: kjt,
+        loss=lambda m, kjt: m(kjt).values().square().sum(),
+        prefetch=run == "prefetch",
+    )
+    pipe.run(batches[: w.warmup])
     if run != BASELINE:
         ebc.reset_comm_stats()
     ebc.reset_stats()
     torch.distributed.barrier()
     start = time.perf_counter()
-    for kjt in batches[w.warmup :]:
-        train(kjt)
+    pipe.run(batches[w.warmup :])
     torch.distributed.barrier()
     elapsed = time.perf_counter() - start
     comm = ebc.comm_stats() if run != BASELINE else {}
-    return {"seconds": elapsed, "comm": comm, "hit_rate": ebc.cache_stats()["hit_rate"]}
+    hit_rate = ebc.cache_stats()["hit_rate"]
+    checksum = [float(v.double().sum()) for v in ebc.state_dict().values()]
+    return {"seconds": elapsed, "comm": comm, "hit_rate": hit_rate, "checksum": checksum}
 
 
-RUNS = ((BASELINE, 1), ("sharded", 1), ("sharded", 2))
+RUNS = ((BASELINE, 1), ("sharded", 1), ("sharded", 2), ("prefetch", 2))
 
 
 def run(w: Workload) -> list[Row]:
@@ -144,6 +160,8 @@ def run(w: Workload) -> list[Row]:
                 best[(name, ranks)] = results
     rows: list[Row] = []
     base = None
+    sharded_2 = best[("sharded", 2)]
+    sharded_speed = w.batch * w.steps / max(r["seconds"] for r in sharded_2)
     for name, ranks in RUNS:
         results = best[(name, ranks)]
         speed = w.batch * w.steps / max(r["seconds"] for r in results)
@@ -164,6 +182,8 @@ def run(w: Workload) -> list[Row]:
                 bytes_to_peers_per_step=per_step("bytes_to_peers"),
                 all_to_alls_per_step=per_step("collectives"),
                 hit_rate=sum(r["hit_rate"] for r in results) / len(results),
+                vs_sharded_2=speed / sharded_speed,
+                identical=ranks == 2 and results[0]["checksum"] == sharded_2[0]["checksum"],
             )
         )
     return rows
@@ -176,19 +196,25 @@ def report(rows: list[Row], w: Workload) -> None:
         f"of {w.repeats}; "
         f"cache load factor {w.load_factor} (per rank: of its rows); SparseAdaGrad; gloo; "
         f"{w.threads} torch thread(s) per rank, {os.cpu_count()} cores; load average "
-        f"{os.getloadavg()[0]:.1f}; baseline {BASELINE}"
+        f"{os.getloadavg()[0]:.1f}; tier latency {w.latency_ms} ms per call; baseline {BASELINE}"
     )
     head = (
-        f"{'run':<11}{'ranks':>6}{'samples/s':>12}{'vs single':>11}{'MB sent/step':>14}"
-        f"{'MB to peers':>13}{'a2a/step':>10}{'hit rate':>10}"
+        f"{'run':<11}{'ranks':>6}{'samples/s':>12}{'vs single':>11}{'vs sharded/2':>14}"
+        f"{'MB sent/step':>14}{'MB to peers':>13}{'a2a/step':>10}{'hit rate':>10}{'identical':>11}"
     )
     print(head)
     for r in rows:
         print(
             f"{r.run:<11}{r.ranks:>6}{r.samples_per_s:>12.0f}{r.vs_single:>11.2f}"
-            f"{r.bytes_sent_per_step / 1e6:>14.3f}{r.bytes_to_peers_per_step / 1e6:>13.3f}"
-            f"{r.all_to_alls_per_step:>10.1f}{r.hit_rate:>10.3f}"
+            f"{r.vs_sharded_2:>14.2f}{r.bytes_sent_per_step / 1e6:>14.3f}"
+            f"{r.bytes_to_peers_per_step / 1e6:>13.3f}{r.all_to_alls_per_step:>10.1f}"
+            f"{r.hit_rate:>10.3f}{str(r.identical) if r.ranks == 2 else '':>11}"
         )
+    prefetch = next(r for r in rows if r.run == "prefetch/2")
+    print(
+        f"summary: distributed prefetch speedup={prefetch.vs_sharded_2:.2f} "
+        f"identical={prefetch.identical} latency_ms={w.latency_ms}"
+    )
 
 
 def write_plot(rows: list[Row], path: Path) -> None:
@@ -212,16 +238,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default 3, quick 2)")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="tier latency per call")
     parser.add_argument("--out", type=Path, default=RESULTS / "distributed.csv")
     args = parser.parse_args()
     if args.quick:
         w = Workload(tables=4, rows=20_000, dim=32, bag=4, batch=1024, steps=5, warmup=2,
-                     load_factor=0.25, threads=args.threads, repeats=args.repeats or 2)  # fmt: skip
+                     load_factor=0.25, threads=args.threads, repeats=args.repeats or 2,
+                     latency_ms=args.latency_ms)  # fmt: skip
     else:
         w = Workload(tables=8, rows=100_000, dim=64, bag=4, batch=4096, steps=20, warmup=3,
-                     load_factor=0.25, threads=args.threads, repeats=args.repeats or 3)  # fmt: skip
+                     load_factor=0.25, threads=args.threads, repeats=args.repeats or 3,
+                     latency_ms=args.latency_ms)  # fmt: skip
     rows = run(w)
     report(rows, w)
+    prefetch = next(r for r in rows if r.run == "prefetch/2")
+    assert prefetch.identical, "prefetch changed the numbers: the tables differ from sharded/2"
     write_csv(rows, args.out)
     write_plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

@@ -27,94 +27,30 @@ prints ``identical: True``. Prints a table; writes ``benchmarks/results/pipeline
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import RESULTS, ZipfIds, pick_device, pyplot, run_header, set_threads, write_csv
+from _common import (
+    RESULTS,
+    SlowStore,
+    ZipfIds,
+    pick_device,
+    pyplot,
+    run_header,
+    set_threads,
+    write_csv,
+)
 from torch import nn
 
 import embcache
-from embcache.kv.base import Store, TableSpec
+from embcache.kv.base import Store
 from embcache.train.pipeline import PrefetchFallbackWarning, TrainPipeline
 
 NUM_DENSE = 13
 ALPHA = 1.05
-
-
-class SlowStore(Store):
-    """A `Store` that forwards to ``inner`` after sleeping ``latency_s`` in each get/read/put call.
-
-    Thread-safe: the prefetch thread, the training thread and the cache's per-table I/O
-    threads may all call it. ``tier_seconds`` is the wall time during which at least one call
-    was in flight (concurrent calls count once), ``calls`` counts them. ``parallel_io`` tells
-    the cache that concurrent calls overlap their latency, as a remote tier's do.
-    """
-
-    parallel_io = True
-
-    def __init__(self, inner: Store, latency_s: float) -> None:
-        self.inner = inner
-        self.latency_s = latency_s
-        self.calls = 0
-        self.tier_seconds = 0.0
-        self._active = 0  # calls in flight
-        self._busy_since = 0.0
-        self._lock = threading.Lock()
-
-    def _timed(self, fn, *args):
-        with self._lock:
-            if not self._active:
-                self._busy_since = time.perf_counter()
-            self._active += 1
-        if self.latency_s:
-            time.sleep(self.latency_s)
-        try:
-            return fn(*args)
-        finally:
-            with self._lock:
-                self.calls += 1
-                self._active -= 1
-                if not self._active:
-                    self.tier_seconds += time.perf_counter() - self._busy_since
-
-    def get(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        return self._timed(self.inner.get, table, ids)
-
-    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        return self._timed(self.inner.read, table, ids)
-
-    def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self._timed(self.inner.put, table, ids, rows)
-
-    def snapshot(self) -> tuple[int, float]:
-        """``(calls, tier_seconds)`` so far."""
-        with self._lock:
-            return self.calls, self.tier_seconds
-
-    def init_table(self, spec: TableSpec) -> None:
-        self.inner.init_table(spec)
-
-    def table_spec(self, table: str) -> TableSpec:
-        return self.inner.table_spec(table)
-
-    def tables(self) -> list[str]:
-        return self.inner.tables()
-
-    def export_rows(
-        self, table: str, chunk_rows: int = 65536
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self.inner.export_rows(table, chunk_rows)
-
-    def import_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self.inner.import_rows(table, ids, rows)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 # ----------------------------------------------------------------------------------------------

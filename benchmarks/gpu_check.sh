@@ -9,9 +9,12 @@
 # Steps, each under `timeout` (the limits add up to the 470 s budget):
 #   preflight          benchmarks/gpu_preflight.py: each kernel once against its torch twin at
 #                      B=2048, 26 features (stops at the first mismatch, naming the kernel)
-#   gpu_tests          pytest tests/test_gpu.py (training on CUDA vs the CPU path, pipeline)
-#   kernel_tests       EMBCACHE_BACKEND=triton pytest tests/kernels (both backends on CUDA;
-#                      one pytest per file, side by side, so cold compiles share the cores)
+#   gpu_tests          pytest tests/test_gpu.py (training on CUDA vs the CPU path at every
+#                      step, prefetch pipeline, host syncs, DistEmbedding)
+#   kernel_tests       EMBCACHE_BACKEND=triton pytest tests/kernels and
+#                      tests/cache/test_hot_cache.py (the cache invariants on CUDA); both
+#                      backends on CUDA; one pytest per file, side by side, so cold compiles
+#                      share the cores
 #   bench_kernels      bench_kernels.py --quick       (ops vs torch baselines, bandwidth)
 #   bench_cache_index  bench_cache_index.py --quick   (lookups and victim choice)
 #   bench_pipeline     bench_pipeline.py --quick      (prefetch vs synchronous, bit-identical)
@@ -20,9 +23,9 @@
 #
 # The dry run walks the same steps on the CPU: the Triton kernels through the interpreter at
 # tiny sizes (tests/test_gpu.py with EMBCACHE_TEST_DEVICE=cpu EMBCACHE_GPU_TEST_TINY=1, a subset
-# of the kernel tests, the benchmarks' toy sizes), in a Python where torchrec, fbgemm_gpu,
-# tensordict, iopath and redis cannot be imported, as on the GPU image (tests/gpu_image;
-# GPU_CHECK_SIMULATE_IMAGE=0 turns that off).
+# of the kernel and cache tests, the benchmarks' toy sizes), in a Python where torchrec,
+# fbgemm_gpu, tensordict, iopath and redis cannot be imported, as on the GPU image
+# (tests/gpu_image; GPU_CHECK_SIMULATE_IMAGE=0 turns that off).
 #
 # Output: logs, CSVs, PNGs and summary.txt in one folder; with $OUT set, packed into
 # $OUT/gpu_check.tar.gz, with summary.txt beside it. Without $OUT the folder is
@@ -187,7 +190,8 @@ if [[ $DRY_RUN == 1 ]]; then
     run_step kernel_tests pytest 120 env EMBCACHE_BACKEND=triton PY="$PY" \
         bash "${BASH_SOURCE[0]}" --parallel-pytest \
         "tests/kernels/test_optim.py::test_aggregate_grads_sums_duplicates" \
-        "tests/kernels/test_cache_index.py::test_set_index_bit_identical_to_twin"
+        "tests/kernels/test_cache_index.py::test_set_index_bit_identical_to_twin" \
+        "tests/cache/test_hot_cache.py::test_training_through_cache_equals_dense[one_row_per_set-adam-lfu]"
     run_step bench_kernels script 60 "$PY" benchmarks/bench_kernels.py --device cpu \
         --batch 16 --features 3 --rows 1000 --dims 8 --reps 1 --out "$RESULTS/kernels.csv"
     run_step bench_cache_index script 60 "$PY" benchmarks/bench_cache_index.py --device cpu \
@@ -199,9 +203,11 @@ else
     run_step preflight script 60 "$PY" benchmarks/gpu_preflight.py --device cuda
     run_step gpu_tests pytest 100 "${PYTEST[@]}" tests/test_gpu.py
     # Cold compiles of every kernel variant the tests use: the longest step, so one pytest per
-    # file, side by side.
+    # file, side by side (the cache invariants here too: their many small batches compile
+    # dozens of cache-index variants).
     run_step kernel_tests pytest 170 env EMBCACHE_BACKEND=triton PY="$PY" \
-        bash "${BASH_SOURCE[0]}" --parallel-pytest tests/kernels/test_*.py
+        bash "${BASH_SOURCE[0]}" --parallel-pytest tests/kernels/test_*.py \
+        tests/cache/test_hot_cache.py
     run_step bench_kernels script 50 "$PY" benchmarks/bench_kernels.py --device cuda --quick \
         --out "$RESULTS/kernels.csv"
     run_step bench_cache_index script 30 "$PY" benchmarks/bench_cache_index.py --device cuda \

@@ -1,11 +1,11 @@
 """`benchmarks/gpu_check.sh --dry-run`: the GPU check's plumbing, proved on the CPU.
 
 The dry run walks every step of the check (preflight, tests/test_gpu.py, a subset of the
-kernel tests, the three benchmarks) with the Triton kernels in the interpreter at tiny sizes,
-in a Python that cannot import torchrec, fbgemm_gpu, tensordict, iopath or redis (as on the GPU
-image). These tests read what a person gets back from the GPU machine: the summary table and
-the tarball. A pytest step that passes no test must fail, and the preflight must stop at a
-broken kernel and name it.
+kernel and cache tests, the three benchmarks) with the Triton kernels in the interpreter at
+tiny sizes, in a Python that cannot import torchrec, fbgemm_gpu, tensordict, iopath or redis
+(as on the GPU image). These tests read what a person gets back from the GPU
+machine: the summary table and the tarball. A pytest step that passes no test must fail, and
+the preflight must stop at a broken kernel and name it.
 """
 
 from __future__ import annotations
@@ -69,9 +69,20 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
         assert tar.extractfile(files["summary.txt"]).read().decode() == summary
         preflight = tar.extractfile(files["preflight.log"]).read().decode()
         gpu_tests = tar.extractfile(files["gpu_tests.log"]).read().decode()
+        kernel_tests = tar.extractfile(files["kernel_tests.log"]).read().decode()
     assert len(re.findall(r" ok +[0-9.]+ s ", preflight)) == 20, preflight
     # The GPU image's absence of torchrec was in force: test_gpu.py ran through JaggedBatch.
     assert "passed" in gpu_tests and "ModuleNotFoundError" not in gpu_tests
+    # Only what needs CUDA itself was skipped.
+    skipped = re.findall(r"^SKIPPED \[\d+\] ([^:]+):\d+: (.*)$", gpu_tests, re.MULTILINE)
+    assert [path for path, _ in skipped] == ["tests/test_gpu.py"] * 2, skipped
+    assert "auto picks the twins off CUDA" in skipped[0][1]
+    assert "no host synchronisations to count" in skipped[1][1]
+    # The cache invariants ran beside the kernel tests, by path, with the Triton kernels.
+    assert "tests/cache/test_hot_cache.py::" in kernel_tests.splitlines()[1]
+    assert re.search(
+        r"[1-9]\d* passed, 0 failed, 0 errors, 0 skipped; 3 files", results["kernel_tests"]
+    )
 
 
 def test_a_step_that_passes_no_test_fails(tmp_path: Path) -> None:

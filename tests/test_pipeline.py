@@ -19,6 +19,7 @@ TABLES = [
 ]
 FEATURES = ["f0", "f1", "f2"]
 BATCH = 6
+TIMEOUT_S = 10.0  # bound on every wait, so a broken prefetch fails instead of hanging
 
 
 class TinyModel(nn.Module):
@@ -164,8 +165,8 @@ def test_prefetch_that_does_not_fit_falls_back_with_a_warning() -> None:
 
     def loss_after_prefetch(m, b):
         # Let the next batch's prefetch finish first, so it always meets this batch's locks.
-        if pipe._pending is not None:
-            pipe._pending.result()
+        for handle in pipe._pending or ():
+            handle.wait()
         return m(b)
 
     pipe = TrainPipeline(model, sparse, dense, features=lambda b: b[0], loss=loss_after_prefetch)
@@ -178,7 +179,10 @@ def test_prefetch_that_does_not_fit_falls_back_with_a_warning() -> None:
 
 
 def assert_clean(model) -> None:
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("embcache-prefetch")]
+    workers = [t for t in threading.enumerate() if t.name.startswith("embcache-prefetch")]
+    for t in workers:  # a worker exits once its queue is empty; give it the moment it needs
+        t.join(timeout=TIMEOUT_S)
+    alive = [t.name for t in workers if t.is_alive()]
     assert not alive, f"prefetch threads left running: {alive}"
     assert all(c.locked_slots() == 0 for c in model.sparse.caches()), "slots left locked"
     assert not model.sparse._trace
@@ -255,12 +259,27 @@ def test_a_failing_prefetch_ends_the_run_cleanly() -> None:
     assert_clean(model)
 
 
-def test_collections_that_cannot_prefetch_are_refused_up_front() -> None:
-    """A collection whose lookups cannot run on a worker (ShardedEmbeddingBagCollection: they
-    are collectives) is refused with prefetch=True, and trains with prefetch=False."""
-    model, sparse, dense = build(embcache.CacheConfig(load_factor=0.1, ways=4))
-    model.sparse.supports_prefetch = False
-    with pytest.raises(ValueError, match="cannot prefetch; pass prefetch=False"):
-        pipeline(model, sparse, dense)
-    assert len(pipeline(model, sparse, dense, prefetch=False).run(make_batches(3))) == 3
+def test_handles_released_during_a_step_make_the_next_batch_run_synchronously() -> None:
+    """A ``reset_trace()`` (or ``zero_grad()``) inside the step releases the next batch's
+    prefetch, issued before this forward: that batch then resolves in its forward, same bits."""
+    batches = make_batches(6, seed=4)
+    cache = embcache.CacheConfig(load_factor=0.1, ways=4)
+    model, sparse, dense = build(cache)
+    reference_losses = train_plain(model, sparse, dense, batches)
+    reference = snapshot(model)
+
+    model, sparse, dense = build(cache)
+    released = []
+
+    def loss(m, b):
+        pending = list(pipe._pending or ())
+        m.sparse.reset_trace()  # nothing to drop but the pending prefetch
+        released.extend(h.used for h in pending)
+        return m(b)
+
+    pipe = TrainPipeline(model, sparse, dense, features=lambda b: b[0], loss=loss)
+    assert pipe.run(batches) == reference_losses
+    assert released and all(released)
+    for key, value in snapshot(model).items():
+        assert torch.equal(value, reference[key]), key
     assert_clean(model)

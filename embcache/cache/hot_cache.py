@@ -192,6 +192,11 @@ class HotCache(PolicyState):
     # storage
 
     @property
+    def admits_all(self) -> bool:
+        """Whether every id gets a slot (no admission threshold: no slot is ever -1)."""
+        return self._admission is None
+
+    @property
     def counter_bytes(self) -> int:
         """Device bytes of the LFU counts and the admission sketch."""
         total = 0 if self._counts is None else self._counts.nbytes
@@ -641,6 +646,19 @@ class HotCache(PolicyState):
             self.state_dim = state_dim
             self._allocate(scratch_rows=0)
 
+    def _resident_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each of ``ids`` where it is resident (scratch included), else -1."""
+        if self.direct:
+            slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
+            return torch.where(self.slot_keys[slots] == ids, slots, -1)
+        sets = set_index(ids, self.num_sets)
+        keys = self.slot_keys[: self.num_slots].view(self.num_sets, self.ways)
+        ways = cache_lookup(keys, ids, sets)
+        slots = torch.where(ways >= 0, sets * self.ways + ways, -1)
+        if self._scratch_used:
+            self._find_in_scratch(ids, slots)
+        return slots
+
     def read(self, fused_ids: torch.Tensor) -> torch.Tensor:
         """Current rows of ``fused_ids`` wherever they live, as float32 ``[n, width]``
         (weights widened, then state); changes nothing.
@@ -649,16 +667,7 @@ class HotCache(PolicyState):
         """
         with self._resolve_mutex, self.lock:
             ids = fused_ids.to(self.device, torch.int64)
-            if self.direct:
-                slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
-                slots = torch.where(self.slot_keys[slots] == ids, slots, -1)
-            else:
-                sets = set_index(ids, self.num_sets)
-                keys = self.slot_keys[: self.num_slots].view(self.num_sets, self.ways)
-                ways = cache_lookup(keys, ids, sets)
-                slots = torch.where(ways >= 0, sets * self.ways + ways, -1)
-                if self._scratch_used:
-                    self._find_in_scratch(ids, slots)
+            slots = self._resident_slots(ids)
             found = slots >= 0
             spec = self.transfer.spec
             out = torch.empty(ids.numel(), self.width, device=self.device)
@@ -666,6 +675,29 @@ class HotCache(PolicyState):
             if not bool(found.all()):
                 out[~found] = spec.to_float(self.transfer.read(ids[~found].cpu())).to(self.device)
             return out
+
+    def write_weights(self, fused_ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Overwrite the weights of the rows of ``fused_ids`` (distinct) wherever they live,
+        keeping their optimizer state: in their slot (scratch included), which becomes dirty,
+        or in the tier. The tier is written first, so a tier error changes nothing here.
+
+        Args:
+            fused_ids: int64 ``[n]`` distinct fused ids.
+            weights: float32 ``[n, dim]`` their new weights.
+        """
+        with self._resolve_mutex, self.lock:
+            ids = fused_ids.to(self.device, torch.int64)
+            weights = weights.to(self.device, torch.float32)
+            slots = self._resident_slots(ids)
+            found = slots >= 0
+            if not bool(found.all()):
+                absent = ids[~found].cpu()
+                current = self.transfer.read(absent)
+                current[:, : self.dim] = weights[~found].cpu()
+                self.transfer.write(absent, current)
+            resident = slots[found]
+            self.weights[resident] = weights[found]
+            self.dirty[resident] = True
 
     # ------------------------------------------------------------------------------------------
     # statistics

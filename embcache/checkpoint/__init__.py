@@ -1,7 +1,7 @@
-"""Checkpoints of models with cached collections: every table row (weights and optimizer state),
-the optimizers' state, and the model's dense state, written so that a crash never loses the
-previous checkpoint and loaded so that a damaged or crafted one can neither run code nor be
-half-applied.
+"""Checkpoints of models with cached collections (and RecStore `DistEmbedding` modules): every
+table row (weights and optimizer state), the optimizers' state, and the model's dense state,
+written so that a crash never loses the previous checkpoint and loaded so that a damaged or
+crafted one can neither run code nor be half-applied.
 
     embcache.save("ckpt/", model, [sparse_opt, dense_opt])
     ...
@@ -18,8 +18,9 @@ Layout of a checkpoint directory (format 2)::
         dense.safetensors         the model's state_dict without the cached tables' weights
         optim-0.safetensors ...   optimizer state: tensors, and its structure as JSON metadata
         tables/<m>-<t>-<k>.safetensors   (ids, rows[, scores]) chunks of at most ``chunk_rows``
-                                  rows of table t of cached module m, rows as the tier stores
-                                  them (half-precision weights stay half), with a bounded
+                                  rows of table t of module m (a cached collection, or a
+                                  DistEmbedding: its tensor in its KV client), rows as the tier
+                                  stores them (half-precision weights stay half), with a bounded
                                   table's eviction scores
         caches/<m>-<c>.safetensors       cache c of module m: which row each slot holds, its
                                   scores, LFU/admission counts and clocks (`HotCache.
@@ -51,7 +52,8 @@ import copy
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +74,37 @@ from embcache.checkpoint.files import (
     write_tensors,
 )
 from embcache.engine.interface import CachedCollectionInterface
+from embcache.kv.base import Store
 from embcache.optim.sparse import SparseOptimizer
+from embcache.recstore.dist_embedding import DistEmbedding
 
 __all__ = ["CheckpointError", "latest_snapshot", "load", "read_extra", "save"]
 
 
-def _collections(model: nn.Module) -> list[tuple[str, CachedCollectionInterface]]:
-    return [
-        (name, m) for name, m in model.named_modules() if isinstance(m, CachedCollectionInterface)
-    ]
+@dataclass
+class _Rows:
+    """A module whose table rows live in a tier: a cached collection (its tables behind its
+    caches) or a `DistEmbedding` (one tensor of its KV client)."""
+
+    store: Store
+    tables: list[str]
+    settle: Callable[[], None]  # before reading the tier: write everything pending to it
+    reset: Callable[[], None]  # before writing the tier: drop what the module holds of it
+    caches: Callable[[], list]  # its device caches (their policy state is saved too)
+
+
+def _row_modules(model: nn.Module) -> list[tuple[str, _Rows]]:
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, CachedCollectionInterface):
+            tables = [t.name for t in m.tables]
+            rows = _Rows(m.store, tables, m.flush, m.invalidate_caches, m.caches)
+            found.append((name, rows))
+        elif isinstance(m, DistEmbedding):
+            client = m.weight.client
+            rows = _Rows(client.store, [m.name], client.flush, client.flush, list)
+            found.append((name, rows))
+    return found
 
 
 def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -89,7 +113,7 @@ def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for module_name, module in model.named_modules():
         if isinstance(module, CachedCollectionInterface):
-            continue
+            continue  # (a DistEmbedding has no parameters: its rows live in its KV client)
         prefix = f"{module_name}." if module_name else ""
         for k, v in module.named_parameters(recurse=False):
             state[prefix + k] = v.detach().cpu().clone()
@@ -153,13 +177,13 @@ def save(
         "optimizers": [],
         "caches": [],
     }
-    for m_index, (m_name, coll) in enumerate(_collections(model)):
-        coll.flush()
-        for t_index, t in enumerate(coll.tables):
-            spec = coll.store.table_spec(t.name)
-            scored = coll.store.keeps_scores(t.name)
+    for m_index, (m_name, holder) in enumerate(_row_modules(model)):
+        holder.settle()
+        for t_index, table in enumerate(holder.tables):
+            spec = holder.store.table_spec(table)
+            scored = holder.store.keeps_scores(table)
             files, rows_total = [], 0
-            chunks = coll.store.export_rows(t.name, chunk_rows, scores=scored)
+            chunks = holder.store.export_rows(table, chunk_rows, scores=scored)
             for k, chunk in enumerate(chunks):
                 name = f"tables/{m_index}-{t_index}-{k:06d}.safetensors"
                 tensors = dict(zip(("ids", "rows", "scores"), chunk, strict=False))
@@ -169,7 +193,7 @@ def save(
             manifest["tables"].append(
                 {
                     "module": m_name,
-                    "table": t.name,
+                    "table": table,
                     "dim": spec.dim,
                     "num_embeddings": spec.num_embeddings,
                     "state_dim": spec.state_dim,
@@ -179,7 +203,7 @@ def save(
                     "files": files,
                 }
             )
-        for c_index, cache in enumerate(coll.caches()):
+        for c_index, cache in enumerate(holder.caches()):
             tensors, meta = cache.policy_state()
             name = f"caches/{m_index}-{c_index}.safetensors"
             entry = write_tensors(tmp, name, tensors, meta=meta)
@@ -340,29 +364,29 @@ def load(
             f"checkpoint holds {len(manifest['optimizers'])} optimizers, "
             f"{len(optimizers)} were given"
         )
-    colls = dict(_collections(model))
-    tables = _verify_tables(snap, manifest, colls)
+    holders = dict(_row_modules(model))
+    tables = _verify_tables(snap, manifest, holders)
     dense = _verify_dense(snap, manifest, model)
     states = _verify_optimizers(snap, manifest, optimizers)
-    caches = _verify_caches(snap, manifest, colls)
+    caches = _verify_caches(snap, manifest, holders)
 
     # Everything checked: apply. Only the tier can fail from here on (then load again).
-    for coll in colls.values():
-        coll.invalidate_caches()
-    for coll, entry, saved in tables:
-        table = entry["table"]
-        spec = coll.store.table_spec(table)
-        bounded = coll.store.keeps_scores(table)
-        for chunk in list(coll.store.export_rows(table)):
+    for holder in holders.values():
+        holder.reset()
+    for holder, entry, saved in tables:
+        table, store = entry["table"], holder.store
+        spec = store.table_spec(table)
+        bounded = store.keeps_scores(table)
+        for chunk in list(store.export_rows(table)):
             stale = chunk[0][~torch.isin(chunk[0], saved)]
             if stale.numel() and bounded:  # a bounded table holds exactly the rows saved
-                coll.store.remove(table, stale)
+                store.remove(table, stale)
             elif stale.numel():
-                coll.store.put(table, stale, spec.initial_rows(stale))
+                store.put(table, stale, spec.initial_rows(stale))
         for k, f in enumerate(entry["files"]):
             chunk, _ = read_tensors(snap, f, f"table {table!r} chunk {k}")
             scores = chunk.get("scores") if bounded else None
-            coll.store.import_rows(table, chunk["ids"], chunk["rows"], scores)
+            store.import_rows(table, chunk["ids"], chunk["rows"], scores)
     for cache, tensors, meta in caches:
         cache.load_policy_state(tensors, meta)
     backups = []
@@ -385,24 +409,24 @@ def load(
 
 
 def _verify_tables(
-    snap: Path, manifest: dict[str, Any], colls: dict[str, CachedCollectionInterface]
-) -> list[tuple[CachedCollectionInterface, dict[str, Any], torch.Tensor]]:
+    snap: Path, manifest: dict[str, Any], holders: dict[str, _Rows]
+) -> list[tuple[_Rows, dict[str, Any], torch.Tensor]]:
     """Check every table entry against the model and every chunk file (checksum, ids, shapes);
-    returns ``(collection, entry, ids saved)`` per table."""
+    returns ``(module's rows, entry, ids saved)`` per table."""
     out, seen = [], set()
     for entry in manifest["tables"]:
         table, module = entry["table"], entry["module"]
-        coll = colls.get(module)
-        if coll is None:
+        holder = holders.get(module)
+        if holder is None:
             raise ValueError(
                 f"checkpoint table {table!r} belongs to module {module!r}, which this model lacks"
             )
-        if table not in coll.specs or (module, table) in seen:
+        if table not in holder.tables or (module, table) in seen:
             raise ValueError(
                 f"checkpoint table {table!r} of module {module!r}: unknown or repeated"
             )
         seen.add((module, table))
-        spec = coll.store.table_spec(table)
+        spec = holder.store.table_spec(table)
         got = (spec.dim, spec.num_embeddings, spec.state_dim)
         want = (entry["dim"], entry.get("num_embeddings"), entry["state_dim"])
         if got != want:
@@ -445,15 +469,16 @@ def _verify_tables(
                     )
                 last = int(ids[-1])
             saved.append(ids)
-        out.append((coll, entry, torch.cat(saved) if saved else torch.empty(0, dtype=torch.int64)))
-    missing = [(m, t.name) for m, c in colls.items() for t in c.tables if (m, t.name) not in seen]
+        ids = torch.cat(saved) if saved else torch.empty(0, dtype=torch.int64)
+        out.append((holder, entry, ids))
+    missing = [(m, t) for m, h in holders.items() for t in h.tables if (m, t) not in seen]
     if missing:
         raise ValueError(f"the checkpoint holds no rows for tables {missing} of this model")
     return out
 
 
 def _verify_caches(
-    snap: Path, manifest: dict[str, Any], colls: dict[str, CachedCollectionInterface]
+    snap: Path, manifest: dict[str, Any], holders: dict[str, _Rows]
 ) -> list[tuple[Any, dict[str, torch.Tensor], dict[str, Any]]]:
     """The caches' saved states, checked, with the caches they belong to (a checkpoint of a
     model whose collections differ, or written before caches were saved, restores none)."""
@@ -461,8 +486,8 @@ def _verify_caches(
     for k, entry in enumerate(manifest.get("caches", [])):
         if not isinstance(entry, dict) or not isinstance(entry.get("cache"), int):
             raise CheckpointError(f"{snap / 'manifest.json'}: malformed cache entry {k}")
-        coll = colls.get(entry.get("module"))  # type: ignore[arg-type]
-        caches = coll.caches() if coll is not None else []
+        holder = holders.get(entry.get("module"))  # type: ignore[arg-type]
+        caches = holder.caches() if holder is not None else []
         if not 0 <= entry["cache"] < len(caches):
             continue
         tensors, meta = read_tensors(snap, entry, f"cache {k}")

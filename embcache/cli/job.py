@@ -179,7 +179,7 @@ def run_job(
             sparse_opt,
             dense_opt,
             args.steps,
-            args.prefetch and model.sparse_arch.supports_prefetch,
+            args.prefetch,
             rank == 0 and not args.no_progress,
             wrapper=wrapper,
             evaluate_every=args.eval_every if limit != 0 else 0,
@@ -211,11 +211,10 @@ def run_job(
     finally:
         close_store(store, parser, failed)
     if rank == 0:
-        prefetched = args.prefetch and model.sparse_arch.supports_prefetch
         shown_store = args.store if world == 1 else f"{args.store} (per rank), {world} ranks"
         print_summary(
             args, data, model, result, lr, dense_lr, time.perf_counter() - t_start,
-            store=shown_store, prefetch=prefetched,
+            store=shown_store, prefetch=args.prefetch,
         )  # fmt: skip
     return 0
 

@@ -12,13 +12,14 @@ even number of sets, each rank's rows would fall into half of its sets. A `Shard
 tensor row ``id`` of tensor ``name`` is owned by ``owner(id ^ (crc32(name) << 32))``.
 
 The exchanges. `Comm` wraps a process group. Every sharded call starts with a header, a
-``[W, 4]`` all_to_all of per-peer counts, op code, tag and status (`Comm.header`), so that calls
-that do not match across ranks, or a rank's refused input, raise on every rank; then the ids
-travel to their owners, grouped by owner (`Comm.route`). Owners answer each requester with one
-status row ahead of the rows asked (`with_status`, `Comm.reply`), so that a failed owner makes
-every rank raise. A peer that dies or times out turns into a `CollectiveError` naming the
-exchange. Used by `ShardedEmbeddingBagCollection` (`embcache.distributed.sharded`) and
-`ShardedKVClient` (`embcache.distributed.sharded_kv`).
+``[W, 5]`` all_to_all of per-peer counts, op code, tag, status and the prefetch a forward uses
+(`Comm.handshake`), so that calls that do not match across ranks, or a rank's refused input,
+raise on every rank, and so that every rank learns whether all of them use the same prefetch;
+then the ids travel to their owners, grouped by owner (`Comm.route`, `Comm.send_ids`). Owners
+answer each requester with one status row ahead of the rows asked (`with_status`, `Comm.reply`),
+so that a failed owner makes every rank raise. A peer that dies or times out turns into a
+`CollectiveError` naming the exchange. Used by `ShardedEmbeddingBagCollection`
+(`embcache.distributed.sharded`) and `ShardedKVClient` (`embcache.distributed.sharded_kv`).
 """
 
 from __future__ import annotations
@@ -37,14 +38,17 @@ from embcache.kv.base import table_hash
 OWNER_SALT = 0x2545F4914F6CDD1D
 _LOW63 = (1 << 63) - 1
 
-OP_FORWARD, OP_INIT, OP_PULL, OP_PUSH, OP_UPDATE = 1, 2, 3, 4, 5
+OP_FORWARD, OP_INIT, OP_PULL, OP_PUSH, OP_UPDATE, OP_PREFETCH, OP_ADD = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {
     OP_FORWARD: "ShardedEmbeddingBagCollection.forward",
     OP_INIT: "ShardedKVClient.init_data",
     OP_PULL: "ShardedKVClient.pull",
     OP_PUSH: "ShardedKVClient.push",
     OP_UPDATE: "ShardedKVClient.update_async",
+    OP_PREFETCH: "ShardedEmbeddingBagCollection.issue_fused_prefetch",
+    OP_ADD: "ShardedKVClient.add_async",
 }
+NO_PREFETCH = -1  # a forward header's prefetch column: this rank resolves in the forward
 
 
 def owner_of(fused_ids: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -60,6 +64,15 @@ def kv_owner_of(name: str, ids: torch.Tensor, world_size: int) -> torch.Tensor:
 class CollectiveError(RuntimeError):
     """A collective could not complete because of another rank: it died, timed out, refused
     its input, or failed to serve the rows asked of it."""
+
+
+@dataclass
+class Header:
+    """What every rank sent in a header, by rank: the items it sends this rank and the prefetch
+    its forward would use (`NO_PREFETCH`: none)."""
+
+    counts: list[int]
+    prefetch: list[int]
 
 
 @dataclass
@@ -94,6 +107,23 @@ class Comm:
         else:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.reset_stats()
+
+    def new_comm(self) -> Comm:
+        """A `Comm` over a new process group of the same ranks, backend and timeout, for
+        collectives made on another thread (gloo and NCCL do not order the collectives of one
+        group across threads). A collective itself: every rank of the group calls it, in the
+        same order."""
+        try:
+            timeout = self.group._get_backend(self.device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend that does not say: torch's default
+            timeout = None
+        group = dist.new_group(
+            ranks=dist.get_process_group_ranks(self.group),
+            timeout=timeout,
+            backend=str(dist.get_backend(self.group)),
+            use_local_synchronization=True,
+        )
+        return Comm(group)
 
     def reset_stats(self) -> None:
         self.collectives = 0
@@ -142,12 +172,18 @@ class Comm:
         self.bytes_to_peers += (send.shape[0] - send_counts[self.rank]) * row
         return out.to(out_device)
 
-    def header(
-        self, counts: torch.Tensor, op: int, tag: int, error: BaseException | None, names=None
-    ) -> list[int]:
-        """Exchange per-peer item counts with the op code, a tag and a status; returns the
-        counts received. Raises on every rank when the calls do not match or a rank's input was
-        refused (that rank raises ``error``)."""
+    def handshake(
+        self,
+        counts: torch.Tensor,
+        op: int,
+        tag: int,
+        error: BaseException | None,
+        names=None,
+        prefetch: int = NO_PREFETCH,
+    ) -> Header:
+        """Exchange per-peer item counts with the op code, a tag, a status and the prefetch
+        this rank's forward would use; returns what every rank sent. Raises on every rank when
+        the calls do not match or a rank's input was refused (that rank raises ``error``)."""
         W = self.world_size
         sent = torch.stack(
             [
@@ -155,6 +191,7 @@ class Comm:
                 torch.full((W,), op),
                 torch.full((W,), tag),
                 torch.full((W,), int(error is not None)),
+                torch.full((W,), prefetch),
             ],
             dim=1,
         )
@@ -176,7 +213,13 @@ class Comm:
                 f"rank {self.rank}: rank(s) {refused} refused their input to {OP_NAMES[op]} "
                 f"(see their error); nothing was changed on any rank"
             )
-        return got[:, 0].tolist()
+        return Header(got[:, 0].tolist(), got[:, 4].tolist())
+
+    def header(
+        self, counts: torch.Tensor, op: int, tag: int, error: BaseException | None, names=None
+    ) -> list[int]:
+        """`handshake` of a call that is not a forward: returns the counts received."""
+        return self.handshake(counts, op, tag, error, names).counts
 
     def route(
         self,
@@ -189,8 +232,15 @@ class Comm:
     ) -> Route:
         """Send each of ``ids`` (int64 ``[U]``) to its owner: header, then the ids."""
         counts = torch.bincount(owners, minlength=self.world_size)
-        order = torch.argsort(owners, stable=True)
         recv_counts = self.header(counts, op, tag, error, names)
+        return self.send_ids(ids, owners, recv_counts, op)
+
+    def send_ids(
+        self, ids: torch.Tensor, owners: torch.Tensor, recv_counts: list[int], op: int
+    ) -> Route:
+        """The ids of `route` after its header: grouped by owner, to their owners."""
+        counts = torch.bincount(owners, minlength=self.world_size)
+        order = torch.argsort(owners, stable=True)
         send_counts = counts.tolist()
         recv_ids = self.exchange(ids[order], send_counts, recv_counts, f"{OP_NAMES[op]}'s ids")
         return Route(order, send_counts, recv_counts, recv_ids)
@@ -254,4 +304,6 @@ def _describe(op: int, tag: int, names: Mapping[int, str] | None) -> str:
     name = OP_NAMES.get(op, f"op {op}")
     if op == OP_FORWARD:
         return f"{name} ({'training' if tag else 'no_grad'})"
+    if op == OP_PREFETCH:
+        return f"{name} (#{tag})"
     return f"{name}({(names or {}).get(tag, f'tensor #{tag}')!r})"

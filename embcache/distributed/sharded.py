@@ -12,8 +12,8 @@ and store hold only the rows this rank owns. A training step with G caches (embe
 makes 2 + 2G all_to_alls:
 
 * forward, on every rank: validate, fuse and dedup its own batch per cache; send every unique id
-  to its owner (1: a ``[W, 4]`` header of counts, op code, tag and status; 2: the ids, grouped
-  by owner). Each owner dedups what it received, resolves those ids to slots in its own
+  to its owner (1: a ``[W, 5]`` header of counts, op code, tag, status and prefetch; 2: the ids,
+  grouped by owner). Each owner dedups what it received, resolves those ids to slots in its own
   `HotCache` (locked until the step, as in one process) and, per cache, sends each requester
   its rows ``[n, dim]`` in the order asked, behind one status row (3: G exchanges). The
   requester pools its bags locally from the received rows (`pool_forward`, the slots being the
@@ -28,6 +28,19 @@ has one writer and no step needs communication. Results equal one process traine
 concatenated global batch up to the order of float32 additions (a row's gradient is summed per
 rank, then over ranks).
 
+Prefetch. `issue_fused_prefetch` (and `TrainPipeline`, which calls it for batch i+1 before
+batch i's forward) runs steps 1 and 2 and the owners' resolve on the collection's prefetch
+worker, over a process group of its own created at construction (gloo and NCCL do not order
+the collectives of one group across threads). The owners only lock the slots: rows are sent at
+the forward, after the previous step updated them, so the forward with a handle makes its
+header and the G row exchanges (step 2 and the tier I/O are hidden), and the numbers are those
+of a forward without prefetch, bit for bit. The forward's header says which prefetch each rank
+uses: unless every rank uses the same one (a rank has none, released it, or its owner side
+failed, e.g. a `CacheCapacityError` because the batch in flight leaves too little room), every
+rank gives its prefetched slots back and runs the whole exchange in the forward. A rank whose
+prefetch input is refused raises at the issue; the peers' prefetches fail and their forwards
+read synchronously.
+
 Collectives. ``forward``, its backward, ``table_rows``/``state_dict`` and
 ``cache_stats(all_ranks=True)`` are collectives: every rank makes them in the same order (an
 empty batch included; a rank's ``backward`` must reach its output, e.g. ``kt.values().sum()``).
@@ -40,6 +53,7 @@ every rank. A peer that dies or times out turns into a `CollectiveError` naming 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +63,9 @@ import torch.distributed as dist
 
 from embcache.cache.config import CacheConfig
 from embcache.distributed.exchange import (
+    NO_PREFETCH,
     OP_FORWARD,
+    OP_PREFETCH,
     OWNER_SALT,
     CollectiveError,
     Comm,
@@ -59,7 +75,7 @@ from embcache.distributed.exchange import (
     with_status,
 )
 from embcache.distributed.sharded_kv import ShardedKVClient
-from embcache.engine.batch_state import InFlight, Prepared
+from embcache.engine.batch_state import FusedPrefetchHandle, InFlight, Prefetched, Prepared
 from embcache.engine.engine import bag_gradients, pool_bags
 from embcache.engine.inputs import JaggedBatch, pooled_output
 from embcache.engine.interface import CachedCollectionInterface
@@ -96,6 +112,25 @@ class _Owned:
     ids: torch.Tensor  # int64 [n] in the order received (by source rank)
     counts: list[int]  # how many came from each rank
     prepared: Prepared | None = None  # their unique ids (ascending) and slots
+
+
+@dataclass
+class _Exchange:
+    """This rank's side of one lookup before the rows come back: its unique ids of every
+    cache, concatenated, and per cache how it pools what the owners send."""
+
+    ids: torch.Tensor  # int64 [sum U]
+    requests: list[_Request]
+
+
+@dataclass
+class _Prefetch:
+    """A prefetch's exchange state (`Prefetched.payload`): issue number, this rank's side, and
+    the ids it resolved as owner (their slots locked)."""
+
+    seq: int
+    exchange: _Exchange | None
+    owned: list[_Owned]
 
 
 @dataclass
@@ -181,6 +216,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             seed,
         )
         self._comm = comm
+        self._prefetch_comm = comm.new_comm()  # the prefetch worker's collectives
         self.rank, self.world_size = comm.rank, comm.world_size
         engines = self.engines.engines
         engine_of = {t.name: i for i, e in enumerate(engines) for t in e.layout.tables}
@@ -209,34 +245,45 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
 
     def _lookup(self, features: Any, training: bool) -> tuple[torch.Tensor, _Step]:
         error: BaseException | None = None
-        prepared, uniques = [], []
+        mine: _Exchange | None = None
+        prefetched: Prefetched | None = None
         try:
-            if training and self.engines.trace and not self.accumulate_grads:
+            if training and self.engines.has_gradients and not self.accumulate_grads:
                 self.engines.begin_batch()  # raises: an un-stepped trace
             features = self.checked_input(features)
-            fused = [engine.fuse(features) for engine in self.engines.engines]
-            for engine, args in zip(self.engines.engines, fused, strict=True):
-                p = engine.dedup(*args)
-                prepared.append((p.inverse, p.offsets, p.weights))
-                uniques.append(p.unique)
+            prefetched = self.engines.take_prefetch(features)
+            if prefetched is not None:
+                mine = prefetched.payload.exchange
+            else:
+                mine = self._requester([engine.fuse(features) for engine in self.engines.engines])
         except Exception as e:
             error = e
-        ids = torch.cat(uniques) if error is None else self._no_ids()
+            self.engines.prefetches.release_all()  # as one process does: its locks would stay
+        ids = mine.ids if mine is not None else self._no_ids()
         owners = owner_of(ids, self.world_size)
-        route = self._comm.route(ids, owners, OP_FORWARD, int(training), error)
+        try:
+            header = self._comm.handshake(
+                torch.bincount(owners, minlength=self.world_size),
+                OP_FORWARD,
+                int(training),
+                error,
+                prefetch=prefetched.payload.seq if prefetched is not None else NO_PREFETCH,
+            )
+        except BaseException:
+            if prefetched is not None:
+                self._unlock(prefetched.payload.owned)
+            raise
+        assert mine is not None  # the header raised otherwise
         if training:
             self.engines.begin_batch()  # drops the locks of forwards never backpropagated
-        requests = []
-        for owners_g, (inverse, offsets, weights) in zip(
-            torch.split(owners, [u.numel() for u in uniques]), prepared, strict=True
-        ):
-            order = torch.argsort(owners_g, stable=True)
-            position = torch.empty_like(order)
-            position[order] = torch.arange(order.numel(), device=self.device)
-            counts = torch.bincount(owners_g, minlength=self.world_size).tolist()
-            requests.append(_Request(inverse, offsets, weights, order, position, counts))
-
-        owned, error = self._serve(route, training)
+        if prefetched is not None and len(set(header.prefetch)) == 1:
+            owned, error = prefetched.payload.owned, None  # every rank uses the same prefetch
+        else:
+            if prefetched is not None:  # another rank reads synchronously: so does this one
+                self._unlock(prefetched.payload.owned)
+            route = self._comm.send_ids(ids, owners, header.counts, OP_FORWARD)
+            owned, error = self._serve(route, training)
+        requests = mine.requests
         try:
             replies = [self._reply(gi, o, error) for gi, o in enumerate(owned)]
             if not training:
@@ -251,6 +298,66 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         batch = self.engines.start([o.prepared for o in owned]) if training else None
         step = _Step(features.stride(), requests, owned, batch)
         return self._pool(step, got), step
+
+    def _requester(
+        self, fused: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    ) -> _Exchange:
+        """This rank's side of a lookup: per cache, its unique ids and where their rows will
+        land in the owners' replies."""
+        uniques, requests = [], []
+        for engine, args in zip(self.engines.engines, fused, strict=True):
+            p = engine.dedup(*args)
+            owners = owner_of(p.unique, self.world_size)
+            order = torch.argsort(owners, stable=True)
+            position = torch.empty_like(order)
+            position[order] = torch.arange(order.numel(), device=self.device)
+            counts = torch.bincount(owners, minlength=self.world_size).tolist()
+            requests.append(_Request(p.inverse, p.offsets, p.weights, order, position, counts))
+            uniques.append(p.unique)
+        return _Exchange(torch.cat(uniques), requests)
+
+    # ------------------------------------------------------------------------------------------
+    # prefetch
+
+    def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
+        """Start a batch's lookup ahead of its forward and return at once (collective, on the
+        prefetch worker and its own process group: every rank issues the same number of
+        prefetches in the same order). The worker dedups, sends the ids to their owners, and
+        each owner resolves and locks them in its cache (tier I/O included); the forward then
+        only has the owners send their rows. A bad id raises here, and every other rank's
+        prefetch fails (its forward then reads synchronously)."""
+        error: Exception | None = None
+        fused = None
+        try:
+            batch = self.checked_input(features)
+            fused = [engine.fuse(batch) for engine in self.engines.engines]
+        except Exception as e:
+            error = e
+        job = functools.partial(self._prefetch, fused, error)
+        if error is not None:
+            self.engines.prefetches.issue_refused(job)  # the peers' prefetch needs its header
+            raise error
+        return self.engines.issue(id(self), batch, job)
+
+    def _prefetch(self, fused: list | None, error: Exception | None, seq: int) -> Prefetched:
+        """Worker-thread body of `issue_fused_prefetch`: header, ids to owners, owner resolve
+        (a failing owner keeps its error; its rank's forward then reads synchronously, and so
+        do all the others)."""
+        mine = None
+        if error is None:
+            try:
+                mine = self._requester(fused)
+            except Exception as e:
+                error = e
+        ids = mine.ids if mine is not None else self._no_ids()
+        route = self._prefetch_comm.route(
+            ids, owner_of(ids, self.world_size), OP_PREFETCH, seq, error
+        )
+        owned, failure = self._serve(route, lock=True)
+        payload = _Prefetch(seq, mine, owned)
+        if failure is not None:
+            return Prefetched([], payload, failure)
+        return Prefetched([o.prepared for o in owned], payload)
 
     def _no_ids(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -370,7 +477,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
         """Overwrite ``columns`` of the rows this rank owns (``rows`` holds every row of the
         table, as on every rank); empties the table's cache. Not a collective."""
-        if self.engines.inflight or self.engines.trace:
+        if self.engines.inflight or self.engines.has_gradients:
             raise RuntimeError("cannot overwrite tables while a batch is in flight")
         self.engines.engine_of(table).cache.invalidate()
         self.engines.generation += 1
@@ -383,23 +490,6 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             current = self.store.get(table, mine)
             current[:, columns] = rows[mine]
             self.store.put(table, mine, current)
-
-    # A prefetch here would be a collective (ids to owners, rows back) running on a worker
-    # thread beside the training thread's own collectives, which gloo and NCCL do not order
-    # across threads; until it has a process group of its own, lookups run in the forward.
-    supports_prefetch = False
-
-    def issue_fused_prefetch(self, features: Any):
-        raise NotImplementedError(
-            "ShardedEmbeddingBagCollection does not prefetch yet: its lookups are collectives "
-            "and run in the forward (use TrainPipeline(prefetch=False))"
-        )
-
-    def set_fused_prefetch_handle(self, handle) -> None:
-        raise NotImplementedError(
-            "ShardedEmbeddingBagCollection does not prefetch yet "
-            "(use TrainPipeline(prefetch=False))"
-        )
 
     def cache_stats(self, all_ranks: bool = False) -> dict[str, float]:
         """This rank's cache counters (hits/misses count the unique ids it was asked for as
@@ -418,11 +508,13 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
 
     def comm_stats(self) -> dict[str, int]:
         """all_to_alls made and bytes this rank sent (``bytes_to_peers``: excluding the chunk
-        to itself) since creation or `reset_comm_stats`."""
-        return self._comm.stats()
+        to itself) since creation or `reset_comm_stats`, prefetches included."""
+        forward, prefetch = self._comm.stats(), self._prefetch_comm.stats()
+        return {k: forward[k] + prefetch[k] for k in forward}
 
     def reset_comm_stats(self) -> None:
         self._comm.reset_stats()
+        self._prefetch_comm.reset_stats()
 
 
 class _ShardedLookup(torch.autograd.Function):

@@ -9,12 +9,15 @@ owners, then the rows (pushed rows and deltas to the owners, pulled rows back fr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from embcache.distributed.exchange import (
+    OP_ADD,
     OP_INIT,
     OP_NAMES,
     OP_PULL,
@@ -26,7 +29,7 @@ from embcache.distributed.exchange import (
 )
 from embcache.kernels.ids import dedup
 from embcache.kv.base import Store, table_hash
-from embcache.recstore.kv_client import InitFunc, KVClient, KVHandle
+from embcache.recstore.kv_client import InitFunc, KVClient, KVHandle, KVOptimizer
 
 
 class ShardedKVClient:
@@ -37,20 +40,27 @@ class ShardedKVClient:
     method in the same order with its own ids (possibly none).
 
     Semantics across ranks: ``pull`` sees every earlier call of every rank. ``push`` of the same
-    id by several ranks keeps the highest rank's row. ``update_async`` returns once its deltas
-    have reached their owners, which add them (duplicates summed, over ranks too) on their worker
-    threads in call order, so any later call sees them; ``wait(handle)`` waits for this rank's
+    id by several ranks keeps the highest rank's row. ``update_async`` returns once its gradients
+    have reached their owners, which sum them (duplicates, over ranks too) and apply the tensor's
+    backend optimizer once per call, on their worker threads in call order, so any later call
+    sees them (``add_async`` likewise adds raw deltas); ``wait(handle)`` waits for this rank's
     share (the rows it owns), ``flush()`` for every rank's.
 
     Args:
         store: this rank's tier (a `Store`, a URL or None for an in-process `HostKV`).
         process_group: the ranks sharing the tensors (None: the default group).
+        optimizer: the backend optimizer of tensors declared without one (as `KVClient`).
     """
 
-    def __init__(self, store: Store | str | None = None, process_group=None) -> None:
+    def __init__(
+        self,
+        store: Store | str | None = None,
+        process_group=None,
+        optimizer: KVOptimizer | Mapping[str, Any] | None = None,
+    ) -> None:
         self._comm = Comm(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world_size
-        self.local = KVClient(store)
+        self.local = KVClient(store, optimizer)
         self._names: dict[int, str] = {}
 
     def _owners(self, name: str, ids: torch.Tensor) -> torch.Tensor:
@@ -67,13 +77,15 @@ class ShardedKVClient:
         shape: tuple[int, int],
         dtype: torch.dtype = torch.float32,
         init_func: InitFunc | None = None,
+        optimizer: KVOptimizer | Mapping[str, Any] | None = None,
     ) -> None:
-        """Declare a tensor on every rank (collective). ``init_func`` runs on rank 0 only, and
-        its rows are sent to their owners, so it need not be deterministic across ranks."""
+        """Declare a tensor on every rank (collective), with its backend ``optimizer`` (None:
+        the client's). ``init_func`` runs on rank 0 only, and its rows are sent to their owners,
+        so it need not be deterministic across ranks."""
         error, initial = None, None
-        fresh = name not in self.local._tensors
+        fresh = name not in self.local.names()
         try:
-            self.local.init_data(name, shape, dtype)
+            self.local.init_data(name, shape, dtype, optimizer=optimizer)
             if init_func is not None and fresh and self.rank == 0:
                 initial = init_func(self.local.shape(name), dtype)
                 if tuple(initial.shape) != self.local.shape(name):
@@ -166,19 +178,25 @@ class ShardedKVClient:
         self._send(OP_PUSH, name, ids, rows, apply, error)
 
     def update_async(self, name: str, ids, grads) -> KVHandle:
-        """Add ``grads`` to the rows of ``ids`` at their owners (see the class docstring)."""
+        """Hand ``grads`` to the backend optimizer of the rows' owners (see the class
+        docstring)."""
+        return self._update(OP_UPDATE, name, ids, grads, "grads", self.local.update_async)
+
+    def add_async(self, name: str, ids, deltas) -> KVHandle:
+        """Add ``deltas`` to the rows at their owners, without an optimizer."""
+        return self._update(OP_ADD, name, ids, deltas, "deltas", self.local.add_async)
+
+    def _update(self, op: int, name: str, ids, values, what: str, apply) -> KVHandle:
         error = None
         try:
             ids = self._ids(name, ids)
-            grads = self.local._rows(name, ids, grads, "grads")
-            if not bool(torch.isfinite(grads).all()):
-                raise ValueError(f"tensor {name!r}: update_async got NaN or Inf values")
+            values = self.local._rows(name, ids, values, what)
+            if not bool(torch.isfinite(values).all()):
+                raise ValueError(f"tensor {name!r}: {OP_NAMES[op]} got NaN or Inf values")
         except Exception as e:
             error = e
         self._names[table_hash(name)] = name
-        return self._send(
-            OP_UPDATE, name, ids, grads, lambda i, g: self.local.update_async(name, i, g), error
-        )
+        return self._send(op, name, ids, values, lambda i, v: apply(name, i, v), error)
 
     def wait(self, handle: KVHandle) -> None:
         """Block until this rank has applied its share of an `update_async`."""

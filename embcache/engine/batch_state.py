@@ -1,10 +1,13 @@
 """What a collection holds for a batch between its forward and its optimizer step: each cache's
 share of the batch (`Prepared`), the forward in flight (`InFlight`), a prefetch issued ahead of
-its forward (`FusedPrefetchHandle`) and the gradients a backward recorded (`TraceEntry`)."""
+its forward (`FusedPrefetchHandle`, its `PrefetchState` and what it resolved, `Prefetched`) and
+the gradients a backward recorded (`TraceEntry`)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,17 +40,74 @@ class InFlight:
 
 
 @dataclass
-class FusedPrefetchHandle:
-    """What `issue_fused_prefetch` resolved for one batch: pass it to
-    `set_fused_prefetch_handle` and run the forward on the same features."""
+class Prefetched:
+    """What a prefetch resolved: each cache's share of the batch with its slots locked (empty
+    when it failed: a failed prefetch holds nothing), what the collection keeps beside them (the
+    sharded collection's exchange state) and the error that made it fail, if any."""
 
-    module_id: int
-    generation: int
-    keys: list[str]
-    lengths: torch.Tensor
-    values: torch.Tensor
-    prepared: list[Prepared]
-    used: bool = False
+    prepared: list[Prepared | None]
+    payload: Any = None
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class PrefetchState:
+    """A handle's prefetch as its collection tracks it: the handle's finalizer holds this, not
+    the handle, so a handle nobody references can still be released."""
+
+    seq: int  # issue order within the collection (every rank issues in the same order)
+    future: Future  # -> Prefetched, set by the collection's prefetch worker
+    used: bool = False  # taken by a forward, whose batch now holds the slots
+    released: bool = False  # its slots were given back without a forward
+    finalizer: Any = None  # weakref.finalize of the handle
+
+    def result(self) -> Prefetched:
+        """Wait for the worker; a prefetch that raised holds nothing."""
+        try:
+            return self.future.result()
+        except Exception as e:
+            return Prefetched([], error=e)
+
+
+class FusedPrefetchHandle:
+    """A batch's dedup and cache resolve started ahead of its forward by `issue_fused_prefetch`
+    (RecStore's handle). It is returned at once while the work runs on the collection's
+    prefetch worker; the forward that uses it waits only for what is left.
+
+    The collection records the newest handle as the one its next forward uses
+    (``_fused_prefetch_handle``); `set_fused_prefetch_handle` chooses another. A handle that
+    will not be used gives its slots back by itself (see `embcache.engine.prefetch`).
+    """
+
+    def __init__(
+        self,
+        module_id: int,
+        generation: int,
+        keys: list[str],
+        lengths: torch.Tensor,
+        values: torch.Tensor,
+        state: PrefetchState,
+    ) -> None:
+        self.module_id = module_id
+        self.generation = generation
+        self.keys = keys
+        self.lengths = lengths
+        self.values = values
+        self.state = state
+
+    @property
+    def used(self) -> bool:
+        """Taken by a forward or released: it cannot be set again."""
+        return self.state.used or self.state.released
+
+    def done(self) -> bool:
+        """Whether the worker has finished this prefetch."""
+        return self.state.future.done()
+
+    def wait(self) -> Exception | None:
+        """Wait for the worker; returns the error that made the prefetch fail (then it holds
+        nothing and its forward reads synchronously), or None."""
+        return self.state.result().error
 
     def issued_for(self, features: JaggedBatch) -> bool:
         """Whether ``features`` are the ones this handle was issued for (same keys, lengths and
@@ -59,6 +119,10 @@ class FusedPrefetchHandle:
                 and torch.equal(features.values(), self.values)
             )
         )
+
+    def __repr__(self) -> str:
+        status = "used" if self.used else "ready" if self.done() else "resolving"
+        return f"FusedPrefetchHandle(#{self.state.seq}, {status}, keys={self.keys})"
 
 
 class TraceEntry(tuple):

@@ -122,6 +122,9 @@ class CacheEngine:
         self.fusion_k = fusion_k
         self.device = device
         self.mask = (1 << fusion_k) - 1
+        # The fused CPU path (FBGEMM's TBE over this cache), set by `EngineGroup.attach` when it
+        # applies to the attached optimizer; None: the twins (or Triton) do every phase.
+        self.fused: Any = None
 
     @property
     def dim(self) -> int:

@@ -11,20 +11,33 @@ to apply the optimizer's rule to its entries, then releases the slots.
 Rules for a batch that is never backpropagated: its locks last until the next training forward
 (`begin_batch`), `zero_grad` or `release_all`. A forward while an un-stepped trace exists is an
 error unless the collection accumulates gradients.
+
+A batch prefetched ahead of its forward (`issue`) is resolved on the `Prefetcher`'s worker
+thread; its forward takes what it resolved (`take_prefetch`). The rules that release a
+prefetch that will not be used are in `embcache.engine.prefetch`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
-from embcache.engine.batch_state import FusedPrefetchHandle, InFlight, Prepared, TraceEntry
+from embcache.engine.batch_state import (
+    FusedPrefetchHandle,
+    InFlight,
+    Prefetched,
+    Prepared,
+    TraceEntry,
+)
 from embcache.engine.engine import CacheEngine
+from embcache.engine.fused_cpu import FusedCpuStep, PendingUpdate
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout
+from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
 from embcache.kv.base import Store, TableSpec
 
@@ -71,12 +84,50 @@ class EngineGroup:
             self.engines.append(
                 CacheEngine(CacheLayout.of_tables(dim, mine), cache, fusion_k, device)
             )
-        self.trace: list[TraceEntry] = []
+        self._entries: list[TraceEntry] = []
+        self._pending: list[PendingUpdate] = []  # fused CPU updates not yet applied
         self.inflight: list[InFlight] = []
-        self.prefetch: FusedPrefetchHandle | None = None
+        self.prefetches = Prefetcher(self.release_shares, device)
         self.generation = 0  # bumped when caches are emptied: older handles become stale
         self.optimizer: Any = None
         self.owner: object = self  # the step counts' key at the optimizer (the collection)
+
+    @property
+    def trace(self) -> list[TraceEntry]:
+        """The recorded gradients, ``(table_name, ids, grads)`` per table and backward. Fused
+        CPU updates recorded since become entries here (their per-id gradient rows computed)
+        and then take the ordinary path."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for u in pending:
+                engine = self.engines[u.engine]
+                p = u.batch.prepared[u.engine]
+                grads = engine.grad_rows(p, u.batch_size, u.grad_out, u.columns, [None])
+                self._entries += engine.trace_entries(p.unique, grads, u.engine, u.batch)
+        return self._entries
+
+    @trace.setter
+    def trace(self, entries: list[TraceEntry]) -> None:
+        self._pending = []
+        self._entries = entries
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether a backward's gradients await their step (without computing any rows)."""
+        return bool(self._entries or self._pending)
+
+    def gradients_to_check(self) -> list[tuple[str, Any, torch.Tensor]]:
+        """What the optimizer checks for NaN/Inf before a step: the trace entries, and for a
+        fused update its pooled gradient and per-sample weights (a row's gradient is a
+        weighted sum of them, finite when they are)."""
+        out: list[tuple[str, Any, torch.Tensor]] = list(self._entries)
+        for u in self._pending:
+            names = ", ".join(t.name for t in self.engines[u.engine].layout.tables)
+            out.append((names, None, u.grad))
+            weights = u.batch.prepared[u.engine].weights
+            if weights is not None:
+                out.append((names, None, weights.unsqueeze(1)))
+        return out
 
     def engine_of(self, table: str) -> CacheEngine:
         for engine in self.engines:
@@ -89,7 +140,7 @@ class EngineGroup:
     def begin_batch(self) -> None:
         """Before a training forward: refuse to mix in an un-stepped trace; drop the locks of
         forwards that were never backpropagated."""
-        if self.trace and not self.accumulate_grads:
+        if self.has_gradients and not self.accumulate_grads:
             raise RuntimeError(
                 "forward called while the previous backward's gradients are still in _trace: "
                 "call optimizer.step() (or zero_grad()) first, or build the collection with "
@@ -106,16 +157,7 @@ class EngineGroup:
     def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
         """Every engine's share of a checked batch; every id is validated (fused) before any
         cache changes, and a failing resolve leaves nothing locked."""
-        fused = [engine.fuse(batch) for engine in self.engines]
-        prepared: list[Prepared] = []
-        try:
-            for engine, args in zip(self.engines, fused, strict=True):
-                prepared.append(engine.prepare(*args, lock=lock))
-        except BaseException:
-            for engine, p in zip(self.engines, prepared, strict=False):
-                engine.release(p)
-            raise
-        return prepared
+        return self.prepare_fused([engine.fuse(batch) for engine in self.engines], lock)
 
     def start(self, prepared: list[Prepared]) -> InFlight:
         """Record a training forward's shares as a batch in flight."""
@@ -129,16 +171,24 @@ class EngineGroup:
             engine.release(p)
             engine.cache.release()
 
-    def record_backward(self, batch: InFlight | None, grad_rows: list[torch.Tensor]) -> None:
-        """Record every engine's gradient rows of one backward (or apply them all at once)."""
+    def record_backward(
+        self, batch: InFlight | None, grad_rows: list[torch.Tensor | PendingUpdate]
+    ) -> None:
+        """Record every engine's gradient rows of one backward (or apply them all at once);
+        an engine on the fused CPU path hands a `PendingUpdate` instead of rows."""
         if batch is None:
             return
         batch.backward_done = True
-        entries = []
+        entries, pending = [], []
         for i, (engine, p, grads) in enumerate(
             zip(self.engines, batch.prepared, grad_rows, strict=True)
         ):
-            entries += engine.trace_entries(p.unique, grads, i, batch)
+            if isinstance(grads, PendingUpdate):
+                pending.append(grads)
+            else:
+                entries += engine.trace_entries(p.unique, grads, i, batch)
+        self._entries += entries
+        self._pending += pending
         if self.update_in_backward:
             if self.optimizer is None:
                 raise RuntimeError(
@@ -147,25 +197,29 @@ class EngineGroup:
                 )
             try:
                 # All engines at once: a bad gradient anywhere is refused before any update.
-                self.optimizer.check_gradients(entries)
-                self.apply(entries, self.optimizer)
+                self.optimizer.check_gradients(self.gradients_to_check())
+                self.apply_trace(self.optimizer, release=False)
             except ValueError:
+                self._entries, self._pending = [], []
                 self.release(batch)
                 raise
-        else:
-            self.trace.extend(entries)
 
     # -- the optimizer's side ----------------------------------------------------------------
 
     def attach(self, optimizer: Any) -> None:
         """Give every row the state columns of ``optimizer`` (fresh state, weights kept)."""
-        if self.trace:
+        if self.has_gradients:
             raise RuntimeError(
                 "attach the optimizer before training: gradients of a backward are pending"
             )
         self.release_all()  # forwards that were never backpropagated
+        self.prefetches.release_all()
         for engine in self.engines:
             engine.cache.set_state(optimizer.state_dim(engine.dim), optimizer.state_init)
+            # Several backwards summed per id before one step need the per-id rows.
+            engine.fused = (
+                None if self.accumulate_grads else FusedCpuStep.for_engine(engine, optimizer)
+            )
         for name in self.specs:
             self.specs[name] = self.store.table_spec(name)
         self.generation += 1
@@ -190,19 +244,42 @@ class EngineGroup:
         for engine, loc in located:
             engine.apply(loc, optimizer.update, steps)
 
-    def apply_trace(self, optimizer: Any) -> None:
-        """Apply the trace, then clear it and release every batch in flight. Retriable: a
-        tier error leaves the trace in place and nothing applied; calling again once the tier
-        is back applies each gradient exactly once."""
-        if self.trace:
-            self.apply(self.trace, optimizer)
-        self.trace = []
-        self.release_all()
+    def apply_trace(self, optimizer: Any, release: bool = True) -> None:
+        """Apply the recorded gradients, then clear them and (``release``) every batch in
+        flight. Retriable: a tier error leaves the trace in place and nothing applied; calling
+        again once the tier is back applies each gradient exactly once.
+
+        Fused CPU updates run the TBE's backward (no tier call, so nothing to retry); one the
+        TBE cannot apply (the optimizer changed, the cache storage moved) becomes entries.
+        """
+        if any(not self._fusable(u, optimizer) for u in self._pending):
+            self.trace  # noqa: B018 (materialises every pending update as entries)
+        if self._entries:
+            self.apply(self._entries, optimizer)
+        if self._pending:
+            names = [t.name for u in self._pending for t in self.engines[u.engine].layout.tables]
+            optimizer.advance_steps(self.owner, names)
+            for u in self._pending:
+                engine = self.engines[u.engine]
+                p = u.batch.prepared[u.engine]
+                with engine.cache.lock:
+                    engine.fused.apply(u, p)
+                    engine.cache.mark_dirty(p.slots)
+                engine.release(p)
+        self._entries, self._pending = [], []
+        if release:
+            self.release_all()
+
+    def _fusable(self, u: PendingUpdate, optimizer: Any) -> bool:
+        fused = self.engines[u.engine].fused
+        return fused is not None and fused.can_apply(u, optimizer.update)
 
     def zero_grad(self) -> None:
-        """Drop the recorded gradients and the locks of every forward in flight."""
-        self.trace = []
+        """Drop the recorded gradients and the locks of every forward in flight, prefetched
+        ones included."""
+        self._entries, self._pending = [], []
         self.release_all()
+        self.prefetches.release_all()
 
     def release(self, batch: InFlight) -> None:
         for engine, p in zip(self.engines, batch.prepared, strict=True):
@@ -215,11 +292,31 @@ class EngineGroup:
 
     # -- prefetch ----------------------------------------------------------------------------
 
-    def handle(self, owner_id: int, batch: JaggedBatch, prepared: list[Prepared]):
-        return FusedPrefetchHandle(
-            owner_id, self.generation, list(batch.keys()), batch.lengths(), batch.values(),
-            prepared,
-        )  # fmt: skip
+    def prepare_fused(
+        self, fused: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], lock: bool
+    ) -> list[Prepared]:
+        """`prepare` after `CacheEngine.fuse` (every id validated): dedup and resolve each
+        engine's share; a failing resolve leaves nothing locked."""
+        prepared: list[Prepared] = []
+        try:
+            for engine, args in zip(self.engines, fused, strict=True):
+                prepared.append(engine.prepare(*args, lock=lock))
+        except BaseException:
+            self.release_shares(prepared)
+            raise
+        return prepared
+
+    def release_shares(self, prepared: list[Prepared | None]) -> None:
+        """Unlock the shares of a batch that will not run (a prefetch released unused)."""
+        for engine, p in zip(self.engines, prepared, strict=False):
+            if p is not None:
+                engine.release(p)
+
+    def issue(
+        self, owner_id: int, batch: JaggedBatch, job: Callable[[int], Prefetched]
+    ) -> FusedPrefetchHandle:
+        """Queue a prefetch (``job(seq) -> Prefetched`` on the worker); returns its handle."""
+        return self.prefetches.issue(owner_id, self.generation, batch, job)
 
     def check_handle(self, handle: FusedPrefetchHandle, owner_id: int) -> None:
         if not isinstance(handle, FusedPrefetchHandle):
@@ -227,32 +324,30 @@ class EngineGroup:
         if handle.module_id != owner_id:
             raise ValueError("prefetch handle was issued by another collection")
         if handle.used or handle.generation != self.generation:
-            raise ValueError("prefetch handle is stale: already used, or the cache was emptied")
+            raise ValueError(
+                "prefetch handle is stale: already used or released (a newer forward, "
+                "zero_grad, reset_trace), or the cache was emptied"
+            )
+
+    def set_prefetch(self, handle: FusedPrefetchHandle | None, owner_id: int) -> None:
+        """Make the next forward use ``handle`` (None: no handle)."""
+        if handle is not None:
+            self.check_handle(handle, owner_id)
+        self.prefetches.record(handle, explicit=True)
 
     def cancel(self, handle: FusedPrefetchHandle, owner_id: int) -> None:
         """Release a handle that will not be used."""
-        if handle.used or handle.module_id != owner_id:
-            return
-        handle.used = True
-        if self.prefetch is handle:
-            self.prefetch = None
-        for engine, p in zip(self.engines, handle.prepared, strict=True):
-            engine.release(p)
+        if handle.module_id == owner_id:
+            self.prefetches.release(handle.state)
 
-    def take_prefetch(self, batch: JaggedBatch, owner_id: int) -> FusedPrefetchHandle | None:
-        """The handle set for this forward, checked against its features (else cancelled)."""
-        handle, self.prefetch = self.prefetch, None
-        if handle is None:
-            return None
-        self.check_handle(handle, owner_id)
-        if not handle.issued_for(batch):
-            self.cancel(handle, owner_id)
-            raise ValueError(
-                "prefetch handle was issued for other features than this forward's; "
-                "it has been cancelled"
-            )
-        handle.used = True
-        return handle
+    def take_prefetch(self, batch: JaggedBatch) -> Prefetched | None:
+        """What the handle recorded for this forward resolved (None: read synchronously), after
+        waiting for its worker; releases the handles no forward can use any more."""
+        handle = self.prefetches.take(batch)
+        if handle is not None and handle.generation != self.generation:
+            self.prefetches.release(handle.state)
+            handle = None
+        return self.prefetches.use(handle)
 
     # -- caches ------------------------------------------------------------------------------
 

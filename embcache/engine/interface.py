@@ -125,8 +125,6 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         output_dims: the embedding dim of each output key.
     """
 
-    supports_prefetch = True  # issue_fused_prefetch can run on a worker thread
-
     def _setup(
         self,
         tables: Sequence[Any],
@@ -229,19 +227,23 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         """Overwrite ``columns`` of every row of a table (others kept)."""
 
     def set_fused_prefetch_handle(self, handle: FusedPrefetchHandle | None) -> None:
-        """Make the next forward use ``handle`` (which must come from this collection)."""
-        if handle is not None:
-            self.engines.check_handle(handle, id(self))
-        self.engines.prefetch = handle
+        """Make the next forward use ``handle`` (which must come from this collection; issuing
+        records a handle already, so this is needed only to choose another, or None)."""
+        self.engines.set_prefetch(handle, id(self))
 
     def cancel_fused_prefetch(self, handle: FusedPrefetchHandle) -> None:
-        """Release a handle that will not be used."""
+        """Release a handle that will not be used (waits for its prefetch first)."""
         self.engines.cancel(handle, id(self))
 
     @property
     def pending_prefetch(self) -> FusedPrefetchHandle | None:
-        """The handle set for the next forward, if any."""
-        return self.engines.prefetch
+        """The handle the next forward uses, if any."""
+        return self.engines.prefetches.recorded
+
+    @property
+    def _fused_prefetch_handle(self) -> FusedPrefetchHandle | None:
+        """RecStore's name for `pending_prefetch`."""
+        return self.engines.prefetches.recorded
 
     # -- what a sparse optimizer drives -----------------------------------------------------
 
@@ -255,8 +257,11 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         """Give every row ``optimizer``'s state columns (fresh state, weights kept)."""
         self.engines.attach(optimizer)
 
-    def sparse_gradients(self) -> list[TraceEntry]:
-        return list(self.engines.trace)
+    def sparse_gradients(self) -> list[tuple[str, Any, torch.Tensor]]:
+        """The gradients the next step applies, as the optimizer checks them for NaN/Inf:
+        ``(table_name, ids, grads)`` trace entries, and for a cache on the fused CPU path its
+        pooled gradient (``ids`` None). ``_trace`` gives the per-id rows of every table."""
+        return self.engines.gradients_to_check()
 
     def apply_sparse_gradients(self, optimizer: Any) -> None:
         self.engines.apply_trace(optimizer)
@@ -266,8 +271,14 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         return list(self.tables)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the recorded gradients and the locks of every forward in flight."""
+        """Drop the recorded gradients and the locks of every forward in flight, and release
+        every prefetch handle."""
         del set_to_none  # nothing of ours is an nn.Parameter gradient
+        self.engines.zero_grad()
+
+    def reset_trace(self) -> None:
+        """RecStore's name for `zero_grad`: drop ``_trace`` (and what its forwards and the
+        prefetch handles hold)."""
         self.engines.zero_grad()
 
     # -- caches, statistics -----------------------------------------------------------------

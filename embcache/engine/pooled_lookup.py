@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from embcache.engine.batch_state import InFlight, Prepared
+from embcache.engine.fused_cpu import PendingUpdate
 from embcache.engine.group import EngineGroup
 
 
@@ -30,13 +31,29 @@ class PooledLookup(torch.autograd.Function):
         batch: InFlight | None,
         batch_size: int,
     ):
-        outs, argmaxes, columns = [], [], []
+        outs, argmaxes, columns, fused = [], [], [], []
         for engine, p in zip(group.engines, prepared, strict=True):
             cols = torch.arange(len(engine.layout.features), device=engine.device) * engine.dim
-            out = torch.empty(batch_size, cols.numel() * engine.dim, device=engine.device)
-            argmaxes.append(engine.pool(p, batch_size, out, cols))
+            f, dim = len(engine.layout.features), engine.dim
+            if batch is not None and engine.fused is not None and engine.fused.takes(p):
+                lr = group.optimizer.update.lr
+                # The TBE pools [F * B, dim]; its graph is kept for the fused update.
+                pooled, bound = engine.fused.pool(p, lr)
+                out = (
+                    pooled.detach()
+                    .view(f, batch_size, dim)
+                    .transpose(0, 1)
+                    .reshape(batch_size, f * dim)
+                )
+                fused.append((pooled, bound, lr))
+                argmaxes.append([None])
+            else:
+                out = torch.empty(batch_size, f * dim, device=engine.device)
+                argmaxes.append(engine.pool(p, batch_size, out, cols))
+                fused.append(None)
             outs.append(out)
             columns.append(cols)
+        ctx.fused = fused
         ctx.group, ctx.prepared, ctx.batch = group, prepared, batch
         ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
         ctx.batch_size, ctx.argmaxes, ctx.columns = batch_size, argmaxes, columns
@@ -45,12 +62,26 @@ class PooledLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         rows = []
-        for engine, p, grad_out, cols, argmaxes in zip(
-            ctx.group.engines, ctx.prepared, grad_outs, ctx.columns, ctx.argmaxes, strict=True
+        for i, (engine, p, grad_out, cols, argmaxes, fused) in enumerate(
+            zip(
+                ctx.group.engines,
+                ctx.prepared,
+                grad_outs,
+                ctx.columns,
+                ctx.argmaxes,
+                ctx.fused,
+                strict=True,
+            )
         ):
             if grad_out.stride(-1) != 1 or grad_out.stride(0) < grad_out.shape[1]:
                 grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
-            rows.append(engine.grad_rows(p, ctx.batch_size, grad_out, cols, argmaxes))
+            if fused is not None:
+                f, dim, B = len(engine.layout.features), engine.dim, ctx.batch_size
+                grad = grad_out.view(B, f, dim).transpose(0, 1).reshape(f * B, dim)
+                pooled, bound, lr = fused
+                rows.append(PendingUpdate(i, ctx.batch, pooled, grad, grad_out, B, cols, bound, lr))
+            else:
+                rows.append(engine.grad_rows(p, ctx.batch_size, grad_out, cols, argmaxes))
         ctx.group.record_backward(ctx.batch, rows)
         # A (zero-size) gradient for the anchor, so that hooks on it run after every backward
         # (apply_optimizer_in_backward) and DDP sees it used.

@@ -40,6 +40,7 @@ them, the update then running inside backward, with ``fused_optimizer()`` a torc
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from embcache.cache.config import CacheConfig
-from embcache.engine.batch_state import FusedPrefetchHandle
+from embcache.engine.batch_state import FusedPrefetchHandle, Prefetched
 from embcache.engine.inputs import JaggedBatch, pooled_output
 from embcache.engine.interface import CachedCollectionInterface
 from embcache.engine.pooled_lookup import PooledLookup
@@ -206,21 +207,25 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         engines = self.engines
         training = torch.is_grad_enabled()
         if training:
-            if engines.trace and not self.accumulate_grads and engines.optimizer is None:
-                raise RuntimeError(
-                    "the previous backward's gradients of this collection were never applied: "
-                    "nothing trains its tables. Give its parameters (model.parameters()) to the "
-                    "torch optimizer, build it with optimizer_type=..., or attach an embcache "
-                    "optimizer (embcache.SparseAdaGrad([collection], lr=...)) and call step()"
-                )
             try:
+                if (
+                    engines.has_gradients
+                    and not self.accumulate_grads
+                    and engines.optimizer is None
+                ):
+                    raise RuntimeError(
+                        "the previous backward's gradients of this collection were never "
+                        "applied: nothing trains its tables. Give its parameters "
+                        "(model.parameters()) to the torch optimizer, build it with "
+                        "optimizer_type=..., or attach an embcache optimizer "
+                        "(embcache.SparseAdaGrad([collection], lr=...)) and call step()"
+                    )
                 engines.begin_batch()
             except RuntimeError:
-                if engines.prefetch is not None:  # its locks would belong to no batch
-                    engines.cancel(engines.prefetch, id(self))
+                engines.prefetches.release_all()  # its locks would belong to no batch
                 raise
-        handle = engines.take_prefetch(batch, id(self))
-        prepared = handle.prepared if handle else engines.prepare(batch, lock=training)
+        prefetched = engines.take_prefetch(batch)
+        prepared = prefetched.prepared if prefetched else engines.prepare(batch, lock=training)
         inflight = engines.start(prepared) if training else None
         try:
             outs = PooledLookup.apply(self.grad_anchor, engines, prepared, inflight, batch.stride())
@@ -257,11 +262,25 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         return pooled_output(features, self.output_keys, self.output_dims, values)
 
     def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
-        """Dedup and resolve a batch ahead of its forward; its slots stay locked until that
-        forward's step (or `cancel_fused_prefetch`)."""
+        """Start the dedup and cache resolve (tier I/O included) of a batch ahead of its
+        forward and return at once; the work runs on the collection's prefetch worker, and the
+        forward on the same features waits only for what is left. Ids are validated here (a bad
+        id raises before anything changes).
+
+        The handle is recorded as the one the next forward uses (RecStore's
+        ``_fused_prefetch_handle``); its slots stay locked until that forward's step, and a
+        handle that will not be used is released (`embcache.engine.prefetch`).
+        """
         batch = self.checked_input(features)
-        prepared = self.engines.prepare(batch, lock=True)
-        return self.engines.handle(id(self), batch, prepared)
+        fused = [engine.fuse(batch) for engine in self.engines.engines]
+        return self.engines.issue(id(self), batch, functools.partial(self._prefetch, fused))
+
+    def _prefetch(self, fused: list, seq: int) -> Prefetched:
+        """Worker-thread body of `issue_fused_prefetch`."""
+        try:
+            return Prefetched(self.engines.prepare_fused(fused, lock=True))
+        except Exception as e:  # the forward reads synchronously (and meets it again)
+            return Prefetched([], error=e)
 
     # -- whole tables ------------------------------------------------------------------------
 
@@ -313,7 +332,7 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         holds (its initial ones, say) creates no row in the tier. Forwards never
         backpropagated lose their locks (their rows are being replaced)."""
         engines = self.engines
-        if engines.trace or any(
+        if engines.has_gradients or any(
             b.backward_done and any(p.locked for p in b.prepared) for b in engines.inflight
         ):
             raise RuntimeError("cannot overwrite tables while gradients await their step")

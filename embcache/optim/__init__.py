@@ -5,7 +5,15 @@ from embcache.optim.sparse import (
     SparseAdam,
     SparseOptimizer,
     SparseRowWiseAdaGrad,
+    SparseRowWiseAdagrad,
     SparseSGD,
 )
 
-__all__ = ["SparseAdaGrad", "SparseAdam", "SparseOptimizer", "SparseRowWiseAdaGrad", "SparseSGD"]
+__all__ = [
+    "SparseAdaGrad",
+    "SparseAdam",
+    "SparseOptimizer",
+    "SparseRowWiseAdaGrad",
+    "SparseRowWiseAdagrad",
+    "SparseSGD",
+]

@@ -9,13 +9,15 @@ Rules and the torch optimizer each matches on the rows a batch touches:
 
 * `SparseSGD`: ``torch.optim.SGD`` (``w -= lr * g``).
 * `SparseAdaGrad`: ``torch.optim.Adagrad`` (state: per-element sum of squares).
-* `SparseRowWiseAdaGrad`: FBGEMM's EXACT_ROWWISE_ADAGRAD (state: one accumulator per row,
-  ``acc += mean(g*g)``, ``w -= lr * g / (sqrt(acc) + eps)``).
+* `SparseRowWiseAdaGrad` (RecStore's spelling `SparseRowWiseAdagrad` too): FBGEMM's
+  EXACT_ROWWISE_ADAGRAD (state: one accumulator per row, ``acc += mean(g*g)``,
+  ``w -= lr * g / (sqrt(acc) + eps)``).
 * `SparseAdam`: ``torch.optim.SparseAdam`` (state: exp_avg and exp_avg_sq; a step count per
   table, advanced on every step in which the table was looked up).
 
 `DistEmbedding` modules are updated the RecStore way (SGD only): read the rows, ``w - lr*g``,
-write them back through the KV client.
+write them back through the KV client. Every optimizer takes its modules positionally or as
+``params=`` (RecStore's keyword: ``SparseSGD(params=[module], lr=0.01)``).
 """
 
 from __future__ import annotations
@@ -254,6 +256,18 @@ class SparseOptimizer:
         return {n: state[:, i * width : (i + 1) * width].clone() for i, n in enumerate(names)}
 
 
+def _modules(modules: Any, params: Any, who: str) -> list[Any]:
+    """The modules an optimizer drives, given positionally or as ``params=`` (RecStore's
+    keyword)."""
+    if params is not None:
+        if modules is not None:
+            raise TypeError(f"{who}: give the modules once, as modules or as params")
+        modules = params
+    if modules is None:
+        raise TypeError(f"{who}: missing the modules to optimize (modules or params=...)")
+    return _as_modules(modules)
+
+
 def _lr(lr: float | None, modules: Iterable[Any], who: str) -> float:
     if lr is None:
         found = {getattr(m, "lr", None) for m in modules} - {None}
@@ -269,14 +283,23 @@ class SparseSGD(SparseOptimizer):
     """``w -= lr * (g + weight_decay * w)`` on the rows a batch touched.
 
     Args:
-        modules: cached collections and/or `DistEmbedding` modules.
+        modules: cached collections and/or `DistEmbedding` modules (or ``params=``, RecStore's
+            keyword).
         lr: learning rate; None takes the modules' ``lr`` (RecStore style).
         weight_decay: row-wise L2 on the touched rows (FBGEMM style; torch's SGD refuses
             weight decay with sparse gradients).
     """
 
-    def __init__(self, modules, lr: float | None = None, weight_decay: float = 0.0, **kw) -> None:
-        modules = _as_modules(modules)
+    def __init__(
+        self,
+        modules=None,
+        lr: float | None = None,
+        weight_decay: float = 0.0,
+        *,
+        params=None,
+        **kw,
+    ) -> None:
+        modules = _modules(modules, params, "SparseSGD")
         update = RowUpdate(
             OptimRule.SGD, lr=_lr(lr, modules, "SparseSGD"), weight_decay=weight_decay
         )
@@ -289,15 +312,17 @@ class SparseAdaGrad(SparseOptimizer):
 
     def __init__(
         self,
-        modules,
+        modules=None,
         lr: float | None = None,
         eps: float = 1e-10,
         initial_accumulator_value: float = 0.0,
         lr_decay: float = 0.0,
         weight_decay: float = 0.0,
+        *,
+        params=None,
         **kw,
     ) -> None:
-        modules = _as_modules(modules)
+        modules = _modules(modules, params, "SparseAdaGrad")
         update = RowUpdate(
             OptimRule.ADAGRAD,
             lr=_lr(lr, modules, "SparseAdaGrad"),
@@ -314,13 +339,15 @@ class SparseRowWiseAdaGrad(SparseOptimizer):
 
     def __init__(
         self,
-        modules,
+        modules=None,
         lr: float | None = None,
         eps: float = 1e-10,
         weight_decay: float = 0.0,
+        *,
+        params=None,
         **kw,
     ) -> None:
-        modules = _as_modules(modules)
+        modules = _modules(modules, params, "SparseRowWiseAdaGrad")
         update = RowUpdate(
             OptimRule.ROWWISE_ADAGRAD,
             lr=_lr(lr, modules, "SparseRowWiseAdaGrad"),
@@ -336,13 +363,15 @@ class SparseAdam(SparseOptimizer):
 
     def __init__(
         self,
-        modules,
+        modules=None,
         lr: float | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        *,
+        params=None,
         **kw,
     ) -> None:
-        modules = _as_modules(modules)
+        modules = _modules(modules, params, "SparseAdam")
         update = RowUpdate(
             OptimRule.ADAM,
             lr=_lr(lr, modules, "SparseAdam"),
@@ -351,3 +380,7 @@ class SparseAdam(SparseOptimizer):
             beta2=betas[1],
         )
         super().__init__(modules, update, **kw)
+
+
+SparseRowWiseAdagrad = SparseRowWiseAdaGrad
+"""RecStore's spelling of `SparseRowWiseAdaGrad`."""

@@ -1,23 +1,35 @@
 """The RecStore compatibility layer: RecStore's names over embcache's caches and tiers.
 
-* `RecStoreEmbeddingBagCollection` (``embedding_bag_configs, lr, enable_fusion, fusion_k``), the
-  cached collection under RecStore's name, with ``issue_fused_prefetch`` /
-  ``set_fused_prefetch_handle``;
-* `get_kv_client()` / `KVClient` (``init_data, pull, push, update_async, wait, flush, prefetch,
-  wait_and_get``) over a tier, `DistTensor` (``__getitem__`` pulls, ``__setitem__`` pushes) and
-  `DistEmbedding`, the single-table module updated in Python by `SparseSGD`.
+* `RecStoreEmbeddingBagCollection` (``embedding_bag_configs, lr, enable_fusion, fusion_k``, and
+  ``ps_host``/``ps_port``/``kv_client``), the cached collection under RecStore's name, with
+  ``issue_fused_prefetch`` / ``set_fused_prefetch_handle`` (asynchronous, leak-proof handles),
+  ``reset_trace``, ``embedding_bag_configs()`` and ``kv_client``, through which its tables are
+  read and written coherently with its caches;
+* `get_kv_client()` / `KVClient` (``init_data, pull, push, update_async, add_async, wait, flush,
+  prefetch, wait_and_get``) over a tier, whose ``update_async`` hands gradients to a backend
+  optimizer (`KVOptimizer`: SGD, AdaGrad, RowWiseAdaGrad, state beside the rows);
+* `DistTensor` (``__getitem__`` pulls, ``__setitem__`` pushes) and `DistEmbedding`, the
+  single-table module updated in Python by `SparseSGD`, saved in ``state_dict()`` and
+  checkpoints.
 """
 
 from embcache.recstore.collection import RecStoreEmbeddingBagCollection
 from embcache.recstore.dist_embedding import DistEmbedding
 from embcache.recstore.dist_tensor import DistTensor
-from embcache.recstore.kv_client import KVClient, KVHandle, get_kv_client, reset_kv_client
+from embcache.recstore.kv_client import (
+    KVClient,
+    KVHandle,
+    KVOptimizer,
+    get_kv_client,
+    reset_kv_client,
+)
 
 __all__ = [
     "DistEmbedding",
     "DistTensor",
     "KVClient",
     "KVHandle",
+    "KVOptimizer",
     "RecStoreEmbeddingBagCollection",
     "get_kv_client",
     "reset_kv_client",

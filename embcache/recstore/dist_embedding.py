@@ -3,7 +3,9 @@
 Forward pulls the rows of ``ids`` through a `DistTensor` (the tier is on the host) and returns
 them on ``ids``' device; backward sums the gradient rows of equal ids on the gradient's device
 (`aggregate_grads`: deterministic there too) and appends ``(ids, grads)`` to ``_trace``;
-`SparseSGD` then updates in Python: read the rows, ``w - lr * g``, write them back.
+`SparseSGD` then updates in Python: read the rows, ``w - lr * g``, write them back. Its rows
+are its ``state_dict()`` (``weight``, ``[num_embeddings, embedding_dim]``) and go into
+`embcache.save` checkpoints with whatever optimizer state its tensor keeps beside them.
 """
 
 from __future__ import annotations
@@ -86,6 +88,45 @@ class DistEmbedding(nn.Module):
 
     def table_rows(self, table: str) -> torch.Tensor:
         return self.weight[torch.arange(self.num_embeddings)]
+
+    # -- state_dict: the rows, under ``weight`` (as nn.Embedding names them) --------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[f"{prefix}weight"] = self.weight[torch.arange(self.num_embeddings)]
+
+    def _load_from_state_dict(
+        self,
+        state_dict,
+        prefix,
+        local_metadata,
+        strict,
+        missing_keys,
+        unexpected_keys,
+        error_msgs,
+    ) -> None:
+        key = f"{prefix}weight"
+        # Every key under this module's prefix is ours: it has no parameters or children.
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key)
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        value = state_dict[key]
+        shape = (self.num_embeddings, self.embedding_dim)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            error_msgs.append(
+                f"{key} has dtype {getattr(value, 'dtype', type(value).__name__)}; "
+                "DistEmbedding rows must be floating point"
+            )
+        elif tuple(value.shape) != shape:
+            error_msgs.append(
+                f"size mismatch for {key}: checkpoint has {tuple(value.shape)}, DistEmbedding "
+                f"{self.name!r} is {shape}"
+            )
+        elif not bool(torch.isfinite(value).all()):
+            error_msgs.append(f"{key} holds NaN or Inf values")
+        if error_msgs or (strict and unexpected_keys):
+            return  # nn.Module raises with these messages; nothing was written
+        self.weight[torch.arange(self.num_embeddings)] = value.detach()
 
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
         raise RuntimeError("DistEmbedding holds no optimizer state to write")

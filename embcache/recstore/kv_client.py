@@ -1,38 +1,173 @@
-"""A KV client with RecStore's calls (`init_data`, `pull`, `push`, `update_async`, ...) over a tier.
+"""A KV client with RecStore's calls over a tier: named 2-D tensors read and written by row id,
+and a backend optimizer that `update_async` hands gradients to.
 
     kv = get_kv_client()
-    kv.init_data("user", (1000, 16), torch.float32)
-    rows = kv.pull("user", ids)                 # [n, 16]
-    handle = kv.update_async("user", ids, deltas)   # rows += deltas, in the background
-    kv.pull("user", ids)                        # sees the update: read-your-writes
+    kv.init_data("user", (1000, 16), torch.float32)          # backend optimizer: SGD, lr 0.01
+    kv.init_data("item", (500, 16), optimizer=KVOptimizer("AdaGrad", lr=0.05))
+    rows = kv.pull("user", ids)                               # [n, 16]
+    handle = kv.update_async("user", ids, grads)              # SGD steps the rows (background)
+    kv.wait(handle)
+    kv.push("user", ids, rows)                                # overwrite (optimizer state kept)
+    kv.add_async("user", ids, deltas)                         # raw: rows += deltas
 
-Every operation goes through one worker thread in submission order, so asynchronous updates keep
-their order and a later `pull` (which queues behind them) always sees them. `update_async` adds
-its values to the rows (duplicate ids summed): a gradient step is ``update_async(name, ids,
--lr * grads)``.
+Backend optimizer. As RecStore's parameter server does, `update_async(name, ids, grads)` sums the
+gradients of duplicate ids, then applies the tensor's optimizer — SGD, AdaGrad or RowWiseAdaGrad
+(`KVOptimizer`, the same rules and formulas as `SparseSGD`, `SparseAdaGrad` and
+`SparseRowWiseAdaGrad`) — whose state lives beside each row in the tier (``[dim | state]``, as
+the caches keep it). A tensor's optimizer is given at `init_data`, else it is the client's
+(``KVClient(optimizer=...)``: a `KVOptimizer`, or a mapping with RecStore's configuration keys
+``type``, ``learning_rate``, ``epsilon``, ``weight_decay``); the default is SGD at lr 0.01.
+`push` overwrites the weights; `add_async` is the raw additive update.
+
+Ordering. Operations on tier tensors run on one worker thread in submission order, so updates
+keep their order and a `pull` (which queues behind them) sees every earlier call of this
+client: read-your-writes, with or without `wait`.
+
+A collection's tables. A `RecStoreEmbeddingBagCollection` registers its tables with its client
+(``module.kv_client``; `get_kv_client()` for the default store). Calls on them go through the
+collection's caches, so they see and keep the rows the training has: `pull` returns the newest
+copy (a dirty cached row included), `push` writes a cached row in its slot and others in the
+tier, and `update_async` applies the collection's sparse optimizer to the rows and the state in
+its cache (without one attached, SGD at the collection's ``lr``). These calls run on the calling
+thread, between training steps, because the training thread reads the cache slots without a
+lock; their handles are complete when returned.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from embcache.kernels.ids import dedup
+from embcache.kernels.optim import OptimRule, RowUpdate, aggregate_grads, apply_row_update
 from embcache.kv.base import Store, TableSpec
 from embcache.kv.url import open_store
 
 InitFunc = Callable[[tuple[int, int], torch.dtype], torch.Tensor]
 """DGL/RecStore style: ``init_func(shape, dtype) -> tensor of that shape``."""
 
+_RULES = {
+    "sgd": OptimRule.SGD,
+    "adagrad": OptimRule.ADAGRAD,
+    "rowwiseadagrad": OptimRule.ROWWISE_ADAGRAD,
+}
+# RecStore configuration keys, and the KVOptimizer field each one sets.
+_CONFIG_KEYS = {
+    "type": "type",
+    "learning_rate": "lr",
+    "lr": "lr",
+    "epsilon": "eps",
+    "eps": "eps",
+    "weight_decay": "weight_decay",
+    "initial_accumulator_value": "initial_accumulator_value",
+}
+# Adam-family keys of RecStore's configuration: they configure no optimizer the backend has.
+_ADAM_KEYS = ("beta1", "beta2")
+
 
 @dataclass(frozen=True)
+class KVOptimizer:
+    """The optimizer `KVClient.update_async` applies to a tensor (RecStore's backend optimizer).
+
+    Attributes:
+        type: ``"SGD"``, ``"AdaGrad"`` or ``"RowWiseAdaGrad"`` (case, ``_`` and ``-`` ignored).
+        lr: learning rate.
+        eps: added to the root in AdaGrad's denominators.
+        weight_decay: L2 coefficient added to the gradient of the updated rows.
+        initial_accumulator_value: AdaGrad's accumulator of a fresh row.
+    """
+
+    type: str = "SGD"
+    lr: float = 0.01
+    eps: float = 1e-10
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        key = str(self.type).lower().replace("_", "").replace("-", "")
+        if key not in _RULES:
+            raise ValueError(
+                f"KVOptimizer.type={self.type!r}: the backend has SGD, AdaGrad and RowWiseAdaGrad"
+            )
+        value = self.initial_accumulator_value
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"KVOptimizer.initial_accumulator_value must be >= 0, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"KVOptimizer.initial_accumulator_value must be finite, got {value}")
+        self.update  # noqa: B018 (checks lr, eps and weight_decay, naming the bad one)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> KVOptimizer:
+        """From RecStore's optimizer configuration (``{"type": "AdaGrad", "learning_rate":
+        0.05, "epsilon": 1e-10}``). Adam's ``beta1``/``beta2`` are accepted and unused (the
+        backend has no Adam); any other key is a ValueError."""
+        fields = {}
+        for key, value in config.items():
+            if key in _ADAM_KEYS:
+                continue
+            if key not in _CONFIG_KEYS:
+                raise ValueError(
+                    f"unknown backend optimizer setting {key!r}; known: {sorted(_CONFIG_KEYS)}"
+                )
+            fields[_CONFIG_KEYS[key]] = value
+        return cls(**fields)
+
+    @property
+    def rule(self) -> OptimRule:
+        return _RULES[str(self.type).lower().replace("_", "").replace("-", "")]
+
+    @property
+    def update(self) -> RowUpdate:
+        return RowUpdate(self.rule, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+
+    def state_dim(self, dim: int) -> int:
+        """State columns beside a row of ``dim`` weights."""
+        return self.update.state_dim(dim)
+
+
+def as_kv_optimizer(optimizer: KVOptimizer | Mapping[str, Any] | None) -> KVOptimizer:
+    """A `KVOptimizer` from itself, a RecStore configuration mapping, or None (the default)."""
+    if optimizer is None:
+        return KVOptimizer()
+    if isinstance(optimizer, KVOptimizer):
+        return optimizer
+    if isinstance(optimizer, Mapping):
+        return KVOptimizer.from_config(optimizer)
+    raise TypeError(
+        "optimizer must be a KVOptimizer or a configuration mapping, got "
+        f"{type(optimizer).__name__}"
+    )
+
+
+class TableView(Protocol):
+    """A table that lives elsewhere than this client's tier tensors (a collection's, behind its
+    cache), registered with `KVClient.register`; it must not keep its collection alive. Ids are
+    checked CPU int64 ``[n]``, rows CPU float32 ``[n, dim]``."""
+
+    shape: tuple[int, int]
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None: ...
+
+    def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None: ...
+
+    def add(self, ids: torch.Tensor, deltas: torch.Tensor) -> None: ...
+
+
+@dataclass
 class _Tensor:
     shape: tuple[int, int]
     dtype: torch.dtype
+    optimizer: KVOptimizer
+    steps: int = 0  # update_async calls applied (AdaGrad's step count)
 
 
 class KVHandle:
@@ -45,20 +180,35 @@ class KVHandle:
         return self._future.done()
 
 
+def _done(result: Any = None) -> KVHandle:
+    future: Future = Future()
+    future.set_result(result)
+    return KVHandle(future)
+
+
 class KVClient:
     """Named 2-D float tensors stored row-wise in a tier, read and written by id.
 
     Args:
         store: the tier (a `Store`, a URL, or None for an in-process HostKV).
+        optimizer: the backend optimizer of tensors declared without one (default SGD, lr 0.01).
     """
 
-    def __init__(self, store: Store | str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store | str | None = None,
+        optimizer: KVOptimizer | Mapping[str, Any] | None = None,
+    ) -> None:
         self.store = open_store(store)
+        self.optimizer = as_kv_optimizer(optimizer)
         self._tensors: dict[str, _Tensor] = {}
+        # name -> (its collection, weakly: the entry goes with it; the table's view)
+        self._views: dict[str, tuple[weakref.ReferenceType, TableView]] = {}
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcache-kv")
 
     # ------------------------------------------------------------------------------------------
+    # declarations
 
     def init_data(
         self,
@@ -66,12 +216,15 @@ class KVClient:
         shape: tuple[int, int],
         dtype: torch.dtype = torch.float32,
         init_func: InitFunc | None = None,
+        optimizer: KVOptimizer | Mapping[str, Any] | None = None,
     ) -> None:
-        """Declare a tensor. Declaring the same name again with the same shape and dtype is a
-        no-op (several modules may share a tensor); another shape or dtype is a ValueError.
+        """Declare a tensor. Declaring the same name again with the same shape, dtype and
+        optimizer is a no-op (several modules may share a tensor); anything else different is
+        a ValueError.
 
         Rows start at ``init_func(shape, dtype)`` when given (materialised once, here), else at
         the default per-id initialiser (uniform in ±sqrt(1/rows), independent of access order).
+        ``optimizer``: what `update_async` applies (None: the client's).
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
@@ -83,14 +236,21 @@ class KVClient:
             )
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise TypeError(f"tensor {name!r}: dtype must be a floating dtype, got {dtype}")
-        meta = _Tensor((int(shape[0]), int(shape[1])), dtype)
+        opt = self.optimizer if optimizer is None else as_kv_optimizer(optimizer)
+        meta = _Tensor((int(shape[0]), int(shape[1])), dtype, opt)
         with self._lock:
+            if self._view(name) is not None:
+                raise ValueError(
+                    f"tensor {name!r} is a table of a collection registered with this client; "
+                    "choose another name"
+                )
             known = self._tensors.get(name)
             if known is not None:
-                if known != meta:
+                if (known.shape, known.dtype, known.optimizer) != (meta.shape, dtype, opt):
                     raise ValueError(
-                        f"tensor {name!r} exists with shape {known.shape} and dtype {known.dtype}; "
-                        f"cannot redeclare it as {meta.shape}, {dtype}"
+                        f"tensor {name!r} exists with shape {known.shape}, dtype {known.dtype} "
+                        f"and optimizer {known.optimizer}; cannot redeclare it as {meta.shape}, "
+                        f"{dtype}, {opt}"
                     )
                 return
             initial = None
@@ -101,63 +261,148 @@ class KVClient:
                         f"tensor {name!r}: init_func returned shape {tuple(initial.shape)}, "
                         f"expected {meta.shape}"
                     )
-            self.store.init_table(TableSpec(name, meta.shape[1], meta.shape[0]))
+            rows, dim = meta.shape
+            spec = TableSpec(
+                name, dim, rows, state_dim=opt.state_dim(dim),
+                state_init=float(opt.initial_accumulator_value),
+            )  # fmt: skip
+            self.store.init_table(spec)
             if initial is not None:
-                self.store.put(name, torch.arange(meta.shape[0]), initial.float().cpu())
+                full = spec.initial_rows(torch.arange(rows))
+                full[:, :dim] = initial.float().cpu()
+                self.store.put(name, torch.arange(rows), full)
             self._tensors[name] = meta
 
+    def register(self, name: str, view: TableView, owner: object) -> None:
+        """Make ``view`` the tensor ``name`` for as long as ``owner`` (a collection) lives.
+
+        Raises:
+            ValueError: ``name`` is a tier tensor of this client, or another live collection's.
+        """
+        with self._lock:
+            if name in self._tensors:
+                raise ValueError(
+                    f"table {name!r}: this KV client already holds a tensor of that name "
+                    "(init_data, a DistTensor or DistEmbedding); give the table another name"
+                )
+            current = self._view(name)
+            if current is not None and current is not view:
+                raise ValueError(
+                    f"table {name!r} belongs to another live collection on this KV client; "
+                    "two collections would cache the same rows. Give the tables distinct names "
+                    "or the collections distinct stores"
+                )
+            self._views[name] = (weakref.ref(owner, self._forget_view(name)), view)
+
+    def _forget_view(self, name: str) -> Callable[[weakref.ReferenceType], None]:
+        """The callback that drops ``name``'s entry when its collection is collected."""
+
+        def forget(ref: weakref.ReferenceType) -> None:
+            if self._views.get(name, (None,))[0] is ref:
+                del self._views[name]
+
+        return forget
+
+    def _view(self, name: str) -> TableView | None:
+        entry = self._views.get(name)
+        return entry[1] if entry is not None and entry[0]() is not None else None
+
     def shape(self, name: str) -> tuple[int, int]:
-        return self._meta(name).shape
+        view = self._view(name)
+        return view.shape if view is not None else self._meta(name).shape
+
+    def optimizer_of(self, name: str) -> KVOptimizer:
+        """The backend optimizer of a tier tensor."""
+        return self._meta(name).optimizer
+
+    def names(self) -> list[str]:
+        """Every tensor: tier tensors and registered collection tables."""
+        live = [n for n in self._views if self._view(n) is not None]
+        return sorted({*self._tensors, *live})
 
     def _meta(self, name: str) -> _Tensor:
         if name not in self._tensors:
-            raise KeyError(f"unknown tensor {name!r}; declared: {sorted(self._tensors)}")
+            raise KeyError(f"unknown tensor {name!r}; declared: {self.names()}")
         return self._tensors[name]
 
     def _ids(self, name: str, ids) -> torch.Tensor:
-        meta = self._meta(name)
+        rows = self.shape(name)[0]
         ids = torch.as_tensor(ids)
         if ids.is_floating_point() or ids.dtype == torch.bool:
             raise TypeError(f"tensor {name!r}: ids must be integers, got dtype {ids.dtype}")
         ids = ids.reshape(-1).to(torch.int64).cpu()
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= meta.shape[0]:
+            if lo < 0 or hi >= rows:
                 bad = lo if lo < 0 else hi
-                raise ValueError(f"tensor {name!r}: id {bad} out of range [0, {meta.shape[0]})")
+                raise ValueError(f"tensor {name!r}: id {bad} out of range [0, {rows})")
         return ids
 
     def _rows(self, name: str, ids: torch.Tensor, rows: torch.Tensor, what: str) -> torch.Tensor:
-        meta = self._meta(name)
-        rows = torch.as_tensor(rows)
+        dim = self.shape(name)[1]
+        # Python numbers (RecStore's examples pass lists) are values; an integer tensor is a bug.
+        rows = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.float32)
+        if not rows.numel() and not ids.numel():
+            rows = rows.reshape(0, dim)
         if not rows.is_floating_point():
             raise TypeError(f"tensor {name!r}: {what} must be floating point, got {rows.dtype}")
-        if tuple(rows.shape) != (ids.numel(), meta.shape[1]):
+        if tuple(rows.shape) != (ids.numel(), dim):
             raise ValueError(
                 f"tensor {name!r}: {what} has shape {tuple(rows.shape)}, expected "
-                f"{(ids.numel(), meta.shape[1])}"
+                f"{(ids.numel(), dim)}"
             )
         return rows.detach().to(torch.float32).cpu()
 
+    def _finite(self, name: str, rows: torch.Tensor, call: str) -> None:
+        if not bool(torch.isfinite(rows).all()):
+            raise ValueError(f"tensor {name!r}: {call} got NaN or Inf values")
+
     # ------------------------------------------------------------------------------------------
-    # operations (all run on the worker, in order)
+    # operations on tier tensors (all run on the worker, in order)
 
     def _get(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        meta = self._meta(name)
         if not ids.numel():
-            return torch.empty(0, self._meta(name).shape[1], dtype=self._meta(name).dtype)
+            return torch.empty(0, meta.shape[1], dtype=meta.dtype)
         unique, inverse, _ = dedup(ids, with_counts=False)
-        return self.store.get(name, unique)[inverse].to(self._meta(name).dtype)
+        return self.store.read(name, unique)[inverse, : meta.shape[1]].to(meta.dtype)
+
+    def _put(self, name: str, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        if ids.numel():
+            rows = self.store.read(name, ids)
+            rows[:, : weights.shape[1]] = weights
+            self.store.put(name, ids, rows)
+
+    def _step(self, name: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        meta = self._meta(name)
+        if not ids.numel():
+            return
+        unique, summed = aggregate_grads(ids, grads)
+        rows = self.store.read(name, unique)
+        meta.steps += 1
+        dim, slots = meta.shape[1], torch.arange(unique.numel())
+        # Views of the row's two parts: the update writes them in place, inside ``rows``.
+        apply_row_update(rows[:, :dim], rows[:, dim:], slots, summed, meta.optimizer.update,
+                         meta.steps)  # fmt: skip
+        self.store.put(name, unique, rows)
 
     def _add(self, name: str, ids: torch.Tensor, deltas: torch.Tensor) -> None:
         if not ids.numel():
             return
-        unique, inverse, _ = dedup(ids, with_counts=False)
-        summed = torch.zeros(unique.numel(), deltas.shape[1]).index_add_(0, inverse, deltas)
-        self.store.put(name, unique, self.store.get(name, unique) + summed)
+        unique, summed = aggregate_grads(ids, deltas)
+        rows = self.store.read(name, unique)
+        rows[:, : deltas.shape[1]] += summed
+        self.store.put(name, unique, rows)
+
+    # ------------------------------------------------------------------------------------------
+    # RecStore's calls
 
     def prefetch(self, name: str, ids) -> KVHandle:
         """Start reading rows; `wait_and_get` returns them. Sees every earlier write."""
         ids = self._ids(name, ids)
+        view = self._view(name)
+        if view is not None:
+            return _done(view.read(ids))
         return KVHandle(self._worker.submit(self._get, name, ids))
 
     def wait_and_get(self, handle: KVHandle) -> torch.Tensor:
@@ -169,24 +414,45 @@ class KVClient:
         return self.wait_and_get(self.prefetch(name, ids))
 
     def push(self, name: str, ids, rows) -> None:
-        """Overwrite rows. Ids must be distinct (which of two values would win is undefined)."""
+        """Overwrite the weights of rows (their optimizer state is kept). Ids must be distinct
+        (which of two values would win is undefined)."""
         ids = self._ids(name, ids)
         rows = self._rows(name, ids, rows, "rows")
         if torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"tensor {name!r}: push got duplicate ids")
-        self._worker.submit(self.store.put, name, ids, rows).result()
+        view = self._view(name)
+        if view is not None:
+            view.write(ids, rows)
+            return
+        self._worker.submit(self._put, name, ids, rows).result()
 
     def update_async(self, name: str, ids, grads) -> KVHandle:
-        """Add ``grads`` to the rows of ``ids`` (duplicates summed) in the background, after
-        every earlier operation; returns a handle for `wait`."""
+        """Hand gradients to the tensor's backend optimizer: duplicate ids summed, one step of
+        its rule on the rows and their state, in the background after every earlier call;
+        returns a handle for `wait`."""
         ids = self._ids(name, ids)
-        deltas = self._rows(name, ids, grads, "grads")
-        if not bool(torch.isfinite(deltas).all()):
-            raise ValueError(f"tensor {name!r}: update_async got NaN or Inf values")
+        grads = self._rows(name, ids, grads, "grads")
+        self._finite(name, grads, "update_async")
+        view = self._view(name)
+        if view is not None:
+            view.step(ids, grads)
+            return _done()
+        return KVHandle(self._worker.submit(self._step, name, ids, grads))
+
+    def add_async(self, name: str, ids, deltas) -> KVHandle:
+        """Add ``deltas`` to the rows (duplicates summed), without any optimizer, in the
+        background after every earlier call; returns a handle for `wait`."""
+        ids = self._ids(name, ids)
+        deltas = self._rows(name, ids, deltas, "deltas")
+        self._finite(name, deltas, "add_async")
+        view = self._view(name)
+        if view is not None:
+            view.add(ids, deltas)
+            return _done()
         return KVHandle(self._worker.submit(self._add, name, ids, deltas))
 
     def wait(self, handle: KVHandle) -> None:
-        """Block until an `update_async` has been applied (re-raises its error)."""
+        """Block until an `update_async` / `add_async` has been applied (re-raises its error)."""
         handle._future.result()
 
     def flush(self) -> None:
@@ -201,19 +467,28 @@ _client: KVClient | None = None
 _client_lock = threading.Lock()
 
 
-def get_kv_client(store: Store | str | None = None) -> KVClient:
-    """The process's KV client, created on first call (over ``store``, default HostKV).
+def get_kv_client(
+    store: Store | str | None = None,
+    optimizer: KVOptimizer | Mapping[str, Any] | None = None,
+) -> KVClient:
+    """The process's KV client, created on first call (over ``store``, default HostKV, with
+    ``optimizer`` as its tensors' default backend optimizer).
 
-    Passing a store once a client exists with another store is an error; `reset_kv_client`
-    drops the current client.
+    Passing a store or an optimizer once a client exists with others is an error;
+    `reset_kv_client` drops the current client.
     """
     global _client
     with _client_lock:
         if _client is None:
-            _client = KVClient(store)
+            _client = KVClient(store, optimizer)
         elif store is not None and store is not _client.store:
             raise ValueError(
                 "the KV client already exists over another store; call reset_kv_client() first"
+            )
+        elif optimizer is not None and as_kv_optimizer(optimizer) != _client.optimizer:
+            raise ValueError(
+                "the KV client already exists with another default optimizer; call "
+                "reset_kv_client() first, or give the optimizer per tensor at init_data"
             )
         return _client
 

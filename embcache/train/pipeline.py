@@ -5,16 +5,20 @@
                          loss=lambda model, batch: model(batch))  # forward -> loss
     losses = pipe.run(batches)
 
-For each step, a worker thread runs `issue_fused_prefetch` for the next batch — fuse, dedup,
-cache resolve: tier writes of dirty victims, tier reads of misses, copies into their slots (on a
-GPU, on a side stream with an event) — while the training thread runs the current batch with
-the handle prefetched during the previous step.
+Before each step, the training thread issues the next batch's `issue_fused_prefetch` on every
+collection, which returns at once: the collection's prefetch worker fuses, dedups and resolves
+it — tier writes of dirty victims, tier reads of misses, copies into their slots (on a GPU, on a
+side stream with an event) — while the training thread runs the current batch with the handle
+prefetched during the previous step. A sharded collection's prefetch also sends the ids to
+their owners, who resolve them (its own process group: see
+`embcache.distributed.sharded`).
 
 Why the numbers do not change (invariant I5 of docs/design.md), the rules:
 
 * Every row has one authoritative copy. A row that batch i updates and batch i+1 needs is a hit
   for the prefetch (batch i holds its slot locked), so batch i+1 reads the same slot after
-  batch i's step has written it: the updated value.
+  batch i's step has written it: the updated value (a sharded owner sends its rows at the
+  forward, not at the prefetch, for this reason).
 * The slots of batch i are locked from its resolve to its step, so the prefetch of batch i+1
   never evicts them; the slots the prefetch takes are locked too, so batch i's step never
   evicts them when it re-resolves.
@@ -22,19 +26,19 @@ Why the numbers do not change (invariant I5 of docs/design.md), the rules:
   training thread only pools and updates rows it holds locked, under that lock.
 * A prefetch that does not fit because batch i's locked slots leave too little room (cache plus
   scratch area) is abandoned with a warning that says which capacity would avoid it; the batch
-  is then resolved synchronously by its forward, after batch i released its slots.
+  is then resolved synchronously by its forward, after batch i released its slots. (A sharded
+  owner that cannot fit its share makes every rank's forward read synchronously.)
 
-`run` ends cleanly on the last batch, on an exception in the loop and on KeyboardInterrupt: the
-worker thread is joined, prefetched slots that will not be used are unlocked, the interrupted
-batch's gradients are dropped (its slots unlocked), and rows already updated stay dirty in the
-cache until `flush()`.
+`run` ends cleanly on the last batch, on an exception in the loop and on KeyboardInterrupt:
+prefetches still running are waited for, prefetched slots that will not be used are unlocked,
+the interrupted batch's gradients are dropped (its slots unlocked), and rows already updated
+stay dirty in the cache until `flush()`.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -83,19 +87,13 @@ class TrainPipeline:
             raise ValueError(
                 "TrainPipeline: the model holds no CachedEmbeddingBagCollection (nor a sharded one)"
             )
-        unable = [type(c).__name__ for c in self.collections if not c.supports_prefetch]
-        if prefetch and unable:
-            raise ValueError(
-                f"TrainPipeline: {', '.join(sorted(set(unable)))} cannot prefetch; "
-                "pass prefetch=False"
-            )
         self.sparse_optimizer = sparse_optimizer
         self.dense_optimizer = dense_optimizer
         self.features = features
         self.loss = loss
         self.prefetch = prefetch
         self.fallbacks = 0  # batches whose prefetch did not fit and ran synchronously
-        self._pending: Future | None = None  # the next batch's prefetch, while it runs
+        self._pending: list[FusedPrefetchHandle] | None = None  # the next batch's prefetch
 
     def _features_of(self, batch: Any) -> list[Any]:
         found = self.features(batch)
@@ -106,34 +104,38 @@ class TrainPipeline:
             )
         return kjts
 
-    def _issue(self, batch: Any) -> list[FusedPrefetchHandle] | CacheCapacityError:
-        """Worker-thread body: prefetch every collection's share of ``batch``."""
+    def _issue(self, batch: Any) -> list[FusedPrefetchHandle]:
+        """Issue every collection's prefetch of ``batch`` (each returns at once)."""
         handles: list[FusedPrefetchHandle] = []
         try:
             for coll, kjt in zip(self.collections, self._features_of(batch), strict=True):
                 handles.append(coll.issue_fused_prefetch(kjt))
-        except CacheCapacityError as e:
-            self._cancel(handles)
-            return e
         except BaseException:
             self._cancel(handles)
             raise
         return handles
 
+    def _ready(
+        self, handles: list[FusedPrefetchHandle]
+    ) -> list[FusedPrefetchHandle] | CacheCapacityError | None:
+        """Wait for ``handles``; a prefetch that did not fit releases them all and is returned
+        (the batch runs synchronously), any other failure is raised. None: a handle was
+        released meanwhile (a ``zero_grad`` in the step), so the batch runs synchronously."""
+        for handle in handles:
+            error = handle.wait()
+            if error is not None:
+                self._cancel(handles)
+                if isinstance(error, CacheCapacityError):
+                    return error
+                raise error
+        if any(handle.used for handle in handles):
+            self._cancel(handles)
+            return None
+        return handles
+
     def _cancel(self, handles: Sequence[FusedPrefetchHandle]) -> None:
         for coll, handle in zip(self.collections, handles, strict=False):
             coll.cancel_fused_prefetch(handle)
-
-    def _settle(self, pending: Future | None) -> None:
-        """Wait for an in-flight prefetch and release what it locked."""
-        if pending is None:
-            return
-        try:
-            result = pending.result()
-        except BaseException:  # the loop is already ending with its own error
-            return
-        if isinstance(result, list):
-            self._cancel(result)
 
     def _train_step(self, batch: Any) -> torch.Tensor:
         loss = self.loss(self.model, batch)
@@ -157,13 +159,12 @@ class TrainPipeline:
         losses: list[float] = []
         it = iter(batches)
         current = next(it, _END)
-        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcache-prefetch")
-        pending: Future | None = None
+        pending: list[FusedPrefetchHandle] | None = None
         try:
             if current is not _END and self.prefetch:
-                pending = worker.submit(self._issue, current)
+                pending = self._issue(current)
             while current is not _END and (max_steps is None or len(losses) < max_steps):
-                prefetched = pending.result() if pending is not None else None
+                prefetched = self._ready(pending) if pending is not None else None
                 pending = None
                 last = max_steps is not None and len(losses) + 1 >= max_steps
                 following = _END if last else next(it, _END)
@@ -171,7 +172,7 @@ class TrainPipeline:
                 # After a fallback the next prefetch waits for this batch's synchronous resolve,
                 # which would otherwise compete with it for the same room.
                 if following is not _END and self.prefetch and not fallback:
-                    pending = worker.submit(self._issue, following)
+                    pending = self._issue(following)
                 self._pending = pending
                 if fallback:
                     self.fallbacks += 1
@@ -187,18 +188,18 @@ class TrainPipeline:
                         coll.set_fused_prefetch_handle(handle)
                 loss = self._train_step(current)
                 if following is not _END and self.prefetch and fallback:
-                    pending = worker.submit(self._issue, following)
+                    pending = self._issue(following)
                 losses.append(float(loss))
                 if on_step is not None:
                     on_step(len(losses), loss)
                 current = following
         finally:
             self._pending = None
-            self._settle(pending)
+            if pending is not None:
+                self._cancel(pending)
             for coll in self.collections:
                 handle = coll.pending_prefetch
                 if handle is not None:
                     coll.cancel_fused_prefetch(handle)
             self.sparse_optimizer.zero_grad()
-            worker.shutdown(wait=True)
         return losses

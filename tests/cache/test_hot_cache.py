@@ -4,6 +4,10 @@ Each run trains two tables through the cache with random batches (duplicates, ba
 than the cache) and the same updates on a dense copy of the tables; every resolve must return
 the dense copy's current rows (I1), every update lands once (I2), and after `flush()` the tier
 equals the dense copy bit for bit (I3) for capacities from one row per set to the whole table.
+
+The cache and the dense copy live on the ``device`` fixture's device (CUDA when present, with
+the Triton kernels; `benchmarks/gpu_check.sh` runs this file there): both are updated by the
+same row-update kernel, so bit equality holds on a GPU as well.
 """
 
 from __future__ import annotations
@@ -50,16 +54,20 @@ def make_specs(rule: OptimRule, unbounded: bool = False) -> list[tuple[int, Tabl
     return specs
 
 
-def make_cache(config: CacheConfig, rule: OptimRule, store=None, unbounded=False):
+def make_cache(
+    config: CacheConfig, rule: OptimRule, device: torch.device, store=None, unbounded=False
+):
     store = store if store is not None else HostKV()
     specs = make_specs(rule, unbounded)
     for _, spec in specs:
         store.init_table(spec)
-    return HotCache(specs, config, store, "cpu", FUSION_K), store, specs
+    return HotCache(specs, config, store, device, FUSION_K), store, specs
 
 
-def dense_reference(specs) -> torch.Tensor:
-    return torch.cat([spec.initial_rows(torch.arange(SIZES[spec.name])) for _, spec in specs])
+def dense_reference(specs, device: torch.device) -> torch.Tensor:
+    """Every row of both tables, ``[TOTAL, DIM + state]`` on ``device``, as first created."""
+    rows = [spec.initial_rows(torch.arange(SIZES[spec.name])) for _, spec in specs]
+    return torch.cat(rows).to(device)
 
 
 def random_batch(gen: torch.Generator, n_values: int) -> torch.Tensor:
@@ -73,10 +81,11 @@ def random_batch(gen: torch.Generator, n_values: int) -> torch.Tensor:
     return raw | (table << FUSION_K)
 
 
-def dense_index(fused: torch.Tensor) -> torch.Tensor:
+def dense_index(fused: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Row of each fused id in the dense reference (on ``device``; default: the ids')."""
     table = fused >> FUSION_K
     raw = fused & ((1 << FUSION_K) - 1)
-    return torch.where(table == 0, raw, raw + OFFSETS["t1"])
+    return torch.where(table == 0, raw, raw + OFFSETS["t1"]).to(device or fused.device)
 
 
 def train(cache: HotCache, dense: torch.Tensor, update: RowUpdate, steps: int, seed: int):
@@ -85,23 +94,26 @@ def train(cache: HotCache, dense: torch.Tensor, update: RowUpdate, steps: int, s
         n_values = 200 if step % 4 == 0 else 24  # every 4th batch exceeds small caches
         unique = torch.unique(random_batch(gen, n_values))
         slots = cache.resolve(unique)
-        rows = dense[dense_index(unique)]
+        rows = dense[dense_index(unique, dense.device)]
         assert torch.equal(cache.rows_of(slots), rows), f"I1: stale rows served at step {step}"
-        grads = torch.randn(unique.numel(), DIM, generator=gen)
+        grads = torch.randn(unique.numel(), DIM, generator=gen).to(dense.device)
         with cache.lock:
             apply_row_update(cache.weights, cache.state, slots, grads, update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
-        apply_row_update(dense[:, :DIM], dense[:, DIM:], dense_index(unique), grads, update, step)
+        index = dense_index(unique, dense.device)
+        apply_row_update(dense[:, :DIM], dense[:, DIM:], index, grads, update, step)
 
 
 def all_rows(cache: HotCache) -> torch.Tensor:
     """Every slot's row (scratch included), weights then state."""
-    return cache.rows_of(torch.arange(cache.weights.shape[0]))
+    return cache.rows_of(torch.arange(cache.weights.shape[0], device=cache.device))
 
 
-def tier_rows(store, specs) -> torch.Tensor:
-    return torch.cat([store.get(spec.name, torch.arange(SIZES[spec.name])) for _, spec in specs])
+def tier_rows(store, specs, device: torch.device) -> torch.Tensor:
+    """Every row of both tables as the tier holds them, on ``device``."""
+    rows = [store.get(spec.name, torch.arange(SIZES[spec.name])) for _, spec in specs]
+    return torch.cat(rows).to(device)
 
 
 CAPACITIES = {
@@ -117,68 +129,71 @@ CAPACITIES = {
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("rule", list(UPDATES), ids=list(UPDATES))
 @pytest.mark.parametrize("cap", list(CAPACITIES), ids=list(CAPACITIES))
-def test_training_through_cache_equals_dense(cap: str, rule: str, policy: str) -> None:
+def test_training_through_cache_equals_dense(
+    device: torch.device, cap: str, rule: str, policy: str
+) -> None:
     update = UPDATES[rule]
-    cache, store, specs = make_cache(CacheConfig(policy=policy, **CAPACITIES[cap]), update.rule)
-    dense = dense_reference(specs)
+    config = CacheConfig(policy=policy, **CAPACITIES[cap])
+    cache, store, specs = make_cache(config, update.rule, device)
+    dense = dense_reference(specs, device)
     train(cache, dense, update, steps=12, seed=zlib.crc32(f"{cap}{rule}{policy}".encode()) % 1000)
     assert cache.locked_slots() == 0
     cache.flush()
-    assert torch.equal(tier_rows(store, specs), dense), "I3: tier differs from dense after flush"
+    assert torch.equal(tier_rows(store, specs, device), dense), "I3: tier differs after flush"
     stats = cache.cache_stats()
     assert stats["hits"] + stats["misses"] > 0
     if cache.direct:
         assert stats["evictions"] == 0
 
 
-def test_sgd_dense_reference_matches_float64() -> None:
+def test_sgd_dense_reference_matches_float64(device: torch.device) -> None:
     """The dense float32 reference itself agrees with SGD done in float64."""
     update = UPDATES["sgd"]
-    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=2), update.rule)
-    dense = dense_reference(specs)
-    ref64 = dense.double().clone()
+    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=2), update.rule, device)
+    ref64 = dense_reference(specs, torch.device("cpu")).double()
     gen = torch.Generator().manual_seed(3)
     for step in range(1, 6):
         unique = torch.unique(random_batch(gen, 30))
         slots = cache.resolve(unique)
         grads = torch.randn(unique.numel(), DIM, generator=gen)
-        apply_row_update(cache.weights, cache.state, slots, grads, update, step)
+        apply_row_update(cache.weights, cache.state, slots, grads.to(device), update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
         ref64[dense_index(unique), :DIM] -= update.lr * grads.double()
     cache.flush()
-    torch.testing.assert_close(tier_rows(store, specs).double(), ref64, rtol=1e-6, atol=1e-6)
+    tier = tier_rows(store, specs, torch.device("cpu")).double()
+    torch.testing.assert_close(tier, ref64, rtol=1e-6, atol=1e-6)
 
 
-def test_training_with_triton_index_kernels(backend: str) -> None:
+def test_training_with_triton_index_kernels(backend: str, device: torch.device) -> None:
     """The same run with the cache-index ops on each backend (Triton via the interpreter)."""
     update = UPDATES["sgd"]
-    cache, store, specs = make_cache(CacheConfig(capacity=12, ways=4, policy="lfu"), update.rule)
-    dense = dense_reference(specs)
+    config = CacheConfig(capacity=12, ways=4, policy="lfu")
+    cache, store, specs = make_cache(config, update.rule, device)
+    dense = dense_reference(specs, device)
     train(cache, dense, update, steps=5, seed=11)
     cache.flush()
-    assert torch.equal(tier_rows(store, specs), dense)
+    assert torch.equal(tier_rows(store, specs, device), dense)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_hashed_ids_match_bounded_tables(policy: str) -> None:
+def test_hashed_ids_match_bounded_tables(device: torch.device, policy: str) -> None:
     update = UPDATES["adagrad"]
     results = []
     for unbounded in (False, True):
-        cache, store, specs = make_cache(
-            CacheConfig(capacity=16, ways=4, policy=policy), update.rule, unbounded=unbounded
-        )
-        dense = dense_reference(make_specs(update.rule))
+        config = CacheConfig(capacity=16, ways=4, policy=policy)
+        cache, store, specs = make_cache(config, update.rule, device, unbounded=unbounded)
+        dense = dense_reference(make_specs(update.rule), device)
         train(cache, dense, update, steps=8, seed=5)
         cache.flush()
-        results.append(tier_rows(store, specs))
+        results.append(tier_rows(store, specs, device))
         assert torch.equal(results[-1], dense)
     assert torch.equal(results[0], results[1])
 
 
-def test_locked_slots_are_never_victims() -> None:
-    cache, _, specs = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
-    dense = dense_reference(specs)
+def test_locked_slots_are_never_victims(device: torch.device) -> None:
+    cache, _, specs = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD, device)
+    dense = dense_reference(specs, device)
     first = torch.arange(8, dtype=torch.int64)
     held = cache.resolve(first)  # locked
     held_keys = cache.slot_keys[held].clone()
@@ -189,12 +204,12 @@ def test_locked_slots_are_never_victims() -> None:
     assert torch.equal(cache.slot_keys[held], held_keys), "I4: a locked slot was evicted"
     assert torch.equal(cache.rows_of(held), held_rows)
     assert set(slots.tolist()).isdisjoint(held.tolist())
-    assert torch.equal(cache.rows_of(slots), dense[second]), "overflow rows served wrong"
+    assert torch.equal(cache.rows_of(slots), dense[second.to(device)]), "overflow rows served wrong"
     assert bool((slots >= cache.num_slots).all()), "every way is locked: all go to scratch"
     # read() finds rows in slots, in scratch and in the tier alike, and changes nothing.
     everywhere = torch.cat([first, second, torch.tensor([50, 7 | (1 << FUSION_K)])])
     keys_before = cache.slot_keys.clone()
-    assert torch.equal(cache.read(everywhere), dense[dense_index(everywhere)])
+    assert torch.equal(cache.read(everywhere), dense[dense_index(everywhere, device)])
     assert torch.equal(cache.slot_keys, keys_before)
     cache.release()
     cache.unlock(held)
@@ -202,10 +217,10 @@ def test_locked_slots_are_never_victims() -> None:
     assert cache._scratch_used == 0
 
 
-def test_batch_larger_than_cache_is_exact_and_stats_add_up() -> None:
+def test_batch_larger_than_cache_is_exact_and_stats_add_up(device: torch.device) -> None:
     update = UPDATES["rowwise_adagrad"]
-    cache, store, specs = make_cache(CacheConfig(capacity=4, ways=4), update.rule)
-    dense = dense_reference(specs)
+    cache, store, specs = make_cache(CacheConfig(capacity=4, ways=4), update.rule, device)
+    dense = dense_reference(specs, device)
     looked_up = 0
     gen = torch.Generator().manual_seed(0)
     for step in range(1, 5):
@@ -213,29 +228,27 @@ def test_batch_larger_than_cache_is_exact_and_stats_add_up() -> None:
         assert unique.numel() > 4 * 5
         looked_up += unique.numel()
         slots = cache.resolve(unique)
-        assert torch.equal(cache.rows_of(slots), dense[dense_index(unique)])
-        grads = torch.randn(unique.numel(), DIM, generator=gen)
+        assert torch.equal(cache.rows_of(slots), dense[dense_index(unique, device)])
+        grads = torch.randn(unique.numel(), DIM, generator=gen).to(device)
         apply_row_update(cache.weights, cache.state, slots, grads, update, step)
         cache.mark_dirty(slots)
         cache.unlock(slots)
-        apply_row_update(dense[:, :DIM], dense[:, DIM:], dense_index(unique), grads, update, step)
+        index = dense_index(unique, device)
+        apply_row_update(dense[:, :DIM], dense[:, DIM:], index, grads, update, step)
     stats = cache.cache_stats()
     assert stats["hits"] + stats["misses"] == looked_up
     assert math.isclose(stats["hit_rate"], stats["hits"] / looked_up)
     cache.flush()
-    assert torch.equal(tier_rows(store, specs), dense)
+    assert torch.equal(tier_rows(store, specs, device), dense)
     cache.reset_stats()
     assert cache.cache_stats()["hits"] == 0
 
 
-def test_batch_beyond_cache_and_scratch_is_refused_cleanly() -> None:
-    cache, store, _ = make_cache(CacheConfig(capacity=4, ways=4, max_scratch_rows=3), OptimRule.SGD)
+def test_batch_beyond_cache_and_scratch_is_refused_cleanly(device: torch.device) -> None:
+    config = CacheConfig(capacity=4, ways=4, max_scratch_rows=3)
+    cache, store, _ = make_cache(config, OptimRule.SGD, device)
     cache.resolve(torch.tensor([1, 2]), lock=False)
-    before = (
-        cache.slot_keys.clone(),
-        all_rows(cache).clone(),
-        store.io_stats()["rows_read"],
-    )
+    before = (cache.slot_keys.clone(), all_rows(cache).clone(), store.io_stats()["rows_read"])
     with pytest.raises(ValueError, match=r"max_scratch_rows>=\d+"):
         cache.resolve(torch.arange(10, 20))
     assert torch.equal(cache.slot_keys, before[0])
@@ -255,18 +268,15 @@ class FlakyStore(HostKV):
         super().put(table, ids, rows)
 
 
-def test_failed_write_back_loses_nothing() -> None:
+def test_failed_write_back_loses_nothing(device: torch.device) -> None:
     update = UPDATES["sgd"]
     store = FlakyStore()
-    cache, store, specs = make_cache(CacheConfig(capacity=4, ways=2), update.rule, store=store)
-    dense = dense_reference(specs)
+    config = CacheConfig(capacity=4, ways=2)
+    cache, store, specs = make_cache(config, update.rule, device, store=store)
+    dense = dense_reference(specs, device)
     train(cache, dense, update, steps=3, seed=1)
     store.down = True
-    state = (
-        cache.slot_keys.clone(),
-        cache.dirty.clone(),
-        all_rows(cache).clone(),
-    )
+    state = (cache.slot_keys.clone(), cache.dirty.clone(), all_rows(cache).clone())
     with pytest.raises(ConnectionError):
         cache.resolve(torch.arange(30, 50))  # must evict dirty rows: the write fails
     assert torch.equal(cache.slot_keys, state[0])
@@ -276,26 +286,47 @@ def test_failed_write_back_loses_nothing() -> None:
         cache.flush()
     store.down = False
     cache.flush()
-    assert torch.equal(tier_rows(store, specs), dense)
+    assert torch.equal(tier_rows(store, specs, device), dense)
 
 
-def test_invalidate_and_set_state() -> None:
-    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
-    dense = dense_reference(specs)
+def test_invalidate_and_set_state(device: torch.device) -> None:
+    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD, device)
+    dense = dense_reference(specs, device)
     train(cache, dense, UPDATES["sgd"], steps=3, seed=2)
     cache.invalidate()
     assert bool((cache.slot_keys < 0).all())
-    assert torch.equal(tier_rows(store, specs), dense)
+    assert torch.equal(tier_rows(store, specs, device), dense)
     cache.set_state(state_dim(OptimRule.ADAGRAD, DIM), 0.5)
     assert cache.width == 2 * DIM
     ids = torch.tensor([3, 7 | (1 << FUSION_K)])
     rows = cache.read(ids)
-    assert torch.equal(rows[:, :DIM], dense[dense_index(ids), :DIM])
+    assert torch.equal(rows[:, :DIM], dense[dense_index(ids, device), :DIM])
     assert bool((rows[:, DIM:] == 0.5).all())
 
 
-def test_locked_invalidate_and_bad_unlock_raise() -> None:
-    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
+@pytest.mark.parametrize("cap", ["tiny_4way", "whole_table"])
+def test_write_weights_wherever_the_row_lives(device: torch.device, cap: str) -> None:
+    """`write_weights` changes a resident row in its slot (dirty, so flush keeps it), a row in
+    the scratch area likewise, and any other row in the tier; the state columns stay."""
+    cache, store, specs = make_cache(CacheConfig(**CAPACITIES[cap]), OptimRule.ADAGRAD, device)
+    dense = dense_reference(specs, device)
+    train(cache, dense, UPDATES["adagrad"], steps=6, seed=4)
+    locked = cache.resolve(torch.unique(random_batch(torch.Generator().manual_seed(9), 200)))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.unique(random_batch(gen, 40))
+    resident = torch.isin(ids, cache.slot_keys.cpu())
+    assert bool(resident.any()) and (cap == "whole_table" or not bool(resident.all()))
+    rows = torch.randn(ids.numel(), DIM, generator=gen)
+    cache.write_weights(ids, rows)
+    dense[dense_index(ids, device), :DIM] = rows.to(device)
+    assert torch.equal(cache.read(ids), dense[dense_index(ids, device)])
+    cache.unlock(locked)
+    cache.flush()
+    assert torch.equal(tier_rows(store, specs, device), dense)
+
+
+def test_locked_invalidate_and_bad_unlock_raise(device: torch.device) -> None:
+    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD, device)
     slots = cache.resolve(torch.tensor([1, 2, 3]))
     with pytest.raises(RuntimeError, match="locked"):
         cache.invalidate()
@@ -336,18 +367,17 @@ class RemoteLikeStore(HostKV):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_concurrent_tier_calls_are_exact(policy: str) -> None:
+def test_concurrent_tier_calls_are_exact(device: torch.device, policy: str) -> None:
     """With a tier whose calls overlap, write-backs and reads of all tables go out together,
     on the cache's I/O threads; the numbers are the dense reference's."""
     update = UPDATES["adam"]
     store = RemoteLikeStore()
-    cache, store, specs = make_cache(
-        CacheConfig(capacity=8, ways=2, policy=policy), update.rule, store=store
-    )
-    dense = dense_reference(specs)
+    config = CacheConfig(capacity=8, ways=2, policy=policy)
+    cache, store, specs = make_cache(config, update.rule, device, store=store)
+    dense = dense_reference(specs, device)
     train(cache, dense, update, steps=10, seed=4)
     cache.flush()
-    assert torch.equal(tier_rows(store, specs), dense)
+    assert torch.equal(tier_rows(store, specs, device), dense)
     assert any(name.startswith("embcache-tier") for name in store.threads), store.threads
 
 
@@ -401,8 +431,8 @@ def test_a_cache_the_device_cannot_hold_is_refused_before_allocating() -> None:
         CacheConfig(memory_budget=0)
 
 
-def test_a_batch_wider_than_the_cache_warns_once() -> None:
-    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD)
+def test_a_batch_wider_than_the_cache_warns_once(device: torch.device) -> None:
+    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD, device)
     with pytest.warns(CacheOverflowWarning, match=r"20 unique rows .* 8 slots"):
         cache.unlock(cache.resolve(torch.arange(20)))
     with warnings.catch_warnings():
@@ -413,13 +443,15 @@ def test_a_batch_wider_than_the_cache_warns_once() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("capacity", [8, 32], ids=["cap8", "cap32"])
-def test_stats_and_rows_are_the_same_with_and_without_prefetch(policy: str, capacity: int) -> None:
+def test_stats_and_rows_are_the_same_with_and_without_prefetch(
+    device: torch.device, policy: str, capacity: int
+) -> None:
     """Prefetch resolves batch i+1 before batch i's step (i's rows still locked); without it
     batch i is stepped first. Each counter must come out the same either way, as the rows do."""
     update = UPDATES["adagrad"]
     gen = torch.Generator().manual_seed(3)
     batches = [torch.unique(random_batch(gen, 40 if i % 3 else 120)) for i in range(12)]
-    grads = [torch.randn(b.numel(), DIM, generator=gen) for b in batches]
+    grads = [torch.randn(b.numel(), DIM, generator=gen).to(device) for b in batches]
 
     def step(cache: HotCache, i: int, slots: torch.Tensor) -> None:
         with cache.lock:
@@ -429,7 +461,7 @@ def test_stats_and_rows_are_the_same_with_and_without_prefetch(policy: str, capa
 
     def run(prefetch: bool) -> tuple[dict[str, float], torch.Tensor]:
         config = CacheConfig(capacity=capacity, ways=4, policy=policy)
-        cache, store, specs = make_cache(config, update.rule)
+        cache, store, specs = make_cache(config, update.rule, device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CacheOverflowWarning)
             ahead = cache.resolve(batches[0]) if prefetch else None
@@ -440,7 +472,7 @@ def test_stats_and_rows_are_the_same_with_and_without_prefetch(policy: str, capa
                 step(cache, i, slots)
         stats = cache.cache_stats()
         cache.flush()
-        return stats, tier_rows(store, specs)
+        return stats, tier_rows(store, specs, device)
 
     (with_stats, with_rows), (without_stats, without_rows) = run(True), run(False)
     assert torch.equal(with_rows, without_rows)

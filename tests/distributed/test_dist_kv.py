@@ -1,10 +1,12 @@
-"""ShardedKVClient across 2 ranks (gloo on CPU): pull, push and update_async semantics.
+"""ShardedKVClient across 2 ranks (gloo on CPU): pull, push, update_async and add_async.
 
 Both ranks run one script (one `spawn`); each call is a collective that every rank makes with its
 own ids, some of them empty. The reference is one in-process `KVClient` given the same calls:
 its default initialiser depends on (tensor, id) alone, so pulled and pushed rows must equal it
-exactly. Updates agree to float32 rounding (torch.testing defaults): an owner adds the deltas of
-one call summed over the ranks, ``row + (d0 + d1)``, the reference adds them one rank at a time.
+exactly. ``update_async`` hands one call's gradients, summed over the ranks, to the tensor's
+backend optimizer (AdaGrad here, so applying each rank's share separately would differ); the
+reference gets the ranks' gradients of a call in one call. Updates agree to float32 rounding
+(torch.testing defaults): the sums run in another order.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import torch
 
 from embcache.distributed.launch import spawn
 from embcache.distributed.sharded import ShardedKVClient, kv_owner_of
-from embcache.recstore.kv_client import KVClient
+from embcache.recstore.kv_client import KVClient, KVOptimizer
 
 ROWS, DIM = 97, 5
+ADAGRAD = KVOptimizer("AdaGrad", lr=0.1)
 
 
 def _ids(rank: int, step: int) -> torch.Tensor:
@@ -35,8 +38,8 @@ def _deltas(rank: int, step: int, n: int) -> torch.Tensor:
 def _kv_worker(rank: int) -> dict:
     kv = ShardedKVClient()
     out: dict = {}
-    kv.init_data("emb", (ROWS, DIM))
-    kv.init_data("emb", (ROWS, DIM))  # the same declaration again is a no-op
+    kv.init_data("emb", (ROWS, DIM), optimizer=ADAGRAD)
+    kv.init_data("emb", (ROWS, DIM), optimizer=ADAGRAD)  # the same again is a no-op
     out["pull_initial"] = kv.pull("emb", torch.arange(ROWS) if rank == 0 else [])
     out["pull_2d"] = kv.pull("emb", torch.tensor([[3, 3], [96, 0]]) if rank == 1 else [])
 
@@ -55,6 +58,10 @@ def _kv_worker(rank: int) -> dict:
         kv.wait(h)
     kv.flush()
     out["after_update"] = kv.pull("emb", torch.arange(ROWS))
+    ids = _ids(rank, 2)
+    kv.wait(kv.add_async("emb", ids, _deltas(rank, 2, ids.numel())))
+    kv.flush()
+    out["after_add"] = kv.pull("emb", torch.arange(ROWS))
 
     # ids that all live on one owner
     all_ids = torch.arange(ROWS)
@@ -100,20 +107,24 @@ def runs() -> list[dict]:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     kv = KVClient()
-    kv.init_data("emb", (ROWS, DIM))
+    kv.init_data("emb", (ROWS, DIM), optimizer=ADAGRAD)
     ref = {"initial": kv.pull("emb", torch.arange(ROWS))}
     for rank, pushed in ((0, [5, 6, 7]), (1, [10, 11])):
         kv.push("emb", pushed, torch.full((len(pushed), DIM), float(rank + 1)))
     kv.push("emb", [20], torch.full((1, DIM), 20.0))
     ref["after_push"] = kv.pull("emb", torch.tensor([5, 6, 7, 10, 11, 20]))
     for step in range(2):
-        for rank in (0, 1):
-            if step == 1 and rank == 1:
-                continue
-            ids = _ids(rank, step)
-            kv.update_async("emb", ids, _deltas(rank, step, ids.numel()))
+        ranks = (0, 1) if step == 0 else (0,)
+        ids = [_ids(rank, step) for rank in ranks]
+        grads = [_deltas(rank, step, i.numel()) for rank, i in zip(ranks, ids, strict=True)]
+        kv.update_async("emb", torch.cat(ids), torch.cat(grads))  # one call, both ranks' share
     kv.flush()
     ref["after_update"] = kv.pull("emb", torch.arange(ROWS))
+    for rank in (0, 1):
+        ids = _ids(rank, 2)
+        kv.add_async("emb", ids, _deltas(rank, 2, ids.numel()))
+    kv.flush()
+    ref["after_add"] = kv.pull("emb", torch.arange(ROWS))
     kv.close()
     return ref
 
@@ -131,19 +142,25 @@ def test_push_reaches_every_rank_and_the_highest_rank_wins(runs, reference) -> N
         assert bool((run["after_push"][-1] == 20.0).all())
 
 
-def test_update_async_sums_every_rank_delta(runs: list[dict], reference: dict) -> None:
+def test_update_async_steps_the_backend_optimizer_on_every_ranks_gradients(
+    runs: list[dict], reference: dict
+) -> None:
     for run in runs:
         torch.testing.assert_close(run["after_update"], reference["after_update"])
+        assert not torch.equal(run["after_update"], reference["initial"])
+
+
+def test_add_async_adds_every_rank_delta(runs: list[dict], reference: dict) -> None:
+    for run in runs:
+        torch.testing.assert_close(run["after_add"], reference["after_add"])
 
 
 def test_ids_of_one_owner_and_prefetch(runs: list[dict], reference: dict) -> None:
     owner_zero = torch.arange(ROWS)[kv_owner_of("emb", torch.arange(ROWS), 2) == 0]
     assert 0 < owner_zero.numel() < ROWS
     for run in runs:
-        torch.testing.assert_close(run["one_owner"], reference["after_update"][owner_zero])
-        torch.testing.assert_close(
-            run["prefetched"], reference["after_update"][torch.tensor([20, 5])]
-        )
+        torch.testing.assert_close(run["one_owner"], reference["after_add"][owner_zero])
+        torch.testing.assert_close(run["prefetched"], reference["after_add"][torch.tensor([20, 5])])
 
 
 def test_init_func_runs_on_rank_zero(runs: list[dict]) -> None:
@@ -161,5 +178,5 @@ def test_refusals_raise_on_both_ranks_and_change_nothing(runs, reference) -> Non
         assert "ShardedKVClient.push('emb')" in errors["mismatch"]
         assert "pull('rand')" in errors["names"]
     for run in runs:
-        torch.testing.assert_close(run["after_errors"], reference["after_update"])
+        torch.testing.assert_close(run["after_errors"], reference["after_add"])
     assert runs[0]["comm"]["bytes_to_peers"] > 0

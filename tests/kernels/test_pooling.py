@@ -261,6 +261,8 @@ def test_pooling_is_deterministic(
     backend: str, device: torch.device, mode: PoolingMode, weighted: bool
 ) -> None:
     """Two runs give the same bits: few unique ids, so every gradient sums many terms."""
+    if backend == "torch" and device.type == "cuda":
+        pytest.skip("the torch twin's scatter_add_/index_add_ use float atomics on CUDA")
     bags = make_bags(seed_of("det", mode), 33, weighted, device, num_unique=4, num_rows=8)
     gen = torch.Generator().manual_seed(7)
     grad_out = torch.randn(bags.batch_size, 66, generator=gen).to(device)

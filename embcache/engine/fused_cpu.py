@@ -1,0 +1,195 @@
+"""The CPU fast path of a cache's step: FBGEMM's table-batched embedding (TBE) over the cache.
+
+On a CPU, pooling, the backward's per-id gradient sums and the optimizer's row update are three
+passes over the batch's rows through torch ops (the twins). FBGEMM's CPU TBE does the backward
+and the row update in one fused pass, and its pooling is as fast as any. fbgemm-gpu-cpu lets a
+TBE own no memory of its own (``preallocated_host_buffers``): here its one "table" is the cache's
+slot storage, ``weights [R, dim]`` and the optimizer state ``[R, S]`` beside it, and its indices
+are the batch's slots, so the TBE reads and updates the cache's rows in place.
+
+    fused = FusedCpuStep.for_engine(engine, optimizer)   # None when it does not apply
+    pooled, bound = fused.pool(prepared, lr)             # [F * B, dim], the TBE's graph kept
+    ...                                                  # backward: the pooled gradient only
+    fused.apply(pending)                                 # the TBE's backward: rows updated
+
+What a step records in between is a `PendingUpdate`: the TBE's output and the pooled gradient.
+The optimizer's step applies it with one backward call; anything that needs the per-id gradient
+rows (reading ``_trace``, accumulating over several backwards) turns it into ordinary trace
+entries first, with the same numbers up to float32 rounding order.
+
+It applies to SGD, AdaGrad (no ``lr_decay``) and row-wise AdaGrad without weight decay, to
+float32 rows of a dim that is a multiple of 4, to caches that admit every id (no
+``admit_after``), and to caches whose features share one pooling mode, SUM or MEAN (unweighted
+MEAN: FBGEMM's weighted MEAN differs from the twins'); everything else takes the twins' path.
+`EMBCACHE_BACKEND=torch` turns it off (the twins are the specification).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from embcache.engine.batch_state import InFlight, Prepared
+from embcache.kernels.optim import OptimRule
+from embcache.kernels.pooling import PoolingMode
+
+_RULES = {
+    OptimRule.SGD: "EXACT_SGD",
+    OptimRule.ADAGRAD: "EXACT_ADAGRAD",
+    OptimRule.ROWWISE_ADAGRAD: "EXACT_ROWWISE_ADAGRAD",
+}
+_FBGEMM: list = []  # [module namespace or None], filled on first use
+
+
+def _fbgemm() -> Any | None:
+    """fbgemm_gpu's TBE classes, or None when fbgemm-gpu-cpu cannot be imported here."""
+    if not _FBGEMM:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # it warns about optional CUDA parts on import
+                from fbgemm_gpu import split_embedding_configs as configs
+                from fbgemm_gpu import split_table_batched_embeddings_ops_common as common
+                from fbgemm_gpu import split_table_batched_embeddings_ops_training as training
+            _FBGEMM.append((configs, common, training))
+        except Exception:
+            _FBGEMM.append(None)
+    return _FBGEMM[0]
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A flat tensor over ``t``'s memory with a version counter of its own.
+
+    The TBE's graph saves its weights for the backward; the cache writes other slots of the
+    same storage in between (a prefetch copying rows in), which would bump a shared counter and
+    make autograd refuse the backward although the batch's own rows, locked, did not change.
+    """
+    flat = torch.empty(0, dtype=t.dtype, device=t.device)
+    return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+
+
+@dataclass
+class PendingUpdate:
+    """One cache's share of a backward, not yet applied: the TBE's pooled output (with its
+    autograd graph) and the gradient of it, ``[F * B, dim]``; and, to turn it into per-id
+    gradient rows when asked, the pooled gradient ``[B, F * dim]`` the engine saw."""
+
+    engine: int  # index of the cache's engine in its group
+    batch: InFlight
+    pooled: torch.Tensor
+    grad: torch.Tensor
+    grad_out: torch.Tensor
+    batch_size: int
+    columns: torch.Tensor  # first output column of each feature, as the engine pools
+    bound: tuple[int, int, int]  # the storage the TBE's graph reads and writes
+    lr: float  # the learning rate the TBE's graph applies (fixed at its forward)
+
+
+class FusedCpuStep:
+    """A TBE bound to one cache's slot storage, for one optimizer rule.
+
+    Args:
+        cache: the `HotCache` whose ``weights`` and ``state`` the TBE reads and updates.
+        mode: the pooling mode of every feature of the cache (SUM or MEAN).
+        rule: the optimizer rule; ``eps`` its epsilon.
+    """
+
+    def __init__(self, cache: Any, mode: PoolingMode, rule: OptimRule, eps: float) -> None:
+        self.cache = cache
+        self.mode = mode
+        self.rule = rule
+        self.eps = eps
+        self._tbe: Any = None
+        self._bound: tuple[int, int, int] = (0, 0, 0)
+
+    @staticmethod
+    def for_engine(engine: Any, optimizer: Any) -> FusedCpuStep | None:
+        """The fused step of ``engine`` under ``optimizer``, or None when it does not apply."""
+        update = getattr(optimizer, "update", None)
+        if (
+            update is None
+            or engine.device.type != "cpu"
+            or os.environ.get("EMBCACHE_BACKEND", "auto").strip().lower() not in ("", "auto")
+            or update.rule not in _RULES
+            or update.weight_decay != 0.0
+            or (update.rule == OptimRule.ADAGRAD and update.lr_decay != 0.0)
+            or engine.cache.weights.dtype != torch.float32
+            or not engine.cache.admits_all  # ids not admitted have slot -1
+            or engine.dim % 4  # FBGEMM's CPU TBE takes dims that are multiples of 4
+            or len(engine.layout.lookups) != 1
+            or engine.layout.lookups[0].mode not in (PoolingMode.SUM, PoolingMode.MEAN)
+            or _fbgemm() is None
+        ):
+            return None
+        return FusedCpuStep(engine.cache, engine.layout.lookups[0].mode, update.rule, update.eps)
+
+    def _table(self) -> Any:
+        """The TBE over the cache's current storage (made again when the cache reallocated
+        it: a grown scratch area, a new optimizer state layout)."""
+        weights, state = self.cache.weights, self.cache.state
+        bound = (weights.data_ptr(), state.data_ptr(), weights.shape[0])
+        if self._tbe is not None and bound == self._bound:
+            return self._tbe
+        configs, common, training = _fbgemm()
+        rows, dim = weights.shape
+        buffers = {"weights": _alias(weights)}
+        if self.rule != OptimRule.SGD:
+            buffers["momentum1"] = _alias(state)
+        pooling = (
+            common.PoolingMode.SUM if self.mode == PoolingMode.SUM else common.PoolingMode.MEAN
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._tbe = training.SplitTableBatchedEmbeddingBagsCodegen(
+                [(rows, dim, common.EmbeddingLocation.HOST, common.ComputeDevice.CPU)],
+                optimizer=getattr(configs.EmbOptimType, _RULES[self.rule]),
+                learning_rate=0.0,  # set before each forward: its graph keeps it
+                eps=self.eps,
+                pooling_mode=pooling,
+                bounds_check_mode=common.BoundsCheckMode.NONE,  # slots are in range by making
+                preallocated_host_buffers=buffers,
+            )
+        self._bound = bound
+        return self._tbe
+
+    def takes(self, p: Prepared) -> bool:
+        """Whether this batch share can go through the TBE (weighted MEAN cannot: the twins
+        divide a weighted sum by the bag's length, which FBGEMM's MEAN does not)."""
+        return p.weights is None or self.mode == PoolingMode.SUM
+
+    def pool(self, p: Prepared, lr: float) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The batch's bags pooled by the TBE, ``[F * B, dim]``, with its autograd graph (whose
+        backward is the fused row update at learning rate ``lr``), and the storage that graph
+        is bound to."""
+        tbe = self._table()
+        tbe.set_learning_rate(lr)  # the CPU op reads it at the forward
+        indices = p.slots.index_select(0, p.inverse)  # the slot of every value
+        with torch.enable_grad():
+            pooled = tbe(indices, p.offsets, per_sample_weights=p.weights)
+        return pooled, self._bound
+
+    def can_apply(self, pending: PendingUpdate, update: Any) -> bool:
+        """Whether ``pending`` can be applied by the TBE under ``update``: the rule, learning
+        rate and epsilon its graph was built with, and no decay."""
+        return (
+            update.rule == self.rule
+            and update.lr == pending.lr
+            and update.eps == self.eps
+            and update.weight_decay == 0.0
+            and getattr(update, "lr_decay", 0.0) == 0.0
+        )
+
+    def apply(self, pending: PendingUpdate, p: Prepared) -> None:
+        """Run the TBE's backward for ``pending``: every row of the batch updated in place.
+
+        When the cache reallocated its storage since the forward (a prefetch grew the scratch
+        area; rows keep their slots), the graph is built again over the new storage first, so
+        the update lands there with the same arithmetic."""
+        weights, state = self.cache.weights, self.cache.state
+        pooled = pending.pooled
+        if pending.bound != (weights.data_ptr(), state.data_ptr(), weights.shape[0]):
+            pooled, _ = self.pool(p, pending.lr)
+        torch.autograd.backward(pooled, pending.grad)

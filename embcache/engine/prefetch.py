@@ -1,0 +1,204 @@
+"""A collection's prefetch handles: issued at once, resolved on a worker thread, recorded on the
+module, and released whenever they can no longer be used.
+
+    handle = module.issue_fused_prefetch(features)   # returns at once; the worker dedups and
+                                                     # resolves (tier I/O) in the background
+    module.set_fused_prefetch_handle(handle)         # optional: issuing recorded it already
+    out = module(features)                           # waits only for what is left
+
+A prefetch locks the slots it resolves, so a handle that is never used would hold them (and
+any scratch rows) forever. Every way of leaving one behind releases it instead:
+
+* **a newer handle**: issuing records the new handle on the module (RecStore's
+  ``_fused_prefetch_handle``) in place of the older one, as `set_fused_prefetch_handle` does; the
+  older one stays usable only while the caller holds it (see garbage collection);
+* **the next forward** takes the recorded handle: issued for other features, it is released (a
+  handle set explicitly for other features is also an error); once a forward used a handle,
+  every handle issued before it is released; and a handle that two forwards passed by unused
+  is released by the second (a pipeline issues batch i+1 before forward i, which must leave it);
+* **zero_grad / reset_trace / invalidate_caches** release every handle;
+* **garbage collection**: a handle nobody references is queued by its finalizer and released
+  at the module's next call (never from the finalizer itself, which may run in the middle of a
+  resolve).
+
+Releasing a handle whose prefetch is still running waits for it first. The worker runs one
+prefetch at a time, in issue order (the sharded collection's prefetches are collectives, which
+every rank must make in the same order), on a thread that exists only while there is work.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from embcache.engine.batch_state import FusedPrefetchHandle, Prefetched, PrefetchState, Prepared
+from embcache.engine.inputs import JaggedBatch
+
+
+class SerialWorker:
+    """Runs submitted calls one at a time, in submission order, on a daemon thread that is
+    started for a burst of work and exits when the queue is empty (an idle collection holds no
+    thread).
+
+    Args:
+        name: the thread's name.
+        device: a CUDA device to make current on the thread (the training thread's may differ
+            from the default), or None.
+    """
+
+    def __init__(self, name: str, device: torch.device | None = None) -> None:
+        self.name = name
+        self.device = device if device is not None and device.type == "cuda" else None
+        self._queue: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
+        self._lock = threading.Lock()
+        self._running = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._queue.append((future, fn, args))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name=self.name, daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                future, fn, args = self._queue.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(e)
+            del future, fn, args  # the worker keeps no reference to a finished call
+
+
+class Prefetcher:
+    """The prefetch handles of one collection (see the module docstring for the rules).
+
+    Args:
+        release_shares: gives back the locked shares of a prefetch that will not be used.
+        device: the collection's device (made current on the worker thread).
+    """
+
+    def __init__(
+        self,
+        release_shares: Callable[[list[Prepared | None]], None],
+        device: torch.device,
+    ) -> None:
+        self.worker = SerialWorker("embcache-prefetch", device)
+        self.recorded: FusedPrefetchHandle | None = None  # the handle the next forward uses
+        self.explicit = False  # recorded by set_fused_prefetch_handle, not by issuing
+        self.issued: list[PrefetchState] = []  # neither used nor released, in issue order
+        self.seq = 0
+        self._dropped: deque[PrefetchState] = deque()  # filled by handles' finalizers
+        self._passed_by = 0  # the last seq issued before the previous forward
+        self._release_shares = release_shares
+
+    def _submit(self, job: Callable[[int], Prefetched]) -> PrefetchState:
+        self.seq += 1
+        return PrefetchState(self.seq, self.worker.submit(job, self.seq))
+
+    def issue(
+        self,
+        module_id: int,
+        generation: int,
+        batch: JaggedBatch,
+        job: Callable[[int], Prefetched],
+    ) -> FusedPrefetchHandle:
+        """Queue ``job(seq)`` on the worker and record its handle for the next forward."""
+        self.collect_dropped()
+        state = self._submit(job)
+        handle = FusedPrefetchHandle(
+            module_id, generation, list(batch.keys()), batch.lengths(), batch.values(), state
+        )
+        state.finalizer = weakref.finalize(handle, self._dropped.append, state)
+        self.issued.append(state)
+        self.record(handle, explicit=False)
+        return handle
+
+    def issue_refused(self, job: Callable[[int], Prefetched]) -> None:
+        """Queue ``job(seq)`` for a prefetch whose input was refused: it holds no handle, but
+        its seq is spent (a sharded collection still makes the prefetch's collectives)."""
+        self._submit(job)
+
+    def record(self, handle: FusedPrefetchHandle | None, explicit: bool) -> None:
+        self.collect_dropped()
+        self.recorded, self.explicit = handle, explicit and handle is not None
+
+    def take(self, batch: JaggedBatch) -> FusedPrefetchHandle | None:
+        """The recorded handle, for a forward on ``batch`` (the record is cleared). One issued
+        for other features is released: an error when it was set explicitly, else the forward
+        reads synchronously."""
+        self.collect_dropped()
+        handle, explicit = self.recorded, self.explicit
+        self.recorded, self.explicit = None, False
+        if handle is not None and not handle.issued_for(batch):
+            self.release(handle.state)
+            if explicit:
+                raise ValueError(
+                    "prefetch handle was issued for other features than this forward's; "
+                    "it has been released"
+                )
+            handle = None
+        return handle
+
+    def use(self, handle: FusedPrefetchHandle | None) -> Prefetched | None:
+        """Wait for ``handle``'s prefetch and hand its shares to a forward (None: no handle,
+        or its prefetch failed and was released; the forward reads synchronously). Then release
+        every handle that can no longer be used."""
+        result = None
+        if handle is not None:
+            state = handle.state
+            result = state.result()
+            if result.error is not None:
+                self.release(state)
+                result = None
+            else:
+                self._forget(state)
+                state.used = True
+        used = handle.state.seq if result is not None else 0
+        for state in list(self.issued):
+            if state.seq < used or state.seq <= self._passed_by:
+                self.release(state)
+        self._passed_by = self.seq
+        return result
+
+    def release(self, state: PrefetchState) -> None:
+        """Give back the slots of a prefetch that will not be used (waits for it first)."""
+        if state.used or state.released:
+            return
+        self._forget(state)
+        state.released = True
+        self._release_shares(state.result().prepared)
+        if self.recorded is not None and self.recorded.state is state:
+            self.recorded, self.explicit = None, False
+
+    def release_all(self) -> None:
+        self.collect_dropped()
+        for state in list(self.issued):
+            self.release(state)
+        self.recorded, self.explicit = None, False
+
+    def collect_dropped(self) -> None:
+        """Release the handles garbage collection found unreferenced."""
+        while self._dropped:
+            self.release(self._dropped.popleft())
+
+    def _forget(self, state: PrefetchState) -> None:
+        if state in self.issued:
+            self.issued.remove(state)
+        if state.finalizer is not None:
+            state.finalizer.detach()

@@ -1,0 +1,213 @@
+"""The fused CPU path (FBGEMM's TBE over the cache's slots) against the twins' path.
+
+The twins are the specification (`EMBCACHE_BACKEND=torch`); ``auto`` on a CPU takes the fused
+path where it applies. Both must train the same rows and state to float32 rounding, with every
+cache size, with prefetch, and fall back to the twins wherever the TBE does not apply.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import embcache
+from embcache.engine.fused_cpu import FusedCpuStep, PendingUpdate
+
+pytest.importorskip("fbgemm_gpu")
+
+KEYS = ["f0", "f1", "f2"]
+RULES = {
+    "sgd": lambda m: embcache.SparseSGD([m], lr=0.2),
+    "adagrad": lambda m: embcache.SparseAdaGrad([m], lr=0.1),
+    "rowwise_adagrad": lambda m: embcache.SparseRowWiseAdaGrad([m], lr=0.1),
+}
+
+
+def _tables(dim: int = 8, pooling: str = "sum") -> list[embcache.TableConfig]:
+    return [
+        embcache.TableConfig(name="t0", embedding_dim=dim, num_embeddings=300,
+                             feature_names=["f0", "f1"], pooling=pooling),
+        embcache.TableConfig(name="t1", embedding_dim=dim, num_embeddings=200,
+                             feature_names=["f2"], pooling=pooling),
+    ]  # fmt: skip
+
+
+def _batches(n: int, weighted: bool = False, seed: int = 0) -> list[embcache.JaggedBatch]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(0, 6, (3 * 16,), generator=gen)
+        lengths[0] = 0  # an empty bag
+        limits = torch.tensor([300, 300, 200]).repeat_interleave(16).repeat_interleave(lengths)
+        values = (torch.rand(int(lengths.sum()), generator=gen).pow(2) * limits).long()
+        weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
+        out.append(embcache.JaggedBatch.from_lengths(KEYS, values, lengths, weights))
+    return out
+
+
+def _train(backend: str, monkeypatch, rule: str, cache: embcache.CacheConfig, *, dim: int = 8,
+           pooling: str = "sum", weighted: bool = False, steps: int = 5):  # fmt: skip
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=_tables(dim, pooling), is_weighted=weighted, cache=cache, seed=0
+    )
+    opt = RULES[rule](ebc)
+    fused = [e.fused is not None for e in ebc.engines.engines]
+    gen = torch.Generator().manual_seed(1)
+    used = 0
+    for batch in _batches(steps, weighted):
+        out = ebc(batch).values()
+        coeff = torch.randn(out.shape, generator=gen)
+        ((out * coeff).sum() + 0.5 * out.square().sum()).backward()
+        used += len(ebc.engines._pending)
+        opt.step()
+    rows = {t.name: ebc.table_rows(t.name) for t in ebc.tables}
+    return rows, fused, used
+
+
+def _assert_rows_close(a: dict, b: dict) -> None:
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+CACHES = {
+    "whole": embcache.CacheConfig(),
+    "10pct": embcache.CacheConfig(load_factor=0.1, ways=4),
+    "lfu-tiny": embcache.CacheConfig(capacity=8, ways=2, policy="lfu"),
+}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_fused_path_trains_as_the_twins(monkeypatch, rule: str, pooling: str, cache: str) -> None:
+    fused, on, used = _train("auto", monkeypatch, rule, CACHES[cache], pooling=pooling)
+    twins, off, _ = _train("torch", monkeypatch, rule, CACHES[cache], pooling=pooling)
+    assert on == [True] and off == [False]
+    assert used == 5  # every step went through the TBE
+    _assert_rows_close(fused, twins)
+
+
+def test_weighted_sum_is_fused_and_weighted_mean_is_not(monkeypatch) -> None:
+    cache = CACHES["10pct"]
+    fused, _, used = _train("auto", monkeypatch, "rowwise_adagrad", cache, weighted=True)
+    twins, _, _ = _train("torch", monkeypatch, "rowwise_adagrad", cache, weighted=True)
+    assert used == 5
+    _assert_rows_close(fused, twins)
+    fused, _, used = _train("auto", monkeypatch, "sgd", cache, pooling="mean", weighted=True)
+    twins, _, _ = _train("torch", monkeypatch, "sgd", cache, pooling="mean", weighted=True)
+    assert used == 0  # FBGEMM's weighted MEAN is not the twins': the twins run it
+    _assert_rows_close(fused, twins)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["adam", "weight_decay", "lr_decay", "dim_not_multiple_of_4", "mixed_pooling", "accumulate"],
+)
+def test_the_fused_path_declines_what_it_cannot_do(monkeypatch, case: str) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    tables = _tables(dim=6 if case == "dim_not_multiple_of_4" else 8)
+    if case == "mixed_pooling":
+        tables[1].pooling = "mean"
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=tables, seed=0, accumulate_grads=case == "accumulate"
+    )
+    make = {
+        "adam": lambda m: embcache.SparseAdam([m], lr=0.01),
+        "weight_decay": lambda m: embcache.SparseSGD([m], lr=0.1, weight_decay=0.01),
+        "lr_decay": lambda m: embcache.SparseAdaGrad([m], lr=0.1, lr_decay=0.1),
+    }.get(case, RULES["rowwise_adagrad"])
+    make(ebc)
+    assert all(e.fused is None for e in ebc.engines.engines)
+
+
+def test_the_twins_backend_turns_it_off(monkeypatch) -> None:
+    _, fused, used = _train("torch", monkeypatch, "sgd", CACHES["whole"])
+    assert fused == [False] and used == 0
+
+
+def test_reading_the_trace_gives_the_twins_rows(monkeypatch) -> None:
+    """``_trace`` after a fused backward holds the per-id rows the twins would record, and the
+    step then applies them (the ordinary path): same numbers as the twins."""
+    results = []
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+        ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
+        opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.1)
+        out = ebc(_batches(1)[0]).values()
+        out.square().sum().backward()
+        if backend == "auto":
+            assert isinstance(ebc.engines._pending[0], PendingUpdate)
+        trace = [(name, ids.clone(), grads.clone()) for name, ids, grads in ebc._trace]
+        assert not ebc.engines._pending
+        opt.step()
+        results.append((trace, {t.name: ebc.table_rows(t.name) for t in ebc.tables}))
+    (fused_trace, fused_rows), (twin_trace, twin_rows) = results
+    assert [n for n, _, _ in fused_trace] == [n for n, _, _ in twin_trace]
+    for (_, ids_a, g_a), (_, ids_b, g_b) in zip(fused_trace, twin_trace, strict=True):
+        assert torch.equal(ids_a, ids_b)
+        torch.testing.assert_close(g_a, g_b)
+    _assert_rows_close(fused_rows, twin_rows)
+
+
+def test_a_nan_gradient_is_refused_before_any_update(monkeypatch) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
+    opt = embcache.SparseSGD([ebc], lr=0.1)
+    before = {t.name: ebc.table_rows(t.name) for t in ebc.tables}
+    out = ebc(_batches(1)[0]).values()
+    (out * torch.full_like(out, float("nan"))).sum().backward()
+    assert ebc.engines._pending
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        opt.step()
+    for name, rows in before.items():
+        assert torch.equal(ebc.table_rows(name), rows), name
+
+
+def test_a_changed_learning_rate_takes_the_twins_path(monkeypatch) -> None:
+    """The TBE's graph keeps the learning rate of its forward; a step with another one goes
+    through the per-id rows instead (the same numbers as the twins at the new rate)."""
+    results = []
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+        ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
+        opt = embcache.SparseSGD([ebc], lr=0.1)
+        ebc(_batches(1)[0]).values().square().sum().backward()
+        opt.update = type(opt.update)(opt.update.rule, lr=0.3)
+        opt.step()
+        results.append({t.name: ebc.table_rows(t.name) for t in ebc.tables})
+    _assert_rows_close(*results)
+
+
+def test_pipeline_with_the_fused_path_is_bit_identical(monkeypatch) -> None:
+    """Prefetch changes time, not numbers (I5), also when a prefetch grows the scratch area
+    between a batch's forward and its step (the TBE's graph is built again over the moved
+    storage)."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    runs = []
+    for prefetch in (False, True):
+        ebc = embcache.CachedEmbeddingBagCollection(
+            tables=_tables(), cache=embcache.CacheConfig(capacity=8, ways=2), seed=0
+        )
+        model = torch.nn.ModuleDict({"sparse": ebc})
+        opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.1)
+        pipe = embcache.TrainPipeline(
+            model, opt, None, features=lambda b: b,
+            loss=lambda m, b: m["sparse"](b).values().square().sum(), prefetch=prefetch,
+        )  # fmt: skip
+        losses = pipe.run(_batches(6))
+        assert all(e.fused is not None for e in ebc.engines.engines)
+        runs.append((losses, {t.name: ebc.table_rows(t.name) for t in ebc.tables}))
+    assert runs[0][0] == runs[1][0]
+    for name, rows in runs[0][1].items():
+        assert torch.equal(runs[1][1][name], rows), name
+
+
+def test_for_engine_needs_fbgemm(monkeypatch) -> None:
+    """Without fbgemm_gpu (as on the GPU image) the path is simply absent."""
+    import embcache.engine.fused_cpu as fused_cpu
+
+    monkeypatch.setattr(fused_cpu, "_FBGEMM", [None])
+    ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
+    opt = embcache.SparseSGD([ebc], lr=0.1)
+    assert FusedCpuStep.for_engine(ebc.engines.engines[0], opt) is None
