@@ -1,0 +1,305 @@
+"""Does memory stay bounded when training streams far more distinct ids than the tier may hold?
+
+Setup: a `CachedEmbeddingBagCollection` of two unbounded tables (``num_embeddings=None``, raw
+64-bit ids, dim 16, row-wise AdaGrad), one feature each, bags of 8 ids, batches of 4,096
+samples, a device cache of 131,072 slots (the CPU here). Each bag draws 55% of its ids
+Zipf(1.05) from a head of 2,000,000 recurring ids per table and 45% from a long tail of one-off
+ids never seen again (fresh 64-bit hashes), so 1,000 steps stream about 33 million distinct ids
+(``--quick``: 120 smaller steps, about 2 million, and a tier capacity of 80,000 rows).
+
+Two cases, each in a fresh process of its own (one after the other), fed the same stream:
+
+* ``bounded``: the host tier bounded to 1,000,000 rows per table (LRU scores), ids admitted at
+  their second sighting (`CacheConfig.admit_after=2`, a count-min sketch of 4 x 2**23).
+* ``baseline``: no tier capacity and no admission, as before either existed: every distinct id
+  becomes a row of the tier.
+
+Measured per step in each: the process's resident memory (``VmRSS``), the rows each table holds
+in the tier, the bytes the tier has allocated, tier evictions, admissions refused (unique ids of
+a batch not admitted yet: every distinct id's first sighting should be one, so the shortfall is
+the sketch's false admissions) and the cache hit rate (hits over admitted lookups). "Flat after
+warm-up": the growth of resident memory from the step where the bounded tier filled up to the
+end, against the baseline's growth over the same steps.
+
+Prints a table and writes ``benchmarks/results/memory.csv`` and ``memory.png``.
+
+    python benchmarks/bench_memory.py [--quick] [--steps N] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from _common import RESULTS, pyplot, run_header, set_threads, write_csv
+
+import embcache
+from embcache.hashing import mix64
+
+DIM = 16
+BAG = 8
+HEAD_SHARE = 0.55
+ALPHA = 1.05
+TABLES = ("user", "item")
+CASES = ("bounded", "baseline")
+MIB = 2**20
+WINDOW = 50  # steps per point of the windowed rates
+
+
+@dataclass(frozen=True)
+class Setup:
+    steps: int
+    batch: int
+    head: int
+    tier_capacity: int
+    cache_capacity: int
+    sketch_width: int
+
+
+FULL = Setup(steps=1000, batch=4096, head=2_000_000, tier_capacity=1_000_000,
+             cache_capacity=131_072, sketch_width=1 << 23)  # fmt: skip
+QUICK = Setup(steps=120, batch=2048, head=400_000, tier_capacity=80_000, cache_capacity=24_576,
+              sketch_width=1 << 20)  # fmt: skip
+
+
+@dataclass
+class Row:
+    case: str
+    step: int
+    distinct_ids: int
+    rss_mib: float
+    tier_rows_user: int
+    tier_rows_item: int
+    tier_mib: float
+    tier_evictions: int
+    admissions_refused: int
+    hits: int
+    misses: int
+    hit_rate: float
+    seconds: float
+
+    @property
+    def tier_rows(self) -> int:
+        return max(self.tier_rows_user, self.tier_rows_item)
+
+
+def rss_mib() -> float:
+    """This process's resident memory, MiB (Linux ``/proc``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class Stream:
+    """Bags of raw 64-bit ids of one table: a Zipf head of recurring ids, a tail of one-offs.
+
+    Counts its distinct ids in fixed memory (a flag per head id; the tail ids are all distinct).
+    """
+
+    def __init__(self, head: int, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        mass = torch.arange(1, head + 1, dtype=torch.float64).pow_(-ALPHA)
+        self.cdf = torch.cumsum(mass, 0) / mass.sum()
+        self.salt = seed * 0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF
+        self.head_seen = torch.zeros(head, dtype=torch.bool)
+        self.tails = 0
+
+    def ids(self, n: int) -> torch.Tensor:
+        """int64 ``[n]`` raw ids (any 64-bit pattern)."""
+        head = torch.rand(n, generator=self.gen, dtype=torch.float64) < HEAD_SHARE
+        u = torch.rand(n, generator=self.gen, dtype=torch.float64)
+        ranks = torch.searchsorted(self.cdf, u).clamp_(max=self.head_seen.numel() - 1)
+        self.head_seen[ranks[head]] = True
+        is_tail = ~head
+        tail = self.tails + torch.cumsum(is_tail, 0) - 1 + (1 << 40)  # above every head rank
+        self.tails += int(is_tail.sum())
+        return mix64(torch.where(head, ranks, tail) ^ self.salt)
+
+    def distinct(self) -> int:
+        return self.tails + int(self.head_seen.sum())
+
+
+def run_case(case: str, setup: Setup, steps: int, threads: int) -> list[Row]:
+    """Train ``steps`` steps of the stream under ``case``'s tier; one `Row` per step."""
+    set_threads(threads)
+    bounded = case == "bounded"
+    config = embcache.CacheConfig(
+        capacity=setup.cache_capacity,
+        tier_capacity=setup.tier_capacity if bounded else None,
+        admit_after=2 if bounded else None,
+        sketch_width=setup.sketch_width,
+    )
+    tables = [embcache.TableConfig(name=t, embedding_dim=DIM, num_embeddings=None,
+                                   feature_names=[t]) for t in TABLES]  # fmt: skip
+    ebc = embcache.CachedEmbeddingBagCollection(tables, cache=config, seed=0)
+    opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.05)
+    streams = [Stream(setup.head, seed=s) for s in range(len(TABLES))]
+    lengths = torch.full((len(TABLES) * setup.batch,), BAG)
+    coeff = torch.randn(len(TABLES) * DIM, generator=torch.Generator().manual_seed(1))
+    rows: list[Row] = []
+    t_start = time.perf_counter()
+    for step in range(1, steps + 1):
+        ids = torch.cat([s.ids(setup.batch * BAG) for s in streams])
+        out = ebc(embcache.JaggedBatch.from_lengths(list(TABLES), ids, lengths)).values()
+        (out @ coeff).sum().backward()
+        opt.step()
+        stats, io = ebc.cache_stats(), ebc.store.io_stats()
+        counts = [ebc.store.row_count(t) for t in TABLES]
+        rows.append(Row(
+            case=case,
+            step=step,
+            distinct_ids=sum(s.distinct() for s in streams),
+            rss_mib=rss_mib(),
+            tier_rows_user=counts[0],
+            tier_rows_item=counts[1],
+            tier_mib=ebc.store.memory_bytes() / MIB,
+            tier_evictions=io["tier_evictions"],
+            admissions_refused=int(stats.get("admissions_refused", 0)),
+            hits=int(stats["hits"]),
+            misses=int(stats["misses"]),
+            hit_rate=stats["hit_rate"],
+            seconds=time.perf_counter() - t_start,
+        ))  # fmt: skip
+        if step % 50 == 0 or step == steps:
+            r = rows[-1]
+            print(f"{case:8s} step {step:4d}: {r.distinct_ids / 1e6:6.2f}M distinct ids, RSS "
+                  f"{r.rss_mib:7.1f} MiB, tier rows {r.tier_rows_user:,}/{r.tier_rows_item:,}, "
+                  f"{r.seconds:6.1f} s", flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS / "memory.csv")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    setup = QUICK if args.quick else FULL
+    steps = args.steps or setup.steps
+    print(run_header(torch.device("cpu")))
+    runs: dict[str, list[Row]] = {}
+    for case in CASES:  # one at a time, each in a fresh process: its RSS is its own
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+            runs[case] = pool.submit(run_case, case, setup, steps, args.threads).result()
+    report(runs, setup, args.out)
+
+
+def report(runs: dict[str, list[Row]], setup: Setup, out: Path) -> None:
+    bounded, baseline = runs["bounded"], runs["baseline"]
+    full = next((r for r in bounded if min(r.tier_rows_user, r.tier_rows_item) >= 0.95
+                 * setup.tier_capacity), bounded[-1])  # fmt: skip
+    last, base_full, base_last = bounded[-1], baseline[full.step - 1], baseline[-1]
+    grew = last.rss_mib - full.rss_mib
+    base_grew = base_last.rss_mib - base_full.rss_mib
+    peak = max(r.tier_rows for r in bounded)
+    print()
+    print(
+        f"distinct ids streamed        {last.distinct_ids:,} over {last.step} steps "
+        f"({last.step * setup.batch * BAG * len(TABLES):,} lookups)"
+    )
+    print(
+        f"tier capacity per table      {setup.tier_capacity:,} rows; bounded: most held "
+        f"{peak:,} ({'within' if peak <= setup.tier_capacity else 'OVER'} capacity); "
+        f"baseline: {base_last.tier_rows:,}"
+    )
+    print(f"tier evictions               {last.tier_evictions:,}")
+    print(
+        f"admissions refused           {last.admissions_refused:,} unique ids of a batch: "
+        f"{last.admissions_refused / last.distinct_ids:.1%} of the first sightings (the rest "
+        "admitted by sketch collisions)"
+    )
+    print(
+        f"cache hit rate               bounded {last.hit_rate:.3f} (of admitted lookups), "
+        f"baseline {base_last.hit_rate:.3f}"
+    )
+    first_w, last_w = windowed(bounded)[0], windowed(bounded)[-1]
+    print(
+        f"{f'per {WINDOW} steps, bounded':29s}hit rate {first_w[1]:.3f} at first, {last_w[1]:.3f} "
+        f"last; first sightings refused {first_w[2]:.1%} at first, {last_w[2]:.1%} last "
+        "(the admission sketch fills up)"
+    )
+    print(f"tier full at step            {full.step} (end of warm-up)")
+    print(
+        f"RSS, warm-up end -> last     bounded {full.rss_mib:.0f} -> {last.rss_mib:.0f} MiB "
+        f"({grew:+.1f} MiB, {grew / full.rss_mib:+.1%}); baseline {base_full.rss_mib:.0f} -> "
+        f"{base_last.rss_mib:.0f} MiB ({base_grew:+.1f} MiB)"
+    )
+    print(
+        f"growth bounded / baseline    {grew / base_grew:.3f}x over the last "
+        f"{last.step - full.step} steps"
+    )
+    print(
+        f"tier memory at the end       bounded {last.tier_mib:.0f} MiB, baseline "
+        f"{base_last.tier_mib:.0f} MiB"
+    )
+    print(
+        f"wall time                    bounded {last.seconds:.0f} s, baseline "
+        f"{base_last.seconds:.0f} s"
+    )
+    write_csv(bounded + baseline, out)
+    plot(runs, full.step, setup, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def windowed(rows: list[Row], width: int = WINDOW) -> list[tuple[int, float, float]]:
+    """``(last step, hit rate, share of first sightings refused)`` of each ``width`` steps."""
+    out = []
+    for lo in range(0, len(rows) - width + 1, width):
+        a = rows[lo - 1] if lo else None
+        b = rows[lo + width - 1]
+        hits = b.hits - (a.hits if a else 0)
+        looked_up = hits + b.misses - (a.misses if a else 0)
+        refused = b.admissions_refused - (a.admissions_refused if a else 0)
+        first = b.distinct_ids - (a.distinct_ids if a else 0)
+        out.append((b.step, hits / max(looked_up, 1), refused / max(first, 1)))
+    return out
+
+
+def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 9.5), sharex=True)
+    labels = {"bounded": f"tier capacity {setup.tier_capacity:,} rows/table, admit after 2",
+              "baseline": "baseline: unbounded tier, no admission"}  # fmt: skip
+    for case, rows in runs.items():
+        steps = [r.step for r in rows]
+        ax1.plot(steps, [r.rss_mib for r in rows], label=f"process RSS, {labels[case]}")
+        ax2.plot(steps, [r.tier_rows / 1e6 for r in rows], label=f"tier rows/table, {case}")
+        window = windowed(rows)
+        ax3.plot([w[0] for w in window], [w[1] for w in window], marker=".",
+                 label=f"cache hit rate, {case}")  # fmt: skip
+    window = windowed(runs["bounded"])
+    ax3.plot([w[0] for w in window], [w[2] for w in window], marker=".",
+             label="first sightings refused admission, bounded")  # fmt: skip
+    for ax in (ax1, ax2, ax3):
+        ax.axvline(full_step, color="gray", linestyle=":")
+        ax.grid(alpha=0.3)
+    ax1.set_ylabel("MiB")
+    ax1.legend(loc="upper left", fontsize=8, title="dotted: bounded tier full (warm-up end)",
+               title_fontsize=8)  # fmt: skip
+    rows = runs["bounded"]
+    ax2.plot([r.step for r in rows], [r.distinct_ids / 1e6 for r in rows], "k",
+             label="distinct ids streamed (both tables)")  # fmt: skip
+    ax2.axhline(setup.tier_capacity / 1e6, color="red", linestyle="--", label="tier capacity")
+    ax2.set_ylabel("millions")
+    ax2.legend(loc="upper left", fontsize=8)
+    ax3.set_ylabel(f"fraction, per {WINDOW} steps")
+    ax3.set_ylim(0, 1)
+    ax3.set_xlabel("step")
+    ax3.legend(loc="lower left", fontsize=8)
+    fig.suptitle("Bounded tier: memory flat while distinct ids grow")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
