@@ -122,6 +122,10 @@ def test_resume_from_nothing_is_a_clear_error(
         (["train", "--scale", "0"], "--scale must be in (0, 1]"),
         (["train", "--steps", "0"], "--steps must be >= 1"),
         (["train", "--store", "memcached://x"], "--store: unknown store"),
+        (
+            ["train", "--store", "redis://127.0.0.1:1/0", "--tier-capacity", "9"],
+            "bound the tables in front of it with --store tiered+redis://",
+        ),
         (["bench", "nosuch"], "unknown benchmark(s) ['nosuch']"),
         ([], "the following arguments are required"),
     ],
@@ -133,6 +137,7 @@ def test_resume_from_nothing_is_a_clear_error(
         "scale",
         "steps",
         "store_form",
+        "redis_tier_capacity",
         "bench_name",
         "no_command",
     ],

@@ -200,9 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="ROWS",
-        help="most rows the tier keeps per table; a full table evicts its least recently "
-        "(--tier-policy) used rows the cache does not hold, and an evicted row comes back from "
-        "its initial value (default: no bound)",
+        help="most rows the tier keeps per table (the host tier, or a tiered+redis:// store's "
+        "host rows); a full table evicts rows the cache does not hold, lowest --tier-policy "
+        "score first, and an evicted row comes back from its initial value (default: no bound)",
     )
     cache.add_argument(
         "--tier-policy", choices=["lru", "lfu"], default="lru", help="the tier's eviction score"
@@ -218,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--store",
         default="host",
-        help="the tier: 'host' (in-process memory) or a Redis URL such as "
-        "redis://127.0.0.1:6379/0 (rows persist there under ?namespace=..., default 'embcache', "
+        help="the tier: 'host' (in-process memory), a Redis URL such as "
+        "redis://127.0.0.1:6379/0, or tiered+redis://... (a host row cache in front of Redis) "
+        "(rows persist there under ?namespace=..., default 'embcache', "
         "and a later run with the same namespace continues from them; while this run lives its "
         "tables are leased to it, so another run on the same namespace is refused unless both "
         "give ?shared=1). Passwords are never printed",
@@ -244,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="DIR",
-        help="at the end, save every table row (weights and optimizer state), both optimizers "
+        help="at the end, save every row the tables hold (weights in their precision and "
+        "optimizer state; a bounded table's scores), each cache's state (rows held, LRU/LFU "
+        "and admission counts), both optimizers "
         "and the MLPs into this directory with embcache.save: streamed, fsynced and switched "
         "atomically, so a crash mid-save keeps the previous checkpoint. With --nproc each rank "
         "writes the rows it owns to DIR/rank-<r>",
@@ -255,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="before training, load a checkpoint written by --checkpoint with the same model "
-        "options (tables, dim, optimizer)",
+        "options (tables, dim, optimizer, --weight-dtype)",
     )
     run.add_argument(
         "--nproc",

@@ -37,6 +37,13 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     ):
         if value < 1:
             fail(f"{flag} must be >= 1, got {value}")
+    scheme = args.store.split("://", 1)[0].lower() if "://" in args.store else ""
+    if args.tier_capacity is not None and scheme and not scheme.startswith("tiered+"):
+        fail(
+            f"--tier-capacity with --store {scheme}://...: a Redis server is bounded by its "
+            "maxmemory, not per table; bound the tables in front of it with "
+            "--store tiered+redis://host:port/db"
+        )
     if args.buckets < 0:
         fail(f"--buckets must be >= 0 (0: raw ids, unbounded tables), got {args.buckets}")
     if args.buckets == 0 and args.cache_capacity is None:
