@@ -7,10 +7,14 @@ Zipf(1.05) from a head of 2,000,000 recurring ids per table and 45% from a long 
 ids never seen again (fresh 64-bit hashes), so 1,000 steps stream about 33 million distinct ids
 (``--quick``: 120 smaller steps, about 2 million, and a tier capacity of 80,000 rows).
 
-Two cases, each in a fresh process of its own (one after the other), fed the same stream:
+Three cases, each in a fresh process of its own (one after the other), fed the same stream:
 
 * ``bounded``: the host tier bounded to 1,000,000 rows per table (LRU scores), ids admitted at
-  their second sighting (`CacheConfig.admit_after=2`, a count-min sketch of 4 x 2**23).
+  their second sighting (`CacheConfig.admit_after=2`), sightings counted in a count-min sketch
+  of 4 x 2**23 counters (128 MiB);
+* ``bounded-wide``: the same with a sketch of 4 x 2**26 counters (1 GiB): the admission sketch
+  is never aged, so on an endless stream its collisions admit more and more one-off ids unless
+  it is sized to the distinct ids (two counters a row per id here);
 * ``baseline``: no tier capacity and no admission, as before either existed: every distinct id
   becomes a row of the tier.
 
@@ -46,7 +50,7 @@ BAG = 8
 HEAD_SHARE = 0.55
 ALPHA = 1.05
 TABLES = ("user", "item")
-CASES = ("bounded", "baseline")
+CASES = ("bounded", "bounded-wide", "baseline")
 MIB = 2**20
 WINDOW = 50  # steps per point of the windowed rates
 
@@ -59,12 +63,13 @@ class Setup:
     tier_capacity: int
     cache_capacity: int
     sketch_width: int
+    wide_sketch_width: int
 
 
 FULL = Setup(steps=1000, batch=4096, head=2_000_000, tier_capacity=1_000_000,
-             cache_capacity=131_072, sketch_width=1 << 23)  # fmt: skip
+             cache_capacity=131_072, sketch_width=1 << 23, wide_sketch_width=1 << 26)  # fmt: skip
 QUICK = Setup(steps=120, batch=2048, head=400_000, tier_capacity=80_000, cache_capacity=24_576,
-              sketch_width=1 << 20)  # fmt: skip
+              sketch_width=1 << 20, wide_sketch_width=1 << 23)  # fmt: skip
 
 
 @dataclass
@@ -128,12 +133,12 @@ class Stream:
 def run_case(case: str, setup: Setup, steps: int, threads: int) -> list[Row]:
     """Train ``steps`` steps of the stream under ``case``'s tier; one `Row` per step."""
     set_threads(threads)
-    bounded = case == "bounded"
+    bounded = case != "baseline"
     config = embcache.CacheConfig(
         capacity=setup.cache_capacity,
         tier_capacity=setup.tier_capacity if bounded else None,
         admit_after=2 if bounded else None,
-        sketch_width=setup.sketch_width,
+        sketch_width=setup.wide_sketch_width if case == "bounded-wide" else setup.sketch_width,
     )
     tables = [embcache.TableConfig(name=t, embedding_dim=DIM, num_embeddings=None,
                                    feature_names=[t]) for t in TABLES]  # fmt: skip
@@ -168,7 +173,7 @@ def run_case(case: str, setup: Setup, steps: int, threads: int) -> list[Row]:
         ))  # fmt: skip
         if step % 50 == 0 or step == steps:
             r = rows[-1]
-            print(f"{case:8s} step {step:4d}: {r.distinct_ids / 1e6:6.2f}M distinct ids, RSS "
+            print(f"{case:12s} step {step:4d}: {r.distinct_ids / 1e6:6.2f}M distinct ids, RSS "
                   f"{r.rss_mib:7.1f} MiB, tier rows {r.tier_rows_user:,}/{r.tier_rows_item:,}, "
                   f"{r.seconds:6.1f} s", flush=True)  # fmt: skip
     return rows
@@ -197,55 +202,28 @@ def report(runs: dict[str, list[Row]], setup: Setup, out: Path) -> None:
     bounded, baseline = runs["bounded"], runs["baseline"]
     full = next((r for r in bounded if min(r.tier_rows_user, r.tier_rows_item) >= 0.95
                  * setup.tier_capacity), bounded[-1])  # fmt: skip
-    last, base_full, base_last = bounded[-1], baseline[full.step - 1], baseline[-1]
-    grew = last.rss_mib - full.rss_mib
-    base_grew = base_last.rss_mib - base_full.rss_mib
-    peak = max(r.tier_rows for r in bounded)
-    print()
-    print(
-        f"distinct ids streamed        {last.distinct_ids:,} over {last.step} steps "
-        f"({last.step * setup.batch * BAG * len(TABLES):,} lookups)"
-    )
-    print(
-        f"tier capacity per table      {setup.tier_capacity:,} rows; bounded: most held "
-        f"{peak:,} ({'within' if peak <= setup.tier_capacity else 'OVER'} capacity); "
-        f"baseline: {base_last.tier_rows:,}"
-    )
-    print(f"tier evictions               {last.tier_evictions:,}")
-    print(
-        f"admissions refused           {last.admissions_refused:,} unique ids of a batch: "
-        f"{last.admissions_refused / last.distinct_ids:.1%} of the first sightings (the rest "
-        "admitted by sketch collisions)"
-    )
-    print(
-        f"cache hit rate               bounded {last.hit_rate:.3f} (of admitted lookups), "
-        f"baseline {base_last.hit_rate:.3f}"
-    )
-    first_w, last_w = windowed(bounded)[0], windowed(bounded)[-1]
-    print(
-        f"{f'per {WINDOW} steps, bounded':29s}hit rate {first_w[1]:.3f} at first, {last_w[1]:.3f} "
-        f"last; first sightings refused {first_w[2]:.1%} at first, {last_w[2]:.1%} last "
-        "(the admission sketch fills up)"
-    )
-    print(f"tier full at step            {full.step} (end of warm-up)")
-    print(
-        f"RSS, warm-up end -> last     bounded {full.rss_mib:.0f} -> {last.rss_mib:.0f} MiB "
-        f"({grew:+.1f} MiB, {grew / full.rss_mib:+.1%}); baseline {base_full.rss_mib:.0f} -> "
-        f"{base_last.rss_mib:.0f} MiB ({base_grew:+.1f} MiB)"
-    )
-    print(
-        f"growth bounded / baseline    {grew / base_grew:.3f}x over the last "
-        f"{last.step - full.step} steps"
-    )
-    print(
-        f"tier memory at the end       bounded {last.tier_mib:.0f} MiB, baseline "
-        f"{base_last.tier_mib:.0f} MiB"
-    )
-    print(
-        f"wall time                    bounded {last.seconds:.0f} s, baseline "
-        f"{base_last.seconds:.0f} s"
-    )
-    write_csv(bounded + baseline, out)
+    base_grew = baseline[-1].rss_mib - baseline[full.step - 1].rss_mib
+    last = bounded[-1]
+    print(f"\ndistinct ids streamed: {last.distinct_ids:,} over {last.step} steps "
+          f"({last.step * setup.batch * BAG * len(TABLES):,} lookups); tier capacity "
+          f"{setup.tier_capacity:,} rows/table; bounded tier full (warm-up end) at step "
+          f"{full.step}")  # fmt: skip
+    print(f"{'case':>12} {'most rows':>11} {'RSS then':>9} {'RSS end':>8} {'growth':>9} "
+          f"{'vs base':>8} {'tier MiB':>9} {'evictions':>11} {'refused':>11} {'refused':>8} "
+          f"{'hit rate':>9} {'last ' + str(WINDOW):>8} {'seconds':>8}")  # fmt: skip
+    for case, rows in runs.items():
+        then, end = rows[full.step - 1], rows[-1]
+        grew = end.rss_mib - then.rss_mib
+        window = windowed(rows)[-1]
+        print(f"{case:>12} {max(r.tier_rows for r in rows):11,} {then.rss_mib:9.0f} "
+              f"{end.rss_mib:8.0f} {grew:+9.1f} {grew / base_grew:8.3f} {end.tier_mib:9.0f} "
+              f"{end.tier_evictions:11,} {end.admissions_refused:11,} "
+              f"{end.admissions_refused / end.distinct_ids:8.1%} {end.hit_rate:9.3f} "
+              f"{window[1]:8.3f} {end.seconds:8.0f}")  # fmt: skip
+    print(f"(RSS in MiB at the warm-up end and at the last step; refused: unique ids of a batch "
+          f"not admitted, and their share of the first sightings; hit rate over the run and "
+          f"over the last {WINDOW} steps)")  # fmt: skip
+    write_csv([r for rows in runs.values() for r in rows], out)
     plot(runs, full.step, setup, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
@@ -266,23 +244,29 @@ def windowed(rows: list[Row], width: int = WINDOW) -> list[tuple[int, float, flo
 
 def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -> None:
     plt = pyplot()
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 9.5), sharex=True)
-    labels = {"bounded": f"tier capacity {setup.tier_capacity:,} rows/table, admit after 2",
-              "baseline": "baseline: unbounded tier, no admission"}  # fmt: skip
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
+    labels = {
+        "bounded": f"tier {setup.tier_capacity:,} rows/table, admit after 2, sketch "
+        f"4x2^{setup.sketch_width.bit_length() - 1}",
+        "bounded-wide": f"the same, sketch 4x2^{setup.wide_sketch_width.bit_length() - 1}",
+        "baseline": "baseline: unbounded tier, no admission",
+    }
+    colors = {"bounded": "C0", "bounded-wide": "C2", "baseline": "C1"}
     for case, rows in runs.items():
-        steps = [r.step for r in rows]
-        ax1.plot(steps, [r.rss_mib for r in rows], label=f"process RSS, {labels[case]}")
-        ax2.plot(steps, [r.tier_rows / 1e6 for r in rows], label=f"tier rows/table, {case}")
+        steps, color = [r.step for r in rows], colors[case]
+        ax1.plot(steps, [r.rss_mib for r in rows], color=color, label=labels[case])
+        ax2.plot(steps, [r.tier_rows / 1e6 for r in rows], color=color,
+                 label=f"tier rows/table, {case}")  # fmt: skip
         window = windowed(rows)
-        ax3.plot([w[0] for w in window], [w[1] for w in window], marker=".",
+        ax3.plot([w[0] for w in window], [w[1] for w in window], color=color, marker=".",
                  label=f"cache hit rate, {case}")  # fmt: skip
-    window = windowed(runs["bounded"])
-    ax3.plot([w[0] for w in window], [w[2] for w in window], marker=".",
-             label="first sightings refused admission, bounded")  # fmt: skip
+        if case != "baseline":
+            ax3.plot([w[0] for w in window], [w[2] for w in window], color=color,
+                     linestyle="--", label=f"first sightings refused, {case}")  # fmt: skip
     for ax in (ax1, ax2, ax3):
         ax.axvline(full_step, color="gray", linestyle=":")
         ax.grid(alpha=0.3)
-    ax1.set_ylabel("MiB")
+    ax1.set_ylabel("process RSS, MiB")
     ax1.legend(loc="upper left", fontsize=8, title="dotted: bounded tier full (warm-up end)",
                title_fontsize=8)  # fmt: skip
     rows = runs["bounded"]
@@ -292,9 +276,9 @@ def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -
     ax2.set_ylabel("millions")
     ax2.legend(loc="upper left", fontsize=8)
     ax3.set_ylabel(f"fraction, per {WINDOW} steps")
-    ax3.set_ylim(0, 1)
+    ax3.set_ylim(0, 1.4)  # room for the legend above the curves
     ax3.set_xlabel("step")
-    ax3.legend(loc="lower left", fontsize=8)
+    ax3.legend(loc="upper center", fontsize=7, ncol=2)
     fig.suptitle("Bounded tier: memory flat while distinct ids grow")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
