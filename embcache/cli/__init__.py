@@ -212,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="an id gets its own row only from the N-th batch it appears in; before, it reads "
-        "zeros and its gradients are dropped (default: at once)",
+        help="an id gets its own row only from the N-th batch it appears in (counted in a "
+        "count-min sketch, whose collisions admit some ids early); before, it reads zeros and "
+        "its gradients are dropped (default: at once)",
     )
     cache.add_argument(
         "--store",
