@@ -175,7 +175,10 @@ class HotCache:
 
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The tier rows ``[n, dim + state_dim]`` (weights, then state) held at ``slots``."""
-        return torch.cat([self.weights[slots], self.state[slots]], dim=1)
+        # index_select copies whole rows (advanced indexing goes element by element on a CPU).
+        return torch.cat(
+            [self.weights.index_select(0, slots), self.state.index_select(0, slots)], dim=1
+        )
 
     def _names(self) -> str:
         names = [spec.name for spec in self._specs.values()]
@@ -284,12 +287,18 @@ class HotCache:
                 if n_write or n_read:
                     # One copy of all the ids the tier needs, one of the rows it gets.
                     host_ids = torch.cat([plan.victim_ids, plan.load_ids]).cpu()
-                    victim_rows = self.rows_of(plan.victim_slots).cpu() if n_write else None
+
+                    def victim_rows(order: torch.Tensor) -> torch.Tensor:
+                        at = plan.victim_slots.index_select(0, order.to(self.device))
+                        return self.rows_of(at).cpu()
+
                     loaded = self.transfer.exchange(
                         host_ids[:n_write], victim_rows, host_ids[n_write:]
                     )
                     if loaded is not None:
-                        self.transfer.copy_in(self.weights, self.state, plan.load_slots, loaded)
+                        order, rows = loaded
+                        at = plan.load_slots.index_select(0, order.to(self.device))
+                        self.transfer.copy_in(self.weights, self.state, at, rows)
             except BaseException:
                 with self.lock:
                     self._rollback(plan)

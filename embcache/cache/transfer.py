@@ -56,20 +56,21 @@ class TierTransfer:
 
     # -- host side --------------------------------------------------------------------------
 
-    def split_by_table(self, fused: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """``(table_idx, positions, raw_ids)`` per table present in host ``fused`` ids."""
+    def _grouped(
+        self, fused: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
+        """``(order, [(table_idx, start, raw_ids)])``: ``fused[order]`` sorted, so table
+        ``table_idx``'s ids are ``order[start : start + len(raw_ids)]``, raw ids ascending."""
         order = torch.argsort(fused)
-        sorted_ids = fused[order]
+        sorted_ids = fused.index_select(0, order)
         tables, counts = torch.unique_consecutive(sorted_ids >> self.fusion_k, return_counts=True)
         mask = (1 << self.fusion_k) - 1
         groups = []
         start = 0
         for idx, count in zip(tables.tolist(), counts.tolist(), strict=True):
-            groups.append(
-                (idx, order[start : start + count], sorted_ids[start : start + count] & mask)
-            )
+            groups.append((idx, start, sorted_ids[start : start + count] & mask))
             start += count
-        return groups
+        return order, groups
 
     def _run(self, calls: list[Callable[[], object]]) -> list:
         """Run tier calls: concurrently when there are several and the tier's calls overlap
@@ -86,49 +87,61 @@ class TierTransfer:
     def exchange(
         self,
         write_ids: torch.Tensor,
-        write_rows: torch.Tensor | None,
+        write_rows: Callable[[torch.Tensor], torch.Tensor],
         read_ids: torch.Tensor,
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Write rows back and read others in one round of tier calls (the ids differ, so the
-        order between them does not matter).
+        order between them does not matter). Rows travel in table order: each table's share
+        is a slice, and no row is gathered or scattered on the host only to be put in order.
 
         Args:
             write_ids: host int64 ``[w]`` fused ids to write.
-            write_rows: host float32 ``[w, width]`` their rows (None when ``w == 0``).
+            write_rows: ``write_rows(order)`` gives the host float32 ``[w, width]`` rows of
+                ``write_ids[order]`` (``order`` a host int64 permutation); not called when
+                ``w == 0``.
             read_ids: host int64 ``[r]`` fused ids to read.
 
         Returns:
-            Host float32 ``[r, width]`` rows read (pinned when the cache is on a GPU), or None
-            when nothing is read. A tier error propagates; nothing here holds state.
+            ``(order, rows)``: host float32 ``rows`` ``[r, width]`` (pinned when the cache is on
+            a GPU), ``rows[i]`` the row of ``read_ids[order[i]]``; None when nothing is read. A
+            tier error propagates; nothing here holds state.
         """
         calls = []
         if write_ids.numel():
-            for idx, pos, raw in self.split_by_table(write_ids):
-                calls.append(partial(self.store.put, self.specs[idx].name, raw, write_rows[pos]))
+            order, groups = self._grouped(write_ids)
+            rows = write_rows(order)
+            for idx, start, raw in groups:
+                part = rows[start : start + raw.numel()]
+                calls.append(partial(self.store.put, self.specs[idx].name, raw, part))
         n_puts = len(calls)
-        groups = self.split_by_table(read_ids) if read_ids.numel() else []
+        order, groups = self._grouped(read_ids) if read_ids.numel() else (None, [])
         calls += [partial(self.store.get, self.specs[idx].name, raw) for idx, _, raw in groups]
         results = self._run(calls)
-        if not groups:
+        if order is None:
             return None
-        pin = self.device.type == "cuda"
-        out = torch.empty(read_ids.numel(), self.width, dtype=torch.float32, pin_memory=pin)
-        for (_, pos, _), rows in zip(groups, results[n_puts:], strict=True):
-            out[pos] = rows
-        return out
+        parts = results[n_puts:]
+        if len(parts) == 1 and self.device.type != "cuda":
+            return order, parts[0]
+        out = torch.empty(
+            read_ids.numel(), self.width, dtype=torch.float32, pin_memory=self.device.type == "cuda"
+        )
+        torch.cat(parts, out=out)
+        return order, out
 
     def write(self, fused: torch.Tensor, rows: torch.Tensor) -> None:
         """Write host ``rows`` ``[n, width]`` under host ``fused`` ids."""
-        self.exchange(fused, rows, fused[:0])
+        self.exchange(fused, lambda order: rows.index_select(0, order), fused[:0])
 
     def read(self, fused: torch.Tensor) -> torch.Tensor:
         """Host rows ``[n, width]`` of host ``fused`` ids, through `Store.read`: rows the tier
         does not hold read as their initial values and are not created there."""
-        groups = self.split_by_table(fused) if fused.numel() else []
-        calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
         out = torch.empty(fused.numel(), self.width, dtype=torch.float32)
-        for (_, pos, _), rows in zip(groups, self._run(calls), strict=True):
-            out[pos] = rows
+        if not fused.numel():
+            return out
+        order, groups = self._grouped(fused)
+        calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
+        parts = self._run(calls)
+        out.index_copy_(0, order, parts[0] if len(parts) == 1 else torch.cat(parts))
         return out
 
     # -- device side ------------------------------------------------------------------------
@@ -146,8 +159,8 @@ class TierTransfer:
         kernels queued after this see the rows."""
         dim = weights.shape[1]
         if self.device.type != "cuda":
-            weights[slots] = host_rows[:, :dim]
-            state[slots] = host_rows[:, dim:]
+            weights.index_copy_(0, slots, host_rows[:, :dim])
+            state.index_copy_(0, slots, host_rows[:, dim:])
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)

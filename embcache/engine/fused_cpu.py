@@ -153,10 +153,11 @@ class FusedCpuStep:
         self._bound = bound
         return self._tbe
 
-    def takes(self, p: Prepared) -> bool:
-        """Whether this batch share can go through the TBE (weighted MEAN cannot: the twins
-        divide a weighted sum by the bag's length, which FBGEMM's MEAN does not)."""
-        return p.weights is None or self.mode == PoolingMode.SUM
+    def takes(self, weights: torch.Tensor | None) -> bool:
+        """Whether a batch share with per-sample ``weights`` can go through the TBE (weighted
+        MEAN cannot: the twins divide a weighted sum by the bag's length, which FBGEMM's MEAN
+        does not)."""
+        return weights is None or self.mode == PoolingMode.SUM
 
     def pool(self, p: Prepared, lr: float) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """The batch's bags pooled by the TBE, ``[F * B, dim]``, with its autograd graph (whose

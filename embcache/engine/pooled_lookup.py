@@ -35,7 +35,7 @@ class PooledLookup(torch.autograd.Function):
         for engine, p in zip(group.engines, prepared, strict=True):
             cols = torch.arange(len(engine.layout.features), device=engine.device) * engine.dim
             f, dim = len(engine.layout.features), engine.dim
-            if batch is not None and engine.fused is not None and engine.fused.takes(p):
+            if batch is not None and engine.fused is not None and engine.fused.takes(p.weights):
                 lr = group.optimizer.update.lr
                 # The TBE pools [F * B, dim]; its graph is kept for the fused update.
                 pooled, bound = engine.fused.pool(p, lr)
