@@ -35,6 +35,7 @@ import torch
 from embcache.engine.batch_state import InFlight, Prepared
 from embcache.kernels.optim import OptimRule
 from embcache.kernels.pooling import PoolingMode
+from embcache.profiling import profiled
 
 _RULES = {
     OptimRule.SGD: "EXACT_SGD",
@@ -159,6 +160,7 @@ class FusedCpuStep:
         does not)."""
         return weights is None or self.mode == PoolingMode.SUM
 
+    @profiled("engine.pool")
     def pool(self, p: Prepared, lr: float) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """The batch's bags pooled by the TBE, ``[F * B, dim]``, with its autograd graph (whose
         backward is the fused row update at learning rate ``lr``), and the storage that graph
@@ -181,6 +183,7 @@ class FusedCpuStep:
             and getattr(update, "lr_decay", 0.0) == 0.0
         )
 
+    @profiled("engine.fused_update")
     def apply(self, pending: PendingUpdate, p: Prepared) -> None:
         """Run the TBE's backward for ``pending``: every row of the batch updated in place.
 
