@@ -219,6 +219,9 @@ def _bad_id_error(
     )
 
 
+_SEGMENT_MIN = 4096  # values per feature (on average) from which `_fuse_segments_cpu` pays
+
+
 def _fuse_segments_cpu(
     values: torch.Tensor,
     lengths: torch.Tensor,
@@ -319,7 +322,8 @@ def fuse_ids(
     num_embeddings = num_embeddings.to(device=device, dtype=torch.int64)
     ends = torch.cumsum(lengths, 0)
     lengths_ok = device.type == "cpu" and bool((lengths >= 0).all()) and int(ends[-1]) == nnz
-    if lengths_ok and not use_triton(values):
+    # Per feature pays a few calls per feature: it wins once features average ~4k values.
+    if lengths_ok and not use_triton(values) and nnz >= _SEGMENT_MIN * num_features:
         fused = _fuse_segments_cpu(values, lengths, table_idx, num_embeddings, fusion_k)
         if fused is not None:
             return fused  # else a bad id or table index: the checks below name it
