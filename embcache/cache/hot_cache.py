@@ -214,7 +214,10 @@ class HotCache(PolicyState):
 
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The stored tier rows (`TableSpec.pack`: weights, then state) held at ``slots``."""
-        return self.transfer.spec.pack(self.weights[slots], self.state[slots])
+        # index_select copies whole rows (advanced indexing goes element by element on a CPU).
+        return self.transfer.spec.pack(
+            self.weights.index_select(0, slots), self.state.index_select(0, slots)
+        )
 
     def _names(self) -> str:
         names = [spec.name for spec in self._specs.values()]
@@ -333,13 +336,19 @@ class HotCache(PolicyState):
                 if n_write or n_read:
                     # One copy of all the ids the tier needs, one of the rows it gets.
                     host_ids = torch.cat([plan.victim_ids, plan.load_ids]).cpu()
-                    victim_rows = self.rows_of(plan.victim_slots).cpu() if n_write else None
                     released = None if plan.released is None else plan.released.cpu()
+
+                    def victim_rows(order: torch.Tensor) -> torch.Tensor:
+                        at = plan.victim_slots.index_select(0, order.to(self.device))
+                        return self.rows_of(at).cpu()
+
                     loaded = self.transfer.exchange(
                         host_ids[:n_write], victim_rows, host_ids[n_write:], released
                     )
                     if loaded is not None:
-                        self.transfer.copy_in(self.weights, self.state, plan.load_slots, loaded)
+                        order, rows = loaded
+                        at = plan.load_slots.index_select(0, order.to(self.device))
+                        self.transfer.copy_in(self.weights, self.state, at, rows)
             except BaseException:
                 with self.lock:
                     self._rollback(plan)

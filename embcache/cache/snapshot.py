@@ -80,9 +80,11 @@ class PolicyState:
                 self._admission.sketch.load(tensors["admission"])
             held = (keys >= 0).nonzero().flatten()
             if held.numel():
-                rows = self.transfer.exchange(keys[:0], None, keys[held])
-                assert rows is not None
-                self.transfer.copy_in(self.weights, self.state, held.to(self.device), rows)
+                loaded = self.transfer.exchange(keys[:0], self.rows_of, keys[held])
+                assert loaded is not None
+                order, rows = loaded
+                at = held.index_select(0, order).to(self.device)
+                self.transfer.copy_in(self.weights, self.state, at, rows)
             return True
 
     def policy_state_shape(self) -> dict[str, object]:

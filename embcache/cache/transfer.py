@@ -69,20 +69,21 @@ class TierTransfer:
 
     # -- host side --------------------------------------------------------------------------
 
-    def split_by_table(self, fused: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """``(table_idx, positions, raw_ids)`` per table present in host ``fused`` ids."""
+    def _grouped(
+        self, fused: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
+        """``(order, [(table_idx, start, raw_ids)])``: ``fused[order]`` sorted, so table
+        ``table_idx``'s ids are ``order[start : start + len(raw_ids)]``, raw ids ascending."""
         order = torch.argsort(fused)
-        sorted_ids = fused[order]
+        sorted_ids = fused.index_select(0, order)
         tables, counts = torch.unique_consecutive(sorted_ids >> self.fusion_k, return_counts=True)
         mask = (1 << self.fusion_k) - 1
         groups = []
         start = 0
         for idx, count in zip(tables.tolist(), counts.tolist(), strict=True):
-            groups.append(
-                (idx, order[start : start + count], sorted_ids[start : start + count] & mask)
-            )
+            groups.append((idx, start, sorted_ids[start : start + count] & mask))
             start += count
-        return groups
+        return order, groups
 
     def _run(self, calls: list[Callable[[], object]]) -> list:
         """Run tier calls: concurrently when there are several and the tier's calls overlap
@@ -99,31 +100,38 @@ class TierTransfer:
     def exchange(
         self,
         write_ids: torch.Tensor,
-        write_rows: torch.Tensor | None,
+        write_rows: Callable[[torch.Tensor], torch.Tensor],
         read_ids: torch.Tensor,
         released: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Write rows back and read others in one round of tier calls (the ids differ, so the
-        order between them does not matter), then release the rows that left the cache.
+        order between them does not matter), then release the rows that left the cache. Rows
+        travel in table order: each table's share is a slice, and no row is gathered or
+        scattered on the host only to be put in order.
 
         Args:
             write_ids: host int64 ``[w]`` fused ids to write.
-            write_rows: host stored rows ``[w, stored_width]`` (None when ``w == 0``).
+            write_rows: ``write_rows(order)`` gives the host stored rows ``[w, stored_width]``
+                of ``write_ids[order]`` (``order`` a host int64 permutation); not called when
+                ``w == 0``.
             read_ids: host int64 ``[r]`` fused ids to read (pinned in bounded tables).
             released: host int64 fused ids that left the cache (written back first when
                 dirty): their pins in bounded tables are released.
 
         Returns:
-            Host stored rows ``[r, stored_width]`` read (pinned memory when the cache is on a
-            GPU), or None when nothing is read. A tier error propagates; nothing here holds
-            state.
+            ``(order, rows)``: host stored ``rows`` ``[r, stored_width]`` (pinned memory when
+            the cache is on a GPU), ``rows[i]`` the row of ``read_ids[order[i]]``; None when
+            nothing is read. A tier error propagates; nothing here holds state.
         """
         calls = []
         if write_ids.numel():
-            for idx, pos, raw in self.split_by_table(write_ids):
-                calls.append(partial(self.store.put, self.specs[idx].name, raw, write_rows[pos]))
+            order, groups = self._grouped(write_ids)
+            rows = write_rows(order)
+            for idx, start, raw in groups:
+                part = rows[start : start + raw.numel()]
+                calls.append(partial(self.store.put, self.specs[idx].name, raw, part))
         n_puts = len(calls)
-        groups = self.split_by_table(read_ids) if read_ids.numel() else []
+        order, groups = self._grouped(read_ids) if read_ids.numel() else (None, [])
         for idx, _, raw in groups:
             name = self.specs[idx].name
             if self._bounded(idx):
@@ -133,18 +141,21 @@ class TierTransfer:
         results = self._run(calls)
         if released is not None and released.numel():
             self.unpin(released)
-        if not groups:
+        if order is None:
             return None
+        parts = results[n_puts:]
+        if len(parts) == 1 and self.device.type != "cuda":
+            return order, parts[0]
         out = self._empty(read_ids.numel(), pin=self.device.type == "cuda")
-        for (_, pos, _), rows in zip(groups, results[n_puts:], strict=True):
-            out[pos] = rows
-        return out
+        torch.cat(parts, out=out)
+        return order, out
 
     def unpin(self, fused: torch.Tensor) -> None:
         """Release the pins of host ``fused`` ids in their bounded tables."""
+        _, groups = self._grouped(fused)
         calls = [
             partial(self.store.unpin, self.specs[idx].name, raw)
-            for idx, _, raw in self.split_by_table(fused)
+            for idx, _, raw in groups
             if self._bounded(idx)
         ]
         self._run(calls)
@@ -155,16 +166,18 @@ class TierTransfer:
 
     def write(self, fused: torch.Tensor, rows: torch.Tensor) -> None:
         """Write host stored ``rows`` ``[n, stored_width]`` under host ``fused`` ids."""
-        self.exchange(fused, rows, fused[:0])
+        self.exchange(fused, lambda order: rows.index_select(0, order), fused[:0])
 
     def read(self, fused: torch.Tensor) -> torch.Tensor:
         """Host stored rows of host ``fused`` ids, through `Store.read`: rows the tier does
         not hold read as their initial values and are not created there."""
-        groups = self.split_by_table(fused) if fused.numel() else []
-        calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
         out = self._empty(fused.numel())
-        for (_, pos, _), rows in zip(groups, self._run(calls), strict=True):
-            out[pos] = rows
+        if not fused.numel():
+            return out
+        order, groups = self._grouped(fused)
+        calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
+        parts = self._run(calls)
+        out.index_copy_(0, order, parts[0] if len(parts) == 1 else torch.cat(parts))
         return out
 
     # -- device side ------------------------------------------------------------------------
@@ -183,8 +196,8 @@ class TierTransfer:
         spec = self.spec
         if self.device.type != "cuda":
             w, s = spec.unpack(host_rows)
-            weights[slots] = w
-            state[slots] = s
+            weights.index_copy_(0, slots, w)
+            state.index_copy_(0, slots, s)
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)

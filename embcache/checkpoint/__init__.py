@@ -541,7 +541,7 @@ def _verify_optimizers(
 def _check_sparse_state(opt: SparseOptimizer, state: Any) -> None:
     if not isinstance(state, dict) or not isinstance(state.get("steps"), list):
         raise ValueError("not the state of a sparse optimizer")
-    opt._check_hyper(state)
+    opt.check_hyper_state_dict(state)
     for steps in state["steps"]:
         if not isinstance(steps, dict) or not all(
             isinstance(t, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0

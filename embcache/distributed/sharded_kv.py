@@ -69,7 +69,7 @@ class ShardedKVClient:
     def _ids(self, name: str, ids) -> torch.Tensor:
         """Checked CPU int64 ids; an empty list (a rank with nothing to ask) is fine."""
         ids = torch.as_tensor(ids)
-        return self.local._ids(name, ids.long() if ids.numel() == 0 else ids)
+        return self.local.checked_ids(name, ids.long() if ids.numel() == 0 else ids)
 
     def init_data(
         self,
@@ -153,7 +153,7 @@ class ShardedKVClient:
         )
         rows = torch.empty(unique.numel(), dim)
         rows[route.order] = got[data]
-        return rows[inverse].to(self.local._meta(name).dtype)
+        return rows[inverse].to(self.local.dtype(name))
 
     def push(self, name: str, ids, rows) -> None:
         """Overwrite rows; a rank's ids must be distinct (several ranks: the highest rank's row
@@ -161,7 +161,7 @@ class ShardedKVClient:
         error = None
         try:
             ids = self._ids(name, ids)
-            rows = self.local._rows(name, ids, rows, "rows")
+            rows = self.local.checked_rows(name, ids, rows, "rows")
             if torch.unique(ids).numel() != ids.numel():
                 raise ValueError(f"tensor {name!r}: push got duplicate ids")
         except Exception as e:
@@ -190,7 +190,7 @@ class ShardedKVClient:
         error = None
         try:
             ids = self._ids(name, ids)
-            values = self.local._rows(name, ids, values, what)
+            values = self.local.checked_rows(name, ids, values, what)
             if not bool(torch.isfinite(values).all()):
                 raise ValueError(f"tensor {name!r}: {OP_NAMES[op]} got NaN or Inf values")
         except Exception as e:

@@ -175,8 +175,10 @@ class CacheEngine:
         """The batch's unique ids, inverse index and bag offsets, not yet resolved (a sharded
         requester sends the unique ids to their owners instead)."""
         grouping = None
-        if fused.device.type == "cpu" and len(self.layout.lookups) == 1:
-            # The CPU backward sums each id's rows in one pass over the grouped values.
+        through_tbe = self.fused is not None and self.fused.takes(weights)
+        if fused.device.type == "cpu" and len(self.layout.lookups) == 1 and not through_tbe:
+            # The twins' CPU backward sums each id's rows in one pass over the grouped values
+            # (the fused step's TBE groups them itself: its dedup is half the cost).
             unique, inverse, order, segments = dedup_grouped(fused)
             grouping = (order, segments)
         else:

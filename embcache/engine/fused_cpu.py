@@ -8,7 +8,7 @@ slot storage, ``weights [R, dim]`` and the optimizer state ``[R, S]`` beside it,
 are the batch's slots, so the TBE reads and updates the cache's rows in place.
 
     fused = FusedCpuStep.for_engine(engine, optimizer)   # None when it does not apply
-    pooled, bound = fused.pool(prepared, lr)             # [F * B, dim], the TBE's graph kept
+    pooled, bound = fused.pool(prepared, lr, B)          # [B * F, dim], the TBE's graph kept
     ...                                                  # backward: the pooled gradient only
     fused.apply(pending)                                 # the TBE's backward: rows updated
 
@@ -36,6 +36,7 @@ import torch
 from embcache.engine.batch_state import InFlight, Prepared
 from embcache.kernels.optim import OptimRule
 from embcache.kernels.pooling import PoolingMode
+from embcache.profiling import profiled
 
 _RULES = {
     OptimRule.SGD: "EXACT_SGD",
@@ -74,8 +75,9 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PendingUpdate:
     """One cache's share of a backward, not yet applied: the TBE's pooled output (with its
-    autograd graph) and the gradient of it, ``[F * B, dim]``; and, to turn it into per-id
-    gradient rows when asked, the pooled gradient ``[B, F * dim]`` the engine saw."""
+    autograd graph) and the gradient of it, ``[B * F, dim]`` (sample-major: the pooled
+    gradient ``[B, F * dim]`` the engine saw, as it stands), which also turns into per-id
+    gradient rows when asked."""
 
     engine: int  # index of the cache's engine in its group
     batch: InFlight
@@ -86,6 +88,29 @@ class PendingUpdate:
     columns: torch.Tensor  # first output column of each feature, as the engine pools
     bound: tuple[int, int, int]  # the storage the TBE's graph reads and writes
     lr: float  # the learning rate the TBE's graph applies (fixed at its forward)
+
+
+def _sample_major(
+    p: Prepared, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The slot of every value, the bag offsets and the per-sample weights with the bags in
+    sample-major order (bag ``(b, f)`` at ``b * F + f``; the batch holds them feature-major):
+    moving the ids costs less than transposing the pooled rows and their gradient."""
+    slots = p.slots.index_select(0, p.inverse)
+    num_bags = p.offsets.numel() - 1
+    features = num_bags // batch_size if batch_size else 0
+    if features <= 1:
+        return slots, p.offsets, p.weights
+    n = slots.numel()
+    starts = p.offsets[:-1].view(features, batch_size).t().reshape(-1)
+    lengths = (p.offsets[1:] - p.offsets[:-1]).view(features, batch_size).t().reshape(-1)
+    offsets = torch.zeros(num_bags + 1, dtype=torch.int64, device=slots.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    # Value i of sample-major bag k sits at starts[k] + (i - offsets[k]) in the batch.
+    perm = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=n)
+    perm += torch.arange(n, dtype=torch.int64, device=slots.device)
+    weights = None if p.weights is None else p.weights.index_select(0, perm)
+    return slots.index_select(0, perm), offsets, weights
 
 
 class FusedCpuStep:
@@ -155,20 +180,24 @@ class FusedCpuStep:
         self._bound = bound
         return self._tbe
 
-    def takes(self, p: Prepared) -> bool:
-        """Whether this batch share can go through the TBE (weighted MEAN cannot: the twins
-        divide a weighted sum by the bag's length, which FBGEMM's MEAN does not)."""
-        return p.weights is None or self.mode == PoolingMode.SUM
+    def takes(self, weights: torch.Tensor | None) -> bool:
+        """Whether a batch share with per-sample ``weights`` can go through the TBE (weighted
+        MEAN cannot: the twins divide a weighted sum by the bag's length, which FBGEMM's MEAN
+        does not)."""
+        return weights is None or self.mode == PoolingMode.SUM
 
-    def pool(self, p: Prepared, lr: float) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """The batch's bags pooled by the TBE, ``[F * B, dim]``, with its autograd graph (whose
-        backward is the fused row update at learning rate ``lr``), and the storage that graph
-        is bound to."""
+    @profiled("engine.pool")
+    def pool(
+        self, p: Prepared, lr: float, batch_size: int
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The batch's bags pooled by the TBE, ``[B * F, dim]`` sample-major (so that it is the
+        ``[B, F * dim]`` output as it stands), with its autograd graph (whose backward is the
+        fused row update at learning rate ``lr``), and the storage that graph is bound to."""
         tbe = self._table()
         tbe.set_learning_rate(lr)  # the CPU op reads it at the forward
-        indices = p.slots.index_select(0, p.inverse)  # the slot of every value
+        indices, offsets, weights = _sample_major(p, batch_size)
         with torch.enable_grad():
-            pooled = tbe(indices, p.offsets, per_sample_weights=p.weights)
+            pooled = tbe(indices, offsets, per_sample_weights=weights)
         return pooled, self._bound
 
     def can_apply(self, pending: PendingUpdate, update: Any) -> bool:
@@ -182,6 +211,7 @@ class FusedCpuStep:
             and getattr(update, "lr_decay", 0.0) == 0.0
         )
 
+    @profiled("engine.fused_update")
     def apply(self, pending: PendingUpdate, p: Prepared) -> None:
         """Run the TBE's backward for ``pending``: every row of the batch updated in place.
 
@@ -191,5 +221,5 @@ class FusedCpuStep:
         weights, state = self.cache.weights, self.cache.state
         pooled = pending.pooled
         if pending.bound != (weights.data_ptr(), state.data_ptr(), weights.shape[0]):
-            pooled, _ = self.pool(p, pending.lr)
+            pooled, _ = self.pool(p, pending.lr, pending.batch_size)
         torch.autograd.backward(pooled, pending.grad)

@@ -35,16 +35,12 @@ class PooledLookup(torch.autograd.Function):
         for engine, p in zip(group.engines, prepared, strict=True):
             cols = torch.arange(len(engine.layout.features), device=engine.device) * engine.dim
             f, dim = len(engine.layout.features), engine.dim
-            if batch is not None and engine.fused is not None and engine.fused.takes(p):
+            if batch is not None and engine.fused is not None and engine.fused.takes(p.weights):
                 lr = group.optimizer.update.lr
-                # The TBE pools [F * B, dim]; its graph is kept for the fused update.
-                pooled, bound = engine.fused.pool(p, lr)
-                out = (
-                    pooled.detach()
-                    .view(f, batch_size, dim)
-                    .transpose(0, 1)
-                    .reshape(batch_size, f * dim)
-                )
+                # The TBE pools [B * F, dim] sample-major: the output as it stands. Its graph
+                # is kept for the fused update.
+                pooled, bound = engine.fused.pool(p, lr, batch_size)
+                out = pooled.detach().view(batch_size, f * dim)
                 fused.append((pooled, bound, lr))
                 argmaxes.append([None])
             else:
@@ -77,7 +73,7 @@ class PooledLookup(torch.autograd.Function):
                 grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
             if fused is not None:
                 f, dim, B = len(engine.layout.features), engine.dim, ctx.batch_size
-                grad = grad_out.view(B, f, dim).transpose(0, 1).reshape(f * B, dim)
+                grad = grad_out.reshape(B * f, dim)  # no copy when contiguous
                 pooled, bound, lr = fused
                 rows.append(PendingUpdate(i, ctx.batch, pooled, grad, grad_out, B, cols, bound, lr))
             else:

@@ -38,8 +38,9 @@ def cache_lookup_ref(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) 
         int64 ``[n]``: the way in ``[0, W)`` holding ``ids[i]`` in set ``sets[i]``, else -1.
     """
     match = keys.index_select(0, sets) == ids.unsqueeze(1)  # [n, W]
-    way = match.to(torch.int8).argmax(dim=1)
-    return torch.where(match.any(dim=1), way, torch.full_like(way, -1))
+    # One pass finds both: the first largest byte of each row (1 at the way that matches).
+    found, way = match.view(torch.uint8).max(dim=1)
+    return torch.where(found.bool(), way, torch.full_like(way, -1))
 
 
 def assign_ways_ref(

@@ -238,6 +238,46 @@ def _bad_id_error(
     )
 
 
+_SEGMENT_MIN = 4096  # values per feature (on average) from which `_fuse_segments_cpu` pays
+
+
+def _fuse_segments_cpu(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    table_idx: torch.Tensor,
+    num_embeddings: torch.Tensor,
+    fusion_k: int,
+) -> torch.Tensor | None:
+    """`ids_ref.fuse_ids_ref` on the CPU, one feature's contiguous values at a time: a range
+    check (one min/max pass) and one fusing pass per feature, instead of per-value gathers of
+    each value's table and bound; two host reads whatever the number of features. None when
+    any id or table index fails a check (the caller's general path then says which)."""
+    fits = (1 << fusion_k) if fusion_k < 63 else torch.iinfo(torch.int64).max
+    table_limit = (1 << (63 - fusion_k)) if fusion_k > 0 else torch.iinfo(torch.int64).max
+    sizes, tables, rows = torch.stack([lengths, table_idx, num_embeddings]).tolist()
+    if not all(0 <= t < table_limit for t in tables):
+        return None
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    present = [f for f, n in enumerate(sizes) if n]
+    if present:
+        ranges = torch.stack(
+            [torch.stack(torch.aminmax(values[starts[f] : starts[f + 1]])) for f in present]
+        ).tolist()
+        for f, (lo, hi) in zip(present, ranges, strict=True):
+            if lo < 0 or hi >= (min(rows[f], fits) if rows[f] >= 0 else fits):
+                return None
+    out = torch.empty(values.numel(), dtype=torch.int64)
+    for f in present:
+        seg, dst = values[starts[f] : starts[f + 1]], out[starts[f] : starts[f + 1]]
+        if seg.dtype == torch.int64:
+            torch.bitwise_or(seg, tables[f] << fusion_k, out=dst)
+        else:
+            dst.copy_(seg).bitwise_or_(tables[f] << fusion_k)
+    return out
+
+
 def fuse_ids(
     values: torch.Tensor,
     feature_lengths: torch.Tensor,
@@ -300,7 +340,13 @@ def fuse_ids(
     table_idx = table_idx.to(device=device, dtype=torch.int64)
     num_embeddings = num_embeddings.to(device=device, dtype=torch.int64)
     ends = torch.cumsum(lengths, 0)
-    if device.type == "cpu" and bool((lengths >= 0).all()) and int(ends[-1]) == nnz:
+    lengths_ok = device.type == "cpu" and bool((lengths >= 0).all()) and int(ends[-1]) == nnz
+    # Per feature pays a few calls per feature: it wins once features average ~4k values.
+    if lengths_ok and not use_triton(values) and nnz >= _SEGMENT_MIN * num_features:
+        fused = _fuse_segments_cpu(values, lengths, table_idx, num_embeddings, fusion_k)
+        if fused is not None:
+            return fused  # else a bad id or table index: the checks below name it
+    if lengths_ok:
         # On the CPU a check costs no device sync: with lengths known good, repeat_interleave
         # is several times cheaper than a search per value.
         features = torch.arange(num_features, dtype=torch.int64)

@@ -176,14 +176,16 @@ class SparseOptimizer:
 
     def load_hyper_state_dict(self, state: dict[str, Any]) -> None:
         """Restore step counts from `hyper_state_dict` (same rule, same module order)."""
-        self._check_hyper(state)
+        self.check_hyper_state_dict(state)
         self._steps = {
             (id(m), t): int(n)
             for m, steps in zip(self.modules, state["steps"], strict=True)
             for t, n in steps.items()
         }
 
-    def _check_hyper(self, state: dict[str, Any]) -> None:
+    def check_hyper_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise `ValueError` unless ``state`` is for this optimizer's rule and modules (what
+        `load_hyper_state_dict` would accept); changes nothing."""
         if state.get("rule") != self.update.rule.name:
             raise ValueError(
                 f"optimizer state is for rule {state.get('rule')!r}, this optimizer is "
@@ -218,7 +220,7 @@ class SparseOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` returned: same rule, same modules in the same order.
         Everything is checked before anything is written."""
-        self._check_hyper(state_dict)
+        self.check_hyper_state_dict(state_dict)
         names = _STATE_NAMES[self.update.rule]
         per_module = state_dict["state"]
         writes = []

@@ -311,6 +311,10 @@ class KVClient:
         view = self._view(name)
         return view.shape if view is not None else self._meta(name).shape
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype tensor ``name`` was declared with (rows are pulled in it)."""
+        return self._meta(name).dtype
+
     def optimizer_of(self, name: str) -> KVOptimizer:
         """The backend optimizer of a tier tensor."""
         return self._meta(name).optimizer
@@ -325,7 +329,9 @@ class KVClient:
             raise KeyError(f"unknown tensor {name!r}; declared: {self.names()}")
         return self._tensors[name]
 
-    def _ids(self, name: str, ids) -> torch.Tensor:
+    def checked_ids(self, name: str, ids) -> torch.Tensor:
+        """``ids`` of tensor ``name`` as int64 on the CPU; `TypeError`/`ValueError` when they are
+        not integers or out of its rows."""
         rows = self.shape(name)[0]
         ids = torch.as_tensor(ids)
         if ids.is_floating_point() or ids.dtype == torch.bool:
@@ -338,7 +344,11 @@ class KVClient:
                 raise ValueError(f"tensor {name!r}: id {bad} out of range [0, {rows})")
         return ids
 
-    def _rows(self, name: str, ids: torch.Tensor, rows: torch.Tensor, what: str) -> torch.Tensor:
+    def checked_rows(
+        self, name: str, ids: torch.Tensor, rows: torch.Tensor, what: str
+    ) -> torch.Tensor:
+        """``rows`` for ``ids`` of tensor ``name`` as float32 ``[len(ids), dim]`` on the CPU;
+        `TypeError`/`ValueError` (naming ``what``) when they are not."""
         dim = self.shape(name)[1]
         # Python numbers (RecStore's examples pass lists) are values; an integer tensor is a bug.
         rows = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.float32)
@@ -399,7 +409,7 @@ class KVClient:
 
     def prefetch(self, name: str, ids) -> KVHandle:
         """Start reading rows; `wait_and_get` returns them. Sees every earlier write."""
-        ids = self._ids(name, ids)
+        ids = self.checked_ids(name, ids)
         view = self._view(name)
         if view is not None:
             return _done(view.read(ids))
@@ -416,8 +426,8 @@ class KVClient:
     def push(self, name: str, ids, rows) -> None:
         """Overwrite the weights of rows (their optimizer state is kept). Ids must be distinct
         (which of two values would win is undefined)."""
-        ids = self._ids(name, ids)
-        rows = self._rows(name, ids, rows, "rows")
+        ids = self.checked_ids(name, ids)
+        rows = self.checked_rows(name, ids, rows, "rows")
         if torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"tensor {name!r}: push got duplicate ids")
         view = self._view(name)
@@ -430,8 +440,8 @@ class KVClient:
         """Hand gradients to the tensor's backend optimizer: duplicate ids summed, one step of
         its rule on the rows and their state, in the background after every earlier call;
         returns a handle for `wait`."""
-        ids = self._ids(name, ids)
-        grads = self._rows(name, ids, grads, "grads")
+        ids = self.checked_ids(name, ids)
+        grads = self.checked_rows(name, ids, grads, "grads")
         self._finite(name, grads, "update_async")
         view = self._view(name)
         if view is not None:
@@ -442,8 +452,8 @@ class KVClient:
     def add_async(self, name: str, ids, deltas) -> KVHandle:
         """Add ``deltas`` to the rows (duplicates summed), without any optimizer, in the
         background after every earlier call; returns a handle for `wait`."""
-        ids = self._ids(name, ids)
-        deltas = self._rows(name, ids, deltas, "deltas")
+        ids = self.checked_ids(name, ids)
+        deltas = self.checked_rows(name, ids, deltas, "deltas")
         self._finite(name, deltas, "add_async")
         view = self._view(name)
         if view is not None:

@@ -182,6 +182,38 @@ def test_fuse_ids_folds_wide_ids_of_unbounded_tables(
     assert bool((expected_ids >= 0).all()) and bool((expected_ids <= mask).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_fuse_ids_of_long_features_matches_reference(dtype: torch.dtype) -> None:
+    """Features of thousands of values each, the size at which the CPU twin checks and fuses
+    one feature at a time (a path the short cases above never take)."""
+    lengths = [9000, 0, 300, 12000]
+    gen = torch.Generator().manual_seed(7)
+    values = _valid_values(gen, lengths, 30)
+    t_values = torch.tensor(values, dtype=dtype)
+    fused = _fuse(t_values, torch.tensor(lengths), 30)
+    assert fused.dtype == torch.int64
+    assert fused.tolist() == _fuse_reference(values, lengths, 30)
+
+
+@pytest.mark.parametrize(
+    ("where", "bad", "message"),
+    [
+        (5000, 10_000, r"'f0' \(table 't0'\): id 10000 out of range \[0, 10000\)"),
+        (9000 + 17, 37, r"'f2' \(table 't1'\): id 37 out of range \[0, 37\)"),
+        (100, -4, r"'f0' \(table 't0'\): id -4 is negative"),
+    ],
+    ids=["f0-over", "f2-over", "f0-negative"],
+)
+def test_fuse_ids_of_long_features_names_a_bad_id(where: int, bad: int, message: str) -> None:
+    lengths = [9000, 0, 300, 12000]
+    values = torch.tensor(_valid_values(torch.Generator().manual_seed(8), lengths, 30))
+    values[where] = bad
+    before = values.clone()
+    with pytest.raises(ValueError, match=message):
+        _fuse(values, torch.tensor(lengths), 30)
+    assert torch.equal(values, before)
+
+
 BAD_ARGUMENTS = {
     "float-values": ({"values": [1.0, 2.0]}, TypeError, "values must be int64 or int32"),
     "sum-short": ({"lengths": [1, 0, 0, 0]}, ValueError, "sum to 1 but values has 2"),
