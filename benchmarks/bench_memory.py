@@ -32,7 +32,6 @@ Prints a table and writes ``benchmarks/results/memory.csv`` and ``memory.png``.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -40,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import RESULTS, pyplot, run_header, set_threads, write_csv
+from _common import cpu_bench_parser, pyplot, set_threads, start_cpu_bench, write_csv
 
 import embcache
 from embcache.hashing import mix64
@@ -181,16 +180,11 @@ def run_case(case: str, setup: Setup, steps: int, threads: int) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = cpu_bench_parser(__doc__, "memory.csv")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS / "memory.csv")
-    args = parser.parse_args()
-    set_threads(args.threads)
+    args = start_cpu_bench(parser)
     setup = QUICK if args.quick else FULL
     steps = args.steps or setup.steps
-    print(run_header(torch.device("cpu")))
     runs: dict[str, list[Row]] = {}
     for case in CASES:  # one at a time, each in a fresh process: its RSS is its own
         spawn = multiprocessing.get_context("spawn")

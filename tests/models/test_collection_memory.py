@@ -47,8 +47,7 @@ def batch(gen: torch.Generator, high: int, size: int = 16) -> JaggedBatch:
     return JaggedBatch.from_lengths(["fa", "fb", "fc"], values, lengths)
 
 
-def train(ebc, batches: list[JaggedBatch], lr: float = 0.2) -> list[torch.Tensor]:
-    opt = embcache.SparseAdaGrad([ebc], lr=lr)
+def train_with(ebc, opt, batches) -> list[torch.Tensor]:
     outs = []
     for b in batches:
         out = ebc(b).values()
@@ -56,6 +55,10 @@ def train(ebc, batches: list[JaggedBatch], lr: float = 0.2) -> list[torch.Tensor
         (out * torch.linspace(-1, 1, out.shape[1])).sum().backward()
         opt.step()
     return outs
+
+
+def train(ebc, batches: list[JaggedBatch], lr: float = 0.2) -> list[torch.Tensor]:
+    return train_with(ebc, embcache.SparseAdaGrad([ebc], lr=lr), batches)
 
 
 @pytest.mark.parametrize("kind", ["config", "torchrec", "dict"])
@@ -212,16 +215,6 @@ def test_resume_after_a_checkpoint_is_bit_exact(kind: str, tmp_path: Path) -> No
         for part in range(3 if scores else 2):
             a, b = (torch.cat([c[part] for c in chunks_of]) for chunks_of in chunks)
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, part)
-
-
-def train_with(ebc, opt, batches) -> list[torch.Tensor]:
-    outs = []
-    for b in batches:
-        out = ebc(b).values()
-        outs.append(out.detach().clone())
-        (out * torch.linspace(-1, 1, out.shape[1])).sum().backward()
-        opt.step()
-    return outs
 
 
 def test_the_readme_memory_example_runs_as_written() -> None:
