@@ -20,10 +20,11 @@ Three cases, each in a fresh process of its own (one after the other), fed the s
 
 Measured per step in each: the process's resident memory (``VmRSS``), the rows each table holds
 in the tier, the bytes the tier has allocated, tier evictions, admissions refused (unique ids of
-a batch not admitted yet: every distinct id's first sighting should be one, so the shortfall is
-the sketch's false admissions) and the cache hit rate (hits over admitted lookups). "Flat after
-warm-up": the growth of resident memory from the step where the bounded tier filled up to the
-end, against the baseline's growth over the same steps.
+a batch not admitted yet: every distinct id's first sighting should be one, so a shortfall is
+the sketch's false admissions; with aging, an id that does not come back within a window is
+refused again, so they may exceed the distinct ids) and the cache hit rate (hits over admitted
+lookups). "Flat after warm-up": the growth of resident memory from the step where a bounded
+tier first filled up to the end, against the baseline's growth over the same steps.
 
 Prints a table and writes ``benchmarks/results/memory.csv`` and ``memory.png``.
 
@@ -219,15 +220,15 @@ def report(runs: dict[str, list[Row]], setup: Setup, out: Path) -> None:
               f"{end.admissions_refused / end.distinct_ids:8.1%} {end.hit_rate:9.3f} "
               f"{window[1]:8.3f} {end.seconds:8.0f}")  # fmt: skip
     print(f"(RSS in MiB at the warm-up end and at the last step; refused: unique ids of a batch "
-          f"not admitted, and their share of the first sightings; hit rate over the run and "
-          f"over the last {WINDOW} steps)")  # fmt: skip
+          f"not admitted, per distinct id (above 100%: ids refused again after a halving); hit "
+          f"rate over the run and over the last {WINDOW} steps)")  # fmt: skip
     write_csv([r for rows in runs.values() for r in rows], out)
     plot(runs, full.step, setup, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def windowed(rows: list[Row], width: int = WINDOW) -> list[tuple[int, float, float]]:
-    """``(last step, hit rate, share of first sightings refused)`` of each ``width`` steps."""
+    """``(last step, hit rate, refusals per distinct id)`` of each ``width`` steps."""
     out = []
     for lo in range(0, len(rows) - width + 1, width):
         a = rows[lo - 1] if lo else None
@@ -261,7 +262,7 @@ def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -
                  label=f"cache hit rate, {case}")  # fmt: skip
         if case != "baseline":
             ax3.plot([w[0] for w in window], [w[2] for w in window], color=color,
-                     linestyle="--", label=f"first sightings refused, {case}")  # fmt: skip
+                     linestyle="--", label=f"refused per distinct id, {case}")  # fmt: skip
     for ax in (ax1, ax2, ax3):
         ax.axvline(full_step, color="gray", linestyle=":")
         ax.grid(alpha=0.3)
