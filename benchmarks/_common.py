@@ -7,6 +7,7 @@ puts the script's folder first on ``sys.path``.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import os
@@ -39,6 +40,24 @@ def set_threads(threads: int | None) -> int:
     n = 1 if threads is None else threads
     torch.set_num_threads(n)
     return n
+
+
+def cpu_bench_parser(doc: str, out_name: str) -> argparse.ArgumentParser:
+    """The options of a CPU benchmark: ``--quick``, ``--threads`` (1) and ``--out`` (the CSV,
+    ``results/<out_name>`` by default); a script adds its own before `start_cpu_bench`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS / out_name)
+    return parser
+
+
+def start_cpu_bench(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the options, set torch's threads and print the run header."""
+    args = parser.parse_args()
+    set_threads(args.threads)
+    print(run_header(torch.device("cpu")))
+    return args
 
 
 def pick_device(name: str | None) -> torch.device:

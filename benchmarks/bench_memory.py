@@ -11,19 +11,20 @@ Three cases, each in a fresh process of its own (one after the other), fed the s
 
 * ``bounded``: the host tier bounded to 1,000,000 rows per table (LRU scores), ids admitted at
   their second sighting (`CacheConfig.admit_after=2`), sightings counted in a count-min sketch
-  of 4 x 2**23 counters (128 MiB);
-* ``bounded-wide``: the same with a sketch of 4 x 2**26 counters (1 GiB): the admission sketch
-  is never aged, so on an endless stream its collisions admit more and more one-off ids unless
-  it is sized to the distinct ids (two counters a row per id here);
+  of 4 x 2**23 counters (128 MiB), every counter halved each 2**23 sightings (the default
+  `CacheConfig.admission_window`: TinyLFU's aging);
+* ``never-aged``: the same with a window longer than the run (the sketch is never halved, as
+  before aging existed): on an endless stream its collisions admit more and more one-off ids;
 * ``baseline``: no tier capacity and no admission, as before either existed: every distinct id
   becomes a row of the tier.
 
 Measured per step in each: the process's resident memory (``VmRSS``), the rows each table holds
 in the tier, the bytes the tier has allocated, tier evictions, admissions refused (unique ids of
-a batch not admitted yet: every distinct id's first sighting should be one, so the shortfall is
-the sketch's false admissions) and the cache hit rate (hits over admitted lookups). "Flat after
-warm-up": the growth of resident memory from the step where the bounded tier filled up to the
-end, against the baseline's growth over the same steps.
+a batch not admitted yet: every distinct id's first sighting should be one, so a shortfall is
+the sketch's false admissions; with aging, an id that does not come back within a window is
+refused again, so they may exceed the distinct ids) and the cache hit rate (hits over admitted
+lookups). "Flat after warm-up": the growth of resident memory from the step where a bounded
+tier first filled up to the end, against the baseline's growth over the same steps.
 
 Prints a table and writes ``benchmarks/results/memory.csv`` and ``memory.png``.
 
@@ -32,7 +33,6 @@ Prints a table and writes ``benchmarks/results/memory.csv`` and ``memory.png``.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import RESULTS, pyplot, run_header, set_threads, write_csv
+from _common import cpu_bench_parser, pyplot, set_threads, start_cpu_bench, write_csv
 
 import embcache
 from embcache.hashing import mix64
@@ -50,7 +50,8 @@ BAG = 8
 HEAD_SHARE = 0.55
 ALPHA = 1.05
 TABLES = ("user", "item")
-CASES = ("bounded", "bounded-wide", "baseline")
+CASES = ("bounded", "never-aged", "baseline")
+NEVER = 1 << 62  # an admission window no run reaches
 MIB = 2**20
 WINDOW = 50  # steps per point of the windowed rates
 
@@ -63,13 +64,12 @@ class Setup:
     tier_capacity: int
     cache_capacity: int
     sketch_width: int
-    wide_sketch_width: int
 
 
 FULL = Setup(steps=1000, batch=4096, head=2_000_000, tier_capacity=1_000_000,
-             cache_capacity=131_072, sketch_width=1 << 23, wide_sketch_width=1 << 26)  # fmt: skip
+             cache_capacity=131_072, sketch_width=1 << 23)  # fmt: skip
 QUICK = Setup(steps=120, batch=2048, head=400_000, tier_capacity=80_000, cache_capacity=24_576,
-              sketch_width=1 << 20, wide_sketch_width=1 << 23)  # fmt: skip
+              sketch_width=1 << 20)  # fmt: skip
 
 
 @dataclass
@@ -138,7 +138,8 @@ def run_case(case: str, setup: Setup, steps: int, threads: int) -> list[Row]:
         capacity=setup.cache_capacity,
         tier_capacity=setup.tier_capacity if bounded else None,
         admit_after=2 if bounded else None,
-        sketch_width=setup.wide_sketch_width if case == "bounded-wide" else setup.sketch_width,
+        sketch_width=setup.sketch_width,
+        admission_window=NEVER if case == "never-aged" else None,
     )
     tables = [embcache.TableConfig(name=t, embedding_dim=DIM, num_embeddings=None,
                                    feature_names=[t]) for t in TABLES]  # fmt: skip
@@ -180,16 +181,11 @@ def run_case(case: str, setup: Setup, steps: int, threads: int) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = cpu_bench_parser(__doc__, "memory.csv")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS / "memory.csv")
-    args = parser.parse_args()
-    set_threads(args.threads)
+    args = start_cpu_bench(parser)
     setup = QUICK if args.quick else FULL
     steps = args.steps or setup.steps
-    print(run_header(torch.device("cpu")))
     runs: dict[str, list[Row]] = {}
     for case in CASES:  # one at a time, each in a fresh process: its RSS is its own
         spawn = multiprocessing.get_context("spawn")
@@ -200,8 +196,11 @@ def main() -> None:
 
 def report(runs: dict[str, list[Row]], setup: Setup, out: Path) -> None:
     bounded, baseline = runs["bounded"], runs["baseline"]
-    full = next((r for r in bounded if min(r.tier_rows_user, r.tier_rows_item) >= 0.95
-                 * setup.tier_capacity), bounded[-1])  # fmt: skip
+    # Warm-up ends where a bounded tier first fills (the aged sketch may keep it from filling).
+    full = min((next((r for r in rows if min(r.tier_rows_user, r.tier_rows_item) >= 0.95
+                      * setup.tier_capacity), rows[-1])
+                for case, rows in runs.items() if case != "baseline"),
+               key=lambda r: r.step)  # fmt: skip
     base_grew = baseline[-1].rss_mib - baseline[full.step - 1].rss_mib
     last = bounded[-1]
     print(f"\ndistinct ids streamed: {last.distinct_ids:,} over {last.step} steps "
@@ -221,15 +220,15 @@ def report(runs: dict[str, list[Row]], setup: Setup, out: Path) -> None:
               f"{end.admissions_refused / end.distinct_ids:8.1%} {end.hit_rate:9.3f} "
               f"{window[1]:8.3f} {end.seconds:8.0f}")  # fmt: skip
     print(f"(RSS in MiB at the warm-up end and at the last step; refused: unique ids of a batch "
-          f"not admitted, and their share of the first sightings; hit rate over the run and "
-          f"over the last {WINDOW} steps)")  # fmt: skip
+          f"not admitted, per distinct id (above 100%: ids refused again after a halving); hit "
+          f"rate over the run and over the last {WINDOW} steps)")  # fmt: skip
     write_csv([r for rows in runs.values() for r in rows], out)
     plot(runs, full.step, setup, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def windowed(rows: list[Row], width: int = WINDOW) -> list[tuple[int, float, float]]:
-    """``(last step, hit rate, share of first sightings refused)`` of each ``width`` steps."""
+    """``(last step, hit rate, refusals per distinct id)`` of each ``width`` steps."""
     out = []
     for lo in range(0, len(rows) - width + 1, width):
         a = rows[lo - 1] if lo else None
@@ -247,11 +246,12 @@ def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
     labels = {
         "bounded": f"tier {setup.tier_capacity:,} rows/table, admit after 2, sketch "
-        f"4x2^{setup.sketch_width.bit_length() - 1}",
-        "bounded-wide": f"the same, sketch 4x2^{setup.wide_sketch_width.bit_length() - 1}",
+        f"4x2^{setup.sketch_width.bit_length() - 1} halved each 2^"
+        f"{setup.sketch_width.bit_length() - 1} sightings",
+        "never-aged": "the same, sketch never halved",
         "baseline": "baseline: unbounded tier, no admission",
     }
-    colors = {"bounded": "C0", "bounded-wide": "C2", "baseline": "C1"}
+    colors = {"bounded": "C0", "never-aged": "C2", "baseline": "C1"}
     for case, rows in runs.items():
         steps, color = [r.step for r in rows], colors[case]
         ax1.plot(steps, [r.rss_mib for r in rows], color=color, label=labels[case])
@@ -262,12 +262,12 @@ def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -
                  label=f"cache hit rate, {case}")  # fmt: skip
         if case != "baseline":
             ax3.plot([w[0] for w in window], [w[2] for w in window], color=color,
-                     linestyle="--", label=f"first sightings refused, {case}")  # fmt: skip
+                     linestyle="--", label=f"refused per distinct id, {case}")  # fmt: skip
     for ax in (ax1, ax2, ax3):
         ax.axvline(full_step, color="gray", linestyle=":")
         ax.grid(alpha=0.3)
     ax1.set_ylabel("process RSS, MiB")
-    ax1.legend(loc="upper left", fontsize=8, title="dotted: bounded tier full (warm-up end)",
+    ax1.legend(loc="upper left", fontsize=8, title="dotted: a bounded tier full (warm-up end)",
                title_fontsize=8)  # fmt: skip
     rows = runs["bounded"]
     ax2.plot([r.step for r in rows], [r.distinct_ids / 1e6 for r in rows], "k",

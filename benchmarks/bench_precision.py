@@ -27,7 +27,6 @@ Prints a table and writes ``benchmarks/results/precision.csv``.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from _common import RESULTS, run_header, set_threads, write_csv
+from _common import cpu_bench_parser, start_cpu_bench, write_csv
 
 from embcache import DLRM, CacheConfig
 from embcache.data import ClickDataset, CriteoText, SyntheticConfig, SyntheticCriteo
@@ -153,13 +151,7 @@ def run(data_set: DataSet, weight_dtype: str) -> Row:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS / "precision.csv")
-    args = parser.parse_args()
-    set_threads(args.threads)
-    print(run_header(torch.device("cpu")))
+    args = start_cpu_bench(cpu_bench_parser(__doc__, "precision.csv"))
     synthetic_steps, text_steps = (150, 150) if args.quick else (800, 600)
     text_batch = 512
     with tempfile.TemporaryDirectory() as tmp:

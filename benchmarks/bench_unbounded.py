@@ -25,14 +25,12 @@ Prints both tables and writes ``benchmarks/results/unbounded.csv``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from _common import RESULTS, ZipfIds, run_header, set_threads, write_csv
+from _common import ZipfIds, cpu_bench_parser, start_cpu_bench, write_csv
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
@@ -93,13 +91,7 @@ def lfu_hit_rate(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS / "unbounded.csv")
-    args = parser.parse_args()
-    set_threads(args.threads)
-    print(run_header(torch.device("cpu")))
+    args = start_cpu_bench(cpu_bench_parser(__doc__, "unbounded.csv"))
     rows: list[Row] = []
 
     print("\nraw 64-bit ids folded into fusion_k bits: share of ids sharing a row")

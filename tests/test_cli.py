@@ -170,7 +170,7 @@ def test_help_mentions_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         "--scale", "--dim", "--cache-capacity", "--load-factor", "--policy", "--optimizer",
         "--lr", "--dense-lr", "--store", "--steps", "--batch-size", "--zipf", "--seed",
         "--checkpoint", "--device", "--plot", "--prefetch", "--eval-batches", "--threads",
-        "--data", "--buckets", "--eval-fraction", "--eval-every",
+        "--data", "--buckets", "--eval-fraction", "--eval-every", "--fusion-k",
     ):  # fmt: skip
         assert flag in out, flag
 
@@ -345,6 +345,51 @@ def test_raw_criteo_ids_in_bounded_memory(
     with pytest.raises(SystemExit):
         main(argv)
     assert "--buckets 0 makes unbounded tables" in capsys.readouterr().err
+
+
+def _checkpoint_ids(root: Path) -> torch.Tensor:
+    """The ids of every row a checkpoint holds, all tables together."""
+    files = sorted((latest_snapshot(root) / "tables").glob("*.safetensors"))
+    return torch.cat([load_file(f)["ids"] for f in files])
+
+
+def test_fusion_k_keeps_raw_criteo_ids_exact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--buckets 0 --fusion-k 40: Criteo's 32-bit raw hashes, most of them at or above 2**30,
+    are the rows' ids as they are; the default 30 bits fold those into 30 bits. A checkpoint
+    records the width: resuming it with another is a usage error, with nothing loaded."""
+    from tests.data import formats
+
+    path = formats.write_criteo(tmp_path / "raw.txt", 600, seed=0, pool=3000)
+    # The raw values of the 26 categorical columns (an empty one is id 0).
+    raw = {int(v or "0", 16) for line in path.read_text().splitlines()
+           for v in line.split("\t")[14:]}  # fmt: skip
+    argv = ["train", "--data", f"criteo:{path}", *REAL[:-3], "--buckets", "0", "--steps", "5",
+            "--cache-capacity", "512", "--eval-batches", "0", "--no-progress"]  # fmt: skip
+    wide, narrow = tmp_path / "k40", tmp_path / "k30"
+    assert main([*argv, "--fusion-k", "40", "--checkpoint", str(wide)]) == 0
+    assert main([*argv, "--checkpoint", str(narrow)]) == 0
+    capsys.readouterr()
+    ids = _checkpoint_ids(wide)
+    assert set(ids.tolist()) <= raw and int((ids >= 2**30).sum()) > ids.numel() // 2
+    folded = _checkpoint_ids(narrow)
+    assert bool((folded < 2**30).all()) and not set(folded.tolist()) <= raw
+    assert _exit_code([*argv, "--resume", str(wide)]) == 2
+    assert "written with --fusion-k 40, this run has 30" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fusion-k", "0"], "--fusion-k must be in [1, 56] (bits of an id), got 0"),
+        (["--fusion-k", "57"], "--fusion-k must be in [1, 56] (bits of an id), got 57"),
+        (["--fusion-k", "8"], "--fusion-k 8: a table of"),
+    ],
+)
+def test_bad_fusion_k_exits_2(extra, message, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code([*TINY, *extra]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_eval_every_plots_auc_and_log_loss(

@@ -94,6 +94,12 @@ class CacheConfig:
             counted by a count-min sketch): before, it reads a row of zeros and its gradients
             are dropped (``admissions_refused`` and ``gradients_dropped`` in `cache_stats`).
             An int for every table or a dict by table name; None or 1: every id is admitted.
+        admission_window: sightings (unique ids of a batch, of the tables with admission)
+            between two halvings of every counter of the admission sketch (TinyLFU's aging):
+            one-off ids' counts fall back to 0, so the sketch keeps refusing them on an endless
+            stream; an id must reach ``admit_after`` within about a window. None:
+            ``sketch_width`` (one sighting per counter of a row; a much longer window lets
+            collisions raise every counter and admit nearly every new id).
 
     A capacity at least the number of rows of a cache's (bounded) tables maps every row to its
     own slot: nothing is ever evicted and no lookup is needed (unless the tier is bounded).
@@ -115,6 +121,7 @@ class CacheConfig:
     tier_capacity: int | Mapping[str, int] | None = None
     tier_policy: ScorePolicy | str = ScorePolicy.LRU
     admit_after: int | Mapping[str, int] | None = field(default=None)
+    admission_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.capacity is not None and self.load_factor is not None:
@@ -162,6 +169,14 @@ class CacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CacheConfig.{name} must be an int >= 1, got {value!r}")
+        window = self.admission_window
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
+            raise ValueError(
+                f"CacheConfig.admission_window must be an int >= 1 (sightings) or None, got "
+                f"{window!r}"
+            )
         if self.weight_dtype is not None:
             self.weight_dtype = weight_dtype_of(self.weight_dtype, "CacheConfig.weight_dtype")
         if not isinstance(self.stochastic_rounding, bool):
@@ -227,6 +242,11 @@ class CacheConfig:
             else self.admit_after
         )
         return value or 1
+
+    @property
+    def effective_admission_window(self) -> int:
+        """Sightings between two halvings of the admission sketch."""
+        return self.admission_window or self.sketch_width
 
     def budget(self, device: torch.device | str) -> int:
         """``memory_budget``, or the default one on ``device`` (see the class docstring)."""

@@ -175,7 +175,7 @@ class HotCache(PolicyState):
         lfu = self.policy is CachePolicy.LFU and not self.direct
         counters = Counters(
             row_offset, offset, thresholds, lfu, config.lfu_counters, EXACT_LFU_MAX_ROWS,
-            config.sketch_width, config.sketch_depth,
+            config.sketch_width, config.sketch_depth, config.effective_admission_window,
         )  # fmt: skip
         names = self._names()
         check_fits(self.num_slots, self.width, counters.nbytes // 8, self.device, names, self.dim)

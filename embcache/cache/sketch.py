@@ -80,6 +80,10 @@ class CountMinSketch:
         """Multiply every counter by ``factor`` (rounded down)."""
         self.counters.copy_((self.counters.double() * factor).to(torch.int32))
 
+    def halve(self) -> None:
+        """Halve every counter (rounded down): TinyLFU's reset."""
+        self.counters.bitwise_right_shift_(1)
+
     def state(self) -> torch.Tensor:
         return self.counters.cpu()
 
@@ -160,27 +164,54 @@ class Admission:
     sightings, and hence which ids are admitted, depend on the stream of batches alone, not on
     what the cache holds.
 
+    The sketch ages as TinyLFU's does: each time ``window`` sightings have been counted, every
+    counter is halved (right after the ``window``-th, in the middle of a batch if it falls
+    there). Without it, a sketch that has counted many more distinct ids than its width has
+    every counter raised by collisions and admits almost every new id at its first sighting;
+    halved, the counters of one-off ids fall back to 0 while those of ids that keep coming back
+    stay up. An id must then reach its threshold within about a window (a count halves).
+
     Args:
         thresholds: int64 ``[tables]`` on the device: ``admit_after`` of each table index (1:
             every id admitted, not counted).
         sketch: the sightings.
         fusion_k: bits of the raw id in a fused id.
+        window: sightings between two halvings.
     """
 
-    def __init__(self, thresholds: torch.Tensor, sketch: CountMinSketch, fusion_k: int) -> None:
+    def __init__(
+        self, thresholds: torch.Tensor, sketch: CountMinSketch, fusion_k: int, window: int
+    ) -> None:
         self.thresholds = thresholds
         self.sketch = sketch
         self.fusion_k = fusion_k
+        self.window = window
+        self.sightings = 0  # counted since the last halving (part of the policy state)
 
     def admit(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
         """bool ``[n]``: whether each of the batch's distinct fused ``ids`` is admitted, after
         counting this sighting (``count``; False only reads, for ids counted already)."""
         threshold = self.thresholds[ids >> self.fusion_k]
         watched = threshold > 1
-        seen = self.sketch.add(ids[watched]) if count else self.sketch.estimate(ids[watched])
+        seen = self._count(ids[watched]) if count else self.sketch.estimate(ids[watched])
         admitted = torch.ones_like(watched)
         admitted[watched] = seen >= threshold[watched]
         return admitted
+
+    def _count(self, keys: torch.Tensor) -> torch.Tensor:
+        """Add one sighting of each of ``keys`` (distinct), halving the sketch each time the
+        window fills; int64 ``[n]``: each key's count right after its sighting."""
+        counts = []
+        start = 0
+        while start < keys.numel():
+            part = keys[start : start + self.window - self.sightings]
+            counts.append(self.sketch.add(part))
+            start += part.numel()
+            self.sightings += part.numel()
+            if self.sightings == self.window:
+                self.sketch.halve()
+                self.sightings = 0
+        return torch.cat(counts) if counts else keys.new_zeros(0)
 
 
 class Counters:
@@ -198,6 +229,7 @@ class Counters:
         auto_limit: ``"auto"`` counts exactly up to this many rows.
         width: counters per sketch row.
         depth: sketch rows.
+        window: admission's sightings between two halvings of its sketch.
     """
 
     def __init__(
@@ -210,6 +242,7 @@ class Counters:
         auto_limit: int,
         width: int,
         depth: int,
+        window: int,
     ) -> None:
         if mode == "auto":
             bounded = bool((row_offset >= 0).all())
@@ -222,7 +255,7 @@ class Counters:
         self.thresholds = thresholds
         self.lfu_sketch = lfu and not bool((row_offset >= 0).all())
         self.admission = bool((thresholds > 1).any())
-        self.width, self.depth = width, depth
+        self.width, self.depth, self.window = width, depth, window
 
     @property
     def nbytes(self) -> int:
@@ -241,5 +274,5 @@ class Counters:
         admission = None
         if self.admission:
             sketch = CountMinSketch(self.width, self.depth, device)
-            admission = Admission(self.thresholds.to(device), sketch, fusion_k)
+            admission = Admission(self.thresholds.to(device), sketch, fusion_k, self.window)
         return counts, admission

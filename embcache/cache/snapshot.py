@@ -1,7 +1,8 @@
 """What decides a cache's future choices, saved and restored for checkpoints that resume bit
-for bit: which row each slot holds, the slots' scores, the LFU and admission counts, the
-clocks. With a bounded tier this matters for the numbers, not only the speed: which rows the
-tier evicts depends on which rows the cache pins.
+for bit: which row each slot holds, the slots' scores, the LFU and admission counts (with the
+sightings since the admission sketch was last halved), the clocks. With a bounded tier this
+matters for the numbers, not only the speed: which rows the tier evicts depends on which rows
+the cache pins.
 
 `PolicyState` is a part of `HotCache` (its base class), kept apart so the cache's data path
 reads on its own.
@@ -43,6 +44,7 @@ class PolicyState:
                 tensors.update({f"lfu_{k}": v for k, v in self._counts.state().items()})
             if self._admission is not None:
                 tensors["admission"] = self._admission.sketch.state()
+                meta["admission_sightings"] = self._admission.sightings
             return tensors, meta
 
     def load_policy_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, int]) -> bool:
@@ -78,6 +80,7 @@ class PolicyState:
                 self._counts.load({k[4:]: v for k, v in tensors.items() if k.startswith("lfu_")})
             if self._admission is not None:
                 self._admission.sketch.load(tensors["admission"])
+                self._admission.sightings = int(meta["admission_sightings"])
             held = (keys >= 0).nonzero().flatten()
             if held.numel():
                 loaded = self.transfer.exchange(keys[:0], self.rows_of, keys[held])
@@ -89,10 +92,13 @@ class PolicyState:
 
     def policy_state_shape(self) -> dict[str, object]:
         """What a saved `policy_state` must match to be restored here."""
-        return {
+        shape: dict[str, object] = {
             "num_slots": self.num_slots,
             "ways": self.ways,
             "direct": self.direct,
             "policy": self.policy.value,
             "dtype": str(self.dtype),
         }
+        if self._admission is not None:  # the sightings counted so far are within its window
+            shape["admission_window"] = self._admission.window
+        return shape

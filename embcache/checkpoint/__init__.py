@@ -1,5 +1,6 @@
-"""Checkpoints of models with cached collections (and RecStore `DistEmbedding` modules): every
-table row (weights and optimizer state), the optimizers' state, and the model's dense state,
+"""Checkpoints of models with cached collections (and RecStore `DistEmbedding` modules): the
+rows that exist in each table (weights and optimizer state; a row exists once a batch looked
+it up or it was written), the optimizers' state, and the model's dense state,
 written so that a crash never loses the previous checkpoint and loaded so that a damaged or
 crafted one can neither run code nor be half-applied.
 
@@ -23,7 +24,8 @@ Layout of a checkpoint directory (format 2)::
                                   stores them (half-precision weights stay half), with a bounded
                                   table's eviction scores
         caches/<m>-<c>.safetensors       cache c of module m: which row each slot holds, its
-                                  scores, LFU/admission counts and clocks (`HotCache.
+                                  scores, LFU/admission counts (and the sightings since the
+                                  admission sketch was halved) and clocks (`HotCache.
                                   policy_state`), so a resumed run makes the same choices
 
 Every file holds data only (safetensors and JSON; `embcache.checkpoint.files`). `save` flushes

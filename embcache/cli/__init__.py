@@ -3,7 +3,7 @@ data or on Criteo and MovieLens files) and ``embcache bench`` (the scripts in ``
 
     embcache train                                  # ~1 minute on a 2-core CPU
     embcache train --data criteo:train.txt.gz --buckets 1000000 --eval-every 500
-    embcache train --data criteo:day_0.gz --buckets 0 --cache-capacity 500000 \
+    embcache train --data criteo:day_0.gz --buckets 0 --fusion-k 32 --cache-capacity 500000 \
         --tier-capacity 5000000 --admit-after 2 --weight-dtype bf16
     embcache train --data movielens:ml-1m --batch-size 512 --steps 2000
     embcache train --load-factor 0.05 --policy lfu --optimizer rowwise_adagrad --plot run.png
@@ -34,6 +34,7 @@ from embcache.cli.settings import (
 )
 from embcache.cli.train import cmd_train
 from embcache.data import DEFAULT_BUCKETS, KINDS
+from embcache.engine.interface import FUSION_K, MAX_FUSION_K
 from embcache.train.loop import SPARSE_OPTIMIZERS
 
 __all__ = ["available_benchmarks", "build_parser", "main", "save_checkpoint", "write_plot"]
@@ -99,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="Criteo: rows of each categorical table; a categorical's hex value modulo this "
         "is its id. 0: the raw hashed values are the ids, in unbounded tables (give "
         "--cache-capacity, and --tier-capacity to bound the memory they take)",
+    )
+    data.add_argument(
+        "--fusion-k",
+        type=int,
+        default=FUSION_K,
+        metavar="BITS",
+        help=f"bits of an id in the collection's fused key (id | table << BITS), in [1, "
+        f"{MAX_FUSION_K}] (default {FUSION_K}); every table's rows must fit them. With "
+        "--buckets 0, a raw id at or above 2**BITS is folded into BITS bits by a hash, so "
+        "distinct ids may share a row: 32 or more keeps Criteo's 32-bit hashes exact; a "
+        "--resume must use the width its checkpoint was written with",
     )
     data.add_argument(
         "--eval-fraction",

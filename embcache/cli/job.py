@@ -20,6 +20,7 @@ from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
 from embcache.cli.settings import eval_batches, open_data, run_settings
 from embcache.data import Batch, ClickDataset, SyntheticCriteo
+from embcache.engine.interface import FUSION_K
 from embcache.kv.base import Store
 from embcache.kv.errors import TierError
 from embcache.kv.redact import redact_text, redact_url
@@ -159,6 +160,12 @@ def run_job(
         if args.resume is not None:
             where = rank_dir(args.resume, rank, world)
             try:
+                saved_k = read_extra(where).get("fusion_k", FUSION_K)
+                if saved_k != args.fusion_k:  # its rows are keyed by ids folded to saved_k bits
+                    raise ValueError(
+                        f"written with --fusion-k {saved_k}, this run has {args.fusion_k}: the "
+                        f"ids of its rows are folded to {saved_k} bits"
+                    )
                 extra = embcache_load(where, model, [sparse_opt, dense_opt])
                 if extra.get("world_size", 1) != world:
                     raise ValueError(
@@ -235,6 +242,7 @@ def _build(args, data, cache, store, device, lr, dense_lr, world) -> tuple:
         bottom_mlp=(64, args.dim) if data.num_dense else (),
         top_mlp=(64, 32),
         seed=args.seed,
+        fusion_k=args.fusion_k,
         **kwargs,
     )
     sparse_opt = make_sparse_optimizer(args.optimizer, model.sparse_arch, lr)
@@ -260,9 +268,14 @@ def save_checkpoint(
 ) -> None:
     """`embcache.save` of the model with both optimizers (sparse first), the number of
     training batches consumed, so `--resume` continues with the next one, the number of ranks
-    that wrote it, and the tier's owner token, so that a resumed run may reopen the tables its
+    that wrote it, the ids' ``fusion_k`` (a resumed run must fold raw ids alike), and the
+    tier's owner token, so that a resumed run may reopen the tables its
     lease still holds."""
-    extra: dict[str, Any] = {"steps_done": steps_done, "world_size": world}
+    extra: dict[str, Any] = {
+        "steps_done": steps_done,
+        "world_size": world,
+        "fusion_k": model.sparse_arch.fusion_k,
+    }
     owner = model.sparse_arch.store.lease_owner
     if owner is not None:
         extra["tier_owner"] = owner

@@ -12,6 +12,7 @@ import torch
 from embcache.cli.job import one_line, run_job
 from embcache.cli.ranks import spawn_ranks
 from embcache.cli.settings import open_data
+from embcache.engine.interface import MAX_FUSION_K
 
 
 def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,8 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             "maxmemory, not per table; bound the tables in front of it with "
             "--store tiered+redis://host:port/db"
         )
+    if not 1 <= args.fusion_k <= MAX_FUSION_K:
+        fail(f"--fusion-k must be in [1, {MAX_FUSION_K}] (bits of an id), got {args.fusion_k}")
     if args.buckets < 0:
         fail(f"--buckets must be >= 0 (0: raw ids, unbounded tables), got {args.buckets}")
     if args.buckets == 0 and args.cache_capacity is None:
@@ -83,6 +86,12 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         data = open_data(args, progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as err:
         parser.error(f"--data {args.data}: {one_line(err)}")
+    widest = max((rows for rows in data.rows if rows is not None), default=1)
+    if widest > 1 << args.fusion_k:
+        parser.error(
+            f"--fusion-k {args.fusion_k}: a table of {widest:,} rows needs at least "
+            f"{(widest - 1).bit_length()} bits"
+        )
     if args.nproc > 1:
         return spawn_ranks(args, parser)
     world = int(os.environ.get("WORLD_SIZE", "1"))

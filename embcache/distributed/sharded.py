@@ -78,7 +78,7 @@ from embcache.distributed.sharded_kv import ShardedKVClient
 from embcache.engine.batch_state import FusedPrefetchHandle, InFlight, Prefetched, Prepared
 from embcache.engine.engine import bag_gradients, pool_bags
 from embcache.engine.inputs import JaggedBatch, pooled_output
-from embcache.engine.interface import CachedCollectionInterface
+from embcache.engine.interface import FUSION_K, CachedCollectionInterface
 from embcache.kernels.optim import aggregate_grads
 from embcache.kv.base import Store
 
@@ -191,7 +191,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         store: Store | str | Callable[[int], Store | str] | None = None,
         device: torch.device | str | None = None,
         enable_fusion: bool = True,
-        fusion_k: int = 30,
+        fusion_k: int = FUSION_K,
         update_in_backward: bool = False,
         accumulate_grads: bool = False,
         lr: float | None = None,

@@ -31,13 +31,19 @@ from embcache.kv.base import Store, TableSpec
 from embcache.kv.url import open_store
 
 UNFUSED_K = 48  # enable_fusion=False: internal fusion with room for ids below 2**48
+FUSION_K = 30  # a collection's default fusion_k
+MAX_FUSION_K = 56  # leaves 6 bits (64 tables) of a non-negative int64 for the table index
 
 
 def checked_fusion_k(fusion_k: int, enable_fusion: bool, tables: Sequence[Table]) -> int:
     """The fusion width a collection uses, after checking its bounded tables fit it (an
     unbounded table's ids beyond it are folded into its bits by a hash, `kernels.ids`)."""
-    if isinstance(fusion_k, bool) or not isinstance(fusion_k, int) or not 1 <= fusion_k <= 56:
-        raise ValueError(f"fusion_k must be an int in [1, 56], got {fusion_k!r}")
+    if (
+        isinstance(fusion_k, bool)
+        or not isinstance(fusion_k, int)
+        or not 1 <= fusion_k <= MAX_FUSION_K
+    ):
+        raise ValueError(f"fusion_k must be an int in [1, {MAX_FUSION_K}], got {fusion_k!r}")
     k = fusion_k if enable_fusion else UNFUSED_K
     if len(tables) > 1 << (62 - k):
         raise ValueError(

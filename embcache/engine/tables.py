@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from embcache.cache.config import weight_dtype_of
 from embcache.kernels.pooling import PoolingMode
 
 _POOLING_NAMES = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "max": PoolingMode.MAX}
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FIELDS = ("name", "embedding_dim", "num_embeddings", "feature_names")
 _OPTIONAL = {"pooling": PoolingMode.SUM, "init_fn": None, "data_type": "fp32"}
 
@@ -110,16 +110,13 @@ def pooling_mode(value: Any, where: str) -> PoolingMode:
 def weight_dtype(value: Any, where: str) -> torch.dtype:
     """The torch dtype of a table's weights from a name (``"fp16"``), a torch dtype or a
     torchrec ``DataType`` (FP32, FP16, BF16; the integer types are for quantized inference)."""
-    if isinstance(value, torch.dtype) and value in _DTYPES.values():
-        return value
-    if isinstance(value, enum.Enum):  # torchrec's DataType, recognised without torchrec
-        value = value.name
-    if isinstance(value, str) and value.lower() in _DTYPES:
-        return _DTYPES[value.lower()]
-    raise ValueError(
-        f"{where}: data_type must be FP32, FP16 or BF16, got {value!r} (the integer types "
-        "are torchrec's quantized inference formats, not trainable tables)"
-    )
+    try:
+        return weight_dtype_of(value, f"{where}: data_type")
+    except ValueError as err:
+        raise ValueError(
+            f"{err} (the integer types are torchrec's quantized inference formats, not "
+            "trainable tables)"
+        ) from None
 
 
 def _checked(fields: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -56,5 +56,6 @@ class TierFullError(TierCommandError):
 
 
 class TierConfigError(TierError, ValueError):
-    """The tier is configured so that it could drop rows without telling us (a Redis
-    ``maxmemory`` with an ``allkeys-*`` eviction policy): refused when a table is declared."""
+    """The tier is configured so that it could drop keys without telling us (a Redis
+    ``maxmemory`` with any eviction policy but ``noeviction``: rows, or the owner leases):
+    refused when a table is declared."""

@@ -544,10 +544,12 @@ class RedisKV(Store):
             ) from None
 
     def _check_eviction_policy(self, table: str) -> None:
-        """Refuse a server that may evict keys of every kind once full (``allkeys-*`` under a
-        ``maxmemory``): a row dropped there is re-created from its initial value, silently
-        when its bucket's write mark survived. ``noeviction`` refuses writes instead
-        (`TierFullError`); ``volatile-*`` evicts only keys with a TTL (the leases)."""
+        """Refuse a server that may evict keys once full: any ``maxmemory-policy`` but
+        ``noeviction`` under a ``maxmemory``. ``allkeys-*`` would drop rows, re-created from
+        their initial values, silently when their bucket's write mark survived; ``volatile-*``
+        evicts the keys with a TTL, which are the owner leases: a lease dropped while its job
+        runs lets a second job take the table and both write it. ``noeviction`` refuses writes
+        instead (`TierFullError`), and nothing is lost."""
         if isinstance(self._client, redis.cluster.RedisCluster):
             info = self._client.info("memory", target_nodes=redis.cluster.RedisCluster.PRIMARIES)
             nodes = [v for v in info.values() if isinstance(v, dict)] or [info]
@@ -555,13 +557,16 @@ class RedisKV(Store):
             nodes = [self._client.info("memory")]
         for node in nodes:
             policy = str(node.get("maxmemory_policy", "noeviction"))
-            if int(node.get("maxmemory", 0) or 0) > 0 and policy.startswith("allkeys"):
+            if int(node.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
+                dropped = "rows of the model" if policy.startswith("allkeys") else (
+                    "the tables' owner leases (keys with a TTL), letting another job take a "
+                    "table in use")  # fmt: skip
                 raise TierConfigError(
-                    f"{self._describe()}: table {table!r}: the server evicts any key once full "
+                    f"{self._describe()}: table {table!r}: the server evicts keys once full "
                     f"(maxmemory {node.get('maxmemory')}, maxmemory-policy {policy}), which "
-                    f"would drop rows of the model; set maxmemory-policy noeviction (a full "
-                    f"server then refuses writes, and nothing is lost) or bound the tables "
-                    f"with a tier capacity in front of it"
+                    f"would drop {dropped}; set maxmemory-policy noeviction (a full server "
+                    f"then refuses writes, and nothing is lost) and bound the tables with a "
+                    f"tier capacity in front of it if they must stay under maxmemory"
                 )
 
     def _check_compatible(self, spec: TableSpec, stored: dict[str, Any], where: str) -> None:

@@ -52,7 +52,7 @@ from torch import nn
 from embcache.cache.config import CacheConfig
 from embcache.engine.batch_state import FusedPrefetchHandle, Prefetched
 from embcache.engine.inputs import JaggedBatch, pooled_output
-from embcache.engine.interface import CachedCollectionInterface
+from embcache.engine.interface import FUSION_K, CachedCollectionInterface
 from embcache.engine.pooled_lookup import PooledLookup
 from embcache.engine.tables import Table, TableConfig
 from embcache.kv.base import Store
@@ -105,7 +105,7 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         store: Store | str | None = None,
         device: torch.device | str | None = None,
         enable_fusion: bool = True,
-        fusion_k: int = 30,
+        fusion_k: int = FUSION_K,
         update_in_backward: bool = False,
         accumulate_grads: bool = False,
         lr: float | None = None,

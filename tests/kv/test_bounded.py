@@ -274,20 +274,34 @@ def test_half_precision_rows_move_half_the_weight_bytes(server: RedisServer) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-def test_redis_that_would_evict_any_key_is_refused(tmp_path: Path) -> None:
-    """``allkeys-*`` under a maxmemory would drop rows (and maybe the write marks that reveal
-    it): refused at declaration, naming the fix; ``volatile-*`` evicts only keys with a TTL."""
-    args = ("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+@pytest.mark.parametrize(
+    ("policy", "drops"),
+    [("allkeys-lru", "rows of the model"), ("allkeys-random", "rows of the model"),
+     ("volatile-lru", "owner leases"), ("volatile-ttl", "owner leases")],
+)  # fmt: skip
+def test_redis_that_may_evict_keys_is_refused(tmp_path: Path, policy: str, drops: str) -> None:
+    """Under a maxmemory, ``allkeys-*`` would drop rows (and maybe the write marks that reveal
+    it) and ``volatile-*`` the owner leases (the keys with a TTL): refused at declaration,
+    naming what would be dropped and the fix, with nothing declared."""
+    args = ("--maxmemory", "64mb", "--maxmemory-policy", policy)
     with running_server(tmp_path, extra_args=args) as server:
         kv = RedisKV(server.url, namespace="evicting")
-        with pytest.raises(TierConfigError, match="maxmemory-policy noeviction"):
+        with pytest.raises(TierConfigError, match=rf"{policy}.*{drops}.*policy noeviction"):
             kv.init_table(TableSpec("t", dim=4, num_embeddings=10))
         kv.close()
-    args = ("--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru")
-    with running_server(tmp_path / "v", extra_args=args) as server:
-        kv = RedisKV(server.url, namespace="volatile")
-        kv.init_table(TableSpec("t", dim=4, num_embeddings=10))
-        kv.close()
+        assert server.client().keys("evicting:*") == []
+
+
+def test_redis_under_noeviction_or_without_maxmemory_is_accepted(tmp_path: Path) -> None:
+    """``noeviction`` refuses writes when full instead of evicting; without a maxmemory no
+    policy ever applies. Both declare the table and take its lease."""
+    for name, args in [("noevict", ("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")),
+                       ("unbounded", ("--maxmemory-policy", "volatile-lru"))]:  # fmt: skip
+        with running_server(tmp_path / name, extra_args=args) as server:
+            kv = RedisKV(server.url, namespace=name)
+            kv.init_table(TableSpec("t", dim=4, num_embeddings=10))
+            assert server.client().exists(f"{name}:lease:t") == 1
+            kv.close()
 
 
 def test_a_full_redis_refuses_writes_loudly_and_loses_nothing(tmp_path: Path) -> None:
