@@ -144,19 +144,18 @@ def test_no_module_imports_private_names_of_another() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+# Spelled in pieces, so that this file does not cite what it looks for.
+_OUTSIDE = ("DESIGN" + ".md", "../" + "shared")
+
+
 @pytest.mark.parametrize("folder", ["embcache", "tests", "benchmarks"])
 def test_nothing_cites_documents_outside_the_repository(folder: str) -> None:
-    this = Path(__file__).resolve()
     cited = [
         str(p.relative_to(ROOT))
         for p in (ROOT / folder).rglob("*")
         if p.is_file()
         and p.suffix in (".py", ".sh", ".md", ".toml")
-        and p.resolve() != this
-        and (
-            "DESIGN.md" in p.read_text(errors="ignore")
-            or "../shared" in p.read_text(errors="ignore")
-        )
+        and any(c in p.read_text(errors="ignore") for c in _OUTSIDE)
     ]
     assert not cited, f"files citing documents outside the repository: {cited}"
 
