@@ -98,6 +98,7 @@ class PolicyState:
             "direct": self.direct,
             "policy": self.policy.value,
             "dtype": str(self.dtype),
+            "fusion_k": self.fusion_k,  # slot keys are fused ids: their table bits move with it
         }
         if self._admission is not None:  # the sightings counted so far are within its window
             shape["admission_window"] = self._admission.window

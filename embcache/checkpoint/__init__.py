@@ -93,6 +93,7 @@ class _Rows:
     settle: Callable[[], None]  # before reading the tier: write everything pending to it
     reset: Callable[[], None]  # before writing the tier: drop what the module holds of it
     caches: Callable[[], list]  # its device caches (their policy state is saved too)
+    fusion_k: int | None = None  # a collection's: raw ids of unbounded tables fold to it
 
 
 def _row_modules(model: nn.Module) -> list[tuple[str, _Rows]]:
@@ -100,7 +101,7 @@ def _row_modules(model: nn.Module) -> list[tuple[str, _Rows]]:
     for name, m in model.named_modules():
         if isinstance(m, CachedCollectionInterface):
             tables = [t.name for t in m.tables]
-            rows = _Rows(m.store, tables, m.flush, m.invalidate_caches, m.caches)
+            rows = _Rows(m.store, tables, m.flush, m.invalidate_caches, m.caches, m.fusion_k)
             found.append((name, rows))
         elif isinstance(m, DistEmbedding):
             client = m.weight.client
@@ -200,6 +201,7 @@ def save(
                     "num_embeddings": spec.num_embeddings,
                     "state_dim": spec.state_dim,
                     "dtype": str(spec.dtype).removeprefix("torch."),
+                    "fusion_k": holder.fusion_k,
                     "scores": scored,
                     "rows": rows_total,
                     "files": files,
@@ -435,6 +437,13 @@ def _verify_tables(
             raise ValueError(
                 f"table {table!r}: checkpoint has (dim, rows, state) {want}, the model "
                 f"{got}; attach the same optimizer before loading"
+            )
+        saved_k = entry.get("fusion_k")
+        if spec.num_embeddings is None and saved_k is not None and saved_k != holder.fusion_k:
+            raise ValueError(
+                f"table {table!r}: its rows are keyed by raw ids folded to fusion_k={saved_k} "
+                f"bits, the model folds them to {holder.fusion_k}; build it with "
+                f"fusion_k={saved_k} to load this checkpoint"
             )
         dtype = str(spec.dtype).removeprefix("torch.")
         if entry.get("dtype", "float32") != dtype:

@@ -96,6 +96,45 @@ def test_raw_64_bit_ids_fold_into_the_id_bits() -> None:
     assert torch.equal(wide, narrow) and bool((wide[:, :4] != 0).all())
 
 
+def test_a_checkpoint_of_unbounded_tables_loads_only_at_its_fusion_k(tmp_path: Path) -> None:
+    """Rows of raw ids are keyed by the ids folded to the saving model's fusion_k: a model that
+    folds to other bits would read them under other ids, so loading refuses it (and changes
+    nothing); bounded tables (ids in range whatever fusion_k) load either way."""
+
+    def model(rows: int | None, k: int) -> CachedEmbeddingBagCollection:
+        ebc = CachedEmbeddingBagCollection(
+            tables(rows), cache=CacheConfig(capacity=64), fusion_k=k, seed=1
+        )
+        embcache.SparseAdaGrad([ebc], lr=0.2)  # the state layout a checkpoint of train() has
+        return ebc
+
+    gen = torch.Generator().manual_seed(3)
+    batches = [batch(gen, 1 << 40) for _ in range(3)]
+    saved = model(None, K)
+    train(saved, batches)
+    embcache.save(tmp_path / "raw", saved)
+    other = model(None, 40)
+    probe = batch(gen, 1 << 28)
+    with torch.no_grad():
+        before = other(probe).values()
+    with pytest.raises(ValueError, match=r"'a'.*fusion_k=30 bits, the model folds them to 40"):
+        embcache.load(tmp_path / "raw", other)
+    with torch.no_grad():
+        assert torch.equal(other(probe).values(), before)
+    same = model(None, K)
+    embcache.load(tmp_path / "raw", same)
+    with torch.no_grad():
+        assert torch.equal(same(probe).values(), saved(probe).values())
+
+    bounded = model(1000, K)
+    train(bounded, [batch(gen, 1000) for _ in range(3)])
+    embcache.save(tmp_path / "bounded", bounded)
+    wider = model(1000, 40)
+    embcache.load(tmp_path / "bounded", wider)
+    for name in ("a", "b", "c"):
+        assert torch.equal(wider.table_rows(name), bounded.table_rows(name))
+
+
 def test_unbounded_tables_need_an_explicit_cache_capacity() -> None:
     with pytest.raises(ValueError, match="needs an explicit capacity"):
         CachedEmbeddingBagCollection(tables(None), cache=CacheConfig(load_factor=0.1))
