@@ -156,14 +156,18 @@ def interleaved_seconds(
     return [statistics.median(acc) for acc in times]
 
 
-def seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+def seconds(
+    fn: Callable[[], object], device: torch.device, reps: int, warmup: bool = True
+) -> float:
     """Seconds per call of ``fn``: ``triton.testing.do_bench`` (its median) on CUDA; on CPU one
-    warm-up call, then the median of ``reps`` timed calls."""
+    warm-up call (unless ``warmup`` is False: a call that is slow to repeat, such as a save),
+    then the median of ``reps`` timed calls."""
     if device.type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-    fn()
+    if warmup:
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
-import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,12 +96,7 @@ def _trained(n_tables: int, fraction: float, gen: torch.Generator):
 
 def _timed(fn, reps: int = 3) -> float:
     """Median seconds of ``reps`` calls (a save replaces the previous snapshot)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _common.seconds(fn, torch.device("cpu"), reps, warmup=False)
 
 
 def measure(fraction: float, n_tables: int, root: Path, gen: torch.Generator) -> Row:

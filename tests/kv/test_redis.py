@@ -251,6 +251,7 @@ def test_export_import_round_trip(url: str, namespace: str) -> None:
         restored.import_rows("t0", chunk_ids, chunk_rows)
     assert torch.equal(_export(restored, "t0")[1], exported_rows)
     assert restored.io_stats()["rows_written"] == 0  # checkpoints are not traffic
+    assert kv.row_count("t0") == restored.row_count("t0") == host.row_count("t0") == 500
 
 
 def test_export_skips_tables_with_similar_names(server: RedisServer) -> None:
