@@ -59,6 +59,7 @@ from embcache.cache.snapshot import PolicyState
 from embcache.cache.transfer import TierTransfer
 from embcache.hashing import mix64
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+from embcache.kernels.indexing import add_at, count_true, fill_at, or_flags, put
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
@@ -185,6 +186,8 @@ class HotCache(PolicyState):
         self._lookups = 0
         self._batch_seq = 0  # number of the last locked resolve; its rows are guarded
         self._scratch_used = 0
+        self._seen: torch.Tensor | None = None  # `serve_direct`'s map of a batch's slots
+        self._seen_batch = 0
         self._allocate(scratch_rows=0)
         self.reset_stats()
 
@@ -392,12 +395,66 @@ class HotCache(PolicyState):
         self.locks[live] += 1
         return plan
 
+    def direct_bases(self) -> dict[int, int]:
+        """Direct mapping: the slot of row 0 of each table (by table index); its rows follow
+        in order, and the tables lie in the slots in ascending table index."""
+        if not self.direct:
+            raise RuntimeError("direct_bases: this cache does not map rows directly")
+        return {idx: int(self._row_offset[idx]) for idx in sorted(self._specs)}
+
+    def serve_direct(self, value_slots: torch.Tensor) -> int:
+        """A batch served straight from a direct-mapped cache, without a resolve (the fused CPU
+        step reads its slots by table and id): load every row on first use, and count the
+        batch's distinct rows as hits, as `resolve` counts its unique ids. No lock is taken:
+        a direct-mapped cache evicts nothing.
+
+        Args:
+            value_slots: int64 ``[nnz]`` the slot of each value of the batch (repeats allowed).
+
+        Returns:
+            the batch's number, for `mark_dirty_direct` (which marks the same rows faster
+            while no other batch was served since).
+        """
+        if not self.direct:
+            raise RuntimeError("serve_direct: this cache does not map rows directly")
+        with self._resolve_mutex, self.lock:
+            if not self._filled:
+                self._prefill_direct()
+            # A map of the slots this batch touches: its count is the distinct rows, without
+            # sorting them, and it marks them dirty after the step in one pass.
+            rows = self.weights.shape[0]
+            if self._seen is None or self._seen.numel() != rows:
+                self._seen = torch.zeros(rows, dtype=torch.bool, device=self.device)
+            else:
+                self._seen.zero_()
+            fill_at(self._seen, value_slots, True)
+            self.hits += count_true(self._seen)
+            self._seen_batch += 1
+            return self._seen_batch
+
+    def mark_dirty_direct(self, value_slots: torch.Tensor, batch: int) -> None:
+        """`mark_dirty` for the rows of a batch that `serve_direct` numbered ``batch``
+        (``value_slots`` as given to it)."""
+        with self.lock:
+            if batch == self._seen_batch and self._seen is not None:
+                or_flags(self.dirty, self._seen)
+            else:
+                fill_at(self.dirty, value_slots, True)
+
+    def hold(self, slots: torch.Tensor) -> None:
+        """Lock ``slots`` (distinct, resident) once each, as a resolve with ``lock`` does: for
+        a batch served by `serve_direct` that turns into the ordinary locked form later."""
+        with self.lock:
+            add_at(self.locks, slots, 1)
+
     def _live(self, slots: torch.Tensor) -> torch.Tensor:
         """``slots`` without the -1 of ids not admitted (no copy when there is no admission)."""
         return slots if self._admission is None else slots[slots >= 0]
 
     @profiled("cache.plan")
     def _plan_sets(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> _Plan:
+        # Gathers are index_select and writes scatter_/index_add_ (`kernels.indexing`): on a
+        # CPU, advanced indexing takes a general path several times slower.
         W = self.ways
         sets = set_index(ids, self.num_sets)
         ways = cache_lookup(self.slot_keys[: self.num_slots].view(self.num_sets, W), ids, sets)
@@ -413,7 +470,7 @@ class HotCache(PolicyState):
         self._tick += 1  # both undone if the plan is refused
         self._lookups += 1
         if not miss_pos.numel():
-            self.locks[self._live(slots)] += 1
+            add_at(self.locks, self._live(slots), 1)
             self._touch(ids, slots)
             empty = self._empty_ids()
             plan = _Plan(ids, slots, empty, empty, empty, empty)
@@ -421,35 +478,36 @@ class HotCache(PolicyState):
             return plan
 
         # Ways this batch hits are as good as locked while its misses choose victims.
-        self.locks[slots[slots >= 0]] += 1
+        self._lock_hits(slots, 1)
         # Misses compete for a set's ways in an order that changes every batch: dedup hands
         # ids sorted, and a fixed order would give the same rows the ways each time. LFU:
         # the most frequent first.
-        shuffle = mix64(ids[miss_pos] ^ self._tick)
+        miss_ids = ids.index_select(0, miss_pos)
+        shuffle = mix64(miss_ids ^ self._tick)
         lfu = self.policy is CachePolicy.LFU
         if lfu:
-            miss_pos = miss_pos[torch.argsort(shuffle)]
+            miss_pos = miss_pos.index_select(0, torch.argsort(shuffle))
             assert self._counts is not None
-            miss_freq = self._counts.get(ids[miss_pos]) + 1  # with this request
+            miss_freq = self._counts.get(ids.index_select(0, miss_pos)) + 1  # with this request
             by_freq = torch.argsort(miss_freq, descending=True, stable=True)
-            miss_pos, miss_freq = miss_pos[by_freq], miss_freq[by_freq]
-            miss_sets, order = torch.sort(sets[miss_pos], stable=True)
+            miss_pos, miss_freq = miss_pos.index_select(0, by_freq), miss_freq[by_freq]
+            miss_sets, order = torch.sort(sets.index_select(0, miss_pos), stable=True)
         else:
             # One sort: by set, then by the batch's shuffle (20 low bits; num_sets < 2**43).
-            key = (sets[miss_pos] << 20) | (shuffle & 0xFFFFF)
+            miss_sets = sets.index_select(0, miss_pos)
+            key = (miss_sets << 20) | (shuffle & 0xFFFFF)
             order = torch.sort(key, stable=True).indices
-            miss_sets = sets[miss_pos][order]
-        miss_pos = miss_pos[order]
+            miss_sets = miss_sets.index_select(0, order)
+        miss_pos = miss_pos.index_select(0, order)
         touched, owner = torch.unique_consecutive(miss_sets, return_inverse=True)
         locks_view = self.locks[: self.num_slots].view(self.num_sets, W)
         scores_view = self.scores.view(self.num_sets, W)
         # The last locked batch's rows are as good as locked: under prefetch they are (that
         # batch is in flight), so a run evicts the same rows with and without prefetch.
-        guarded = locks_view[touched] > 0
-        guarded |= self.batch_of[: self.num_slots].view(self.num_sets, W)[touched] == (
-            self._batch_seq
-        )
-        assigned = assign_ways(scores_view[touched], guarded, owner)
+        guarded = locks_view.index_select(0, touched) > 0
+        batch_of = self.batch_of[: self.num_slots].view(self.num_sets, W)
+        guarded |= batch_of.index_select(0, touched) == self._batch_seq
+        assigned = assign_ways(scores_view.index_select(0, touched), guarded, owner)
         if lfu:
             # Admission: a miss displaces a resident row only if asked for more often (an
             # empty way has score -1); the others are served from scratch for this batch,
@@ -458,14 +516,20 @@ class HotCache(PolicyState):
             admit = (assigned >= 0) & (victim_score < miss_freq[order])
             assigned = torch.where(admit, assigned, torch.full_like(assigned, -1))
         placed = assigned >= 0
-        place_slots = touched[owner[placed]] * W + assigned[placed]
-        overflow_pos = miss_pos[~placed]
+        placed_at = placed.nonzero().squeeze(1)
+        if placed_at.numel() == assigned.numel():  # no overflow: no selection to make
+            place_slots = touched.index_select(0, owner) * W + assigned
+            placed_pos, overflow_pos = miss_pos, self._empty_ids()
+        else:
+            place_slots = touched.index_select(0, owner.index_select(0, placed_at)) * W + (
+                assigned.index_select(0, placed_at))  # fmt: skip
+            placed_pos, overflow_pos = miss_pos.index_select(0, placed_at), miss_pos[~placed]
         n_over = overflow_pos.numel()
         if n_over:
             try:
                 self._grow_scratch(n_over)
             except CacheCapacityError:
-                self.locks[slots[slots >= 0]] -= 1
+                self._lock_hits(slots, -1)
                 self._tick -= 1
                 self._lookups -= 1
                 raise
@@ -474,32 +538,39 @@ class HotCache(PolicyState):
         else:
             over_slots = self._empty_ids()
 
-        victims = self.slot_keys[place_slots]
-        dirty_victims = place_slots[(victims >= 0) & self.dirty[place_slots]]
-        new_slots = torch.cat([place_slots, over_slots])
-        new_pos = torch.cat([miss_pos[placed], overflow_pos])
+        victims = self.slot_keys.index_select(0, place_slots)
+        resident = victims >= 0
+        dirty_victims = place_slots[resident & self.dirty.index_select(0, place_slots)]
+        new_slots = torch.cat([place_slots, over_slots]) if n_over else place_slots
+        new_pos = torch.cat([placed_pos, overflow_pos]) if n_over else placed_pos
         plan = _Plan(
             ids,
             slots,
-            ids[new_pos],
+            ids.index_select(0, new_pos),
             new_slots,
-            self.slot_keys[dirty_victims].clone(),
+            self.slot_keys.index_select(0, dirty_victims),
             dirty_victims,
         )
-        plan.reserved, plan.old_keys = new_slots, self.slot_keys[new_slots].clone()
-        plan.old_scores = self.scores[place_slots].clone()
-        plan.old_dirty = self.dirty[new_slots].clone()
-        plan.n_scratch, plan.evicted = n_over, int((victims >= 0).sum())
+        plan.reserved, plan.old_keys = new_slots, self.slot_keys.index_select(0, new_slots)
+        plan.old_scores = self.scores.index_select(0, place_slots)
+        plan.old_dirty = self.dirty.index_select(0, new_slots)
+        plan.n_scratch, plan.evicted = n_over, int(resident.sum())
         plan.refused = refused
         if self.pins:
-            plan.released = victims[victims >= 0]
-        slots[new_pos] = new_slots
-        self.slot_keys[new_slots] = plan.load_ids
-        self.dirty[new_slots] = False
+            plan.released = victims[resident]
+        put(slots, new_pos, new_slots)
+        put(self.slot_keys, new_slots, plan.load_ids)
+        fill_at(self.dirty, new_slots, False)
         self._scratch_used += n_over
-        self.locks[new_slots] += 1  # now every slot of the batch holds one lock
+        add_at(self.locks, new_slots, 1)  # now every slot of the batch holds one lock
         self._touch(ids, slots)
         return plan
+
+    def _lock_hits(self, slots: torch.Tensor, delta: int) -> None:
+        """Add ``delta`` to the locks of the slots of ``slots`` that are not -1 (without
+        selecting them: a -1 adds 0 to slot 0)."""
+        hit = slots >= 0
+        self.locks.index_add_(0, slots.clamp(min=0), hit.to(self.locks.dtype) * delta)
 
     def _guarding(self) -> bool:
         """Whether any unlocked row is guarded as the last locked batch's."""
@@ -523,7 +594,7 @@ class HotCache(PolicyState):
     def _commit(self, plan: _Plan, lock: bool) -> None:
         live = self._live(plan.slots)
         if not lock:
-            self.locks[live] -= 1
+            add_at(self.locks, live, -1)
         n_miss = plan.load_ids.numel()
         self.hits += plan.ids.numel() - n_miss - plan.refused
         self.misses += n_miss
@@ -532,7 +603,7 @@ class HotCache(PolicyState):
         self.writebacks += plan.victim_ids.numel()
         if lock and not self.direct:
             self._batch_seq += 1
-            self.batch_of[live] = self._batch_seq
+            fill_at(self.batch_of, live, self._batch_seq)
 
     def _find_in_scratch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Fill ``slots`` (in place) for the ids held in the scratch area."""
@@ -548,10 +619,14 @@ class HotCache(PolicyState):
     def _touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Update the eviction scores of the resident slots of a batch."""
         main = (slots >= 0) & (slots < self.num_slots)
-        main_slots = slots[main]
         if self.policy is CachePolicy.LRU:
-            self.scores[main_slots] = self._tick
+            # Every slot of the batch is resident and in the cache proper unless some went to
+            # scratch (or were refused): select only then.
+            main_slots = slots if self._scratch_used == 0 and self._admission is None else (
+                slots[main])  # fmt: skip
+            fill_at(self.scores, main_slots, self._tick)
             return
+        main_slots = slots[main]
         assert self._counts is not None
         self._counts.add(ids)
         decay = self.config.lfu_decay
@@ -573,7 +648,7 @@ class HotCache(PolicyState):
                 live = self._live(slots)
                 self.gradients_dropped += slots.numel() - live.numel()
                 slots = live
-            self.dirty[slots] = True
+            fill_at(self.dirty, slots, True)
 
     def unlock(self, slots: torch.Tensor) -> None:
         """Drop one lock from each of ``slots`` (distinct).
@@ -586,9 +661,9 @@ class HotCache(PolicyState):
         """
         with self.lock:
             slots = self._live(slots.to(self.device))
-            if slots.numel() and bool((self.locks[slots] <= 0).any()):
+            if slots.numel() and int(self.locks.index_select(0, slots).min()) <= 0:
                 raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
-            self.locks[slots] -= 1
+            add_at(self.locks, slots, -1)
 
     @profiled("cache.release_scratch")
     def release(self) -> None:
@@ -604,13 +679,13 @@ class HotCache(PolicyState):
             done_slots = self.num_slots + done.nonzero().squeeze(1)
             if not done_slots.numel():
                 return
-            dirty = done_slots[self.dirty[done_slots]]
+            dirty = done_slots[self.dirty.index_select(0, done_slots)]
             if dirty.numel():
-                self._write_tier(self.slot_keys[dirty], dirty)
+                self._write_tier(self.slot_keys.index_select(0, dirty), dirty)
             if self.pins:
-                self.transfer.unpin(self.slot_keys[done_slots].cpu())
-            self.slot_keys[done_slots] = -1
-            self.dirty[done_slots] = False
+                self.transfer.unpin(self.slot_keys.index_select(0, done_slots).cpu())
+            fill_at(self.slot_keys, done_slots, -1)
+            fill_at(self.dirty, done_slots, False)
             self._scratch_used -= done_slots.numel()
             self.evictions += done_slots.numel()
 

@@ -15,12 +15,26 @@ from embcache.engine.inputs import JaggedBatch
 
 
 @dataclass
-class Prepared:
-    """One cache's share of a batch: unique ids, their slots, and the bag layout."""
+class DirectIds:
+    """A batch share served by a direct-mapped cache without dedup or resolve (the fused CPU
+    step): the raw ids as the tables number them, and the slot of each."""
 
-    unique: torch.Tensor  # int64 [U] fused ids, ascending
-    inverse: torch.Tensor  # int64 [nnz]
-    slots: torch.Tensor  # int64 [U]
+    values: torch.Tensor  # int64 [nnz] raw ids, the cache's features in layout order
+    slots: torch.Tensor  # int64 [nnz] slot of each value (repeats kept)
+    batch: int = 0  # its number at the cache (`HotCache.serve_direct`)
+
+
+@dataclass
+class Prepared:
+    """One cache's share of a batch: unique ids, their slots, and the bag layout.
+
+    A share served directly (``direct`` set) has no ``unique``, ``inverse`` or ``slots`` until
+    something needs per-id rows (`CacheEngine.materialize` fills them in and locks the slots).
+    """
+
+    unique: torch.Tensor | None  # int64 [U] fused ids, ascending
+    inverse: torch.Tensor | None  # int64 [nnz]
+    slots: torch.Tensor | None  # int64 [U]
     offsets: torch.Tensor  # int64 [F*B + 1]
     weights: torch.Tensor | None
     locked: bool
@@ -28,6 +42,7 @@ class Prepared:
     # a one-pass backward on the CPU. None where the cache has several lookups (pooling
     # modes), whose backward sees slices of the values.
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None
+    direct: DirectIds | None = None
 
 
 @dataclass

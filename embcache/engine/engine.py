@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from embcache.cache.hot_cache import HotCache
-from embcache.engine.batch_state import InFlight, Prepared, TraceEntry
+from embcache.engine.batch_state import DirectIds, InFlight, Prepared, TraceEntry
 from embcache.engine.inputs import JaggedBatch, group_inputs
 from embcache.engine.layout import Bags, CacheLayout
 from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
@@ -98,6 +98,11 @@ class Located:
     prepared: Prepared | None
 
 
+# Checking ids one feature at a time pays a few calls per feature: it wins once features
+# average ~4k values.
+_PER_FEATURE_MIN = 4096
+
+
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
@@ -125,6 +130,7 @@ class CacheEngine:
         # The fused CPU path (FBGEMM's TBE over this cache), set by `EngineGroup.attach` when it
         # applies to the attached optimizer; None: the twins (or Triton) do every phase.
         self.fused: Any = None
+        self._bases: torch.Tensor | None = None  # direct mapping: slot of row 0 per feature
 
     @property
     def dim(self) -> int:
@@ -185,6 +191,101 @@ class CacheEngine:
             unique, inverse, _ = dedup(fused, with_counts=False)
         empty = unique[:0]
         return Prepared(unique, inverse, empty, _offsets(lengths), weights, False, grouping)
+
+    # -- 1'. a direct-mapped cache on the fused CPU step: no dedup, no resolve ----------------
+
+    def direct_share(self, batch: JaggedBatch) -> Prepared | None:
+        """This cache's share of a checked training batch, served straight from its slots when
+        the cache maps every row directly and the fused CPU step pools it (FBGEMM's TBE reads
+        rows by table and raw id, and sums repeated ids in its own backward): the ids are
+        checked and each value's slot computed, nothing more. None when that does not apply,
+        or when an id fails its check (`fuse` then says which)."""
+        if self.fused is None or not self.fused.direct:
+            return None
+        values, lengths, weights = group_inputs(batch, self.layout.features)
+        if not self.fused.takes(weights):
+            return None
+        slots = self._direct_slots(values.to(torch.int64), lengths)
+        if slots is None:
+            return None
+        if weights is not None:
+            weights = weights.to(self.device, torch.float32)
+        # The batch's own offsets when this cache reads all its features in its order.
+        whole = batch.keys() == self.layout.features
+        offsets = batch.offsets() if whole else _offsets(lengths)
+        share = DirectIds(values.to(self.device, torch.int64), slots.to(self.device))
+        return Prepared(None, None, None, offsets.to(self.device, torch.int64), weights, False,
+                        direct=share)  # fmt: skip
+
+    def _direct_slots(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+        """The slot of each value (``base[table] + id``), or None when an id is out of its
+        table's range (or the lengths do not add up)."""
+        if self._bases is None:
+            bases = self.cache.direct_bases()
+            self._bases = torch.tensor([bases[t.index] for t in self.layout.feature_table])
+        f = len(self.layout.features)
+        sizes = lengths.view(f, -1).sum(dim=1).tolist() if f else []
+        nnz = values.numel()
+        if sum(sizes) != nnz:
+            return None
+        rows = self.layout.table_rows
+        if nnz == 0:
+            return values
+        if sizes.count(sizes[0]) == f:  # as many values in every feature: one pass each
+            grid = values.view(f, -1)
+            lo, hi = torch.aminmax(grid, dim=1)
+            if not bool(torch.logical_and(lo >= 0, hi < rows).all()):
+                return None
+            return (grid + self._bases.unsqueeze(1)).view(-1)
+        counts = torch.tensor(sizes, dtype=torch.int64)
+        if nnz >= _PER_FEATURE_MIN * f:  # long features: one min/max and one add per feature
+            starts = [0]
+            for n in sizes:
+                starts.append(starts[-1] + n)
+            present = [i for i in range(f) if sizes[i]]
+            if present:
+                segs = [values[starts[i] : starts[i + 1]] for i in present]
+                ranges = torch.stack([torch.stack(torch.aminmax(s)) for s in segs]).tolist()
+                limits = rows.tolist()
+                if any(
+                    lo < 0 or hi >= limits[i] for i, (lo, hi) in zip(present, ranges, strict=True)
+                ):
+                    return None
+            out = torch.empty(nnz, dtype=torch.int64)
+            bases = self._bases.tolist()
+            for i in present:
+                torch.add(values[starts[i] : starts[i + 1]], bases[i], out=out[starts[i] :
+                          starts[i + 1]])  # fmt: skip
+            return out
+        limit = torch.repeat_interleave(rows, counts, output_size=nnz)
+        if not bool(torch.logical_and(values >= 0, values < limit).all()):
+            return None
+        return values + torch.repeat_interleave(self._bases, counts, output_size=nnz)
+
+    def serve_direct(self, p: Prepared) -> Prepared:
+        """Load the cache on first use and count the share's rows (hits), as a resolve would."""
+        assert p.direct is not None
+        p.direct.batch = self.cache.serve_direct(p.direct.slots)
+        return p
+
+    def mark_dirty(self, p: Prepared) -> None:
+        """Mark the rows of a share dirty after its update."""
+        if p.direct is not None:
+            self.cache.mark_dirty_direct(p.direct.slots, p.direct.batch)
+        else:
+            self.cache.mark_dirty(p.slots)
+
+    def materialize(self, p: Prepared) -> Prepared:
+        """Give a direct share its unique ids, inverse index and slots (locked until
+        `release`), for the paths that want per-id gradient rows (reading the trace)."""
+        if p.direct is not None and p.unique is None:
+            slots, inverse, _ = dedup(p.direct.slots, with_counts=False)
+            # Slots ascend with fused ids under direct mapping: unique stays ascending.
+            p.unique = self.cache.slot_keys.index_select(0, slots)
+            p.inverse, p.slots = inverse, slots
+            self.cache.hold(slots)
+            p.locked = True
+        return p
 
     def resolve(self, unique: torch.Tensor, lock: bool) -> Prepared:
         """Resolve distinct ascending fused ids that arrive without bags (a sharded owner's

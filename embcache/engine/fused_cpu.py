@@ -129,6 +129,17 @@ class FusedCpuStep:
         self.eps = eps
         self._tbe: Any = None
         self._bound: tuple[int, int, int] = (0, 0, 0)
+        # Direct mapping: each table's rows (in slot order) and the table of each feature;
+        # None when the cache is set-associative (the TBE then reads slots).
+        self.direct_tables: list[int] | None = None
+        self.feature_tables: list[int] = []
+        self._direct_tbe: Any = None
+        self._direct_bound: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def direct(self) -> bool:
+        """Whether batches can be pooled by table and raw id (`pool_direct`)."""
+        return self.direct_tables is not None
 
     @staticmethod
     def for_engine(engine: Any, optimizer: Any) -> FusedCpuStep | None:
@@ -149,17 +160,45 @@ class FusedCpuStep:
             or _fbgemm() is None
         ):
             return None
-        return FusedCpuStep(engine.cache, engine.layout.lookups[0].mode, update.rule, update.eps)
+        fused = FusedCpuStep(engine.cache, engine.layout.lookups[0].mode, update.rule, update.eps)
+        if engine.cache.direct:
+            # The cache's slots hold its tables one after another (ascending table index): a
+            # TBE with those tables reads rows by raw id, each feature mapped to its table.
+            order = sorted(t.index for t in engine.layout.tables)
+            rows = {t.index: t.num_embeddings for t in engine.layout.tables}
+            fused.direct_tables = [rows[i] for i in order]
+            fused.feature_tables = [order.index(t.index) for t in engine.layout.feature_table]
+        return fused
+
+    def _storage(self) -> tuple[int, int, int]:
+        weights, state = self.cache.weights, self.cache.state
+        return (weights.data_ptr(), state.data_ptr(), weights.shape[0])
 
     def _table(self) -> Any:
         """The TBE over the cache's current storage (made again when the cache reallocated
-        it: a grown scratch area, a new optimizer state layout)."""
-        weights, state = self.cache.weights, self.cache.state
-        bound = (weights.data_ptr(), state.data_ptr(), weights.shape[0])
-        if self._tbe is not None and bound == self._bound:
-            return self._tbe
+        it: a grown scratch area, a new optimizer state layout): one table, its rows the
+        slots."""
+        bound = self._storage()
+        if self._tbe is None or bound != self._bound:
+            self._tbe = self._make([self.cache.weights.shape[0]], None)
+            self._bound = bound
+        return self._tbe
+
+    def _direct_table(self) -> Any:
+        """The TBE over a direct-mapped cache's storage as its tables: one per table of the
+        cache, in slot order, read by raw id."""
+        bound = self._storage()
+        if self._direct_tbe is None or bound != self._direct_bound:
+            assert self.direct_tables is not None
+            assert sum(self.direct_tables) == self.cache.weights.shape[0]
+            self._direct_tbe = self._make(self.direct_tables, self.feature_tables)
+            self._direct_bound = bound
+        return self._direct_tbe
+
+    def _make(self, table_rows: list[int], feature_tables: list[int] | None) -> Any:
         configs, common, training = _fbgemm()
-        rows, dim = weights.shape
+        weights, state = self.cache.weights, self.cache.state
+        dim = weights.shape[1]
         buffers = {"weights": _alias(weights)}
         if self.rule != OptimRule.SGD:
             buffers["momentum1"] = _alias(state)
@@ -168,17 +207,20 @@ class FusedCpuStep:
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._tbe = training.SplitTableBatchedEmbeddingBagsCodegen(
-                [(rows, dim, common.EmbeddingLocation.HOST, common.ComputeDevice.CPU)],
+            return training.SplitTableBatchedEmbeddingBagsCodegen(
+                [
+                    (rows, dim, common.EmbeddingLocation.HOST, common.ComputeDevice.CPU)
+                    for rows in table_rows
+                ],
+                feature_table_map=feature_tables,
                 optimizer=getattr(configs.EmbOptimType, _RULES[self.rule]),
                 learning_rate=0.0,  # set before each forward: its graph keeps it
                 eps=self.eps,
                 pooling_mode=pooling,
-                bounds_check_mode=common.BoundsCheckMode.NONE,  # slots are in range by making
+                # Slots are in range by making; raw ids were checked against their tables.
+                bounds_check_mode=common.BoundsCheckMode.NONE,
                 preallocated_host_buffers=buffers,
             )
-        self._bound = bound
-        return self._tbe
 
     def takes(self, weights: torch.Tensor | None) -> bool:
         """Whether a batch share with per-sample ``weights`` can go through the TBE (weighted
@@ -200,6 +242,20 @@ class FusedCpuStep:
             pooled = tbe(indices, offsets, per_sample_weights=weights)
         return pooled, self._bound
 
+    @profiled("engine.pool")
+    def pool_direct(
+        self, p: Prepared, lr: float, batch_size: int
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """`pool` for a share served directly (`CacheEngine.direct_share`): the TBE reads the
+        rows by table and raw id, the bags as the batch holds them, and pools ``[B, F * dim]``
+        (the engine's output as it stands)."""
+        assert p.direct is not None
+        tbe = self._direct_table()
+        tbe.set_learning_rate(lr)
+        with torch.enable_grad():
+            pooled = tbe(p.direct.values, p.offsets, per_sample_weights=p.weights)
+        return pooled, self._direct_bound
+
     def can_apply(self, pending: PendingUpdate, update: Any) -> bool:
         """Whether ``pending`` can be applied by the TBE under ``update``: the rule, learning
         rate and epsilon its graph was built with, and no decay."""
@@ -218,8 +274,8 @@ class FusedCpuStep:
         When the cache reallocated its storage since the forward (a prefetch grew the scratch
         area; rows keep their slots), the graph is built again over the new storage first, so
         the update lands there with the same arithmetic."""
-        weights, state = self.cache.weights, self.cache.state
         pooled = pending.pooled
-        if pending.bound != (weights.data_ptr(), state.data_ptr(), weights.shape[0]):
-            pooled, _ = self.pool(p, pending.lr, pending.batch_size)
+        if pending.bound != self._storage():
+            again = self.pool_direct if p.direct is not None else self.pool
+            pooled, _ = again(p, pending.lr, pending.batch_size)
         torch.autograd.backward(pooled, pending.grad)

@@ -101,7 +101,7 @@ class EngineGroup:
             pending, self._pending = self._pending, []
             for u in pending:
                 engine = self.engines[u.engine]
-                p = u.batch.prepared[u.engine]
+                p = engine.materialize(u.batch.prepared[u.engine])
                 grads = engine.grad_rows(p, u.batch_size, u.grad_out, u.columns, [None])
                 self._entries += engine.trace_entries(p.unique, grads, u.engine, u.batch)
         return self._entries
@@ -156,8 +156,26 @@ class EngineGroup:
 
     def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
         """Every engine's share of a checked batch; every id is validated (fused) before any
-        cache changes, and a failing resolve leaves nothing locked."""
-        return self.prepare_fused([engine.fuse(batch) for engine in self.engines], lock)
+        cache changes, and a failing resolve leaves nothing locked. A training batch of a
+        direct-mapped cache on the fused CPU step skips dedup and resolve
+        (`CacheEngine.direct_share`)."""
+        direct = [engine.direct_share(batch) if lock else None for engine in self.engines]
+        if not any(direct):
+            return self.prepare_fused([engine.fuse(batch) for engine in self.engines], lock)
+        fused = [engine.fuse(batch) if d is None else None for engine, d in zip(self.engines,
+                 direct, strict=True)]  # fmt: skip
+        prepared: list[Prepared] = []
+        try:
+            for engine, d, args in zip(self.engines, direct, fused, strict=True):
+                if d is not None:
+                    prepared.append(engine.serve_direct(d))
+                else:
+                    assert args is not None
+                    prepared.append(engine.prepare(*args, lock=lock))
+        except BaseException:
+            self.release_shares(prepared)
+            raise
+        return prepared
 
     def start(self, prepared: list[Prepared]) -> InFlight:
         """Record a training forward's shares as a batch in flight."""
@@ -264,7 +282,7 @@ class EngineGroup:
                 p = u.batch.prepared[u.engine]
                 with engine.cache.lock:
                     engine.fused.apply(u, p)
-                    engine.cache.mark_dirty(p.slots)
+                    engine.mark_dirty(p)
                 engine.release(p)
         self._entries, self._pending = [], []
         if release:

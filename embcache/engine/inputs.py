@@ -173,7 +173,13 @@ class JaggedBatch:
     @classmethod
     def from_kjt(cls, kjt: Any) -> JaggedBatch:
         """The fields of a torchrec `KeyedJaggedTensor`, as a `JaggedBatch`."""
-        return cls(list(kjt.keys()), kjt.values(), kjt.lengths(), kjt.weights_or_none())
+        return cls(
+            list(kjt.keys()),
+            kjt.values(),
+            kjt.lengths(),
+            kjt.weights_or_none(),
+            kjt.offsets_or_none(),  # kept when the KJT has them: computed once, not per call
+        )
 
     def __repr__(self) -> str:
         weighted = ", weighted" if self._weights is not None else ""

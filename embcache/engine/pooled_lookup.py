@@ -37,9 +37,10 @@ class PooledLookup(torch.autograd.Function):
             f, dim = len(engine.layout.features), engine.dim
             if batch is not None and engine.fused is not None and engine.fused.takes(p.weights):
                 lr = group.optimizer.update.lr
-                # The TBE pools [B * F, dim] sample-major: the output as it stands. Its graph
-                # is kept for the fused update.
-                pooled, bound = engine.fused.pool(p, lr, batch_size)
+                # The TBE pools [B * F, dim] sample-major (by slot) or [B, F * dim] (by table
+                # and raw id): the output as it stands. Its graph is kept for the fused update.
+                pool = engine.fused.pool if p.direct is None else engine.fused.pool_direct
+                pooled, bound = pool(p, lr, batch_size)
                 out = pooled.detach().view(batch_size, f * dim)
                 fused.append((pooled, bound, lr))
                 argmaxes.append([None])
@@ -72,9 +73,9 @@ class PooledLookup(torch.autograd.Function):
             if grad_out.stride(-1) != 1 or grad_out.stride(0) < grad_out.shape[1]:
                 grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
             if fused is not None:
-                f, dim, B = len(engine.layout.features), engine.dim, ctx.batch_size
-                grad = grad_out.reshape(B * f, dim)  # no copy when contiguous
                 pooled, bound, lr = fused
+                grad = grad_out.reshape(pooled.shape)  # no copy when contiguous
+                B = ctx.batch_size
                 rows.append(PendingUpdate(i, ctx.batch, pooled, grad, grad_out, B, cols, bound, lr))
             else:
                 rows.append(engine.grad_rows(p, ctx.batch_size, grad_out, cols, argmaxes))
