@@ -19,6 +19,11 @@ the cache's tables, each row gets its own slot instead (direct mapping: no looku
    whose rows are written back (when dirty) and freed by the first `release` after their last
    lock is dropped and a later batch was resolved (each resolve starts with one).
 
+On a CPU, a set-associative cache of bounded tables also records the slot of every row it
+holds (``_where``, int32 over its tables' rows, scratch included), so step 1 is one gather. A
+direct-mapped cache can serve a batch without a resolve (`serve_direct`: the fused CPU step
+reads rows by table and raw id), counting the same hits.
+
 The last locked batch's rows are guarded like locked ones until the next locked batch is
 resolved: under prefetch that batch is in flight then, so guarding it without prefetch too
 makes a run evict the same rows and count the same stats either way (dropped when the guard
@@ -89,6 +94,10 @@ class _Plan:
 
 
 _INT64_MAX = torch.iinfo(torch.int64).max
+# A set-associative cache of bounded tables on a CPU keeps the slot of every row it holds in
+# an int32 array over all its tables' rows (4 bytes a row), up to this many rows: a lookup is
+# then one gather instead of a comparison with every way of the id's set.
+ROW_INDEX_MAX_ROWS = 1 << 26
 
 
 class HotCache(PolicyState):
@@ -173,6 +182,13 @@ class HotCache(PolicyState):
             self.ways = min(config.ways, capacity)
             self.num_sets = math.ceil(capacity / self.ways)
         self.num_slots = self.ways * self.num_sets
+        # Rows indexed by slot (`_where`): set-associative caches of bounded tables on a CPU.
+        self._index_rows = (
+            total_rows
+            if total_rows is not None and not self.direct and self.device.type == "cpu"
+            and total_rows <= ROW_INDEX_MAX_ROWS
+            else 0
+        )  # fmt: skip
         lfu = self.policy is CachePolicy.LFU and not self.direct
         counters = Counters(
             row_offset, offset, thresholds, lfu, config.lfu_counters, EXACT_LFU_MAX_ROWS,
@@ -236,6 +252,35 @@ class HotCache(PolicyState):
         self.dirty = torch.zeros(total, dtype=torch.bool, device=self.device)
         self.scores = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
         self.batch_of = torch.full((total,), -1, dtype=torch.int64, device=self.device)
+        # Slot of each row of the tables while it is held (scratch included), else -1.
+        self._where = (
+            torch.full((self._index_rows,), -1, dtype=torch.int32, device=self.device)
+            if self._index_rows
+            else None
+        )
+
+    def _rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Row of each fused key of a bounded table among all the cache's tables' rows."""
+        return self._row_offset.index_select(0, keys >> self.fusion_k) + (
+            keys & ((1 << self.fusion_k) - 1)
+        )
+
+    def _index(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record that ``keys`` (resident, distinct) are held at ``slots``."""
+        if self._where is not None and keys.numel():
+            put(self._where, self._rows(keys), slots)
+
+    def _unindex(self, keys: torch.Tensor) -> None:
+        """Record that ``keys`` (resident, distinct) left their slots."""
+        if self._where is not None and keys.numel():
+            fill_at(self._where, self._rows(keys), -1)
+
+    def _reindex(self) -> None:
+        """Rebuild `_where` from ``slot_keys`` (after a restore or a rollback)."""
+        if self._where is not None:
+            self._where.fill_(-1)
+            held = (self.slot_keys >= 0).nonzero().squeeze(1)
+            self._index(self.slot_keys.index_select(0, held), held)
 
     def _grow_scratch(self, needed_free: int) -> None:
         """Make at least ``needed_free`` scratch rows free, growing the area (kept contents)."""
@@ -456,11 +501,15 @@ class HotCache(PolicyState):
         # Gathers are index_select and writes scatter_/index_add_ (`kernels.indexing`): on a
         # CPU, advanced indexing takes a general path several times slower.
         W = self.ways
-        sets = set_index(ids, self.num_sets)
-        ways = cache_lookup(self.slot_keys[: self.num_slots].view(self.num_sets, W), ids, sets)
-        slots = torch.where(ways >= 0, sets * W + ways, torch.full_like(ways, -1))
-        if self._scratch_used:
-            self._find_in_scratch(ids, slots)
+        if self._where is not None:  # the slot of every held row, scratch included
+            slots = self._where.index_select(0, self._rows(ids)).to(torch.int64)
+        else:
+            sets = set_index(ids, self.num_sets)
+            keys = self.slot_keys[: self.num_slots].view(self.num_sets, W)
+            ways = cache_lookup(keys, ids, sets)
+            slots = torch.where(ways >= 0, sets * W + ways, torch.full_like(ways, -1))
+            if self._scratch_used:
+                self._find_in_scratch(ids, slots)
         missing = slots < 0
         refused = 0
         if admitted is not None:  # ids not admitted keep slot -1 and are no misses
@@ -491,10 +540,11 @@ class HotCache(PolicyState):
             miss_freq = self._counts.get(ids.index_select(0, miss_pos)) + 1  # with this request
             by_freq = torch.argsort(miss_freq, descending=True, stable=True)
             miss_pos, miss_freq = miss_pos.index_select(0, by_freq), miss_freq[by_freq]
-            miss_sets, order = torch.sort(sets.index_select(0, miss_pos), stable=True)
+            miss_sets = set_index(ids.index_select(0, miss_pos), self.num_sets)
+            miss_sets, order = torch.sort(miss_sets, stable=True)
         else:
             # One sort: by set, then by the batch's shuffle (20 low bits; num_sets < 2**43).
-            miss_sets = sets.index_select(0, miss_pos)
+            miss_sets = set_index(miss_ids, self.num_sets)
             key = (miss_sets << 20) | (shuffle & 0xFFFFF)
             order = torch.sort(key, stable=True).indices
             miss_sets = miss_sets.index_select(0, order)
@@ -559,7 +609,9 @@ class HotCache(PolicyState):
         if self.pins:
             plan.released = victims[resident]
         put(slots, new_pos, new_slots)
+        self._unindex(victims[resident])
         put(self.slot_keys, new_slots, plan.load_ids)
+        self._index(plan.load_ids, new_slots)
         fill_at(self.dirty, new_slots, False)
         self._scratch_used += n_over
         add_at(self.locks, new_slots, 1)  # now every slot of the batch holds one lock
@@ -584,6 +636,7 @@ class HotCache(PolicyState):
         """Undo `_plan_*` after a failed tier transfer (victims stay resident and dirty)."""
         if plan.reserved is not None:
             self.slot_keys[plan.reserved] = plan.old_keys
+            self._reindex()
         if plan.old_dirty is not None:  # set together with reserved
             self.dirty[plan.reserved] = plan.old_dirty
         if plan.old_scores is not None:
@@ -684,6 +737,7 @@ class HotCache(PolicyState):
                 self._write_tier(self.slot_keys.index_select(0, dirty), dirty)
             if self.pins:
                 self.transfer.unpin(self.slot_keys.index_select(0, done_slots).cpu())
+            self._unindex(self.slot_keys.index_select(0, done_slots))
             fill_at(self.slot_keys, done_slots, -1)
             fill_at(self.dirty, done_slots, False)
             self._scratch_used -= done_slots.numel()
@@ -708,6 +762,8 @@ class HotCache(PolicyState):
                 held = self.slot_keys[self.slot_keys >= 0]
                 self.transfer.unpin(held.cpu())
             self.slot_keys.fill_(-1)
+            if self._where is not None:
+                self._where.fill_(-1)
             self.scores.fill_(-1)
             self.batch_of.fill_(-1)
             self._scratch_used = 0
@@ -735,6 +791,8 @@ class HotCache(PolicyState):
         if self.direct:
             slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
             return torch.where(self.slot_keys[slots] == ids, slots, -1)
+        if self._where is not None:
+            return self._where.index_select(0, self._rows(ids)).to(torch.int64)
         sets = set_index(ids, self.num_sets)
         keys = self.slot_keys[: self.num_slots].view(self.num_sets, self.ways)
         ways = cache_lookup(keys, ids, sets)

@@ -71,6 +71,7 @@ class PolicyState:
             keys = tensors["slot_keys"]
             self._allocate(scratch_rows=keys.numel() - self.num_slots)
             self.slot_keys.copy_(keys)
+            self._reindex()
             self.scores.copy_(tensors["scores"])
             self.batch_of.copy_(tensors["batch_of"])
             self._scratch_used = int((keys[self.num_slots :] >= 0).sum())

@@ -1,0 +1,114 @@
+"""The row index of a set-associative cache on a CPU (`HotCache._where`): the slot of every row
+it holds, scratch included, kept in step with ``slot_keys`` through plans, releases, rollbacks,
+invalidation and restored checkpoints, and choosing nothing: a cache without it (the lookup
+through the sets) makes the same choices and counts the same on the same batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import embcache.cache.hot_cache as hot_cache_module
+from embcache.cache.config import CacheConfig
+from embcache.kernels.optim import OptimRule
+from tests.cache.test_hot_cache import (
+    FUSION_K,
+    OFFSETS,
+    SIZES,
+    FlakyStore,
+    make_cache,
+    random_batch,
+)
+
+CPU = torch.device("cpu")
+CONFIGS = {
+    "tiny-scratch": CacheConfig(capacity=4, ways=2),
+    "quarter": CacheConfig(capacity=24, ways=4),
+    "lfu": CacheConfig(capacity=16, ways=4, policy="lfu"),
+}
+
+
+def _index_matches(cache) -> None:
+    """Every held key's row points at its slot, and nothing else is indexed."""
+    where = cache._where
+    assert where is not None, "a CPU cache of bounded tables keeps a row index"
+    held = (cache.slot_keys >= 0).nonzero().squeeze(1)
+    keys = cache.slot_keys[held]
+    tables, raw = keys >> FUSION_K, keys & ((1 << FUSION_K) - 1)
+    offsets = torch.tensor(list(OFFSETS.values()))
+    rows = offsets[tables] + raw
+    assert torch.equal(where[rows].long(), held)
+    assert int((where >= 0).sum()) == held.numel()
+
+
+def _run(cache, seed: int, steps: int = 12) -> list:
+    """Resolve random batches (locked, then unlocked once stepped, as training does); returns
+    what each resolve chose and counted."""
+    gen = torch.Generator().manual_seed(seed)
+    seen = []
+    previous = None
+    for step in range(steps):
+        ids = torch.unique(random_batch(gen, 14))
+        slots = cache.resolve(ids, lock=True)
+        cache.mark_dirty(slots[: ids.numel() // 2])
+        if previous is not None:
+            cache.unlock(previous)
+        previous = slots
+        seen.append((slots.clone(), cache.slot_keys.clone(), dict(cache.cache_stats())))
+        if cache._where is not None:
+            _index_matches(cache)
+        if step % 5 == 4:
+            cache.unlock(previous)
+            previous = None
+            cache.release()
+    return seen
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_row_index_follows_every_change_and_chooses_nothing(monkeypatch, name: str) -> None:
+    indexed, _, _ = make_cache(CONFIGS[name], OptimRule.SGD, CPU)
+    with_index = _run(indexed, seed=3)
+    monkeypatch.setattr(hot_cache_module, "ROW_INDEX_MAX_ROWS", 0)
+    plain, _, _ = make_cache(CONFIGS[name], OptimRule.SGD, CPU)
+    assert plain._where is None
+    without = _run(plain, seed=3)
+    for step, (a, b) in enumerate(zip(with_index, without, strict=True)):
+        assert torch.equal(a[0], b[0]), f"step {step}: slots differ"
+        assert torch.equal(a[1], b[1]), f"step {step}: slot keys differ"
+        assert a[2] == b[2], f"step {step}: counters differ"
+    if name == "tiny-scratch":  # batches overflowed into the scratch area, indexed too
+        assert any(bool(s[1][indexed.num_slots :].ge(0).any()) for s in with_index)
+
+
+def test_a_failed_resolve_leaves_the_index_as_it_was() -> None:
+    cache, store, _ = make_cache(CacheConfig(capacity=4, ways=2), OptimRule.SGD, CPU, FlakyStore())
+    _run(cache, seed=5, steps=6)
+    before = cache._where.clone()
+    store.down = True
+    with pytest.raises(ConnectionError):
+        cache.resolve(torch.arange(30, 50))  # evicts dirty rows: the write-back fails
+    assert torch.equal(cache._where, before)
+    _index_matches(cache)
+    store.down = False
+    cache.resolve(torch.arange(30, 50), lock=False)
+    _index_matches(cache)
+
+
+def test_invalidate_and_a_restored_policy_state_rebuild_the_index() -> None:
+    cache, _, _ = make_cache(CONFIGS["quarter"], OptimRule.SGD, CPU)
+    _run(cache, seed=7, steps=5)
+    cache.unlock(cache.resolve(torch.arange(3), lock=True))
+    tensors, meta = cache.policy_state()
+    tensors = {k: v.clone() for k, v in tensors.items()}  # as saved (on a CPU: the live tensors)
+    cache.invalidate()
+    assert int((cache._where >= 0).sum()) == 0
+    assert cache.load_policy_state(tensors, meta)
+    _index_matches(cache)
+    assert int((cache._where >= 0).sum()) == int((cache.slot_keys >= 0).sum()) > 0
+
+
+def test_no_index_for_unbounded_tables_or_a_direct_cache() -> None:
+    unbounded, _, _ = make_cache(CONFIGS["quarter"], OptimRule.SGD, CPU, unbounded=True)
+    assert unbounded._where is None
+    whole, _, _ = make_cache(CacheConfig(capacity=sum(SIZES.values())), OptimRule.SGD, CPU)
+    assert whole.direct and whole._where is None
