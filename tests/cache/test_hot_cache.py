@@ -479,3 +479,35 @@ def test_stats_and_rows_are_the_same_with_and_without_prefetch(
     assert with_stats == without_stats
     assert with_stats["evictions"] > 0 and with_stats["writebacks"] > 0
     assert with_stats["writebacks"] <= with_stats["evictions"], "a write-back is of an eviction"
+
+
+def test_serve_direct_counts_and_marks_the_rows_of_each_batch(device: torch.device) -> None:
+    """`serve_direct` loads every row once and counts a batch's distinct rows as hits;
+    `mark_dirty_direct` marks exactly that batch's rows, also once another batch was served
+    since (then from its slots); `hold` locks like a resolve."""
+    cache, store, _ = make_cache(CacheConfig(), OptimRule.SGD, device)
+    assert cache.direct and cache.direct_bases() == {0: 0, 1: SIZES["t0"]}
+    gen = torch.Generator().manual_seed(8)
+    first, second = (torch.randint(0, TOTAL, (50,), generator=gen).to(device) for _ in range(2))
+    n_first = cache.serve_direct(first)
+    n_second = cache.serve_direct(second)
+    distinct = torch.unique(first).numel() + torch.unique(second).numel()
+    assert cache.cache_stats()["hits"] == distinct and cache.cache_stats()["misses"] == 0
+    assert torch.equal(cache.slot_keys[: SIZES["t0"]].cpu(), torch.arange(SIZES["t0"]))
+    assert store.row_count("t0") == store.row_count("t1") == 0  # loaded, nothing created
+    assert not bool(cache.dirty.any())
+    cache.mark_dirty_direct(first, n_first)  # another batch was served since
+    assert cache.dirty.nonzero().squeeze(1).tolist() == torch.unique(first).tolist()
+    cache.mark_dirty_direct(second, n_second)
+    both = torch.unique(torch.cat([first, second]))
+    assert cache.dirty.nonzero().squeeze(1).tolist() == both.tolist()
+    cache.flush()
+    assert cache.cache_stats()["writebacks"] == both.numel()
+    assert store.row_count("t0") + store.row_count("t1") == both.numel()
+    cache.hold(torch.unique(second))
+    assert cache.locked_slots() == torch.unique(second).numel()
+    cache.unlock(torch.unique(second))
+    assert cache.locked_slots() == 0
+    small, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD, device)
+    with pytest.raises(RuntimeError, match="directly"):
+        small.serve_direct(first)
