@@ -277,7 +277,8 @@ class CacheEngine:
 
     def materialize(self, p: Prepared) -> Prepared:
         """Give a direct share its unique ids, inverse index and slots (locked until
-        `release`), for the paths that want per-id gradient rows (reading the trace)."""
+        `release`), for the paths that want per-id rows: reading the trace, pooling without
+        the TBE (a prefetched share read without gradients)."""
         if p.direct is not None and p.unique is None:
             slots, inverse, _ = dedup(p.direct.slots, with_counts=False)
             # Slots ascend with fused ids under direct mapping: unique stays ascending.

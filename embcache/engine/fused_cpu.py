@@ -102,8 +102,19 @@ def _sample_major(
     if features <= 1:
         return slots, p.offsets, p.weights
     n = slots.numel()
+    bag_lengths = p.offsets[1:] - p.offsets[:-1]
+    shortest, longest = torch.stack(torch.aminmax(bag_lengths)).tolist() if num_bags else (0, 1)
+    if shortest == longest == 0:
+        return slots, p.offsets, p.weights
+    if shortest == longest:  # bags of one length: a transpose of [F, B, L]
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            return t.view(features, batch_size, longest).transpose(0, 1).reshape(-1)
+
+        offsets = torch.arange(0, n + 1, longest, dtype=torch.int64, device=slots.device)
+        return moved(slots), offsets, None if p.weights is None else moved(p.weights)
     starts = p.offsets[:-1].view(features, batch_size).t().reshape(-1)
-    lengths = (p.offsets[1:] - p.offsets[:-1]).view(features, batch_size).t().reshape(-1)
+    lengths = bag_lengths.view(features, batch_size).t().reshape(-1)
     offsets = torch.zeros(num_bags + 1, dtype=torch.int64, device=slots.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     # Value i of sample-major bag k sits at starts[k] + (i - offsets[k]) in the batch.

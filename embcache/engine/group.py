@@ -156,26 +156,19 @@ class EngineGroup:
 
     def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
         """Every engine's share of a checked batch; every id is validated (fused) before any
-        cache changes, and a failing resolve leaves nothing locked. A training batch of a
-        direct-mapped cache on the fused CPU step skips dedup and resolve
-        (`CacheEngine.direct_share`)."""
-        direct = [engine.direct_share(batch) if lock else None for engine in self.engines]
-        if not any(direct):
-            return self.prepare_fused([engine.fuse(batch) for engine in self.engines], lock)
-        fused = [engine.fuse(batch) if d is None else None for engine, d in zip(self.engines,
-                 direct, strict=True)]  # fmt: skip
-        prepared: list[Prepared] = []
-        try:
-            for engine, d, args in zip(self.engines, direct, fused, strict=True):
-                if d is not None:
-                    prepared.append(engine.serve_direct(d))
-                else:
-                    assert args is not None
-                    prepared.append(engine.prepare(*args, lock=lock))
-        except BaseException:
-            self.release_shares(prepared)
-            raise
-        return prepared
+        cache changes, and a failing resolve leaves nothing locked."""
+        return self.prepare_fused(self.check(batch, lock), lock)
+
+    def check(self, batch: JaggedBatch, lock: bool) -> list[Prepared | tuple]:
+        """Every engine's share of a checked batch, validated and not yet resolved: the fused
+        ids, lengths and weights (`CacheEngine.fuse`), or for a training batch of a
+        direct-mapped cache on the fused CPU step, a share that skips dedup and resolve
+        (`CacheEngine.direct_share`). A bad id raises here, before any cache changes."""
+        shares: list[Prepared | tuple] = []
+        for engine in self.engines:
+            direct = engine.direct_share(batch) if lock else None
+            shares.append(engine.fuse(batch) if direct is None else direct)
+        return shares
 
     def start(self, prepared: list[Prepared]) -> InFlight:
         """Record a training forward's shares as a batch in flight."""
@@ -310,15 +303,16 @@ class EngineGroup:
 
     # -- prefetch ----------------------------------------------------------------------------
 
-    def prepare_fused(
-        self, fused: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], lock: bool
-    ) -> list[Prepared]:
-        """`prepare` after `CacheEngine.fuse` (every id validated): dedup and resolve each
-        engine's share; a failing resolve leaves nothing locked."""
+    def prepare_fused(self, shares: list[Prepared | tuple], lock: bool) -> list[Prepared]:
+        """`prepare` after `check` (every id validated): dedup and resolve each engine's
+        share, or serve a direct one; a failing resolve leaves nothing locked."""
         prepared: list[Prepared] = []
         try:
-            for engine, args in zip(self.engines, fused, strict=True):
-                prepared.append(engine.prepare(*args, lock=lock))
+            for engine, share in zip(self.engines, shares, strict=True):
+                if isinstance(share, Prepared):
+                    prepared.append(engine.serve_direct(share))
+                else:
+                    prepared.append(engine.prepare(*share, lock=lock))
         except BaseException:
             self.release_shares(prepared)
             raise

@@ -45,6 +45,9 @@ class PooledLookup(torch.autograd.Function):
                 fused.append((pooled, bound, lr))
                 argmaxes.append([None])
             else:
+                # A direct share pooled without its TBE (a prefetched batch read without
+                # gradients): its unique ids and slots first.
+                engine.materialize(p)
                 out = torch.empty(batch_size, f * dim, device=engine.device)
                 argmaxes.append(engine.pool(p, batch_size, out, cols))
                 fused.append(None)

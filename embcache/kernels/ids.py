@@ -249,14 +249,27 @@ def _fuse_segments_cpu(
     fusion_k: int,
 ) -> torch.Tensor | None:
     """`ids_ref.fuse_ids_ref` on the CPU, one feature's contiguous values at a time: a range
-    check (one min/max pass) and one fusing pass per feature, instead of per-value gathers of
-    each value's table and bound; two host reads whatever the number of features. None when
-    any id or table index fails a check (the caller's general path then says which)."""
+    check (one min/max pass) and one fusing pass per feature (per batch when every feature has
+    as many values), instead of per-value gathers of each value's table and bound; two host
+    reads whatever the number of features. None when any id or table index fails a check (the
+    caller's general path then says which), or when features are short and uneven (the
+    general path is cheaper then)."""
     fits = (1 << fusion_k) if fusion_k < 63 else torch.iinfo(torch.int64).max
     table_limit = (1 << (63 - fusion_k)) if fusion_k > 0 else torch.iinfo(torch.int64).max
     sizes, tables, rows = torch.stack([lengths, table_idx, num_embeddings]).tolist()
     if not all(0 <= t < table_limit for t in tables):
         return None
+    n = sizes[0] if sizes else 0
+    if n and sizes.count(n) == len(sizes):  # as many values in every feature: all at once
+        grid = values.view(len(sizes), n)
+        lows, highs = (bound.tolist() for bound in torch.aminmax(grid, dim=1))
+        for lo, hi, limit in zip(lows, highs, rows, strict=True):
+            if lo < 0 or hi >= (min(limit, fits) if limit >= 0 else fits):
+                return None
+        shift = torch.tensor(tables, dtype=torch.int64).unsqueeze(1) << fusion_k
+        return torch.bitwise_or(grid, shift).view(-1)  # int64 whatever the values' type
+    if values.numel() < _SEGMENT_MIN * len(sizes):
+        return None  # short features: the per-value path is cheaper
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + n)
@@ -341,8 +354,9 @@ def fuse_ids(
     num_embeddings = num_embeddings.to(device=device, dtype=torch.int64)
     ends = torch.cumsum(lengths, 0)
     lengths_ok = device.type == "cpu" and bool((lengths >= 0).all()) and int(ends[-1]) == nnz
-    # Per feature pays a few calls per feature: it wins once features average ~4k values.
-    if lengths_ok and not use_triton(values) and nnz >= _SEGMENT_MIN * num_features:
+    # Per feature pays a few calls per feature: it wins once features average ~4k values, or
+    # when every feature has as many values (one pass over them all).
+    if lengths_ok and not use_triton(values):
         fused = _fuse_segments_cpu(values, lengths, table_idx, num_embeddings, fusion_k)
         if fused is not None:
             return fused  # else a bad id or table index: the checks below name it

@@ -272,13 +272,13 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         handle that will not be used is released (`embcache.engine.prefetch`).
         """
         batch = self.checked_input(features)
-        fused = [engine.fuse(batch) for engine in self.engines.engines]
-        return self.engines.issue(id(self), batch, functools.partial(self._prefetch, fused))
+        shares = self.engines.check(batch, lock=True)
+        return self.engines.issue(id(self), batch, functools.partial(self._prefetch, shares))
 
-    def _prefetch(self, fused: list, seq: int) -> Prefetched:
+    def _prefetch(self, shares: list, seq: int) -> Prefetched:
         """Worker-thread body of `issue_fused_prefetch`."""
         try:
-            return Prefetched(self.engines.prepare_fused(fused, lock=True))
+            return Prefetched(self.engines.prepare_fused(shares, lock=True))
         except Exception as e:  # the forward reads synchronously (and meets it again)
             return Prefetched([], error=e)
 

@@ -211,3 +211,74 @@ def test_for_engine_needs_fbgemm(monkeypatch) -> None:
     ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
     opt = embcache.SparseSGD([ebc], lr=0.1)
     assert FusedCpuStep.for_engine(ebc.engines.engines[0], opt) is None
+
+
+def _sample_major_reference(slots: list[int], offsets: list[int], F: int, B: int):
+    """Bag (b, f) at b * F + f: the slots and offsets by reading each bag in that order."""
+    order = [f * B + b for b in range(B) for f in range(F)]
+    values, out_offsets = [], [0]
+    for bag in order:
+        values += slots[offsets[bag] : offsets[bag + 1]]
+        out_offsets.append(len(values))
+    return values, out_offsets
+
+
+@pytest.mark.parametrize("lengths", ["zero", "one", "three", "mixed"])
+def test_bags_go_to_the_tbe_sample_major(lengths: str) -> None:
+    """`_sample_major` against reading each bag in sample-major order: bags of one length (a
+    transpose, empty bags included) and of mixed lengths (a permutation), weights following
+    their values."""
+    from embcache.engine.batch_state import Prepared
+    from embcache.engine.fused_cpu import _sample_major
+
+    F, B = 3, 5
+    gen = torch.Generator().manual_seed(len(lengths))
+    sizes = {
+        "zero": torch.zeros(F * B, dtype=torch.int64),
+        "one": torch.ones(F * B, dtype=torch.int64),
+        "three": torch.full((F * B,), 3, dtype=torch.int64),
+        "mixed": torch.randint(0, 4, (F * B,), generator=gen),
+    }[lengths]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
+    nnz = int(offsets[-1])
+    unique_slots = torch.randperm(100, generator=gen)[:7]
+    inverse = torch.randint(0, 7, (nnz,), generator=gen)
+    weights = torch.rand(nnz, generator=gen)
+    p = Prepared(unique_slots, inverse, unique_slots, offsets, weights, True)
+    got_slots, got_offsets, got_weights = _sample_major(p, B)
+    slots = unique_slots[inverse].tolist()
+    want_slots, want_offsets = _sample_major_reference(slots, offsets.tolist(), F, B)
+    assert got_slots.tolist() == want_slots
+    assert got_offsets.tolist() == want_offsets
+    # Weights travel with their values: tag each value by its position and compare.
+    tagged = Prepared(unique_slots, inverse, unique_slots, offsets, torch.arange(nnz) * 1.0, True)
+    _, _, moved = _sample_major(tagged, B)
+    positions, _ = _sample_major_reference(list(range(nnz)), offsets.tolist(), F, B)
+    assert moved.tolist() == [float(i) for i in positions]
+    assert torch.equal(got_weights, weights[torch.tensor(positions, dtype=torch.int64)])
+
+
+def test_bags_of_one_length_train_as_the_twins(monkeypatch) -> None:
+    """Fixed-size bags (every bag three ids) through a set-associative cache: the TBE gets the
+    transposed bags; the same rows as the twins."""
+    results = []
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+        ebc = embcache.CachedEmbeddingBagCollection(
+            tables=_tables(), is_weighted=True, cache=CACHES["10pct"], seed=0
+        )
+        opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.1)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            lengths = torch.full((3 * 16,), 3, dtype=torch.int64)
+            limits = torch.tensor([300, 300, 200]).repeat_interleave(16 * 3)
+            values = (torch.rand(limits.numel(), generator=gen).pow(2) * limits).long()
+            weights = torch.rand(values.numel(), generator=gen) + 0.5
+            batch = embcache.JaggedBatch.from_lengths(KEYS, values, lengths, weights)
+            out = ebc(batch).values()
+            if backend == "auto":
+                assert ebc.engines.engines[0].fused is not None
+            out.square().sum().backward()
+            opt.step()
+        results.append({t.name: ebc.table_rows(t.name) for t in ebc.tables})
+    _assert_rows_close(*results)

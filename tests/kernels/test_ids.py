@@ -214,6 +214,29 @@ def test_fuse_ids_of_long_features_names_a_bad_id(where: int, bad: int, message:
     assert torch.equal(values, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_fuse_ids_of_equal_features_matches_reference(dtype: torch.dtype) -> None:
+    """Every feature with as many values (one id per bag, fixed-size bags): the CPU twin checks
+    and fuses them all in one pass; a wide id of the unbounded table is still folded, and a bad
+    id still named."""
+    lengths = [64] * 4
+    values = _valid_values(torch.Generator().manual_seed(9), lengths, 30)
+    fused = _fuse(torch.tensor(values, dtype=dtype), torch.tensor(lengths), 30)
+    assert fused.dtype == torch.int64
+    assert fused.tolist() == _fuse_reference(values, lengths, 30)
+
+    wide = torch.tensor(values)
+    wide[-1] = 1 << 40  # f3's table is unbounded: folded into the id bits
+    fused = _fuse(wide, torch.tensor(lengths), 30)
+    assert int(fused[-1]) == int(mix64(wide[-1:]) & ((1 << 30) - 1)) | (TABLE_IDX[3] << 30)
+    assert fused[:-1].tolist() == _fuse_reference(values, lengths, 30)[:-1]
+
+    bad = torch.tensor(values, dtype=dtype)
+    bad[64 * 2 + 5] = 37
+    with pytest.raises(ValueError, match=r"'f2' \(table 't1'\): id 37 out of range \[0, 37\)"):
+        _fuse(bad, torch.tensor(lengths), 30)
+
+
 BAD_ARGUMENTS = {
     "float-values": ({"values": [1.0, 2.0]}, TypeError, "values must be int64 or int32"),
     "sum-short": ({"lengths": [1, 0, 0, 0]}, ValueError, "sum to 1 but values has 2"),
