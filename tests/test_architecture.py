@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "embcache"
 
 LAYERS = [
-    ["hashing", "profiling"],
+    ["hashing", "profiling", "indexing"],
     ["kernels", "kv"],
     ["cache", "optim"],
     ["engine"],

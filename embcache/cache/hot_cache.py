@@ -63,8 +63,8 @@ from embcache.cache.sketch import Counters
 from embcache.cache.snapshot import PolicyState
 from embcache.cache.transfer import TierTransfer
 from embcache.hashing import mix64
+from embcache.indexing import add_at, count_true, fill_at, or_flags, put
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
-from embcache.kernels.indexing import add_at, count_true, fill_at, or_flags, put
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
@@ -498,7 +498,7 @@ class HotCache(PolicyState):
 
     @profiled("cache.plan")
     def _plan_sets(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> _Plan:
-        # Gathers are index_select and writes scatter_/index_add_ (`kernels.indexing`): on a
+        # Gathers are index_select and writes scatter_/index_add_ (`embcache.indexing`): on a
         # CPU, advanced indexing takes a general path several times slower.
         W = self.ways
         if self._where is not None:  # the slot of every held row, scratch included

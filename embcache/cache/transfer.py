@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 
+from embcache.indexing import copy_rows
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
@@ -196,8 +197,8 @@ class TierTransfer:
         spec = self.spec
         if self.device.type != "cuda":
             w, s = spec.unpack(host_rows)
-            weights.index_copy_(0, slots, w)
-            state.index_copy_(0, slots, s)
+            copy_rows(weights, slots, w)
+            copy_rows(state, slots, s)
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)

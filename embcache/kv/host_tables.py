@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from embcache.indexing import copy_rows
 from embcache.kv.base import TableSpec, host_memory_bytes
 from embcache.kv.bounded import BoundedIndex
 from embcache.kv.hash_index import HashIndex, next_pow2
@@ -81,7 +82,7 @@ class DenseTable:
         fresh = self.spec.initial_rows(missing) if missing.numel() else None
         rows, created = self._allocate()
         if fresh is not None:
-            rows.index_copy_(0, missing, fresh)
+            copy_rows(rows, missing, fresh)
             created[missing] = True
         torch.index_select(rows, 0, ids, out=out)
         return missing.numel()
@@ -98,7 +99,7 @@ class DenseTable:
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         rows, created = self._allocate()
-        rows.index_copy_(0, ids, values)
+        copy_rows(rows, ids, values)
         created[ids] = True
 
     def existing(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +194,7 @@ class HashTable:
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         positions, _ = self._locate(ids, init=False)
-        self.rows.index_copy_(0, positions, values)
+        copy_rows(self.rows, positions, values)
 
     def existing(self) -> tuple[torch.Tensor, torch.Tensor]:
         row_ids = self.row_ids[: self.count]
@@ -277,7 +278,7 @@ class BoundedTable:
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         positions, _ = self._locate(ids, init=False)
-        self._rows().index_copy_(0, positions, values)
+        copy_rows(self._rows(), positions, values)
         # A pinned row's reader is writing it back: its use is counted when it lets go.
         unpinned = positions[self.index.pins[positions] == 0]
         self.index.touch(unpinned)

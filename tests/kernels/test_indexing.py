@@ -1,4 +1,4 @@
-"""kernels/indexing: the cache's 1-D writes and flag counts against advanced indexing and plain
+"""embcache/indexing.py: the cache's 1-D writes and flag counts against advanced indexing and plain
 torch reductions, on fresh random tensors of every size around the eight-flag words they use
 (views that start off a word boundary, and non-contiguous ones, included)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embcache.kernels.indexing import add_at, count_true, fill_at, or_flags, put
+from embcache.indexing import add_at, copy_rows, count_true, fill_at, or_flags, put
 
 SIZES = [0, 1, 7, 8, 9, 1000, 100003]
 DTYPES = [torch.int32, torch.int64, torch.bool, torch.float32]
@@ -164,3 +164,33 @@ def test_writes_leave_other_positions_alone() -> None:
     f = torch.full((100,), float("nan"))
     fill_at(f, idx, 1.0)
     assert bool(f[untouched].isnan().all()) and bool((f[idx] == 1.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-src"])
+def test_copy_rows_is_index_copy(dtype: torch.dtype, strided: bool) -> None:
+    """Rows land where ``index_copy_`` puts them (numpy's row assignment on the CPU, the torch
+    op for bfloat16); the other rows keep their poison."""
+    gen = torch.Generator().manual_seed(11)
+    n, width = 50, 7
+    poison = torch.iinfo(dtype).min if dtype == torch.int64 else float("nan")
+    dst = torch.full((n, width), poison, dtype=dtype)
+    idx = torch.randperm(n, generator=gen)[:13]
+    wide = (torch.randn(13, width + 3, generator=gen) * 100).to(dtype)
+    src = wide[:, 1 : width + 1] if strided else wide[:, :width].contiguous()
+    copy_rows(dst, idx, src)
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[idx] = False
+    assert torch.equal(dst[idx], src)
+    if dtype == torch.int64:
+        assert bool((dst[kept] == poison).all())
+    else:
+        assert bool(dst[kept].isnan().all())
+
+
+def test_copy_rows_of_another_dtype_and_no_rows() -> None:
+    dst = torch.zeros(4, 3)
+    copy_rows(dst, torch.tensor([2, 0]), torch.ones(2, 3, dtype=torch.float64))  # cast first
+    assert dst[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+    copy_rows(dst, torch.empty(0, dtype=torch.int64), torch.empty(0, 3))
+    assert dst.sum().item() == 6.0
