@@ -4,7 +4,9 @@ step through the cache.
 Question: for each workload, the share of a step spent in each phase of the data path, read
 from the ``torch.profiler`` ranges the library marks (`embcache.profiling.profiled`):
 
-* ``engine.fuse`` (validate and fuse ids), ``engine.dedup``, ``cache.resolve`` (split into
+* ``engine.fuse`` (validate and fuse ids), ``engine.dedup``, ``engine.direct`` (a cache that
+  maps every row directly, on the fused CPU step: ids checked and counted, no dedup and no
+  resolve), ``cache.resolve`` (split into
   ``cache.plan``: set lookup and victim choice; ``cache.tier_io``: write-backs and reads;
   ``cache.copy_in``: rows into slots; ``cache.release_scratch``; and the rest of the resolve),
   ``engine.pool`` (forward pooling), ``engine.grad_rows`` (backward), ``engine.trace``,
@@ -49,6 +51,7 @@ from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
 PHASES = [
     "engine.fuse",
     "engine.dedup",
+    "engine.direct",
     "cache.plan",
     "cache.tier_io",
     "cache.copy_in",

@@ -194,6 +194,7 @@ class CacheEngine:
 
     # -- 1'. a direct-mapped cache on the fused CPU step: no dedup, no resolve ----------------
 
+    @profiled("engine.direct")
     def direct_share(self, batch: JaggedBatch) -> Prepared | None:
         """This cache's share of a checked training batch, served straight from its slots when
         the cache maps every row directly and the fused CPU step pools it (FBGEMM's TBE reads
@@ -262,6 +263,7 @@ class CacheEngine:
             return None
         return values + torch.repeat_interleave(self._bases, counts, output_size=nnz)
 
+    @profiled("engine.direct")
     def serve_direct(self, p: Prepared) -> Prepared:
         """Load the cache on first use and count the share's rows (hits), as a resolve would."""
         assert p.direct is not None
