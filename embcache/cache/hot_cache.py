@@ -98,6 +98,9 @@ _INT64_MAX = torch.iinfo(torch.int64).max
 # an int32 array over all its tables' rows (4 bytes a row), up to this many rows: a lookup is
 # then one gather instead of a comparison with every way of the id's set.
 ROW_INDEX_MAX_ROWS = 1 << 26
+# `serve_direct` maps a batch's slots in a bool array over the cache when it has at least one
+# value per this many rows; fewer values are counted by passes over the values alone.
+_VALUES_PER_MAP = 8
 
 
 class HotCache(PolicyState):
@@ -203,7 +206,9 @@ class HotCache(PolicyState):
         self._batch_seq = 0  # number of the last locked resolve; its rows are guarded
         self._scratch_used = 0
         self._seen: torch.Tensor | None = None  # `serve_direct`'s map of a batch's slots
-        self._seen_batch = 0
+        self._seen_batch = -1  # the batch `_seen` maps (-1: none)
+        self._served = 0  # batches served directly
+        self._stamps: torch.Tensor | None = None  # `_distinct`'s positions, made on first use
         self._allocate(scratch_rows=0)
         self.reset_stats()
 
@@ -465,23 +470,40 @@ class HotCache(PolicyState):
         with self._resolve_mutex, self.lock:
             if not self._filled:
                 self._prefill_direct()
+            self._served += 1
+            rows = self.weights.shape[0]
+            if value_slots.numel() * _VALUES_PER_MAP < rows:
+                # Few values for the cache's size: passes over the values beat one over a map.
+                self.hits += self._distinct(value_slots)
+                self._seen_batch = -1
+                return self._served
             # A map of the slots this batch touches: its count is the distinct rows, without
             # sorting them, and it marks them dirty after the step in one pass.
-            rows = self.weights.shape[0]
             if self._seen is None or self._seen.numel() != rows:
                 self._seen = torch.zeros(rows, dtype=torch.bool, device=self.device)
             else:
                 self._seen.zero_()
             fill_at(self._seen, value_slots, True)
             self.hits += count_true(self._seen)
-            self._seen_batch += 1
-            return self._seen_batch
+            self._seen_batch = self._served
+            return self._served
+
+    def _distinct(self, slots: torch.Tensor) -> int:
+        """How many distinct values ``slots`` holds, without sorting: each slot records the
+        position of one of its occurrences (the last written wins), and exactly one position
+        per distinct slot reads itself back."""
+        rows = self.weights.shape[0]
+        if self._stamps is None or self._stamps.numel() != rows:
+            self._stamps = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        at = torch.arange(slots.numel(), dtype=torch.int32, device=self.device)
+        put(self._stamps, slots, at)
+        return int(torch.eq(self._stamps.index_select(0, slots), at).sum())
 
     def mark_dirty_direct(self, value_slots: torch.Tensor, batch: int) -> None:
         """`mark_dirty` for the rows of a batch that `serve_direct` numbered ``batch``
         (``value_slots`` as given to it)."""
         with self.lock:
-            if batch == self._seen_batch and self._seen is not None:
+            if batch == self._seen_batch != -1 and self._seen is not None:
                 or_flags(self.dirty, self._seen)
             else:
                 fill_at(self.dirty, value_slots, True)

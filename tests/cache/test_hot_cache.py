@@ -481,16 +481,25 @@ def test_stats_and_rows_are_the_same_with_and_without_prefetch(
     assert with_stats["writebacks"] <= with_stats["evictions"], "a write-back is of an eviction"
 
 
-def test_serve_direct_counts_and_marks_the_rows_of_each_batch(device: torch.device) -> None:
-    """`serve_direct` loads every row once and counts a batch's distinct rows as hits;
+@pytest.mark.parametrize("n_values", [50, 5], ids=["map", "few-values"])
+def test_serve_direct_counts_and_marks_the_rows_of_each_batch(
+    device: torch.device, n_values: int
+) -> None:
+    """`serve_direct` loads every row once and counts a batch's distinct rows as hits (through
+    a map of the cache's slots, or for a batch of few values through the values alone);
     `mark_dirty_direct` marks exactly that batch's rows, also once another batch was served
     since (then from its slots); `hold` locks like a resolve."""
     cache, store, _ = make_cache(CacheConfig(), OptimRule.SGD, device)
     assert cache.direct and cache.direct_bases() == {0: 0, 1: SIZES["t0"]}
     gen = torch.Generator().manual_seed(8)
-    first, second = (torch.randint(0, TOTAL, (50,), generator=gen).to(device) for _ in range(2))
+    first, second = (
+        torch.randint(0, TOTAL, (n_values,), generator=gen).to(device) for _ in range(2)
+    )
+    first[-1] = first[0]  # a repeat in each
+    second[-1] = second[0]
     n_first = cache.serve_direct(first)
     n_second = cache.serve_direct(second)
+    assert (cache._seen_batch == n_second) == (n_values * 8 >= TOTAL)
     distinct = torch.unique(first).numel() + torch.unique(second).numel()
     assert cache.cache_stats()["hits"] == distinct and cache.cache_stats()["misses"] == 0
     assert torch.equal(cache.slot_keys[: SIZES["t0"]].cpu(), torch.arange(SIZES["t0"]))
