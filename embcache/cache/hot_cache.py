@@ -101,6 +101,9 @@ ROW_INDEX_MAX_ROWS = 1 << 26
 # `serve_direct` maps a batch's slots in a bool array over the cache when it has at least one
 # value per this many rows; fewer values are counted by passes over the values alone.
 _VALUES_PER_MAP = 8
+# `unique_by_rows` takes a batch through a map over its tables' rows from one id per this many
+# rows (a sort of fewer ids is cheaper than passes over the map).
+_IDS_PER_ROW_MAP = 5
 
 
 class HotCache(PolicyState):
@@ -209,6 +212,9 @@ class HotCache(PolicyState):
         self._seen_batch = -1  # the batch `_seen` maps (-1: none)
         self._served = 0  # batches served directly
         self._stamps: torch.Tensor | None = None  # `_distinct`'s positions, made on first use
+        # `unique_by_rows`' map and ranks over the tables' rows, made on first use.
+        self._row_map: torch.Tensor | None = None
+        self._row_rank: torch.Tensor | None = None
         self._allocate(scratch_rows=0)
         self.reset_stats()
 
@@ -269,6 +275,33 @@ class HotCache(PolicyState):
         return self._row_offset.index_select(0, keys >> self.fusion_k) + (
             keys & ((1 << self.fusion_k) - 1)
         )
+
+    def unique_by_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``torch.unique(ids, sorted=True, return_inverse=True)`` for valid fused ids of this
+        cache's tables, through a map over the tables' rows instead of a sort: a batch that
+        holds at least one id per `_IDS_PER_ROW_MAP` rows is deduplicated faster so. None when
+        it holds fewer, or the cache keeps no row index (its tables are unbounded, or it is on
+        a GPU or direct)."""
+        n = ids.numel()
+        if not self._index_rows or n * _IDS_PER_ROW_MAP < self._index_rows:
+            return None
+        if self._row_map is None:
+            self._row_map = torch.zeros(self._index_rows, dtype=torch.bool)
+            self._row_rank = torch.zeros(self._index_rows, dtype=torch.int64)
+            starts = sorted((int(self._row_offset[i]), i) for i in self._specs)
+            self._row_starts = torch.tensor([start for start, _ in starts])
+            self._row_tables = torch.tensor([idx for _, idx in starts])
+        assert self._row_rank is not None
+        rows = self._rows(ids)
+        self._row_map.zero_()
+        fill_at(self._row_map, rows, True)
+        unique_rows = self._row_map.nonzero().squeeze(1)  # ascending: (table, id) order
+        put(self._row_rank, unique_rows, torch.arange(unique_rows.numel()))
+        inverse = self._row_rank.index_select(0, rows)
+        table = torch.searchsorted(self._row_starts, unique_rows, right=True) - 1
+        raw = unique_rows - self._row_starts.index_select(0, table)
+        unique = raw | (self._row_tables.index_select(0, table) << self.fusion_k)
+        return unique, inverse
 
     def _index(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Record that ``keys`` (resident, distinct) are held at ``slots``."""

@@ -188,7 +188,8 @@ class CacheEngine:
             unique, inverse, order, segments = dedup_grouped(fused)
             grouping = (order, segments)
         else:
-            unique, inverse, _ = dedup(fused, with_counts=False)
+            by_rows = self.cache.unique_by_rows(fused) if through_tbe else None
+            unique, inverse = by_rows or dedup(fused, with_counts=False)[:2]
         empty = unique[:0]
         return Prepared(unique, inverse, empty, _offsets(lengths), weights, False, grouping)
 

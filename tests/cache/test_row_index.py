@@ -10,8 +10,12 @@ import torch
 
 import embcache.cache.hot_cache as hot_cache_module
 from embcache.cache.config import CacheConfig
+from embcache.cache.hot_cache import HotCache
 from embcache.kernels.optim import OptimRule
+from embcache.kv.base import TableSpec
+from embcache.kv.host import HostKV
 from tests.cache.test_hot_cache import (
+    DIM,
     FUSION_K,
     OFFSETS,
     SIZES,
@@ -112,3 +116,44 @@ def test_no_index_for_unbounded_tables_or_a_direct_cache() -> None:
     assert unbounded._where is None
     whole, _, _ = make_cache(CacheConfig(capacity=sum(SIZES.values())), OptimRule.SGD, CPU)
     assert whole.direct and whole._where is None
+
+
+@pytest.mark.parametrize("n", [40, 97, 500, 4000])
+def test_unique_by_rows_is_torch_unique(n: int) -> None:
+    """A batch deduplicated through the map over its tables' rows gives exactly the sorted unique
+    ids and inverse index of `torch.unique`, with tables declared out of index order (their
+    rows then lie in index order), repeats, and each table's first and last rows."""
+    store = HostKV()
+    specs = [
+        (2, TableSpec("b", DIM, 40)),
+        (0, TableSpec("a", DIM, 30)),
+        (5, TableSpec("c", DIM, 27)),
+    ]
+    for _, spec in specs:
+        store.init_table(spec)
+    cache = HotCache(specs, CacheConfig(capacity=16, ways=4), store, CPU, FUSION_K)
+    gen = torch.Generator().manual_seed(n)
+    sizes = {idx: spec.num_embeddings for idx, spec in specs}
+    tables = torch.tensor(list(sizes))[torch.randint(0, 3, (n,), generator=gen)]
+    limits = torch.tensor([sizes[int(t)] for t in tables])
+    raw = (torch.rand(n, generator=gen) * limits).long()
+    raw[:3], raw[3:6] = 0, limits[3:6] - 1
+    ids = raw | (tables << FUSION_K)
+    got = cache.unique_by_rows(ids)
+    if n * 5 < sum(sizes.values()):
+        assert got is None  # too few ids for the map: the sort is cheaper
+        return
+    assert got is not None
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    assert torch.equal(got[0], unique)
+    assert torch.equal(got[1], inverse)
+    again = cache.unique_by_rows(ids[: n // 2 + 50])  # the map is cleared between batches
+    assert again is not None and torch.equal(again[0], torch.unique(ids[: n // 2 + 50]))
+
+
+def test_unique_by_rows_needs_the_row_index() -> None:
+    ids = torch.arange(97)
+    unbounded, _, _ = make_cache(CONFIGS["quarter"], OptimRule.SGD, CPU, unbounded=True)
+    assert unbounded.unique_by_rows(ids) is None
+    whole, _, _ = make_cache(CacheConfig(capacity=sum(SIZES.values())), OptimRule.SGD, CPU)
+    assert whole.unique_by_rows(ids) is None
