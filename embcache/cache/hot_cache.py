@@ -212,7 +212,8 @@ class HotCache(PolicyState):
         self._seen_batch = -1  # the batch `_seen` maps (-1: none)
         self._served = 0  # batches served directly
         self._stamps: torch.Tensor | None = None  # `_distinct`'s positions, made on first use
-        # `unique_by_rows`' map and ranks over the tables' rows, made on first use.
+        # `unique_by_rows`' map and ranks over the tables' rows (5 bytes a row), made on first
+        # use.
         self._row_map: torch.Tensor | None = None
         self._row_rank: torch.Tensor | None = None
         self._allocate(scratch_rows=0)
@@ -287,7 +288,7 @@ class HotCache(PolicyState):
             return None
         if self._row_map is None:
             self._row_map = torch.zeros(self._index_rows, dtype=torch.bool)
-            self._row_rank = torch.zeros(self._index_rows, dtype=torch.int64)
+            self._row_rank = torch.zeros(self._index_rows, dtype=torch.int32)
             starts = sorted((int(self._row_offset[i]), i) for i in self._specs)
             self._row_starts = torch.tensor([start for start, _ in starts])
             self._row_tables = torch.tensor([idx for _, idx in starts])
@@ -297,7 +298,7 @@ class HotCache(PolicyState):
         fill_at(self._row_map, rows, True)
         unique_rows = self._row_map.nonzero().squeeze(1)  # ascending: (table, id) order
         put(self._row_rank, unique_rows, torch.arange(unique_rows.numel()))
-        inverse = self._row_rank.index_select(0, rows)
+        inverse = self._row_rank.index_select(0, rows).to(torch.int64)
         table = torch.searchsorted(self._row_starts, unique_rows, right=True) - 1
         raw = unique_rows - self._row_starts.index_select(0, table)
         unique = raw | (self._row_tables.index_select(0, table) << self.fusion_k)
