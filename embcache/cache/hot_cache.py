@@ -271,8 +271,9 @@ class HotCache(PolicyState):
             else None
         )
 
-    def _rows(self, keys: torch.Tensor) -> torch.Tensor:
-        """Row of each fused key of a bounded table among all the cache's tables' rows."""
+    def row_index(self, keys: torch.Tensor) -> torch.Tensor:
+        """Row of each fused key of a bounded table among all the cache's tables' rows (in
+        ascending table index): under direct mapping, its slot."""
         return self._row_offset.index_select(0, keys >> self.fusion_k) + (
             keys & ((1 << self.fusion_k) - 1)
         )
@@ -293,7 +294,7 @@ class HotCache(PolicyState):
             self._row_starts = torch.tensor([start for start, _ in starts])
             self._row_tables = torch.tensor([idx for _, idx in starts])
         assert self._row_rank is not None
-        rows = self._rows(ids)
+        rows = self.row_index(ids)
         self._row_map.zero_()
         fill_at(self._row_map, rows, True)
         unique_rows = self._row_map.nonzero().squeeze(1)  # ascending: (table, id) order
@@ -307,12 +308,12 @@ class HotCache(PolicyState):
     def _index(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Record that ``keys`` (resident, distinct) are held at ``slots``."""
         if self._where is not None and keys.numel():
-            put(self._where, self._rows(keys), slots)
+            put(self._where, self.row_index(keys), slots)
 
     def _unindex(self, keys: torch.Tensor) -> None:
         """Record that ``keys`` (resident, distinct) left their slots."""
         if self._where is not None and keys.numel():
-            fill_at(self._where, self._rows(keys), -1)
+            fill_at(self._where, self.row_index(keys), -1)
 
     def _reindex(self) -> None:
         """Rebuild `_where` from ``slot_keys`` (after a restore or a rollback)."""
@@ -464,7 +465,7 @@ class HotCache(PolicyState):
     def _plan_direct(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> _Plan:
         if not self._filled:
             self._prefill_direct()
-        slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
+        slots = self.row_index(ids)
         live_ids, live = ids, slots
         if admitted is not None:
             live_ids, live = ids[admitted], slots[admitted]
@@ -558,7 +559,7 @@ class HotCache(PolicyState):
         # CPU, advanced indexing takes a general path several times slower.
         W = self.ways
         if self._where is not None:  # the slot of every held row, scratch included
-            slots = self._where.index_select(0, self._rows(ids)).to(torch.int64)
+            slots = self._where.index_select(0, self.row_index(ids)).to(torch.int64)
         else:
             sets = set_index(ids, self.num_sets)
             keys = self.slot_keys[: self.num_slots].view(self.num_sets, W)
@@ -845,10 +846,10 @@ class HotCache(PolicyState):
     def _resident_slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each of ``ids`` where it is resident (scratch included), else -1."""
         if self.direct:
-            slots = self._row_offset[ids >> self.fusion_k] + (ids & ((1 << self.fusion_k) - 1))
+            slots = self.row_index(ids)
             return torch.where(self.slot_keys[slots] == ids, slots, -1)
         if self._where is not None:
-            return self._where.index_select(0, self._rows(ids)).to(torch.int64)
+            return self._where.index_select(0, self.row_index(ids)).to(torch.int64)
         sets = set_index(ids, self.num_sets)
         keys = self.slot_keys[: self.num_slots].view(self.num_sets, self.ways)
         ways = cache_lookup(keys, ids, sets)

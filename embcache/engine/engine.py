@@ -98,11 +98,6 @@ class Located:
     prepared: Prepared | None
 
 
-# Checking ids one feature at a time pays a few calls per feature: it wins once features
-# average ~4k values.
-_PER_FEATURE_MIN = 4096
-
-
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
@@ -200,16 +195,16 @@ class CacheEngine:
         """This cache's share of a checked training batch, served straight from its slots when
         the cache maps every row directly and the fused CPU step pools it (FBGEMM's TBE reads
         rows by table and raw id, and sums repeated ids in its own backward): the ids are
-        checked and each value's slot computed, nothing more. None when that does not apply,
-        or when an id fails its check (`fuse` then says which)."""
+        checked and each value's slot computed, nothing more. None when that does not apply.
+
+        Raises:
+            ValueError: an id out of its table's range (nothing changed), as `fuse` says it."""
         if self.fused is None or not self.fused.direct:
             return None
         values, lengths, weights = group_inputs(batch, self.layout.features)
         if not self.fused.takes(weights):
             return None
-        slots = self._direct_slots(values.to(torch.int64), lengths)
-        if slots is None:
-            return None
+        slots = self._direct_slots(batch, values.to(torch.int64), lengths)
         if weights is not None:
             weights = weights.to(self.device, torch.float32)
         # The batch's own offsets when this cache reads all its features in its order.
@@ -219,50 +214,23 @@ class CacheEngine:
         return Prepared(None, None, None, offsets.to(self.device, torch.int64), weights, False,
                         direct=share)  # fmt: skip
 
-    def _direct_slots(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
-        """The slot of each value (``base[table] + id``), or None when an id is out of its
-        table's range (or the lengths do not add up)."""
-        if self._bases is None:
-            bases = self.cache.direct_bases()
-            self._bases = torch.tensor([bases[t.index] for t in self.layout.feature_table])
+    def _direct_slots(self, batch: JaggedBatch, values: torch.Tensor, lengths: torch.Tensor
+                      ) -> torch.Tensor:  # fmt: skip
+        """The slot of each value under direct mapping. Features of one length are checked and
+        placed in one pass over them all; any other batch goes through `fuse` (which names a
+        bad id) and the cache's row of each fused id."""
         f = len(self.layout.features)
-        sizes = lengths.view(f, -1).sum(dim=1).tolist() if f else []
-        nnz = values.numel()
-        if sum(sizes) != nnz:
-            return None
-        rows = self.layout.table_rows
-        if nnz == 0:
-            return values
-        if sizes.count(sizes[0]) == f:  # as many values in every feature: one pass each
-            grid = values.view(f, -1)
+        n = values.numel() // f if f else 0
+        if n and values.numel() == n * f and bool((lengths.view(f, -1).sum(dim=1) == n).all()):
+            if self._bases is None:
+                bases = self.cache.direct_bases()
+                self._bases = torch.tensor([bases[t.index] for t in self.layout.feature_table])
+            grid = values.view(f, n)
             lo, hi = torch.aminmax(grid, dim=1)
-            if not bool(torch.logical_and(lo >= 0, hi < rows).all()):
-                return None
-            return (grid + self._bases.unsqueeze(1)).view(-1)
-        counts = torch.tensor(sizes, dtype=torch.int64)
-        if nnz >= _PER_FEATURE_MIN * f:  # long features: one min/max and one add per feature
-            starts = [0]
-            for n in sizes:
-                starts.append(starts[-1] + n)
-            present = [i for i in range(f) if sizes[i]]
-            if present:
-                segs = [values[starts[i] : starts[i + 1]] for i in present]
-                ranges = torch.stack([torch.stack(torch.aminmax(s)) for s in segs]).tolist()
-                limits = rows.tolist()
-                if any(
-                    lo < 0 or hi >= limits[i] for i, (lo, hi) in zip(present, ranges, strict=True)
-                ):
-                    return None
-            out = torch.empty(nnz, dtype=torch.int64)
-            bases = self._bases.tolist()
-            for i in present:
-                torch.add(values[starts[i] : starts[i + 1]], bases[i], out=out[starts[i] :
-                          starts[i + 1]])  # fmt: skip
-            return out
-        limit = torch.repeat_interleave(rows, counts, output_size=nnz)
-        if not bool(torch.logical_and(values >= 0, values < limit).all()):
-            return None
-        return values + torch.repeat_interleave(self._bases, counts, output_size=nnz)
+            if bool(torch.logical_and(lo >= 0, hi < self.layout.table_rows).all()):
+                return (grid + self._bases.unsqueeze(1)).view(-1)
+        fused, _, _ = self.fuse(batch)
+        return self.cache.row_index(fused)
 
     @profiled("engine.direct")
     def serve_direct(self, p: Prepared) -> Prepared:
