@@ -5,7 +5,10 @@ passes over the batch's rows through torch ops (the twins). FBGEMM's CPU TBE doe
 and the row update in one fused pass, and its pooling is as fast as any. fbgemm-gpu-cpu lets a
 TBE own no memory of its own (``preallocated_host_buffers``): here its one "table" is the cache's
 slot storage, ``weights [R, dim]`` and the optimizer state ``[R, S]`` beside it, and its indices
-are the batch's slots, so the TBE reads and updates the cache's rows in place.
+are the batch's slots, so the TBE reads and updates the cache's rows in place. A cache that maps
+every row directly holds its tables one after another in those slots: a second TBE over the same
+storage, one table per cache table (``feature_table_map``), reads the batch's raw ids as they
+come (`pool_direct`, for `CacheEngine.direct_share`).
 
     fused = FusedCpuStep.for_engine(engine, optimizer)   # None when it does not apply
     pooled, bound = fused.pool(prepared, lr, B)          # [B * F, dim], the TBE's graph kept
