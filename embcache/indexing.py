@@ -7,7 +7,7 @@ positions, and ``index_copy_`` of whole rows about twice as slow as numpy's row 
 locks, dirty flags, scores of its slots) and the rows the cache and the tiers move go through
 these instead. Reads use ``index_select`` directly.
 
-Every function takes int64 positions on ``t``'s device and means the same on any device.
+Positions are int64, on the tensor's device; each function means the same on any device.
 """
 
 from __future__ import annotations
