@@ -5,13 +5,15 @@ indexing path, three to five times slower than ``scatter_`` / ``index_add_`` on 
 positions, and ``index_copy_`` of whole rows about twice as slow as numpy's row assignment
 (`benchmarks/bench_step_profile.py` shows where they were). The cache's bookkeeping (keys,
 locks, dirty flags, scores of its slots) and the rows the cache and the tiers move go through
-these instead. Reads use ``index_select`` directly.
+these instead. Reads use ``index_select`` directly, and the positions of a bool mask come from
+`true_at` (numpy's ``flatnonzero``, two to five times faster than torch's ``nonzero`` there).
 
 Positions are int64, on the tensor's device; each function means the same on any device.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -86,3 +88,19 @@ def copy_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
         dst.detach().numpy()[idx.numpy()] = src.detach().numpy()
         return
     dst.index_copy_(0, idx, src)
+
+
+def true_at(flags: torch.Tensor) -> torch.Tensor:
+    """Positions where a 1-D bool ``flags`` is True, ascending: ``flags.nonzero()[:, 0]``.
+
+    On a CPU through numpy's ``flatnonzero`` over the same memory, several times faster than
+    torch's ``nonzero`` (which also backs a boolean-mask read ``t[flags]``)."""
+    if flags.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(flags.detach().numpy())).to(torch.int64)
+    return flags.nonzero().squeeze(1)
+
+
+def select(t: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """``t[flags]`` along dim 0 for a 1-D bool ``flags`` of ``t``'s length (`true_at`, then
+    one ``index_select``)."""
+    return t.index_select(0, true_at(flags))

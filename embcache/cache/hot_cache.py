@@ -61,9 +61,9 @@ from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig, CachePolicy
 from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.sketch import Counters
 from embcache.cache.snapshot import PolicyState
-from embcache.cache.transfer import TierTransfer
+from embcache.cache.transfer import TierTransfer, take
 from embcache.hashing import mix64
-from embcache.indexing import add_at, count_true, fill_at, or_flags, put
+from embcache.indexing import add_at, count_true, fill_at, or_flags, put, select, true_at
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
@@ -250,6 +250,11 @@ class HotCache(PolicyState):
             self.weights.index_select(0, slots), self.state.index_select(0, slots)
         )
 
+    def _host_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """`rows_of` on the host (one copy from a device; none on a CPU)."""
+        rows = self.rows_of(slots)
+        return rows if rows.device.type == "cpu" else rows.cpu()
+
     def _names(self) -> str:
         names = [spec.name for spec in self._specs.values()]
         return f"table {names[0]!r}" if len(names) == 1 else f"{len(names)} tables {names[:3]}"
@@ -297,7 +302,7 @@ class HotCache(PolicyState):
         rows = self.row_index(ids)
         self._row_map.zero_()
         fill_at(self._row_map, rows, True)
-        unique_rows = self._row_map.nonzero().squeeze(1)  # ascending: (table, id) order
+        unique_rows = true_at(self._row_map)  # ascending: (table, id) order
         put(self._row_rank, unique_rows, torch.arange(unique_rows.numel()))
         inverse = self._row_rank.index_select(0, rows).to(torch.int64)
         table = torch.searchsorted(self._row_starts, unique_rows, right=True) - 1
@@ -319,7 +324,7 @@ class HotCache(PolicyState):
         """Rebuild `_where` from ``slot_keys`` (after a restore or a rollback)."""
         if self._where is not None:
             self._where.fill_(-1)
-            held = (self.slot_keys >= 0).nonzero().squeeze(1)
+            held = true_at(self.slot_keys >= 0)
             self._index(self.slot_keys.index_select(0, held), held)
 
     def _grow_scratch(self, needed_free: int) -> None:
@@ -359,7 +364,10 @@ class HotCache(PolicyState):
     def _write_tier(self, fused: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the rows held at ``slots`` back to the tier under their ``fused`` ids (one
         copy of the ids and one of the rows to the host)."""
-        self.transfer.write(fused.cpu(), self.rows_of(slots).cpu())
+        host = fused.cpu()
+        self.transfer.exchange(
+            host, lambda positions: self._host_rows(take(slots, positions)), host[:0]
+        )
         self.writebacks += fused.numel()
 
     # ------------------------------------------------------------------------------------------
@@ -426,17 +434,13 @@ class HotCache(PolicyState):
                     host_ids = torch.cat([plan.victim_ids, plan.load_ids]).cpu()
                     released = None if plan.released is None else plan.released.cpu()
 
-                    def victim_rows(order: torch.Tensor) -> torch.Tensor:
-                        at = plan.victim_slots.index_select(0, order.to(self.device))
-                        return self.rows_of(at).cpu()
+                    def victim_rows(positions: torch.Tensor | slice) -> torch.Tensor:
+                        return self._host_rows(take(plan.victim_slots, positions))
 
                     loaded = self.transfer.exchange(
                         host_ids[:n_write], victim_rows, host_ids[n_write:], released
                     )
-                    if loaded is not None:
-                        order, rows = loaded
-                        at = plan.load_slots.index_select(0, order.to(self.device))
-                        self.transfer.copy_in(self.weights, self.state, at, rows)
+                    self.transfer.place(self.weights, self.state, plan.load_slots, loaded)
             except BaseException:
                 with self.lock:
                     self._rollback(plan)
@@ -572,7 +576,7 @@ class HotCache(PolicyState):
         if admitted is not None:  # ids not admitted keep slot -1 and are no misses
             refused = int((~admitted).sum())
             missing &= admitted
-        miss_pos = missing.nonzero().squeeze(1)
+        miss_pos = true_at(missing)
         self._tick += 1  # both undone if the plan is refused
         self._lookups += 1
         if not miss_pos.numel():
@@ -589,6 +593,7 @@ class HotCache(PolicyState):
         # ids sorted, and a fixed order would give the same rows the ways each time. LFU:
         # the most frequent first.
         miss_ids = ids.index_select(0, miss_pos)
+        misses = miss_pos, miss_ids  # in the order of ``ids``
         shuffle = mix64(miss_ids ^ self._tick)
         lfu = self.policy is CachePolicy.LFU
         if lfu:
@@ -623,14 +628,17 @@ class HotCache(PolicyState):
             admit = (assigned >= 0) & (victim_score < miss_freq[order])
             assigned = torch.where(admit, assigned, torch.full_like(assigned, -1))
         placed = assigned >= 0
-        placed_at = placed.nonzero().squeeze(1)
+        placed_at = true_at(placed)
         if placed_at.numel() == assigned.numel():  # no overflow: no selection to make
             place_slots = touched.index_select(0, owner) * W + assigned
             placed_pos, overflow_pos = miss_pos, self._empty_ids()
         else:
             place_slots = touched.index_select(0, owner.index_select(0, placed_at)) * W + (
                 assigned.index_select(0, placed_at))  # fmt: skip
-            placed_pos, overflow_pos = miss_pos.index_select(0, placed_at), miss_pos[~placed]
+            placed_pos, overflow_pos = (
+                miss_pos.index_select(0, placed_at),
+                select(miss_pos, ~placed),
+            )
         n_over = overflow_pos.numel()
         if n_over:
             try:
@@ -640,35 +648,40 @@ class HotCache(PolicyState):
                 self._tick -= 1
                 self._lookups -= 1
                 raise
-            free = (self.slot_keys[self.num_slots :] < 0).nonzero().squeeze(1)[:n_over]
+            free = true_at(self.slot_keys[self.num_slots :] < 0)[:n_over]
             over_slots = self.num_slots + free
         else:
             over_slots = self._empty_ids()
 
         victims = self.slot_keys.index_select(0, place_slots)
         resident = victims >= 0
-        dirty_victims = place_slots[resident & self.dirty.index_select(0, place_slots)]
+        dirty_victims = select(place_slots, resident & self.dirty.index_select(0, place_slots))
         new_slots = torch.cat([place_slots, over_slots]) if n_over else place_slots
         new_pos = torch.cat([placed_pos, overflow_pos]) if n_over else placed_pos
+        old_keys = self.slot_keys.index_select(0, new_slots)
+        put(slots, new_pos, new_slots)
+        # Every miss got a slot: the rows to read, in the order of ``ids`` (sorted ids read
+        # from the tier without another sort).
+        load_slots = slots.index_select(0, misses[0])
         plan = _Plan(
             ids,
             slots,
-            ids.index_select(0, new_pos),
-            new_slots,
+            misses[1],
+            load_slots,
             self.slot_keys.index_select(0, dirty_victims),
             dirty_victims,
         )
-        plan.reserved, plan.old_keys = new_slots, self.slot_keys.index_select(0, new_slots)
+        plan.reserved, plan.old_keys = new_slots, old_keys
         plan.old_scores = self.scores.index_select(0, place_slots)
         plan.old_dirty = self.dirty.index_select(0, new_slots)
-        plan.n_scratch, plan.evicted = n_over, int(resident.sum())
+        evicted = select(victims, resident)
+        plan.n_scratch, plan.evicted = n_over, evicted.numel()
         plan.refused = refused
         if self.pins:
-            plan.released = victims[resident]
-        put(slots, new_pos, new_slots)
-        self._unindex(victims[resident])
-        put(self.slot_keys, new_slots, plan.load_ids)
-        self._index(plan.load_ids, new_slots)
+            plan.released = evicted
+        self._unindex(evicted)
+        put(self.slot_keys, load_slots, plan.load_ids)
+        self._index(plan.load_ids, load_slots)
         fill_at(self.dirty, new_slots, False)
         self._scratch_used += n_over
         add_at(self.locks, new_slots, 1)  # now every slot of the batch holds one lock
@@ -786,10 +799,10 @@ class HotCache(PolicyState):
             scratch = slice(self.num_slots, None)
             done = (self.slot_keys[scratch] >= 0) & (self.locks[scratch] == 0)
             done &= self.batch_of[scratch] != self._batch_seq  # guarded until the next batch
-            done_slots = self.num_slots + done.nonzero().squeeze(1)
+            done_slots = self.num_slots + true_at(done)
             if not done_slots.numel():
                 return
-            dirty = done_slots[self.dirty.index_select(0, done_slots)]
+            dirty = select(done_slots, self.dirty.index_select(0, done_slots))
             if dirty.numel():
                 self._write_tier(self.slot_keys.index_select(0, dirty), dirty)
             if self.pins:
@@ -804,7 +817,7 @@ class HotCache(PolicyState):
     def flush(self) -> None:
         """Write every dirty row back to the tier (rows stay cached, now clean)."""
         with self._resolve_mutex, self.lock:
-            dirty = self.dirty.nonzero().squeeze(1)
+            dirty = true_at(self.dirty)
             if dirty.numel():
                 self._write_tier(self.slot_keys[dirty], dirty)
                 self.dirty[dirty] = False

@@ -85,10 +85,7 @@ class PolicyState:
             held = (keys >= 0).nonzero().flatten()
             if held.numel():
                 loaded = self.transfer.exchange(keys[:0], self.rows_of, keys[held])
-                assert loaded is not None
-                order, rows = loaded
-                at = held.index_select(0, order).to(self.device)
-                self.transfer.copy_in(self.weights, self.state, at, rows)
+                self.transfer.place(self.weights, self.state, held.to(self.device), loaded)
             return True
 
     def policy_state_shape(self) -> dict[str, object]:

@@ -30,6 +30,18 @@ from embcache.indexing import copy_rows
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
+# A CPU cache takes the rows read in parts of at least this many (the tier returns one part per
+# table): fewer calls for many small tables, no copy of all the rows for large ones.
+_PLACE_ROWS = 2048
+
+
+def take(t: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
+    """``t[positions]`` along dim 0 for a slice or int64 positions (moved to ``t``'s device),
+    the latter through ``index_select`` (whole rows at once)."""
+    if isinstance(positions, slice):
+        return t[positions]
+    return t.index_select(0, positions.to(t.device))
+
 
 class TierTransfer:
     """Moves rows of the tables of one cache to and from their tier.
@@ -72,11 +84,17 @@ class TierTransfer:
 
     def _grouped(
         self, fused: torch.Tensor
-    ) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
+    ) -> tuple[torch.Tensor | None, list[tuple[int, int, torch.Tensor]]]:
         """``(order, [(table_idx, start, raw_ids)])``: ``fused[order]`` sorted, so table
-        ``table_idx``'s ids are ``order[start : start + len(raw_ids)]``, raw ids ascending."""
-        order = torch.argsort(fused)
-        sorted_ids = fused.index_select(0, order)
+        ``table_idx``'s ids are ``order[start : start + len(raw_ids)]``, raw ids ascending.
+        ``order`` is None when ``fused`` is sorted already (a cache's misses come so from a
+        sorted dedup): the sort, and the permutations it would cost the callers, are skipped.
+        """
+        if fused.numel() <= 1 or bool((fused[1:] >= fused[:-1]).all()):
+            order, sorted_ids = None, fused
+        else:
+            order = torch.argsort(fused)
+            sorted_ids = fused.index_select(0, order)
         tables, counts = torch.unique_consecutive(sorted_ids >> self.fusion_k, return_counts=True)
         mask = (1 << self.fusion_k) - 1
         groups = []
@@ -85,6 +103,11 @@ class TierTransfer:
             groups.append((idx, start, sorted_ids[start : start + count] & mask))
             start += count
         return order, groups
+
+    @staticmethod
+    def _part(order: torch.Tensor | None, start: int, n: int) -> torch.Tensor | slice:
+        """Positions ``start : start + n`` of ``order`` (None: the identity)."""
+        return slice(start, start + n) if order is None else order[start : start + n]
 
     def _run(self, calls: list[Callable[[], object]]) -> list:
         """Run tier calls: concurrently when there are several and the tier's calls overlap
@@ -101,10 +124,10 @@ class TierTransfer:
     def exchange(
         self,
         write_ids: torch.Tensor,
-        write_rows: Callable[[torch.Tensor], torch.Tensor],
+        write_rows: Callable[[torch.Tensor | slice], torch.Tensor],
         read_ids: torch.Tensor,
         released: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Write rows back and read others in one round of tier calls (the ids differ, so the
         order between them does not matter), then release the rows that left the cache. Rows
         travel in table order: each table's share is a slice, and no row is gathered or
@@ -112,22 +135,25 @@ class TierTransfer:
 
         Args:
             write_ids: host int64 ``[w]`` fused ids to write.
-            write_rows: ``write_rows(order)`` gives the host stored rows ``[w, stored_width]``
-                of ``write_ids[order]`` (``order`` a host int64 permutation); not called when
-                ``w == 0``.
+            write_rows: ``write_rows(positions)`` gives the host stored rows of
+                ``write_ids[positions]`` (``positions`` a host int64 tensor or a slice); not
+                called when ``w == 0``.
             read_ids: host int64 ``[r]`` fused ids to read (pinned in bounded tables).
             released: host int64 fused ids that left the cache (written back first when
                 dirty): their pins in bounded tables are released.
 
         Returns:
-            ``(order, rows)``: host stored ``rows`` ``[r, stored_width]`` (pinned memory when
-            the cache is on a GPU), ``rows[i]`` the row of ``read_ids[order[i]]``; None when
-            nothing is read. A tier error propagates; nothing here holds state.
+            the rows read, in parts ``(positions, rows)``: host stored ``rows``
+            ``[len(positions), stored_width]`` of ``read_ids[positions]`` (``positions`` a host
+            int64 tensor or a slice). On a device one part (in pinned memory on a GPU); on a CPU
+            the tier's own rows, those of tables with few rows joined into parts of at least
+            `_PLACE_ROWS` rows. Empty when nothing is read. A tier error
+            propagates; nothing here holds state.
         """
         calls = []
         if write_ids.numel():
             order, groups = self._grouped(write_ids)
-            rows = write_rows(order)
+            rows = write_rows(slice(None) if order is None else order)
             for idx, start, raw in groups:
                 part = rows[start : start + raw.numel()]
                 calls.append(partial(self.store.put, self.specs[idx].name, raw, part))
@@ -142,14 +168,28 @@ class TierTransfer:
         results = self._run(calls)
         if released is not None and released.numel():
             self.unpin(released)
-        if order is None:
-            return None
         parts = results[n_puts:]
-        if len(parts) == 1 and self.device.type != "cuda":
-            return order, parts[0]
-        out = self._empty(read_ids.numel(), pin=self.device.type == "cuda")
-        torch.cat(parts, out=out)
-        return order, out
+        if not parts:
+            return []
+        if self.device.type != "cpu":
+            out = self._empty(read_ids.numel(), pin=self.device.type == "cuda")
+            torch.cat(parts, out=out)
+            return [(slice(None) if order is None else order, out)]
+        # On a CPU the rows go to their slots as the tier returned them, a few tables' at a
+        # time (no copy of them all into one array, which costs as much as the copy-in).
+        chunks: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
+        pending: list[torch.Tensor] = []
+        first = size = 0
+        for (_, start, raw), got in zip(groups, parts, strict=True):
+            if not pending:
+                first, size = start, 0
+            pending.append(got)
+            size += raw.numel()
+            if size >= _PLACE_ROWS or start + raw.numel() == read_ids.numel():
+                rows = pending[0] if len(pending) == 1 else torch.cat(pending)
+                chunks.append((self._part(order, first, size), rows))
+                pending = []
+        return chunks
 
     def unpin(self, fused: torch.Tensor) -> None:
         """Release the pins of host ``fused`` ids in their bounded tables."""
@@ -167,7 +207,7 @@ class TierTransfer:
 
     def write(self, fused: torch.Tensor, rows: torch.Tensor) -> None:
         """Write host stored ``rows`` ``[n, stored_width]`` under host ``fused`` ids."""
-        self.exchange(fused, lambda order: rows.index_select(0, order), fused[:0])
+        self.exchange(fused, lambda positions: take(rows, positions), fused[:0])
 
     def read(self, fused: torch.Tensor) -> torch.Tensor:
         """Host stored rows of host ``fused`` ids, through `Store.read`: rows the tier does
@@ -178,7 +218,10 @@ class TierTransfer:
         order, groups = self._grouped(fused)
         calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
         parts = self._run(calls)
-        out.index_copy_(0, order, parts[0] if len(parts) == 1 else torch.cat(parts))
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if order is None:
+            return rows
+        out.index_copy_(0, order, rows)
         return out
 
     # -- device side ------------------------------------------------------------------------
@@ -211,6 +254,18 @@ class TierTransfer:
             done = torch.cuda.Event()
             done.record(stream)
         torch.cuda.current_stream(self.device).wait_event(done)
+
+    def place(
+        self,
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        parts: list[tuple[torch.Tensor | slice, torch.Tensor]],
+    ) -> None:
+        """`copy_in` the rows `exchange` read: ``slots`` (on the cache's device) is the slot
+        of each id it was asked to read, in that order."""
+        for positions, rows in parts:
+            self.copy_in(weights, state, take(slots, positions), rows)
 
     def close(self) -> None:
         if self._pool is not None:

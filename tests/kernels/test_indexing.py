@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embcache.indexing import add_at, copy_rows, count_true, fill_at, or_flags, put
+from embcache.indexing import add_at, copy_rows, count_true, fill_at, or_flags, put, select, true_at
 
 SIZES = [0, 1, 7, 8, 9, 1000, 100003]
 DTYPES = [torch.int32, torch.int64, torch.bool, torch.float32]
@@ -194,3 +194,17 @@ def test_copy_rows_of_another_dtype_and_no_rows() -> None:
     assert dst[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
     copy_rows(dst, torch.empty(0, dtype=torch.int64), torch.empty(0, 3))
     assert dst.sum().item() == 6.0
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_true_at_and_select_are_nonzero_and_a_mask_read(n: int, p: float) -> None:
+    gen = torch.Generator().manual_seed(n + int(p * 10))
+    flags = _flags(n, gen, p)
+    values = torch.randn(n, 3, generator=gen)
+    at = true_at(flags)
+    assert at.dtype == torch.int64
+    assert torch.equal(at, flags.nonzero().squeeze(1))
+    assert torch.equal(select(values, flags), values[flags])
+    view = _flags(2 * n + 3, gen, p)[1::2]  # non-contiguous, off a word boundary
+    assert torch.equal(true_at(view), view.nonzero().squeeze(1))

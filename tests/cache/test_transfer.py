@@ -1,0 +1,129 @@
+"""TierTransfer on a CPU: the rows `exchange` reads come back in parts that cover every id
+once, whatever the order of the ids and the tables' sizes; the rows it writes land under their
+ids; `place` copies the parts into the slots given for the ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embcache.cache.transfer import _PLACE_ROWS, TierTransfer, take
+from embcache.kv.base import TableSpec
+from embcache.kv.host import HostKV
+
+K = 40  # fusion bits
+DIM, STATE = 5, 1
+
+
+def _setup(sizes: list[int]) -> tuple[HostKV, TierTransfer]:
+    store = HostKV()
+    specs = {}
+    for idx, rows in enumerate(sizes):
+        spec = TableSpec(f"t{idx}", DIM, num_embeddings=rows, state_dim=STATE, state_init=0.5)
+        store.init_table(spec)
+        specs[idx] = spec
+    return store, TierTransfer(store, specs, K, torch.device("cpu"))
+
+
+def _fused(table: int, raw: torch.Tensor) -> torch.Tensor:
+    return raw | (table << K)
+
+
+def _ids(sizes: list[int], counts: list[int], gen: torch.Generator) -> torch.Tensor:
+    return torch.cat(
+        [
+            _fused(i, torch.randperm(rows, generator=gen)[:n])
+            for i, (rows, n) in enumerate(zip(sizes, counts, strict=True))
+        ]
+    )
+
+
+def _stored(store: HostKV, fused: torch.Tensor) -> torch.Tensor:
+    return torch.stack(
+        [store.read(f"t{int(f) >> K}", torch.tensor([int(f) & ((1 << K) - 1)]))[0] for f in fused]
+    )
+
+
+# Many small tables (joined into parts), one large one (a part of its own), and both.
+CASES = {
+    "small tables": ([50] * 9, [7, 0, 3, 12, 1, 9, 4, 2, 30]),
+    "large table": ([3 * _PLACE_ROWS], [_PLACE_ROWS + 100]),
+    "mixed": ([40, 3 * _PLACE_ROWS, 30, 20], [10, 2 * _PLACE_ROWS, 25, 3]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])
+def test_reads_cover_every_id_once_with_its_row(case: str, in_order: bool) -> None:
+    sizes, counts = CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + in_order)
+    store, transfer = _setup(sizes)
+    ids = _ids(sizes, counts, gen)
+    ids = ids.sort().values if in_order else ids[torch.randperm(ids.numel(), generator=gen)]
+    # Rows the tier holds already (written), others created on this read.
+    written = ids[::3]
+    rows = torch.randn(written.numel(), DIM + STATE, generator=gen)
+    transfer.write(written, rows)
+
+    parts = transfer.exchange(ids[:0], lambda p: torch.empty(0), ids)
+    seen = torch.zeros(ids.numel(), dtype=torch.int64)
+    got = torch.full((ids.numel(), DIM + STATE), float("nan"))
+    for positions, part in parts:
+        at = torch.arange(ids.numel())[positions] if isinstance(positions, slice) else positions
+        seen[at] += 1
+        got[at] = part
+    assert seen.tolist() == [1] * ids.numel()
+    assert torch.equal(got, _stored(store, ids))
+    assert torch.equal(got[::3], rows)
+    if case == "small tables":
+        assert len(parts) == 1  # joined: fewer than _PLACE_ROWS rows in all
+    if case == "large table":
+        assert len(parts) == 1 and parts[0][1].shape[0] == ids.numel()
+
+
+@pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])
+def test_writes_land_under_their_ids_and_place_fills_the_slots(in_order: bool) -> None:
+    sizes, counts = CASES["mixed"]
+    gen = torch.Generator().manual_seed(7 + in_order)
+    store, transfer = _setup(sizes)
+    ids = _ids(sizes, counts, gen)
+    ids = ids.sort().values if in_order else ids[torch.randperm(ids.numel(), generator=gen)]
+    source = torch.randn(ids.numel(), DIM + STATE, generator=gen)
+    asked = []
+
+    def write_rows(positions: torch.Tensor | slice) -> torch.Tensor:
+        asked.append(positions)
+        return take(source, positions)
+
+    assert transfer.exchange(ids, write_rows, ids[:0]) == []
+    assert len(asked) == 1  # one gather of all the rows
+    assert torch.equal(_stored(store, ids), source)
+
+    # Read them back into slots of a cache, poisoned with NaN.
+    n_slots = ids.numel() + 17
+    weights = torch.full((n_slots, DIM), float("nan"))
+    state = torch.full((n_slots, STATE), float("nan"))
+    slots = torch.randperm(n_slots, generator=gen)[: ids.numel()]
+    transfer.place(weights, state, slots, transfer.exchange(ids[:0], write_rows, ids))
+    assert torch.equal(weights[slots], source[:, :DIM])
+    assert torch.equal(state[slots], source[:, DIM:])
+    others = torch.ones(n_slots, dtype=torch.bool)
+    others[slots] = False
+    assert bool(weights[others].isnan().all())
+
+
+def test_sorted_ids_are_grouped_without_a_permutation() -> None:
+    _, transfer = _setup([100, 100, 100])
+    ids = torch.cat([_fused(0, torch.tensor([3, 9])), _fused(2, torch.tensor([1, 2, 50]))])
+    order, groups = transfer._grouped(ids)
+    assert order is None
+    assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == [
+        (0, 0, [3, 9]),
+        (2, 2, [1, 2, 50]),
+    ]
+    order, groups = transfer._grouped(ids.flip(0))
+    assert order is not None and torch.equal(ids.flip(0)[order], ids)
+    assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == [
+        (0, 0, [3, 9]),
+        (2, 2, [1, 2, 50]),
+    ]
