@@ -103,7 +103,7 @@ ROW_INDEX_MAX_ROWS = 1 << 26
 _VALUES_PER_MAP = 8
 # `unique_by_rows` takes a batch through a map over its tables' rows from one id per this many
 # rows (a sort of fewer ids is cheaper than passes over the map).
-_IDS_PER_ROW_MAP = 5
+_IDS_PER_ROW_MAP = 40
 
 
 class HotCache(PolicyState):
@@ -246,9 +246,15 @@ class HotCache(PolicyState):
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The stored tier rows (`TableSpec.pack`: weights, then state) held at ``slots``."""
         # index_select copies whole rows (advanced indexing goes element by element on a CPU).
-        return self.transfer.spec.pack(
-            self.weights.index_select(0, slots), self.state.index_select(0, slots)
-        )
+        spec = self.transfer.spec
+        if spec.dtype == self.weights.dtype == torch.float32:
+            # Stored rows are the weights then the float32 state: gathered into their columns
+            # directly, without gathering each apart and copying both again.
+            rows = torch.empty(slots.numel(), spec.stored_width, device=self.device)
+            torch.index_select(self.weights, 0, slots, out=rows[:, : self.dim])
+            torch.index_select(self.state, 0, slots, out=rows[:, self.dim :])
+            return rows
+        return spec.pack(self.weights.index_select(0, slots), self.state.index_select(0, slots))
 
     def _host_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """`rows_of` on the host (one copy from a device; none on a CPU)."""
@@ -300,9 +306,9 @@ class HotCache(PolicyState):
             self._row_tables = torch.tensor([idx for _, idx in starts])
         assert self._row_rank is not None
         rows = self.row_index(ids)
-        self._row_map.zero_()
         fill_at(self._row_map, rows, True)
         unique_rows = true_at(self._row_map)  # ascending: (table, id) order
+        fill_at(self._row_map, unique_rows, False)  # all clear again for the next batch
         put(self._row_rank, unique_rows, torch.arange(unique_rows.numel()))
         inverse = self._row_rank.index_select(0, rows).to(torch.int64)
         table = torch.searchsorted(self._row_starts, unique_rows, right=True) - 1

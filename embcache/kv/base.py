@@ -289,7 +289,7 @@ def checked_ids(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
     ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
     if ids.numel() == 0:
         return ids
-    low, high = torch.aminmax(ids)
+    low, high = (int(bound) for bound in torch.aminmax(ids))
     limit = spec.num_embeddings
     if low < 0:
         at = int((ids < 0).nonzero()[0])

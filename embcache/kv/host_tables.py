@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from embcache.indexing import copy_rows
+from embcache.indexing import copy_rows, fill_at, select
 from embcache.kv.base import TableSpec, host_memory_bytes
 from embcache.kv.bounded import BoundedIndex
 from embcache.kv.hash_index import HashIndex, next_pow2
@@ -78,12 +78,12 @@ class DenseTable:
     def get(self, ids: torch.Tensor, out: torch.Tensor, pin: bool) -> int:
         """Gather rows of ``ids`` into ``out``, creating missing ones; returns rows created."""
         del pin  # nothing is evicted here
-        missing = ids if self.created is None else ids[~self.created[ids]]
+        missing = ids if self.created is None else select(ids, ~self.created.index_select(0, ids))
         fresh = self.spec.initial_rows(missing) if missing.numel() else None
         rows, created = self._allocate()
         if fresh is not None:
             copy_rows(rows, missing, fresh)
-            created[missing] = True
+            fill_at(created, missing, True)
         torch.index_select(rows, 0, ids, out=out)
         return missing.numel()
 
@@ -100,7 +100,7 @@ class DenseTable:
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         rows, created = self._allocate()
         copy_rows(rows, ids, values)
-        created[ids] = True
+        fill_at(created, ids, True)
 
     def existing(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids ascending, positions of their rows)`` of the rows created so far."""
