@@ -149,8 +149,10 @@ class Impl:
         step: Callable[[KeyedJaggedTensor, torch.Tensor], None],
         probe: Callable[[KeyedJaggedTensor], torch.Tensor],
         hit_rate: Callable[[], float] | None = None,
+        filled: Callable[[], bool] | None = None,
     ) -> None:
         self.name, self.step, self.probe, self.hit_rate = name, step, probe, hit_rate
+        self.filled = filled  # whether its caches hold as many rows as they can (steady state)
 
 
 def build_impls(tables: list[EmbeddingBagConfig]) -> list[Impl]:
@@ -233,10 +235,18 @@ def _embcache_impl(name: str, ebc, opt) -> Impl:
         with torch.no_grad():
             return ebc(kjt).values()
 
-    return Impl(name, step, probe, lambda: ebc.cache_stats()["hit_rate"])
+    def filled() -> bool:
+        # Every slot holds a row: each miss now evicts (and writes back) one.
+        return all(bool((c.slot_keys[: c.num_slots] >= 0).all()) for c in ebc.caches())
+
+    return Impl(name, step, probe, lambda: ebc.cache_stats()["hit_rate"], filled)
 
 
 def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
+    """Time every impl on the same batches, after a warm-up of at least ``warmup`` batches
+    that lasts until every cache is full (a cache still filling evicts and writes back less
+    than it will: its steps would look faster than they are), at most all the batches the
+    rounds leave."""
     for kjt in [*w.batches, w.probe]:
         kjt.offsets()  # computed once here, not inside anyone's timed step
     width = sum(t.embedding_dim * len(t.feature_names) for t in w.tables)
@@ -245,6 +255,14 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
     for impl in impls:  # warm-up: caches fill, allocators settle
         for kjt in w.batches[:warmup]:
             impl.step(kjt, coeff)
+    most = len(w.batches) - rounds * per_round
+    while warmup < most and not all(impl.filled() for impl in impls if impl.filled):
+        for impl in impls:
+            impl.step(w.batches[warmup], coeff)
+        warmup += 1
+    print(f"# {w.name}: timed after {warmup} warm-up batches"
+          + ("" if all(impl.filled() for impl in impls if impl.filled)
+             else " (some caches are still not full)"))  # fmt: skip
     times: dict[str, list[float]] = {impl.name: [] for impl in impls}
     # Rounds take turns, so load from neighbours on a shared machine hits every impl alike.
     for r in range(rounds):
@@ -345,8 +363,10 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(args.threads)
     # torch.optim.Adagrad builds its sparse updates without invariant checks and says so once.
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
-    warmup, rounds, per_round = (3, 5, 2) if args.quick else (5, 10, 3)
-    n = warmup + rounds * per_round
+    # At least `warmup` warm-up batches, more until the caches are full (`bench`): up to
+    # `fill` more.
+    warmup, fill, rounds, per_round = (3, 5, 5, 2) if args.quick else (5, 30, 10, 3)
+    n = warmup + fill + rounds * per_round
     makers = {
         "long_bags": lambda: long_bags("long_bags", 1024 if args.quick else 2048, n, args.quick),
         "batch256": lambda: long_bags("batch256", 256, n, args.quick),

@@ -121,7 +121,12 @@ def _collection(w: Workload, load_factor: float) -> tuple:
     )
     # Every row in the tier from the start, as in bench_e2e (whose baselines hold whole tables):
     # the profile then shows steady-state traffic, not rows initialised at their first touch.
-    ebc.load_state_dict(ebc.state_dict())
+    # The rows loaded differ from the initialiser's: rows equal to their initial values are
+    # not stored (loading the collection's own state_dict would store none).
+    gen = torch.Generator().manual_seed(2)
+    ebc.load_state_dict(
+        {k: (torch.rand(v.shape, generator=gen) - 0.5) * 0.1 for k, v in ebc.state_dict().items()}
+    )
     opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.05)
     width = sum(t.embedding_dim * len(t.feature_names) for t in w.tables)
     coeff = torch.randn(w.batch_size, width, generator=torch.Generator().manual_seed(1))
@@ -134,19 +139,31 @@ def _step(ebc, opt, coeff, batch) -> None:
     opt.step()
 
 
-def profile(w: Workload, load_factor: float, warm: int) -> tuple[float, dict[str, float]]:
-    """``(ms per step without the profiler, ms per phase per step with it)``."""
+def _filled(ebc) -> bool:
+    """Every slot of every cache holds a row: each miss now evicts one (steady state)."""
+    return all(bool((c.slot_keys[: c.num_slots] >= 0).all()) for c in ebc.caches())
+
+
+def profile(
+    w: Workload, load_factor: float, warm: int, steps: int
+) -> tuple[float, dict[str, float]]:
+    """``(ms per step without the profiler, ms per phase per step with it)``, over ``steps``
+    batches each, after at least ``warm`` warm-up batches and until the caches are full (a
+    cache still filling evicts less than it will), as far as the batches go."""
     ebc, opt, coeff = _collection(w, load_factor)
-    half = (len(w.batches) - warm) // 2
     for b in w.batches[:warm]:
         _step(ebc, opt, coeff, b)
+    while warm < len(w.batches) - 2 * steps and not _filled(ebc):
+        _step(ebc, opt, coeff, w.batches[warm])
+        warm += 1
+    half = steps
     timed = w.batches[warm : warm + half]
     start = time.perf_counter()
     for b in timed:
         _step(ebc, opt, coeff, b)
     step_ms = (time.perf_counter() - start) * 1e3 / len(timed)
 
-    profiled = w.batches[warm + half :]
+    profiled = w.batches[warm + half : warm + 2 * half]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for b in profiled:
@@ -197,8 +214,9 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     steps = args.steps or (4 if args.quick else 10)
-    warm = 2 if args.quick else 12  # a 10% cache warms up over its first batches
-    n = warm + 2 * steps
+    # At least `warm` warm-up batches, up to `fill` more until the caches are full (`profile`).
+    warm, fill = (2, 4) if args.quick else (12, 30)
+    n = warm + fill + 2 * steps
     workloads = [
         long_bags(n, args.quick, 256 if args.quick else 2048, "long_bags"),
         long_bags(n, args.quick, 256, "batch256"),
@@ -208,7 +226,7 @@ def main() -> None:
     rows: list[Row] = []
     for w in workloads:
         for cached, lf in (("whole", 1.0), ("10%", 0.1)):
-            step_ms, phases = profile(w, lf, warm)
+            step_ms, phases = profile(w, lf, warm, steps)
             print(f"\n{w.name} ({cached} cached): {step_ms:.1f} ms/step")
             for phase in PHASES:
                 share = phases[phase] / step_ms if step_ms else 0.0
