@@ -147,8 +147,8 @@ class TierTransfer:
             ``[len(positions), stored_width]`` of ``read_ids[positions]`` (``positions`` a host
             int64 tensor or a slice). On a device one part (in pinned memory on a GPU); on a CPU
             the tier's own rows, those of tables with few rows joined into parts of at least
-            `_PLACE_ROWS` rows. Empty when nothing is read. A tier error
-            propagates; nothing here holds state.
+            `_PLACE_ROWS` rows. Empty when nothing is read. A tier error propagates; nothing
+            here holds state.
         """
         calls = []
         if write_ids.numel():
@@ -212,15 +212,15 @@ class TierTransfer:
     def read(self, fused: torch.Tensor) -> torch.Tensor:
         """Host stored rows of host ``fused`` ids, through `Store.read`: rows the tier does
         not hold read as their initial values and are not created there."""
-        out = self._empty(fused.numel())
         if not fused.numel():
-            return out
+            return self._empty(0)
         order, groups = self._grouped(fused)
         calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
         parts = self._run(calls)
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order is None:
             return rows
+        out = self._empty(fused.numel())
         out.index_copy_(0, order, rows)
         return out
 

@@ -127,3 +127,22 @@ def test_sorted_ids_are_grouped_without_a_permutation() -> None:
         (0, 0, [3, 9]),
         (2, 2, [1, 2, 50]),
     ]
+
+
+@pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])
+def test_read_gives_each_id_its_row_and_creates_none(in_order: bool) -> None:
+    sizes, counts = CASES["mixed"]
+    gen = torch.Generator().manual_seed(21 + in_order)
+    store, transfer = _setup(sizes)
+    ids = _ids(sizes, counts, gen)
+    ids = ids.sort().values if in_order else ids[torch.randperm(ids.numel(), generator=gen)]
+    written = ids[1::2]
+    rows = torch.randn(written.numel(), DIM + STATE, generator=gen)
+    transfer.write(written, rows)
+    before = {name: len(table) for name, table in store._tables.items()}
+
+    got = transfer.read(ids)
+    assert torch.equal(got[1::2], rows)
+    assert torch.equal(got, _stored(store, ids))  # the others: their initial values
+    assert {name: len(table) for name, table in store._tables.items()} == before
+    assert transfer.read(ids[:0]).shape == (0, DIM + STATE)
