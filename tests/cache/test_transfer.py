@@ -52,14 +52,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])
-def test_reads_cover_every_id_once_with_its_row(case: str, in_order: bool) -> None:
-    sizes, counts = CASES[case]
-    gen = torch.Generator().manual_seed(len(case) + in_order)
+def _case(
+    name: str, seed: int, in_order: bool
+) -> tuple[HostKV, TierTransfer, torch.Tensor, torch.Generator]:
+    """The store and transfer of ``CASES[name]``, and fresh random ids of its tables, sorted
+    or shuffled."""
+    sizes, counts = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
     store, transfer = _setup(sizes)
     ids = _ids(sizes, counts, gen)
     ids = ids.sort().values if in_order else ids[torch.randperm(ids.numel(), generator=gen)]
+    return store, transfer, ids, gen
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])
+def test_reads_cover_every_id_once_with_its_row(case: str, in_order: bool) -> None:
+    store, transfer, ids, gen = _case(case, len(case) + in_order, in_order)
     # Rows the tier holds already (written), others created on this read.
     written = ids[::3]
     rows = torch.randn(written.numel(), DIM + STATE, generator=gen)
@@ -83,11 +92,7 @@ def test_reads_cover_every_id_once_with_its_row(case: str, in_order: bool) -> No
 
 @pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])
 def test_writes_land_under_their_ids_and_place_fills_the_slots(in_order: bool) -> None:
-    sizes, counts = CASES["mixed"]
-    gen = torch.Generator().manual_seed(7 + in_order)
-    store, transfer = _setup(sizes)
-    ids = _ids(sizes, counts, gen)
-    ids = ids.sort().values if in_order else ids[torch.randperm(ids.numel(), generator=gen)]
+    store, transfer, ids, gen = _case("mixed", 7 + in_order, in_order)
     source = torch.randn(ids.numel(), DIM + STATE, generator=gen)
     asked = []
 
@@ -115,27 +120,18 @@ def test_writes_land_under_their_ids_and_place_fills_the_slots(in_order: bool) -
 def test_sorted_ids_are_grouped_without_a_permutation() -> None:
     _, transfer = _setup([100, 100, 100])
     ids = torch.cat([_fused(0, torch.tensor([3, 9])), _fused(2, torch.tensor([1, 2, 50]))])
+    expected = [(0, 0, [3, 9]), (2, 2, [1, 2, 50])]
     order, groups = transfer._grouped(ids)
     assert order is None
-    assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == [
-        (0, 0, [3, 9]),
-        (2, 2, [1, 2, 50]),
-    ]
+    assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == expected
     order, groups = transfer._grouped(ids.flip(0))
     assert order is not None and torch.equal(ids.flip(0)[order], ids)
-    assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == [
-        (0, 0, [3, 9]),
-        (2, 2, [1, 2, 50]),
-    ]
+    assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == expected
 
 
 @pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])
 def test_read_gives_each_id_its_row_and_creates_none(in_order: bool) -> None:
-    sizes, counts = CASES["mixed"]
-    gen = torch.Generator().manual_seed(21 + in_order)
-    store, transfer = _setup(sizes)
-    ids = _ids(sizes, counts, gen)
-    ids = ids.sort().values if in_order else ids[torch.randperm(ids.numel(), generator=gen)]
+    store, transfer, ids, gen = _case("mixed", 21 + in_order, in_order)
     written = ids[1::2]
     rows = torch.randn(written.numel(), DIM + STATE, generator=gen)
     transfer.write(written, rows)
