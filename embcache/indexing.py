@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import embcache.native as native
+
 
 def put(t: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
     """``t[idx] = src`` for a 1-D ``t`` (positions distinct, or repeats writing one value)."""
@@ -85,7 +87,13 @@ def copy_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
         and dst.dtype != torch.bfloat16
         and idx.numel()
     ):
-        dst.detach().numpy()[idx.numpy()] = src.detach().numpy()
+        d, s = dst.detach().numpy(), src.detach().numpy()
+        if native.available() and d.ndim == 2 and idx.dtype == torch.int64:
+            if d.dtype == np.float16:  # moved as their bits (numba has no float16)
+                d, s = d.view(np.int16), s.view(np.int16)
+            native.scatter_rows(d, idx.numpy(), s)
+        else:
+            d[idx.numpy()] = s
         return
     dst.index_copy_(0, idx, src)
 

@@ -4,7 +4,9 @@ repository.
 
 Layers, lowest first (a module may import its own package and lower layers only):
 
-    hashing, profiling               the id hash; named phases for torch.profiler
+    hashing, profiling, native       the id hash; named phases for torch.profiler; compiled
+                                     CPU loops (numba)
+    indexing                         writes at positions, mask positions, flag counts
     kernels, kv                     the Triton kernels with their twins; the tiers
     cache, optim                    the device cache and its transfers; the optimizer rules
     engine                          one step's data path per cache, inputs, tables
@@ -27,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "embcache"
 
 LAYERS = [
-    ["hashing", "profiling", "indexing"],
+    ["hashing", "profiling", "native"],
+    ["indexing"],
     ["kernels", "kv"],
     ["cache", "optim"],
     ["engine"],

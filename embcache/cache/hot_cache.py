@@ -57,6 +57,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import embcache.native as native
 from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig, CachePolicy
 from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.sketch import Counters
@@ -565,6 +566,8 @@ class HotCache(PolicyState):
 
     @profiled("cache.plan")
     def _plan_sets(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> _Plan:
+        if self._native_plan(admitted):
+            return self._plan_native(ids)
         # Gathers are index_select and writes scatter_/index_add_ (`embcache.indexing`): on a
         # CPU, advanced indexing takes a general path several times slower.
         W = self.ways
@@ -633,18 +636,81 @@ class HotCache(PolicyState):
             victim_score = scores_view[touched[owner], assigned.clamp(min=0)]
             admit = (assigned >= 0) & (victim_score < miss_freq[order])
             assigned = torch.where(admit, assigned, torch.full_like(assigned, -1))
-        placed = assigned >= 0
+        # The slot each miss (in the order of ``miss_pos``) takes, -1 where its set has none.
+        place = torch.where(assigned >= 0, touched.index_select(0, owner) * W + assigned, assigned)
+        return self._reserve(ids, slots, misses, miss_pos, place, refused)
+
+    def _native_plan(self, admitted: torch.Tensor | None) -> bool:
+        """Whether this plan runs as compiled CPU kernels (`embcache.native`): a CPU cache
+        with a row index, LRU, admitting every id. The torch path is the specification."""
+        return (
+            self._where is not None
+            and admitted is None
+            and self.policy is CachePolicy.LRU
+            and native.available()
+        )
+
+    def _plan_native(self, ids: torch.Tensor) -> _Plan:
+        """`_plan_sets` through `native.plan_lru` and `native.reserve`: the same plan, the
+        same changes to the index, in a few passes over the batch's ids."""
+        assert self._where is not None
+        ids = ids.contiguous()
+        slots = torch.empty_like(ids)
+        self._tick += 1  # both undone if the plan is refused
+        self._lookups += 1
+        miss_pos, order, place = native.plan_lru(
+            ids.numpy(), self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
+            self.slot_keys.numpy(), self.scores.numpy(), self.locks.numpy(),
+            self.batch_of.numpy(), self.num_slots, self.num_sets, self.ways, self._tick,
+            self._batch_seq, slots.numpy(),
+        )  # fmt: skip
+        if not miss_pos.size:  # every id hit: its slot is locked and touched
+            empty = self._empty_ids()
+            return _Plan(ids, slots, empty, empty, empty, empty)
+        miss_pos, order, place = map(torch.from_numpy, (miss_pos, order, place))
+        if bool((place < 0).any()):  # some go to scratch: the torch path's reservation
+            misses = miss_pos, ids.index_select(0, miss_pos)
+            return self._reserve(ids, slots, misses, miss_pos.index_select(0, order), place, 0)
+        load_slots, victim_ids, victim_slots, evicted, old_keys, old_scores, old_dirty = (
+            map(torch.from_numpy, native.reserve(
+                ids.numpy(), slots.numpy(), miss_pos.numpy(), order.numpy(), place.numpy(),
+                self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
+                self.slot_keys.numpy(), self.scores.numpy(), self.locks.numpy(),
+                self.dirty.numpy(), self.num_slots, self._tick,
+            ))
+        )  # fmt: skip
+        plan = _Plan(
+            ids, slots, ids.index_select(0, miss_pos), load_slots, victim_ids, victim_slots
+        )
+        plan.reserved, plan.old_keys = place, old_keys
+        plan.old_scores, plan.old_dirty = old_scores, old_dirty
+        plan.evicted = evicted.numel()
+        if self.pins:
+            plan.released = evicted
+        return plan
+
+    def _reserve(
+        self,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
+        misses: tuple[torch.Tensor, torch.Tensor],
+        miss_pos: torch.Tensor,
+        place: torch.Tensor,
+        refused: int,
+    ) -> _Plan:
+        """Reserve the planned slots: each miss at ``miss_pos`` takes its ``place``, or a
+        scratch row where that is -1; the victims' keys leave the index, the misses' enter
+        it, and every slot of the batch is locked and touched. ``misses`` are the misses'
+        positions and ids in the order of ``ids``, the order they are read from the tier in.
+        """
+        placed = place >= 0
         placed_at = true_at(placed)
-        if placed_at.numel() == assigned.numel():  # no overflow: no selection to make
-            place_slots = touched.index_select(0, owner) * W + assigned
-            placed_pos, overflow_pos = miss_pos, self._empty_ids()
+        if placed_at.numel() == place.numel():  # no overflow: no selection to make
+            place_slots, placed_pos, overflow_pos = place, miss_pos, self._empty_ids()
         else:
-            place_slots = touched.index_select(0, owner.index_select(0, placed_at)) * W + (
-                assigned.index_select(0, placed_at))  # fmt: skip
-            placed_pos, overflow_pos = (
-                miss_pos.index_select(0, placed_at),
-                select(miss_pos, ~placed),
-            )
+            place_slots = place.index_select(0, placed_at)
+            placed_pos = miss_pos.index_select(0, placed_at)
+            overflow_pos = select(miss_pos, ~placed)
         n_over = overflow_pos.numel()
         if n_over:
             try:

@@ -1,5 +1,5 @@
 """Put this folder on PYTHONPATH to run Python as on the GPU image: torchrec, fbgemm_gpu,
-tensordict, iopath and redis-py cannot be imported (they are installed here, absent there).
+tensordict, iopath, redis-py and numba cannot be imported (they are installed here, absent there).
 
 Python imports ``sitecustomize`` at start-up from the path, so every process started with this
 folder first on PYTHONPATH (pytest, its subprocesses, a CLI) sees the same absence.
@@ -8,7 +8,7 @@ folder first on PYTHONPATH (pytest, its subprocesses, a CLI) sees the same absen
 import importlib.abc
 import sys
 
-BLOCKED = ("torchrec", "fbgemm_gpu", "tensordict", "iopath", "redis")
+BLOCKED = ("torchrec", "fbgemm_gpu", "tensordict", "iopath", "redis", "numba")
 
 
 class _Absent(importlib.abc.MetaPathFinder):

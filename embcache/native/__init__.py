@@ -1,0 +1,71 @@
+"""Compiled CPU kernels (numba) for the cache's per-batch bookkeeping on a CPU.
+
+A CPU resolve is a few thousand row moves and a few passes over the batch's ids. Written as
+torch ops it is 100-150 calls, each with its own dispatch, allocation and pass over memory, and
+those calls cost more than the embedding work itself (FBGEMM's fused TBE). Here the same steps
+are loops compiled by numba, over numpy views of the cache's own tensors (no copy): one pass
+where the torch path makes several.
+
+Each kernel computes exactly what the torch path beside it computes (the specification, run
+under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be imported):
+
+* `scatter_rows`: ``dst[idx] = src`` along dim 0 (`indexing.copy_rows`);
+* `plan_lru`, `reserve`: a set-associative LRU cache's plan (`HotCache._plan_sets`): lookup
+  through the row index, victim choice (`cache_index_ref.assign_ways_ref` on the ways of the
+  touched sets, misses ordered by set and the batch's shuffle) and the index changes that
+  reserve the chosen ways.
+
+numba is imported on first use; `available()` says whether it can be. The kernels release the
+GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
+their first compilation (``cache=True``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+_NUMBA: list = []  # [njit or None], filled on first use
+
+
+def _njit() -> Any | None:
+    if not _NUMBA:
+        try:
+            from numba import njit
+        except Exception:  # absent (the GPU image), or a build that does not load here
+            njit = None
+        _NUMBA.append(njit)
+    return _NUMBA[0]
+
+
+def available() -> bool:
+    """Whether the compiled kernels run: numba imports, and ``EMBCACHE_BACKEND`` is ``auto``
+    (``torch`` asks for the torch path, the specification; read at every call)."""
+    name = os.environ.get("EMBCACHE_BACKEND", "auto").strip().lower() or "auto"
+    return name == "auto" and _njit() is not None
+
+
+def _kernels() -> Any:
+    """The kernels' module (numba compiles each function at its first call, or loads it from
+    its disk cache)."""
+    assert _njit() is not None, "native kernels asked for without numba (check available())"
+    from embcache.native import kernels
+
+    return kernels
+
+
+def scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
+    """``dst[idx] = src`` for 2-D arrays of one dtype and int64 ``idx`` (in range, distinct)."""
+    _kernels().scatter_rows(dst, idx, src)
+
+
+def plan_lru(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    return _kernels().plan_lru(*args)
+
+
+def reserve(*args: Any) -> tuple[np.ndarray, ...]:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    return _kernels().reserve(*args)

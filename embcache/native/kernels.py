@@ -1,0 +1,184 @@
+"""The numba kernels behind `embcache.native` (imported only when numba can be: see
+there for what each computes and which torch path it mirrors)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_jit = njit(nogil=True, cache=True, boundscheck=False)
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+MIX2 = np.uint64(0x94D049BB133111EB)
+LOW63 = np.uint64(0x7FFFFFFFFFFFFFFF)
+S27, S30, S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+BLOCKED = np.iinfo(np.int64).max  # a way no miss may take (scores stay below 2**57)
+
+
+@_jit
+def mix64(x):  # x: uint64; splitmix64's finaliser (`embcache.hashing.mix64`)
+    z = x + GOLDEN
+    z = (z ^ (z >> S30)) * MIX1
+    z = (z ^ (z >> S27)) * MIX2
+    return z ^ (z >> S31)
+
+
+@_jit
+def scatter_rows(dst, idx, src):
+    width = src.shape[1]
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        for j in range(width):
+            dst[r, j] = src[i, j]
+
+
+@_jit
+def _by_set(sets, shuffle, num_sets):
+    """The order of misses by ``(set, shuffle, position)``: a counting sort by set when the
+    sets are few for the misses, else a stable sort of ``set << 20 | shuffle``."""
+    m = sets.shape[0]
+    if num_sets > 8 * m:
+        return np.argsort((sets << 20) | shuffle, kind="mergesort")
+    start = np.zeros(num_sets + 1, np.int64)
+    for j in range(m):
+        start[sets[j] + 1] += 1
+    for s in range(num_sets):
+        start[s + 1] += start[s]
+    order = np.empty(m, np.int64)
+    for j in range(m):  # positions ascending within each set: stable
+        order[start[sets[j]]] = j
+        start[sets[j]] += 1
+    # Within a set (a few misses), by shuffle: an insertion sort, stable.
+    j = 0
+    while j < m:
+        end = j + 1
+        while end < m and sets[order[end]] == sets[order[j]]:
+            end += 1
+        for a in range(j + 1, end):
+            item = order[a]
+            b = a - 1
+            while b >= j and shuffle[order[b]] > shuffle[item]:
+                order[b + 1] = order[b]
+                b -= 1
+            order[b + 1] = item
+        j = end
+    return order
+
+
+@_jit
+def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_of,
+             num_slots, num_sets, ways, tick, batch_seq, slots):  # fmt: skip
+    """Fill ``slots`` (hits; -1 for misses) and plan the misses. No miss: every slot is
+    locked and touched, and ``(empty, empty, empty)`` is returned. Else the hits are
+    locked and ``(miss_pos, order, place)`` returned: the misses' positions ascending,
+    their order by (set, shuffle), and in that order each one's slot (-1: no free way)."""
+    n = ids.shape[0]
+    mask = (np.int64(1) << fusion_k) - 1
+    m = 0
+    for i in range(n):
+        key = ids[i]
+        s = np.int64(where[row_offset[key >> fusion_k] + (key & mask)])
+        slots[i] = s
+        if s < 0:
+            m += 1
+    miss_pos = np.empty(m, np.int64)
+    if m == 0:
+        for i in range(n):
+            s = slots[i]
+            locks[s] += 1
+            if s < num_slots:
+                scores[s] = tick
+        return miss_pos, miss_pos, miss_pos
+    k = 0
+    for i in range(n):
+        s = slots[i]
+        if s < 0:
+            miss_pos[k] = i
+            k += 1
+        else:
+            locks[s] += 1  # the ways this batch hits are as good as locked
+    # Misses by set, then by the batch's shuffle (20 low bits), ties in the order of ids.
+    sets = np.empty(m, np.int64)
+    shuffle = np.empty(m, np.int64)
+    utick = np.uint64(tick)
+    for j in range(m):
+        key = np.uint64(ids[miss_pos[j]])
+        sets[j] = np.int64((mix64(key) & LOW63) % np.uint64(num_sets))
+        shuffle[j] = np.int64(mix64(key ^ utick) & np.uint64(0xFFFFF))
+    order = _by_set(sets, shuffle, num_sets)
+    place = np.empty(m, np.int64)
+    best_first = np.empty(ways, np.int64)
+    j = 0
+    while j < m:
+        s = sets[order[j]]
+        end = j + 1
+        while end < m and sets[order[end]] == s:
+            end += 1
+        # The set's ways by (blocked, score, way): the k-th miss takes the k-th free one.
+        base = s * ways
+        for w in range(ways):
+            slot = base + w
+            blocked = locks[slot] > 0 or batch_of[slot] == batch_seq
+            best_first[w] = BLOCKED if blocked else scores[slot] * ways + w
+        for q in range(j, end):
+            w = np.argmin(best_first)
+            if best_first[w] == BLOCKED:
+                place[q] = -1
+            else:
+                place[q] = base + w
+                best_first[w] = BLOCKED
+        j = end
+    return miss_pos, order, place
+
+
+@_jit
+def reserve(ids, slots, miss_pos, order, place, where, row_offset, fusion_k, slot_keys,
+            scores, locks, dirty, num_slots, tick):  # fmt: skip
+    """Give every miss its planned slot (all placed): record the victims, re-key and
+    re-index the slots, lock and touch the batch. Returns the plan's arrays: the misses'
+    slots (in the order of ids), the dirty victims' ids and slots, every evicted id, and
+    each reserved slot's old key, score and dirty flag (in the planned order)."""
+    m = miss_pos.shape[0]
+    mask = (np.int64(1) << fusion_k) - 1
+    old_keys = np.empty(m, np.int64)
+    old_scores = np.empty(m, np.int64)
+    old_dirty = np.empty(m, np.bool_)
+    evicted = np.empty(m, np.int64)
+    victim_ids = np.empty(m, np.int64)
+    victim_slots = np.empty(m, np.int64)
+    n_evicted = 0
+    n_dirty = 0
+    for q in range(m):
+        s = place[q]
+        v = slot_keys[s]
+        old_keys[q] = v
+        old_scores[q] = scores[s]
+        old_dirty[q] = dirty[s]
+        if v >= 0:
+            evicted[n_evicted] = v
+            n_evicted += 1
+            if dirty[s]:
+                victim_ids[n_dirty] = v
+                victim_slots[n_dirty] = s
+                n_dirty += 1
+            where[row_offset[v >> fusion_k] + (v & mask)] = -1
+        slots[miss_pos[order[q]]] = s
+    load_slots = np.empty(m, np.int64)
+    for k in range(m):
+        i = miss_pos[k]
+        s = slots[i]
+        key = ids[i]
+        load_slots[k] = s
+        slot_keys[s] = key
+        where[row_offset[key >> fusion_k] + (key & mask)] = s
+    for q in range(m):
+        s = place[q]
+        dirty[s] = False
+        locks[s] += 1
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s < num_slots:
+            scores[s] = tick
+    return (load_slots, victim_ids[:n_dirty], victim_slots[:n_dirty],
+            evicted[:n_evicted], old_keys, old_scores, old_dirty)  # fmt: skip

@@ -1,0 +1,155 @@
+"""The compiled CPU plan (`embcache.native`) against the torch path it mirrors.
+
+Two caches over two stores, one resolving through the numba kernels (``EMBCACHE_BACKEND=auto``),
+the other through torch ops (``torch``, the specification), are driven through the same
+sequence of batches, updates and releases. After every step they must agree on everything a
+resolve decides: each id's slot, every slot's key, score, lock and dirty flag, the row index,
+the stats, the rows in the slots and the rows in the tier.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import embcache.native as native
+from embcache.cache.config import CacheConfig
+from embcache.cache.hot_cache import HotCache
+from embcache.kv.base import TableSpec
+from embcache.kv.host import HostKV
+
+K = 40
+DIM = 4
+SIZES = [300, 50, 1000]  # rows of three tables
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+
+
+def _cache(capacity: int, ways: int, bounded: bool) -> HotCache:
+    store = HostKV()
+    tables = []
+    for idx, rows in enumerate(SIZES):
+        spec = TableSpec(
+            f"t{idx}", DIM, num_embeddings=rows, state_dim=1, state_init=0.25, seed=idx,
+            capacity=rows if bounded else None,
+        )  # fmt: skip
+        store.init_table(spec)
+        tables.append((idx, spec))
+    config = CacheConfig(capacity=capacity, ways=ways, policy="lru", max_scratch_rows=4096)
+    return HotCache(tables, config, store, "cpu", K)
+
+
+def _batch(gen: torch.Generator, n: int) -> torch.Tensor:
+    """Distinct fused ids, sorted (as a dedup hands them), skewed towards low ids so that
+    rows come back."""
+    table = torch.randint(0, len(SIZES), (n,), generator=gen)
+    rows = torch.tensor(SIZES)[table]
+    raw = (torch.rand(n, generator=gen) ** 3 * rows).long()
+    return torch.unique(raw | (table << K))
+
+
+def _state(cache: HotCache) -> dict[str, torch.Tensor]:
+    assert cache._where is not None
+    return {
+        "slot_keys": cache.slot_keys.clone(),
+        "scores": cache.scores.clone(),
+        "locks": cache.locks.clone(),
+        "dirty": cache.dirty.clone(),
+        "batch_of": cache.batch_of.clone(),
+        "where": cache._where.clone(),
+        "weights": cache.weights.clone(),
+        "state": cache.state.clone(),
+    }
+
+
+def _tier(cache: HotCache) -> list[torch.Tensor]:
+    return [cache.store.read(f"t{idx}", torch.arange(rows)) for idx, rows in enumerate(SIZES)]
+
+
+@pytest.mark.parametrize(
+    ("capacity", "ways", "bounded", "batch"),
+    [
+        (256, 8, False, 120),  # evictions every batch
+        (64, 16, False, 150),  # batches wider than the cache: scratch rows
+        (512, 32, True, 90),  # bounded tier tables: pins released with the evictions
+        (128, 4, False, 40),  # few ways: sets run out while others have room
+    ],
+)
+def test_native_plan_equals_the_torch_plan(
+    monkeypatch: pytest.MonkeyPatch, capacity: int, ways: int, bounded: bool, batch: int
+) -> None:
+    caches = {"auto": _cache(capacity, ways, bounded), "torch": _cache(capacity, ways, bounded)}
+    gen = torch.Generator().manual_seed(capacity + ways)
+    calls = {"plan_lru": 0, "reserve": 0}
+    for name in calls:
+        kernel = getattr(native, name)
+
+        def counted(*args: object, _kernel=kernel, _name=name) -> object:
+            calls[_name] += 1
+            return _kernel(*args)
+
+        monkeypatch.setattr(native, name, counted)
+    for step in range(25):
+        ids = _batch(gen, batch)
+        lock = step % 3 != 2  # some unlocked resolves, as forwards without a step make
+        delta = torch.randn(ids.numel(), DIM, generator=gen)
+        slots = {}
+        for backend, cache in caches.items():
+            monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+            before = cache._tick
+            slots[backend] = cache.resolve(ids, lock=lock)
+            assert cache._tick == before + 1
+            live = slots[backend]
+            cache.weights[live] += delta  # an update of the batch's rows
+            cache.mark_dirty(live)
+            if lock:
+                cache.unlock(live)
+            if step % 7 == 6:
+                cache.release()
+        torch.testing.assert_close(slots["auto"], slots["torch"], rtol=0, atol=0)
+        ours, spec = _state(caches["auto"]), _state(caches["torch"])
+        for name in ours:
+            torch.testing.assert_close(ours[name], spec[name], rtol=0, atol=0, msg=name)
+        assert caches["auto"].cache_stats() == caches["torch"].cache_stats()
+    for ours, spec in zip(_tier(caches["auto"]), _tier(caches["torch"]), strict=True):
+        torch.testing.assert_close(ours, spec, rtol=0, atol=0)
+    assert calls["plan_lru"] == 25  # every resolve planned by the kernel (torch: never)
+    # Without overflow the kernel reserves too; batches wider than the cache always overflow
+    # into scratch, which the torch path's reservation handles.
+    assert (calls["reserve"] > 0) == (batch < capacity)
+    for backend, cache in caches.items():
+        monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+        cache.flush()
+    for ours, spec in zip(_tier(caches["auto"]), _tier(caches["torch"]), strict=True):
+        torch.testing.assert_close(ours, spec, rtol=0, atol=0)
+
+
+def test_native_plan_rolls_back_a_failed_tier_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier error after a compiled plan leaves the cache exactly as before the resolve."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    cache = _cache(256, 16, False)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        slots = cache.resolve(_batch(gen, 50))
+        cache.mark_dirty(slots)
+        cache.unlock(slots)
+    assert not cache._scratch_used  # no overflow: the kernel reserves the slots
+    assert int(cache.dirty.sum()) > 200  # most slots hold dirty rows: misses evict them
+    before = _state(cache)
+    stats = cache.cache_stats()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("tier down")
+
+    monkeypatch.setattr(cache.store, "put", broken)
+    reserved = []
+    kernel = native.reserve
+    monkeypatch.setattr(native, "reserve", lambda *a: reserved.append(1) or kernel(*a))
+    with pytest.raises(ConnectionError):
+        cache.resolve(_batch(gen, 50))
+    assert reserved
+    after = _state(cache)
+    # Scores aside: the batch's hits keep their new recency (as on the torch path).
+    for name in before.keys() - {"scores"}:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+    assert cache.cache_stats() == stats
