@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import numpy as np
 import torch
 
 from embcache.indexing import copy_rows
@@ -83,24 +84,32 @@ class TierTransfer:
     # -- host side --------------------------------------------------------------------------
 
     def _grouped(
-        self, fused: torch.Tensor
+        self, fused: torch.Tensor, ascending: bool = True
     ) -> tuple[torch.Tensor | None, list[tuple[int, int, torch.Tensor]]]:
-        """``(order, [(table_idx, start, raw_ids)])``: ``fused[order]`` sorted, so table
-        ``table_idx``'s ids are ``order[start : start + len(raw_ids)]``, raw ids ascending.
+        """``(order, [(table_idx, start, raw_ids)])``: ``fused[order]`` grouped by table, so
+        table ``table_idx``'s ids are ``order[start : start + len(raw_ids)]``, raw ids
+        ascending (or, with ``ascending=False``, in their order in ``fused``: a write does
+        not need them sorted, and grouping by table alone is a radix pass instead of a sort).
         ``order`` is None when ``fused`` is sorted already (a cache's misses come so from a
         sorted dedup): the sort, and the permutations it would cost the callers, are skipped.
         """
         if fused.numel() <= 1 or bool((fused[1:] >= fused[:-1]).all()):
-            order, sorted_ids = None, fused
+            order, ordered = None, fused
         else:
-            order = torch.argsort(fused)
-            sorted_ids = fused.index_select(0, order)
-        tables, counts = torch.unique_consecutive(sorted_ids >> self.fusion_k, return_counts=True)
-        mask = (1 << self.fusion_k) - 1
+            tables = fused >> self.fusion_k
+            if ascending or max(self.specs) >= 1 << 16:
+                order = torch.argsort(fused)
+            else:
+                # numpy's stable sort of 8/16-bit keys is a radix sort: one pass.
+                small = np.uint8 if max(self.specs) < 1 << 8 else np.uint16
+                order = torch.from_numpy(np.argsort(tables.numpy().astype(small), kind="stable"))
+            ordered = fused.index_select(0, order)
+        tables, counts = torch.unique_consecutive(ordered >> self.fusion_k, return_counts=True)
+        raw = ordered & ((1 << self.fusion_k) - 1)
         groups = []
         start = 0
         for idx, count in zip(tables.tolist(), counts.tolist(), strict=True):
-            groups.append((idx, start, sorted_ids[start : start + count] & mask))
+            groups.append((idx, start, raw[start : start + count]))
             start += count
         return order, groups
 
@@ -152,7 +161,7 @@ class TierTransfer:
         """
         calls = []
         if write_ids.numel():
-            order, groups = self._grouped(write_ids)
+            order, groups = self._grouped(write_ids, ascending=False)
             rows = write_rows(slice(None) if order is None else order)
             for idx, start, raw in groups:
                 part = rows[start : start + raw.numel()]
@@ -193,7 +202,7 @@ class TierTransfer:
 
     def unpin(self, fused: torch.Tensor) -> None:
         """Release the pins of host ``fused`` ids in their bounded tables."""
-        _, groups = self._grouped(fused)
+        _, groups = self._grouped(fused, ascending=False)
         calls = [
             partial(self.store.unpin, self.specs[idx].name, raw)
             for idx, _, raw in groups

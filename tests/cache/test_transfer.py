@@ -129,6 +129,26 @@ def test_sorted_ids_are_grouped_without_a_permutation() -> None:
     assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == expected
 
 
+@pytest.mark.parametrize("tables", [3, 300], ids=["8-bit table keys", "16-bit table keys"])
+def test_writes_are_grouped_by_table_in_their_own_order(tables: int) -> None:
+    """Grouping for a write keeps each table's ids in the order given (no sort of the ids)."""
+    _, transfer = _setup([100] * tables)
+    gen = torch.Generator().manual_seed(tables)
+    table = torch.randint(0, tables, (500,), generator=gen)
+    raw = torch.randint(0, 100, (500,), generator=gen)
+    ids = torch.unique(_fused(table, raw))
+    ids = ids[torch.randperm(ids.numel(), generator=gen)]
+    order, groups = transfer._grouped(ids, ascending=False)
+    assert order is not None
+    grouped = ids[order]
+    assert torch.equal(grouped >> K, (grouped >> K).sort().values)  # by table
+    for idx, start, raw_ids in groups:
+        given = ids[(ids >> K) == idx] & ((1 << K) - 1)  # that table's ids, in given order
+        assert torch.equal(raw_ids, given)
+        assert torch.equal(grouped[start : start + raw_ids.numel()], _fused(idx, raw_ids))
+    assert sum(r.numel() for _, _, r in groups) == ids.numel()
+
+
 @pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])
 def test_read_gives_each_id_its_row_and_creates_none(in_order: bool) -> None:
     store, transfer, ids, gen = _case("mixed", 21 + in_order, in_order)
