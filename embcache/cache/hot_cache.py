@@ -55,6 +55,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 import embcache.native as native
@@ -103,8 +104,10 @@ ROW_INDEX_MAX_ROWS = 1 << 26
 # value per this many rows; fewer values are counted by passes over the values alone.
 _VALUES_PER_MAP = 8
 # `unique_by_rows` takes a batch through a map over its tables' rows from one id per this many
-# rows (a sort of fewer ids is cheaper than passes over the map).
+# rows (a sort of fewer ids is cheaper than passes over the map); through the compiled bitmap
+# (`native.unique_rows`, a bit a row) from one id per `_IDS_PER_ROW_BITMAP` rows.
 _IDS_PER_ROW_MAP = 40
+_IDS_PER_ROW_BITMAP = 500
 
 
 class HotCache(PolicyState):
@@ -217,6 +220,7 @@ class HotCache(PolicyState):
         # use.
         self._row_map: torch.Tensor | None = None
         self._row_rank: torch.Tensor | None = None
+        self._row_bits: torch.Tensor | None = None  # `native.unique_rows`' bitmap
         self._allocate(scratch_rows=0)
         self.reset_stats()
 
@@ -293,11 +297,13 @@ class HotCache(PolicyState):
     def unique_by_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``torch.unique(ids, sorted=True, return_inverse=True)`` for valid fused ids of this
         cache's tables, through a map over the tables' rows instead of a sort: a batch that
-        holds at least one id per `_IDS_PER_ROW_MAP` rows is deduplicated faster so. None when
-        it holds fewer, or the cache keeps no row index (its tables are unbounded, or it is on
-        a GPU or direct)."""
+        holds at least one id per `_IDS_PER_ROW_MAP` rows (`_IDS_PER_ROW_BITMAP` through the
+        compiled bitmap) is deduplicated faster so. None when it holds fewer, or the cache
+        keeps no row index (its tables are unbounded, or it is on a GPU or direct)."""
         n = ids.numel()
-        if not self._index_rows or n * _IDS_PER_ROW_MAP < self._index_rows:
+        compiled = native.available()
+        per_row = _IDS_PER_ROW_BITMAP if compiled else _IDS_PER_ROW_MAP
+        if not self._index_rows or n * per_row < self._index_rows:
             return None
         if self._row_map is None:
             self._row_map = torch.zeros(self._index_rows, dtype=torch.bool)
@@ -306,6 +312,15 @@ class HotCache(PolicyState):
             self._row_starts = torch.tensor([start for start, _ in starts])
             self._row_tables = torch.tensor([idx for _, idx in starts])
         assert self._row_rank is not None
+        if compiled:
+            if self._row_bits is None:  # one bit a row, all clear between batches
+                self._row_bits = torch.zeros((self._index_rows + 63) // 64, dtype=torch.int64)
+            unique, inverse = native.unique_rows(
+                ids.contiguous().numpy(), self._row_offset.numpy(), self.fusion_k,
+                self._row_bits.numpy().view(np.uint64), self._row_rank.numpy(),
+                self._row_starts.numpy(), self._row_tables.numpy(),
+            )  # fmt: skip
+            return torch.from_numpy(unique), torch.from_numpy(inverse)
         rows = self.row_index(ids)
         fill_at(self._row_map, rows, True)
         unique_rows = true_at(self._row_map)  # ascending: (table, id) order

@@ -13,7 +13,9 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
 * `plan_lru`, `reserve`: a set-associative LRU cache's plan (`HotCache._plan_sets`): lookup
   through the row index, victim choice (`cache_index_ref.assign_ways_ref` on the ways of the
   touched sets, misses ordered by set and the batch's shuffle) and the index changes that
-  reserve the chosen ways.
+  reserve the chosen ways;
+* `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows
+  (`HotCache.unique_by_rows`).
 
 numba is imported on first use; `available()` says whether it can be. The kernels release the
 GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
@@ -69,3 +71,8 @@ def plan_lru(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def reserve(*args: Any) -> tuple[np.ndarray, ...]:
     """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
     return _kernels().reserve(*args)
+
+
+def unique_rows(*args: Any) -> tuple[np.ndarray, np.ndarray]:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    return _kernels().unique_rows(*args)

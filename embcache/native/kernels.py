@@ -182,3 +182,61 @@ def reserve(ids, slots, miss_pos, order, place, where, row_offset, fusion_k, slo
             scores[s] = tick
     return (load_slots, victim_ids[:n_dirty], victim_slots[:n_dirty],
             evicted[:n_evicted], old_keys, old_scores, old_dirty)  # fmt: skip
+
+
+DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+# The position of the lowest set bit of a word, ``t`` that bit alone: DEBRUIJN_BITS[t * DEBRUIJN
+# >> 58] (a de Bruijn sequence: each 6-bit window of it occurs once).
+DEBRUIJN_BITS = np.array(
+    [0, 1, 48, 2, 57, 49, 28, 3, 61, 58, 50, 42, 38, 29, 17, 4, 62, 55, 59, 36, 53, 51, 43, 22,
+     45, 39, 33, 30, 24, 18, 12, 5, 63, 47, 56, 27, 60, 41, 37, 16, 54, 35, 52, 21, 44, 32, 23,
+     11, 46, 26, 40, 15, 34, 20, 31, 10, 25, 14, 19, 9, 13, 8, 7, 6],
+    dtype=np.int64,
+)  # fmt: skip
+
+
+@_jit
+def unique_rows(ids, row_offset, fusion_k, bits, rank, row_starts, row_tables):
+    """``torch.unique(ids, sorted=True, return_inverse=True)`` for fused ids of bounded
+    tables, through a bitmap over the tables' rows (``bits``, all zero, left all zero) and a
+    rank per row (``rank``, int32 over the rows, overwritten where the batch has rows):
+    one pass marks the rows, one over the marked words lists them ascending (the order of
+    fused ids: tables in ascending index, rows after one another), one gathers each id's
+    rank. ``row_starts`` / ``row_tables``: the first row of each table and its index,
+    ascending."""
+    n = ids.shape[0]
+    mask = (np.int64(1) << fusion_k) - 1
+    rows = np.empty(n, np.int64)
+    lo = bits.shape[0]
+    hi = -1
+    one = np.uint64(1)
+    for i in range(n):
+        key = ids[i]
+        r = row_offset[key >> fusion_k] + (key & mask)
+        rows[i] = r
+        word = r >> 6
+        bits[word] |= one << np.uint64(r & 63)
+        lo = min(lo, word)
+        hi = max(hi, word)
+    unique = np.empty(n, np.int64)
+    u = 0
+    table = 0
+    n_tables = row_starts.shape[0]
+    for word in range(lo, hi + 1):
+        w = bits[word]
+        if w == 0:
+            continue
+        bits[word] = 0
+        while w != 0:
+            low = w & (~w + one)
+            r = (word << 6) + DEBRUIJN_BITS[np.int64((low * DEBRUIJN) >> np.uint64(58))]
+            w ^= low
+            while table + 1 < n_tables and row_starts[table + 1] <= r:
+                table += 1
+            rank[r] = u
+            unique[u] = (r - row_starts[table]) | (row_tables[table] << fusion_k)
+            u += 1
+    inverse = np.empty(n, np.int64)
+    for i in range(n):
+        inverse[i] = rank[rows[i]]
+    return unique[:u], inverse

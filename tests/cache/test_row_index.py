@@ -10,7 +10,7 @@ import torch
 
 import embcache.cache.hot_cache as hot_cache_module
 from embcache.cache.config import CacheConfig
-from embcache.cache.hot_cache import _IDS_PER_ROW_MAP, HotCache
+from embcache.cache.hot_cache import _IDS_PER_ROW_BITMAP, _IDS_PER_ROW_MAP, HotCache
 from embcache.kernels.optim import OptimRule
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
@@ -118,29 +118,34 @@ def test_no_index_for_unbounded_tables_or_a_direct_cache() -> None:
     assert whole.direct and whole._where is None
 
 
-@pytest.mark.parametrize("n", [2, 40, 97, 500, 4000])
-def test_unique_by_rows_is_torch_unique(n: int) -> None:
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled bitmap", "torch map"])
+@pytest.mark.parametrize("n", [1, 2, 40, 97, 500, 4000])
+def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> None:
     """A batch deduplicated through the map over its tables' rows gives exactly the sorted unique
     ids and inverse index of `torch.unique`, with tables declared out of index order (their
-    rows then lie in index order), repeats, and each table's first and last rows."""
+    rows then lie in index order), repeats, and each table's first and last rows; a table
+    spans many 64-row words of the compiled path's bitmap."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
     store = HostKV()
     specs = [
         (2, TableSpec("b", DIM, 40)),
         (0, TableSpec("a", DIM, 30)),
         (5, TableSpec("c", DIM, 27)),
+        (3, TableSpec("d", DIM, 700)),
     ]
     for _, spec in specs:
         store.init_table(spec)
     cache = HotCache(specs, CacheConfig(capacity=16, ways=4), store, CPU, FUSION_K)
     gen = torch.Generator().manual_seed(n)
     sizes = {idx: spec.num_embeddings for idx, spec in specs}
-    tables = torch.tensor(list(sizes))[torch.randint(0, 3, (n,), generator=gen)]
+    tables = torch.tensor(list(sizes))[torch.randint(0, len(sizes), (n,), generator=gen)]
     limits = torch.tensor([sizes[int(t)] for t in tables])
     raw = (torch.rand(n, generator=gen) * limits).long()
     raw[:3], raw[3:6] = 0, limits[3:6] - 1
     ids = raw | (tables << FUSION_K)
     got = cache.unique_by_rows(ids)
-    if n * _IDS_PER_ROW_MAP < sum(sizes.values()):
+    per_row = _IDS_PER_ROW_BITMAP if backend == "auto" else _IDS_PER_ROW_MAP
+    if n * per_row < sum(sizes.values()):
         assert got is None  # too few ids for the map: the sort is cheaper
         return
     assert got is not None
