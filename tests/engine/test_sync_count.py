@@ -18,6 +18,13 @@ from tests.sync_count import SyncCounter
 MAX_FORWARD, MAX_STEP = 30, 8
 
 
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted on the torch path, the one a GPU runs: the compiled CPU kernels
+    (`embcache.native`, CPU only) read their arrays through ``numpy()``, which syncs nothing."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", "torch")
+
+
 def _collection(num_tables: int, policy: str, load_factor: float):
     tables = [
         embcache.TableConfig(
