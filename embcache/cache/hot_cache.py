@@ -63,7 +63,7 @@ from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig, CachePolicy
 from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.sketch import Counters
 from embcache.cache.snapshot import PolicyState
-from embcache.cache.transfer import TierTransfer, take
+from embcache.cache.transfer import TierTransfer, packed_float32, take
 from embcache.hashing import mix64
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put, select, true_at
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
@@ -256,6 +256,10 @@ class HotCache(PolicyState):
             # Stored rows are the weights then the float32 state: gathered into their columns
             # directly, without gathering each apart and copying both again.
             rows = torch.empty(slots.numel(), spec.stored_width, device=self.device)
+            if self.device.type == "cpu" and packed_float32(self.weights, self.state, rows, slots):
+                native.gather_join(self.weights.numpy(), self.state.numpy(), slots.numpy(),
+                                   rows.numpy())  # fmt: skip
+                return rows
             torch.index_select(self.weights, 0, slots, out=rows[:, : self.dim])
             torch.index_select(self.state, 0, slots, out=rows[:, self.dim :])
             return rows

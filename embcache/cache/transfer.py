@@ -27,6 +27,7 @@ from functools import partial
 import numpy as np
 import torch
 
+import embcache.native as native
 from embcache.indexing import copy_rows
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
@@ -42,6 +43,22 @@ def take(t: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
     if isinstance(positions, slice):
         return t[positions]
     return t.index_select(0, positions.to(t.device))
+
+
+def packed_float32(
+    weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    """Whether float32 stored ``rows`` (weights, then state) move between ``slots`` of CPU
+    ``weights`` and ``state`` through one compiled pass (`native.scatter_split` /
+    `gather_join`)."""
+    return (
+        native.available()
+        and weights.dtype == state.dtype == rows.dtype == torch.float32
+        and slots.dtype == torch.int64
+        and rows.device.type == slots.device.type == "cpu"
+        and rows.shape[1] == weights.shape[1] + state.shape[1]
+        and not (weights.requires_grad or state.requires_grad)
+    )
 
 
 class TierTransfer:
@@ -247,6 +264,9 @@ class TierTransfer:
         GPU the copies run on a side stream and the current stream waits for them (an event):
         kernels queued after this see the rows."""
         spec = self.spec
+        if self.device.type == "cpu" and packed_float32(weights, state, host_rows, slots):
+            native.scatter_split(weights.numpy(), state.numpy(), slots.numpy(), host_rows.numpy())
+            return
         if self.device.type != "cuda":
             w, s = spec.unpack(host_rows)
             copy_rows(weights, slots, w)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+import embcache.native as native
 from embcache.indexing import copy_rows, fill_at, select
 from embcache.kv.base import TableSpec, host_memory_bytes
 from embcache.kv.bounded import BoundedIndex
@@ -58,6 +59,12 @@ def _widened(
     return rows
 
 
+def _compiled(rows: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether a dense table's rows move to or from ``other`` through a compiled pass
+    (`embcache.native`; numba has no half-precision type, so float32 tables only)."""
+    return native.available() and rows.dtype == other.dtype == torch.float32
+
+
 class DenseTable:
     """A table of ``num_embeddings`` rows: row ``i`` of a dense array holds id ``i``."""
 
@@ -78,6 +85,13 @@ class DenseTable:
     def get(self, ids: torch.Tensor, out: torch.Tensor, pin: bool) -> int:
         """Gather rows of ``ids`` into ``out``, creating missing ones; returns rows created."""
         del pin  # nothing is evicted here
+        if self.rows is not None and self.created is not None and _compiled(self.rows, out):
+            # One pass gathers the rows and counts those never created: at steady state none.
+            absent = native.gather_created(
+                self.rows.numpy(), self.created.numpy(), ids.numpy(), out.numpy()
+            )
+            if not absent:
+                return 0
         missing = ids if self.created is None else select(ids, ~self.created.index_select(0, ids))
         fresh = self.spec.initial_rows(missing) if missing.numel() else None
         rows, created = self._allocate()
@@ -99,6 +113,9 @@ class DenseTable:
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         rows, created = self._allocate()
+        if _compiled(rows, values):
+            native.scatter_created(rows.numpy(), created.numpy(), ids.numpy(), values.numpy())
+            return
         copy_rows(rows, ids, values)
         fill_at(created, ids, True)
 

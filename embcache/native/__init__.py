@@ -15,7 +15,11 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
   touched sets, misses ordered by set and the batch's shuffle) and the index changes that
   reserve the chosen ways;
 * `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows
-  (`HotCache.unique_by_rows`).
+  (`HotCache.unique_by_rows`);
+* `scatter_split`, `gather_join`: stored rows into a cache's weights and state, and out
+  (`TierTransfer.copy_in`, `HotCache.rows_of`), one pass each instead of a copy per part;
+* `gather_created`, `scatter_created`: a dense tier table's reads and writes with its
+  ``created`` mask (`kv.host_tables.DenseTable`).
 
 numba is imported on first use; `available()` says whether it can be. The kernels release the
 GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
@@ -76,3 +80,25 @@ def reserve(*args: Any) -> tuple[np.ndarray, ...]:
 def unique_rows(*args: Any) -> tuple[np.ndarray, np.ndarray]:
     """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
     return _kernels().unique_rows(*args)
+
+
+def scatter_split(*args: np.ndarray) -> None:
+    """``weights[slots], state[slots] = rows[:, :dim], rows[:, dim:]`` for float32 arrays
+    (a cache's copy-in of stored rows)."""
+    return _kernels().scatter_split(*args)
+
+
+def gather_join(*args: np.ndarray) -> None:
+    """``out = [weights[slots] | state[slots]]`` for float32 arrays (a cache's stored rows)."""
+    return _kernels().gather_join(*args)
+
+
+def gather_created(*args: np.ndarray) -> int:
+    """``out = rows[ids]`` (same dtype), returning how many of ``ids`` are not ``created``
+    (a dense tier table's read)."""
+    return _kernels().gather_created(*args)
+
+
+def scatter_created(*args: np.ndarray) -> None:
+    """``rows[ids] = src`` and ``created[ids] = True`` (a dense tier table's write)."""
+    return _kernels().scatter_created(*args)

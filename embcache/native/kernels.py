@@ -117,15 +117,21 @@ def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_o
             end += 1
         # The set's ways by (blocked, score, way): the k-th miss takes the k-th free one.
         base = s * ways
+        # Branch-free loops over the ways, which the compiler vectorises: each way's key
+        # (score * ways + way, distinct) or BLOCKED, then the least key for each miss.
         for w in range(ways):
             slot = base + w
-            blocked = locks[slot] > 0 or batch_of[slot] == batch_seq
-            best_first[w] = BLOCKED if blocked else scores[slot] * ways + w
+            key = scores[slot] * ways + w
+            blocked = (locks[slot] > 0) | (batch_of[slot] == batch_seq)
+            best_first[w] = BLOCKED if blocked else key
         for q in range(j, end):
-            w = np.argmin(best_first)
-            if best_first[w] == BLOCKED:
+            least = BLOCKED
+            for w in range(ways):
+                least = min(least, best_first[w])
+            if least == BLOCKED:
                 place[q] = -1
             else:
+                w = least % ways  # the way (Python's modulo: an empty way's key is negative)
                 place[q] = base + w
                 best_first[w] = BLOCKED
         j = end
@@ -240,3 +246,54 @@ def unique_rows(ids, row_offset, fusion_k, bits, rank, row_starts, row_tables):
     for i in range(n):
         inverse[i] = rank[rows[i]]
     return unique[:u], inverse
+
+
+@_jit
+def scatter_split(weights, state, slots, rows):
+    """``weights[slots], state[slots] = rows[:, :dim], rows[:, dim:]`` (float32 rows)."""
+    dim = weights.shape[1]
+    width = state.shape[1]
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        for j in range(dim):
+            weights[s, j] = rows[i, j]
+        for j in range(width):
+            state[s, j] = rows[i, dim + j]
+
+
+@_jit
+def gather_join(weights, state, slots, out):
+    """``out = [weights[slots] | state[slots]]`` (float32 rows)."""
+    dim = weights.shape[1]
+    width = state.shape[1]
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        for j in range(dim):
+            out[i, j] = weights[s, j]
+        for j in range(width):
+            out[i, dim + j] = state[s, j]
+
+
+@_jit
+def gather_created(rows, created, ids, out):
+    """``out = rows[ids]``; returns how many of ``ids`` are not ``created``."""
+    width = rows.shape[1]
+    absent = 0
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        if not created[r]:
+            absent += 1
+        for j in range(width):
+            out[i, j] = rows[r, j]
+    return absent
+
+
+@_jit
+def scatter_created(rows, created, ids, src):
+    """``rows[ids] = src`` and ``created[ids] = True``."""
+    width = rows.shape[1]
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        created[r] = True
+        for j in range(width):
+            rows[r, j] = src[i, j]

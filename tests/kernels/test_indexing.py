@@ -166,11 +166,16 @@ def test_writes_leave_other_positions_alone() -> None:
     assert bool(f[untouched].isnan().all()) and bool((f[idx] == 1.0).all())
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-src"])
-def test_copy_rows_is_index_copy(dtype: torch.dtype, strided: bool) -> None:
-    """Rows land where ``index_copy_`` puts them (numpy's row assignment on the CPU, the torch
-    op for bfloat16); the other rows keep their poison."""
+def test_copy_rows_is_index_copy(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, strided: bool, backend: str
+) -> None:
+    """Rows land where ``index_copy_`` puts them (a compiled loop on the CPU, float16 as its
+    bits; numpy's row assignment without it; the torch op for bfloat16); the other rows keep
+    their poison."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
     gen = torch.Generator().manual_seed(11)
     n, width = 50, 7
     poison = torch.iinfo(dtype).min if dtype == torch.int64 else float("nan")

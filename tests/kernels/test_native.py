@@ -1,0 +1,73 @@
+"""The compiled CPU kernels (`embcache.native`) against the torch ops they stand for, on fresh
+random inputs, outputs poisoned with NaN: the row moves between a cache's slots, its stored
+rows and a dense tier table. (The plan kernels are checked against the torch plan in
+``tests/cache/test_native_plan.py``, the dedup in ``tests/cache/test_row_index.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import embcache.native as native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+
+DIM, STATE, SLOTS = 12, 3, 200
+
+
+def _storage(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    weights = torch.randn(SLOTS, DIM, generator=gen)
+    state = torch.rand(SLOTS, STATE, generator=gen)
+    slots = torch.randperm(SLOTS, generator=gen)[:57]
+    return weights, state, slots
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gather_join_is_cat_of_index_select(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    weights, state, slots = _storage(gen)
+    out = torch.full((slots.numel(), DIM + STATE), float("nan"))
+    native.gather_join(weights.numpy(), state.numpy(), slots.numpy(), out.numpy())
+    expected = torch.cat([weights[slots], state[slots]], dim=1)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided rows"])
+def test_scatter_split_writes_the_slots_and_nothing_else(strided: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    _, _, slots = _storage(gen)
+    weights = torch.full((SLOTS, DIM), float("nan"))
+    state = torch.full((SLOTS, STATE), float("nan"))
+    wide = torch.randn(slots.numel(), DIM + STATE + 2, generator=gen)
+    rows = wide[:, 1 : DIM + STATE + 1] if strided else wide[:, : DIM + STATE].contiguous()
+    native.scatter_split(weights.numpy(), state.numpy(), slots.numpy(), rows.numpy())
+    torch.testing.assert_close(weights[slots], rows[:, :DIM], rtol=0, atol=0)
+    torch.testing.assert_close(state[slots], rows[:, DIM:], rtol=0, atol=0)
+    others = torch.ones(SLOTS, dtype=torch.bool)
+    others[slots] = False
+    assert bool(weights[others].isnan().all()) and bool(state[others].isnan().all())
+
+
+def test_dense_table_gather_counts_rows_never_created() -> None:
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randn(300, DIM + STATE, generator=gen)
+    created = torch.rand(300, generator=gen) < 0.7
+    ids = torch.randperm(300, generator=gen)[:80]
+    out = torch.full((80, DIM + STATE), float("nan"))
+    absent = native.gather_created(rows.numpy(), created.numpy(), ids.numpy(), out.numpy())
+    assert absent == int((~created[ids]).sum()) > 0
+    torch.testing.assert_close(out, rows[ids], rtol=0, atol=0)
+
+
+def test_dense_table_scatter_marks_the_rows_created() -> None:
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.full((300, DIM + STATE), float("nan"))
+    created = torch.zeros(300, dtype=torch.bool)
+    ids = torch.randperm(300, generator=gen)[:80]
+    src = torch.randn(80, DIM + STATE, generator=gen)
+    native.scatter_created(rows.numpy(), created.numpy(), ids.numpy(), src.numpy())
+    torch.testing.assert_close(rows[ids], src, rtol=0, atol=0)
+    expected = torch.zeros(300, dtype=torch.bool)
+    expected[ids] = True
+    assert torch.equal(created, expected)
+    assert bool(rows[~expected].isnan().all())
