@@ -4,8 +4,8 @@ repository.
 
 Layers, lowest first (a module may import its own package and lower layers only):
 
-    hashing, profiling, native       the id hash; named phases for torch.profiler; compiled
-                                     CPU loops (numba)
+    hashing, profiling, native,      the id hash; named phases for torch.profiler; compiled
+    hostmem                          CPU loops (numba); host arrays in huge pages
     indexing                         writes at positions, mask positions, flag counts
     kernels, kv                     the Triton kernels with their twins; the tiers
     cache, optim                    the device cache and its transfers; the optimizer rules
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "embcache"
 
 LAYERS = [
-    ["hashing", "profiling", "native"],
+    ["hashing", "profiling", "native", "hostmem"],
     ["indexing"],
     ["kernels", "kv"],
     ["cache", "optim"],

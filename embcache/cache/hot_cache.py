@@ -65,6 +65,7 @@ from embcache.cache.sketch import Counters
 from embcache.cache.snapshot import PolicyState
 from embcache.cache.transfer import TierTransfer, packed_float32, take
 from embcache.hashing import mix64
+from embcache.hostmem import host_zeros
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put, select, true_at
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
 from embcache.kv.base import Store, TableSpec
@@ -277,8 +278,12 @@ class HotCache(PolicyState):
     def _allocate(self, scratch_rows: int) -> None:
         self._filled = False  # direct mapping: every row loaded
         total = self.num_slots + scratch_rows
-        self.weights = torch.zeros(total, self.dim, dtype=self.dtype, device=self.device)
-        self.state = torch.zeros(total, self.state_dim, dtype=torch.float32, device=self.device)
+        if self.device.type == "cpu":  # rows read at random: huge pages spare the TLB
+            self.weights = host_zeros((total, self.dim), self.dtype)
+            self.state = host_zeros((total, self.state_dim), torch.float32)
+        else:
+            self.weights = torch.zeros(total, self.dim, dtype=self.dtype, device=self.device)
+            self.state = torch.zeros(total, self.state_dim, device=self.device)
         self.slot_keys = torch.full((total,), -1, dtype=torch.int64, device=self.device)
         self.locks = torch.zeros(total, dtype=torch.int32, device=self.device)
         self.dirty = torch.zeros(total, dtype=torch.bool, device=self.device)
@@ -286,9 +291,7 @@ class HotCache(PolicyState):
         self.batch_of = torch.full((total,), -1, dtype=torch.int64, device=self.device)
         # Slot of each row of the tables while it is held (scratch included), else -1.
         self._where = (
-            torch.full((self._index_rows,), -1, dtype=torch.int32, device=self.device)
-            if self._index_rows
-            else None
+            host_zeros((self._index_rows,), torch.int32).fill_(-1) if self._index_rows else None
         )
 
     def row_index(self, keys: torch.Tensor) -> torch.Tensor:
@@ -311,7 +314,7 @@ class HotCache(PolicyState):
             return None
         if self._row_map is None:
             self._row_map = torch.zeros(self._index_rows, dtype=torch.bool)
-            self._row_rank = torch.zeros(self._index_rows, dtype=torch.int32)
+            self._row_rank = host_zeros((self._index_rows,), torch.int32)
             starts = sorted((int(self._row_offset[i]), i) for i in self._specs)
             self._row_starts = torch.tensor([start for start, _ in starts])
             self._row_tables = torch.tensor([idx for _, idx in starts])

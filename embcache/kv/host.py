@@ -3,7 +3,7 @@
 Three table layouts behind one `Store` interface (`embcache.kv.host_tables`):
 
 * tables of ``num_embeddings`` rows: a dense array of the table's dtype, allocated on first
-  touch with ``torch.empty`` (pages never written cost nothing), plus a bool ``created`` mask;
+  touch in huge pages (pages never written cost nothing), plus a bool ``created`` mask;
 * unbounded tables (``num_embeddings is None``, any non-negative int64 id): a `HashIndex` from id
   to row position, and a growable row array in insertion order;
 * tables with a ``capacity``: at most that many rows in buckets (`BoundedIndex`), evicting the

@@ -1,8 +1,8 @@
 """The three ways `HostKV` lays out a table in host memory, behind one interface.
 
 * `DenseTable` (``num_embeddings`` given, no capacity): a dense ``[N, stored_width]`` array of
-  the table's dtype, allocated on first touch with ``torch.empty`` (pages never written cost
-  nothing), plus a bool ``created`` mask;
+  the table's dtype, allocated on first touch in huge pages (`embcache.hostmem`: pages never
+  written cost nothing, 2 MiB at a time), plus a bool ``created`` mask;
 * `HashTable` (``num_embeddings is None``, no capacity, any non-negative int64 id): a
   `HashIndex` from id to row position, and a growable row array in insertion order;
 * `BoundedTable` (a ``capacity``): a `BoundedIndex` of at most ``capacity`` ids and one row
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 import embcache.native as native
+from embcache.hostmem import host_zeros
 from embcache.indexing import copy_rows, fill_at, select
 from embcache.kv.base import TableSpec, host_memory_bytes
 from embcache.kv.bounded import BoundedIndex
@@ -78,7 +79,8 @@ class DenseTable:
             n = self.spec.num_embeddings
             assert n is not None
             check_dense_fits(self.spec)  # a clear error, not the allocator's
-            self.rows = torch.empty(n, self.spec.stored_width, dtype=self.spec.dtype)
+            # Rows are read at random: huge pages spare the TLB (`embcache.hostmem`).
+            self.rows = host_zeros((n, self.spec.stored_width), self.spec.dtype)
             self.created = torch.zeros(n, dtype=torch.bool)
         return self.rows, self.created
 
