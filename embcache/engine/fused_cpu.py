@@ -192,22 +192,24 @@ class FusedCpuStep:
         """The TBE over the cache's current storage (made again when the cache reallocated
         it: a grown scratch area, a new optimizer state layout): one table, its rows the
         slots."""
-        bound = self._storage()
-        if self._tbe is None or bound != self._bound:
-            self._tbe = self._make([self.cache.weights.shape[0]], None)
-            self._bound = bound
-        return self._tbe
+        with self.cache.lock:  # a prefetch growing the scratch area replaces both tensors
+            bound = self._storage()
+            if self._tbe is None or bound != self._bound:
+                self._tbe = self._make([self.cache.weights.shape[0]], None)
+                self._bound = bound
+            return self._tbe
 
     def _direct_table(self) -> Any:
         """The TBE over a direct-mapped cache's storage as its tables: one per table of the
         cache, in slot order, read by raw id."""
-        bound = self._storage()
-        if self._direct_tbe is None or bound != self._direct_bound:
-            assert self.direct_tables is not None
-            assert sum(self.direct_tables) == self.cache.weights.shape[0]
-            self._direct_tbe = self._make(self.direct_tables, self.feature_tables)
-            self._direct_bound = bound
-        return self._direct_tbe
+        with self.cache.lock:
+            bound = self._storage()
+            if self._direct_tbe is None or bound != self._direct_bound:
+                assert self.direct_tables is not None
+                assert sum(self.direct_tables) == self.cache.weights.shape[0]
+                self._direct_tbe = self._make(self.direct_tables, self.feature_tables)
+                self._direct_bound = bound
+            return self._direct_tbe
 
     def _make(self, table_rows: list[int], feature_tables: list[int] | None) -> Any:
         configs, common, training = _fbgemm()
