@@ -128,10 +128,19 @@ class CacheEngine:
         self.fused: Any = None
         self._bases: torch.Tensor | None = None  # direct mapping: slot of row 0 per feature
         self._distinct_rows: native_direct.DistinctRows | None = None  # its compiled pass
+        self._columns: torch.Tensor | None = None
 
     @property
     def dim(self) -> int:
         return self.layout.dim
+
+    @property
+    def columns(self) -> torch.Tensor:
+        """The first output column of each feature, int64 ``[F]`` (read only)."""
+        if self._columns is None:
+            f = len(self.layout.features)
+            self._columns = torch.arange(f, device=self.device) * self.dim
+        return self._columns
 
     def owns(self, table: str) -> bool:
         return any(t.name == table for t in self.layout.tables)
