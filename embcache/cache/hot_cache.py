@@ -69,6 +69,7 @@ from embcache.hostmem import host_zeros
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put, select, true_at
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
 from embcache.kv.base import Store, TableSpec
+from embcache.native import direct as native_direct
 from embcache.profiling import profiled
 
 
@@ -520,14 +521,19 @@ class HotCache(PolicyState):
             raise RuntimeError("direct_bases: this cache does not map rows directly")
         return {idx: int(self._row_offset[idx]) for idx in sorted(self._specs)}
 
-    def serve_direct(self, value_slots: torch.Tensor) -> int:
+    def serve_direct(
+        self, value_slots: torch.Tensor | None, rows: torch.Tensor | None = None
+    ) -> int:
         """A batch served straight from a direct-mapped cache, without a resolve (the fused CPU
         step reads its slots by table and id): load every row on first use, and count the
         batch's distinct rows as hits, as `resolve` counts its unique ids. No lock is taken:
         a direct-mapped cache evicts nothing.
 
         Args:
-            value_slots: int64 ``[nnz]`` the slot of each value of the batch (repeats allowed).
+            value_slots: int64 ``[nnz]`` the slot of each value of the batch (repeats allowed),
+                or None when ``rows`` is given.
+            rows: int64 ``[U]`` the batch's distinct slots, when the caller found them (a
+                compiled pass, `native.direct.DistinctRows`); else they are counted here.
 
         Returns:
             the batch's number, for `mark_dirty_direct` (which marks the same rows faster
@@ -539,16 +545,21 @@ class HotCache(PolicyState):
             if not self._filled:
                 self._prefill_direct()
             self._served += 1
-            rows = self.weights.shape[0]
-            if value_slots.numel() * _VALUES_PER_MAP < rows:
+            num_rows = self.weights.shape[0]
+            if rows is not None:
+                self.hits += rows.numel()
+                self._seen_batch = -1
+                return self._served
+            assert value_slots is not None
+            if value_slots.numel() * _VALUES_PER_MAP < num_rows:
                 # Few values for the cache's size: passes over the values beat one over a map.
                 self.hits += self._distinct(value_slots)
                 self._seen_batch = -1
                 return self._served
             # A map of the slots this batch touches: its count is the distinct rows, without
             # sorting them, and it marks them dirty after the step in one pass.
-            if self._seen is None or self._seen.numel() != rows:
-                self._seen = torch.zeros(rows, dtype=torch.bool, device=self.device)
+            if self._seen is None or self._seen.numel() != num_rows:
+                self._seen = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
             else:
                 self._seen.zero_()
             fill_at(self._seen, value_slots, True)
@@ -567,10 +578,19 @@ class HotCache(PolicyState):
         put(self._stamps, slots, at)
         return int(torch.eq(self._stamps.index_select(0, slots), at).sum())
 
-    def mark_dirty_direct(self, value_slots: torch.Tensor, batch: int) -> None:
+    def mark_dirty_direct(
+        self, value_slots: torch.Tensor | None, batch: int, rows: torch.Tensor | None = None
+    ) -> None:
         """`mark_dirty` for the rows of a batch that `serve_direct` numbered ``batch``
-        (``value_slots`` as given to it)."""
+        (``value_slots`` and ``rows`` as given to it)."""
         with self.lock:
+            if rows is not None:
+                if native_direct.available() and self.device.type == "cpu":
+                    native_direct.set_flags(self.dirty, rows)
+                else:
+                    fill_at(self.dirty, rows, True)
+                return
+            assert value_slots is not None
             if batch == self._seen_batch != -1 and self._seen is not None:
                 or_flags(self.dirty, self._seen)
             else:

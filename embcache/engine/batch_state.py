@@ -17,10 +17,13 @@ from embcache.engine.inputs import JaggedBatch
 @dataclass
 class DirectIds:
     """A batch share served by a direct-mapped cache without dedup or resolve (the fused CPU
-    step): the raw ids as the tables number them, and the slot of each."""
+    step): the raw ids as the tables number them, and the slot of each or (found by a
+    compiled pass, `native.direct.DistinctRows`) the distinct slots; the engine computes the
+    slot of each when it needs them (`CacheEngine.value_slots`)."""
 
     values: torch.Tensor  # int64 [nnz] raw ids, the cache's features in layout order
-    slots: torch.Tensor  # int64 [nnz] slot of each value (repeats kept)
+    slots: torch.Tensor | None  # int64 [nnz] slot of each value (repeats kept)
+    rows: torch.Tensor | None = None  # int64 [U] the distinct slots (None: not known)
     batch: int = 0  # its number at the cache (`HotCache.serve_direct`)
 
 

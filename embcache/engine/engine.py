@@ -27,6 +27,7 @@ from embcache.engine.layout import Bags, CacheLayout
 from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
 from embcache.kernels.optim import aggregate_grads, apply_row_update
 from embcache.kernels.pooling import pool_backward, pool_forward
+from embcache.native import direct as native_direct
 from embcache.profiling import profiled
 
 
@@ -126,10 +127,20 @@ class CacheEngine:
         # applies to the attached optimizer; None: the twins (or Triton) do every phase.
         self.fused: Any = None
         self._bases: torch.Tensor | None = None  # direct mapping: slot of row 0 per feature
+        self._distinct_rows: native_direct.DistinctRows | None = None  # its compiled pass
+        self._columns: torch.Tensor | None = None
 
     @property
     def dim(self) -> int:
         return self.layout.dim
+
+    @property
+    def columns(self) -> torch.Tensor:
+        """The first output column of each feature, int64 ``[F]`` (read only)."""
+        if self._columns is None:
+            f = len(self.layout.features)
+            self._columns = torch.arange(f, device=self.device) * self.dim
+        return self._columns
 
     def owns(self, table: str) -> bool:
         return any(t.name == table for t in self.layout.tables)
@@ -195,7 +206,9 @@ class CacheEngine:
         """This cache's share of a checked training batch, served straight from its slots when
         the cache maps every row directly and the fused CPU step pools it (FBGEMM's TBE reads
         rows by table and raw id, and sums repeated ids in its own backward): the ids are
-        checked and each value's slot computed, nothing more. None when that does not apply.
+        checked and each value's slot computed (`_direct_slots`), or where the compiled kernels
+        run, the batch's distinct rows found in the same pass (`_direct_native`), nothing
+        more. None when that does not apply.
 
         Raises:
             ValueError: an id out of its table's range (nothing changed), as `fuse` says it."""
@@ -204,15 +217,35 @@ class CacheEngine:
         values, lengths, weights = group_inputs(batch, self.layout.features)
         if not self.fused.takes(weights):
             return None
-        slots = self._direct_slots(batch, values.to(torch.int64), lengths)
+        values = values.to(self.device, torch.int64)
         if weights is not None:
             weights = weights.to(self.device, torch.float32)
         # The batch's own offsets when this cache reads all its features in its order.
         whole = batch.keys() == self.layout.features
-        offsets = batch.offsets() if whole else _offsets(lengths)
-        share = DirectIds(values.to(self.device, torch.int64), slots.to(self.device))
-        return Prepared(None, None, None, offsets.to(self.device, torch.int64), weights, False,
-                        direct=share)  # fmt: skip
+        offsets = (batch.offsets() if whole else _offsets(lengths)).to(self.device, torch.int64)
+        share = self._direct_native(values, offsets, batch.stride())
+        if share is None:
+            share = DirectIds(values, self._direct_slots(batch, values, lengths).to(self.device))
+        return Prepared(None, None, None, offsets, weights, False, direct=share)
+
+    def _direct_native(
+        self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int
+    ) -> DirectIds | None:
+        """The share with its distinct rows found by one compiled pass over the values, which
+        checks the ids as `_direct_slots` does (`native.direct.DistinctRows`); None when the
+        compiled kernels do not run here, or an id or the offsets are wrong (`_direct_slots`
+        then raises naming it)."""
+        if not native_direct.available():
+            return None
+        if self._distinct_rows is None:
+            bases = self.cache.direct_bases()
+            self._distinct_rows = native_direct.DistinctRows(
+                [t.num_embeddings for t in self.layout.feature_table],
+                [bases[t.index] for t in self.layout.feature_table],
+                self.cache.num_slots,
+            )
+        rows = self._distinct_rows(values.contiguous(), offsets.contiguous(), batch_size)
+        return None if rows is None else DirectIds(values, None, rows)
 
     def _direct_slots(self, batch: JaggedBatch, values: torch.Tensor, lengths: torch.Tensor
                       ) -> torch.Tensor:  # fmt: skip
@@ -222,27 +255,45 @@ class CacheEngine:
         f = len(self.layout.features)
         n = values.numel() // f if f else 0
         if n and values.numel() == n * f and bool((lengths.view(f, -1).sum(dim=1) == n).all()):
-            if self._bases is None:
-                bases = self.cache.direct_bases()
-                self._bases = torch.tensor([bases[t.index] for t in self.layout.feature_table])
             grid = values.view(f, n)
             lo, hi = torch.aminmax(grid, dim=1)
             if bool(torch.logical_and(lo >= 0, hi < self.layout.table_rows).all()):
-                return (grid + self._bases.unsqueeze(1)).view(-1)
+                return (grid + self._feature_bases().unsqueeze(1)).view(-1)
         fused, _, _ = self.fuse(batch)
         return self.cache.row_index(fused)
+
+    def _feature_bases(self) -> torch.Tensor:
+        """Direct mapping: the slot of row 0 of each feature's table, int64 ``[F]``."""
+        if self._bases is None:
+            bases = self.cache.direct_bases()
+            self._bases = torch.tensor([bases[t.index] for t in self.layout.feature_table])
+        return self._bases
+
+    def value_slots(self, p: Prepared) -> torch.Tensor:
+        """The slot of each value of a direct share (computed once, when the share's pass
+        found only its distinct rows)."""
+        assert p.direct is not None
+        if p.direct.slots is None:
+            values = p.direct.values
+            b = (p.offsets.numel() - 1) // len(self.layout.features)
+            if b and values.numel():
+                per_feature = p.offsets[b::b] - p.offsets[:-1:b]
+                bases = self._feature_bases().to(self.device)
+                values = values + bases.repeat_interleave(per_feature, output_size=values.numel())
+            p.direct.slots = values
+        return p.direct.slots
 
     @profiled("engine.direct")
     def serve_direct(self, p: Prepared) -> Prepared:
         """Load the cache on first use and count the share's rows (hits), as a resolve would."""
         assert p.direct is not None
-        p.direct.batch = self.cache.serve_direct(p.direct.slots)
+        p.direct.batch = self.cache.serve_direct(p.direct.slots, p.direct.rows)
         return p
 
     def mark_dirty(self, p: Prepared) -> None:
         """Mark the rows of a share dirty after its update."""
         if p.direct is not None:
-            self.cache.mark_dirty_direct(p.direct.slots, p.direct.batch)
+            self.cache.mark_dirty_direct(p.direct.slots, p.direct.batch, p.direct.rows)
         else:
             self.cache.mark_dirty(p.slots)
 
@@ -251,7 +302,7 @@ class CacheEngine:
         `release`), for the paths that want per-id rows: reading the trace, pooling without
         the TBE (a prefetched share read without gradients)."""
         if p.direct is not None and p.unique is None:
-            slots, inverse, _ = dedup(p.direct.slots, with_counts=False)
+            slots, inverse, _ = dedup(self.value_slots(p), with_counts=False)
             # Slots ascend with fused ids under direct mapping: unique stays ascending.
             p.unique = self.cache.slot_keys.index_select(0, slots)
             p.inverse, p.slots = inverse, slots

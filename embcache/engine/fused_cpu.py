@@ -149,6 +149,7 @@ class FusedCpuStep:
         self.feature_tables: list[int] = []
         self._direct_tbe: Any = None
         self._direct_bound: tuple[int, int, int] = (0, 0, 0)
+        self._lrs: dict[int, float] = {}  # the learning rate each TBE (by id) was given
 
     @property
     def direct(self) -> bool:
@@ -213,6 +214,7 @@ class FusedCpuStep:
 
     def _make(self, table_rows: list[int], feature_tables: list[int] | None) -> Any:
         configs, common, training = _fbgemm()
+        self._lrs.clear()  # the TBE it replaces may leave its id to the new one
         weights, state = self.cache.weights, self.cache.state
         dim = weights.shape[1]
         buffers = {"weights": _alias(weights)}
@@ -238,6 +240,12 @@ class FusedCpuStep:
                 preallocated_host_buffers=buffers,
             )
 
+    def _set_lr(self, tbe: Any, lr: float) -> None:
+        """Give ``tbe`` the learning rate ``lr`` (a tensor fill, skipped when it has it)."""
+        if self._lrs.get(id(tbe)) != lr:
+            tbe.set_learning_rate(lr)
+            self._lrs[id(tbe)] = lr
+
     def takes(self, weights: torch.Tensor | None) -> bool:
         """Whether a batch share with per-sample ``weights`` can go through the TBE (weighted
         MEAN cannot: the twins divide a weighted sum by the bag's length, which FBGEMM's MEAN
@@ -252,7 +260,7 @@ class FusedCpuStep:
         ``[B, F * dim]`` output as it stands), with its autograd graph (whose backward is the
         fused row update at learning rate ``lr``), and the storage that graph is bound to."""
         tbe = self._table()
-        tbe.set_learning_rate(lr)  # the CPU op reads it at the forward
+        self._set_lr(tbe, lr)  # the CPU op reads it at the forward
         indices, offsets, weights = _sample_major(p, batch_size)
         with torch.enable_grad():
             pooled = tbe(indices, offsets, per_sample_weights=weights)
@@ -267,7 +275,7 @@ class FusedCpuStep:
         (the engine's output as it stands)."""
         assert p.direct is not None
         tbe = self._direct_table()
-        tbe.set_learning_rate(lr)
+        self._set_lr(tbe, lr)
         with torch.enable_grad():
             pooled = tbe(p.direct.values, p.offsets, per_sample_weights=p.weights)
         return pooled, self._direct_bound

@@ -296,9 +296,11 @@ def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool
         raise ValueError(
             f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} features"
         )
-    # One host synchronisation for all three facts.
     low = lengths.min() if lengths.numel() else lengths.new_zeros(())
-    low, total = torch.stack([low, lengths.sum()]).tolist()
+    if lengths.device.type == "cpu":  # nothing to synchronise: two reads beat a stack
+        low, total = int(low), int(lengths.sum())
+    else:  # one host synchronisation for all three facts
+        low, total = torch.stack([low, lengths.sum()]).tolist()
     if low < 0:
         raise ValueError("lengths must be >= 0")
     if total != values.numel():

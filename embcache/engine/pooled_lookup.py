@@ -33,7 +33,7 @@ class PooledLookup(torch.autograd.Function):
     ):
         outs, argmaxes, columns, fused = [], [], [], []
         for engine, p in zip(group.engines, prepared, strict=True):
-            cols = torch.arange(len(engine.layout.features), device=engine.device) * engine.dim
+            cols = engine.columns
             f, dim = len(engine.layout.features), engine.dim
             if batch is not None and engine.fused is not None and engine.fused.takes(p.weights):
                 lr = group.optimizer.update.lr

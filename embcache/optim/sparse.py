@@ -147,7 +147,7 @@ class SparseOptimizer:
             bases[id(base)] = base
         # A finite sum proves every element finite (NaN and Inf propagate); a non-finite sum
         # (NaN/Inf, or a rare overflow) falls through to the exact per-table check.
-        if all(bool(torch.isfinite(b.sum())) for b in bases.values()):
+        if all(math.isfinite(b.sum().item()) for b in bases.values()):
             return
         for table, _, grads in entries:
             if grads.numel() and not bool(torch.isfinite(grads).all()):
