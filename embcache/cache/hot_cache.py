@@ -710,9 +710,18 @@ class HotCache(PolicyState):
             empty = self._empty_ids()
             return _Plan(ids, slots, empty, empty, empty, empty)
         miss_pos, order, place = map(torch.from_numpy, (miss_pos, order, place))
-        if bool((place < 0).any()):  # some go to scratch: the torch path's reservation
-            misses = miss_pos, ids.index_select(0, miss_pos)
-            return self._reserve(ids, slots, misses, miss_pos.index_select(0, order), place, 0)
+        over = true_at(place < 0)  # misses whose set has no free way: scratch rows
+        if over.numel():
+            try:
+                self._grow_scratch(over.numel())  # may replace the arrays: views come after
+            except CacheCapacityError:
+                self._lock_hits(slots, -1)
+                self._tick -= 1
+                self._lookups -= 1
+                raise
+            free = true_at(self.slot_keys[self.num_slots :] < 0)[: over.numel()]
+            put(place, over, self.num_slots + free)  # in the planned order, as `_reserve`
+            self._scratch_used += over.numel()
         load_slots, victim_ids, victim_slots, evicted, old_keys, old_scores, old_dirty = (
             map(torch.from_numpy, native.reserve(
                 ids.numpy(), slots.numpy(), miss_pos.numpy(), order.numpy(), place.numpy(),
@@ -726,7 +735,7 @@ class HotCache(PolicyState):
         )
         plan.reserved, plan.old_keys = place, old_keys
         plan.old_scores, plan.old_dirty = old_scores, old_dirty
-        plan.evicted = evicted.numel()
+        plan.evicted, plan.n_scratch = evicted.numel(), over.numel()
         if self.pins:
             plan.released = evicted
         return plan
@@ -823,8 +832,10 @@ class HotCache(PolicyState):
             self._reindex()
         if plan.old_dirty is not None:  # set together with reserved
             self.dirty[plan.reserved] = plan.old_dirty
-        if plan.old_scores is not None:
-            self.scores[plan.reserved[: plan.old_scores.numel()]] = plan.old_scores
+        if plan.old_scores is not None:  # of the reserved ways (scratch rows have none)
+            reserved = plan.reserved[: plan.old_scores.numel()]
+            ways = reserved < self.num_slots
+            self.scores[reserved[ways]] = plan.old_scores[ways]
         self._scratch_used -= plan.n_scratch
         self.locks[self._live(plan.slots)] -= 1
 

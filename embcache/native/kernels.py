@@ -141,10 +141,11 @@ def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_o
 @_jit
 def reserve(ids, slots, miss_pos, order, place, where, row_offset, fusion_k, slot_keys,
             scores, locks, dirty, num_slots, tick):  # fmt: skip
-    """Give every miss its planned slot (all placed): record the victims, re-key and
-    re-index the slots, lock and touch the batch. Returns the plan's arrays: the misses'
-    slots (in the order of ids), the dirty victims' ids and slots, every evicted id, and
-    each reserved slot's old key, score and dirty flag (in the planned order)."""
+    """Give every miss its planned slot (a way, or a free scratch row at ``num_slots`` or
+    beyond): record the victims, re-key and re-index the slots, lock and touch the batch.
+    Returns the plan's arrays: the misses' slots (in the order of ids), the dirty victims'
+    ids and slots, every evicted id, and each reserved slot's old key, score (-1 for a
+    scratch row) and dirty flag (in the planned order)."""
     m = miss_pos.shape[0]
     mask = (np.int64(1) << fusion_k) - 1
     old_keys = np.empty(m, np.int64)
@@ -159,7 +160,7 @@ def reserve(ids, slots, miss_pos, order, place, where, row_offset, fusion_k, slo
         s = place[q]
         v = slot_keys[s]
         old_keys[q] = v
-        old_scores[q] = scores[s]
+        old_scores[q] = scores[s] if s < num_slots else -1  # a scratch row has no score
         old_dirty[q] = dirty[s]
         if v >= 0:
             evicted[n_evicted] = v
