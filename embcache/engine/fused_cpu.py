@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+import embcache.native as native
 from embcache.engine.batch_state import InFlight, Prepared
 from embcache.kernels.optim import OptimRule
 from embcache.kernels.pooling import PoolingMode
@@ -99,16 +100,23 @@ def _sample_major(
     """The slot of every value, the bag offsets and the per-sample weights with the bags in
     sample-major order (bag ``(b, f)`` at ``b * F + f``; the batch holds them feature-major):
     moving the ids costs less than transposing the pooled rows and their gradient."""
-    slots = p.slots.index_select(0, p.inverse)
     num_bags = p.offsets.numel() - 1
     features = num_bags // batch_size if batch_size else 0
     if features <= 1:
-        return slots, p.offsets, p.weights
-    n = slots.numel()
+        return p.slots.index_select(0, p.inverse), p.offsets, p.weights
+    n = p.inverse.numel()
     bag_lengths = p.offsets[1:] - p.offsets[:-1]
     shortest, longest = torch.stack(torch.aminmax(bag_lengths)).tolist() if num_bags else (0, 1)
     if shortest == longest == 0:
-        return slots, p.offsets, p.weights
+        return p.slots.index_select(0, p.inverse), p.offsets, p.weights
+    if shortest == longest and p.weights is None and _compiled(p):
+        # One pass gathers each value's slot and moves its bag (`native.slots_sample_major`).
+        moved_slots = torch.empty(n, dtype=torch.int64)
+        native.slots_sample_major(p.slots.numpy(), p.inverse.numpy(), features, batch_size,
+                                  longest, moved_slots.numpy())  # fmt: skip
+        offsets = torch.arange(0, n + 1, longest, dtype=torch.int64)
+        return moved_slots, offsets, None
+    slots = p.slots.index_select(0, p.inverse)
     if shortest == longest:  # bags of one length: a transpose of [F, B, L]
 
         def moved(t: torch.Tensor) -> torch.Tensor:
@@ -125,6 +133,19 @@ def _sample_major(
     perm += torch.arange(n, dtype=torch.int64, device=slots.device)
     weights = None if p.weights is None else p.weights.index_select(0, perm)
     return slots.index_select(0, perm), offsets, weights
+
+
+def _compiled(p: Prepared) -> bool:
+    """Whether a share's slots reach the TBE through a compiled pass (CPU int64 tensors)."""
+    return (
+        native.available()
+        and p.slots is not None
+        and p.inverse is not None
+        and p.slots.device.type == p.inverse.device.type == "cpu"
+        and p.slots.dtype == p.inverse.dtype == torch.int64
+        and p.slots.is_contiguous()
+        and p.inverse.is_contiguous()
+    )
 
 
 class FusedCpuStep:

@@ -19,7 +19,8 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
 * `scatter_split`, `gather_join`: stored rows into a cache's weights and state, and out
   (`TierTransfer.copy_in`, `HotCache.rows_of`), one pass each instead of a copy per part;
 * `gather_created`, `scatter_created`: a dense tier table's reads and writes with its
-  ``created`` mask (`kv.host_tables.DenseTable`).
+  ``created`` mask (`kv.host_tables.DenseTable`);
+* `slots_sample_major`: each value's slot in the fused CPU step's order (`engine.fused_cpu`).
 
 numba is imported on first use; `available()` says whether it can be. The kernels release the
 GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
@@ -102,3 +103,9 @@ def gather_created(*args: np.ndarray) -> int:
 def scatter_created(*args: np.ndarray) -> None:
     """``rows[ids] = src`` and ``created[ids] = True`` (a dense tier table's write)."""
     return _kernels().scatter_created(*args)
+
+
+def slots_sample_major(*args: np.ndarray | int) -> None:
+    """Each value's slot with bags of one length moved to sample-major order (the fused CPU
+    step's indices: `engine.fused_cpu`), one gather-and-move pass."""
+    _kernels().slots_sample_major(*args)

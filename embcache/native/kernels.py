@@ -298,3 +298,15 @@ def scatter_created(rows, created, ids, src):
         created[r] = True
         for j in range(width):
             rows[r, j] = src[i, j]
+
+
+@_jit
+def slots_sample_major(slots, inverse, features, batch_size, length, out):
+    """``out[(b * F + f) * L + l] = slots[inverse[(f * B + b) * L + l]]``: each value's slot,
+    with bags of one length ``L`` moved from feature-major to sample-major order."""
+    for f in range(features):
+        for b in range(batch_size):
+            src = (f * batch_size + b) * length
+            dst = (b * features + f) * length
+            for v in range(length):
+                out[dst + v] = slots[inverse[src + v]]

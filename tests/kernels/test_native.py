@@ -1,7 +1,8 @@
 """The compiled CPU kernels (`embcache.native`) against the torch ops they stand for, on fresh
 random inputs, outputs poisoned with NaN: the row moves between a cache's slots, its stored
-rows and a dense tier table. (The plan kernels are checked against the torch plan in
-``tests/cache/test_native_plan.py``, the dedup in ``tests/cache/test_row_index.py``.)"""
+rows and a dense tier table, and the fused step's sample-major slots. (The plan kernels are
+checked against the torch plan in ``tests/cache/test_native_plan.py``, the dedup in
+``tests/cache/test_row_index.py``.)"""
 
 from __future__ import annotations
 
@@ -71,3 +72,18 @@ def test_dense_table_scatter_marks_the_rows_created() -> None:
     expected[ids] = True
     assert torch.equal(created, expected)
     assert bool(rows[~expected].isnan().all())
+
+
+@pytest.mark.parametrize(("features", "batch_size", "length"), [(3, 5, 4), (1, 7, 2), (4, 6, 1)])
+def test_slots_sample_major_is_a_gather_then_a_transpose(
+    features: int, batch_size: int, length: int
+) -> None:
+    gen = torch.Generator().manual_seed(features * 100 + batch_size)
+    slots = torch.randperm(SLOTS, generator=gen)[:40]
+    inverse = torch.randint(0, slots.numel(), (features * batch_size * length,), generator=gen)
+    out = torch.full((inverse.numel(),), -1, dtype=torch.int64)
+    native.slots_sample_major(
+        slots.numpy(), inverse.numpy(), features, batch_size, length, out.numpy()
+    )
+    expected = slots[inverse].view(features, batch_size, length).transpose(0, 1).reshape(-1)
+    assert torch.equal(out, expected)
