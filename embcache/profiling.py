@@ -3,8 +3,9 @@
     @profiled("cache.plan")
     def _plan_sets(self, ids): ...
 
-Each call runs inside ``torch.profiler.record_function(name)``: a no-op costing about a
-microsecond when no profiler runs, and a labelled range when one does.
+While a profiler runs, each call runs inside ``torch.profiler.record_function(name)``, a
+labelled range; otherwise the function is called as it is (``record_function`` costs several
+microseconds even with no profiler, and a step makes 15-25 of these calls).
 `benchmarks/bench_step_profile.py` sums these ranges into a per-phase profile of one step.
 """
 
@@ -17,6 +18,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 _P = ParamSpec("_P")
+_profiling = torch.autograd._profiler_enabled  # whether a torch profiler is recording
 _R = TypeVar("_R")
 
 
@@ -27,6 +29,8 @@ def profiled(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
     def wrap(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         @functools.wraps(fn)
         def inner(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            if not _profiling():
+                return fn(*args, **kwargs)
             with torch.profiler.record_function(name):
                 return fn(*args, **kwargs)
 

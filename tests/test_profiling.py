@@ -1,0 +1,48 @@
+"""`embcache.profiling.profiled`: a named range while a torch profiler records, the bare call
+otherwise (and the same result and exceptions either way)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embcache.profiling import profiled
+
+
+@profiled("test.double")
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@profiled("test.fail")
+def _fail() -> None:
+    raise ValueError("bad input")
+
+
+def _ranges(prof: torch.profiler.profile) -> list[str]:
+    return [e.name for e in prof.events()]
+
+
+def test_a_recording_profiler_sees_one_range_per_call() -> None:
+    x = torch.arange(4.0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = _double(x)
+        _double(x)
+    assert torch.equal(out, x * 2)
+    assert _ranges(prof).count("test.double") == 2
+
+
+def test_without_a_profiler_the_call_is_bare_and_gives_the_same_result() -> None:
+    x = torch.arange(4.0)
+    assert not torch.autograd._profiler_enabled()
+    assert torch.equal(_double(x), x * 2)
+    assert _double.__name__ == "_double"  # functools.wraps keeps the name
+
+
+def test_exceptions_pass_through_either_way() -> None:
+    with pytest.raises(ValueError, match="bad input"):
+        _fail()
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu) as prof, pytest.raises(ValueError, match="bad"):
+        _fail()
+    assert "test.fail" in _ranges(prof)
