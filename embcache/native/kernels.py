@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from embcache.native.prefetch import AHEAD, prefetch_item, prefetch_row, prefetch_span
+
 _jit = njit(nogil=True, cache=True, boundscheck=False)
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -14,6 +16,9 @@ MIX2 = np.uint64(0x94D049BB133111EB)
 LOW63 = np.uint64(0x7FFFFFFFFFFFFFFF)
 S27, S30, S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 BLOCKED = np.iinfo(np.int64).max  # a way no miss may take (scores stay below 2**57)
+# Misses ahead (in set order) whose set's ways the plan asks for: a set costs about as many
+# nanoseconds as memory takes to answer, so a few sets ahead is enough.
+_SETS_AHEAD = 6
 
 
 @_jit
@@ -45,24 +50,29 @@ def _by_set(sets, shuffle, num_sets):
         start[sets[j] + 1] += 1
     for s in range(num_sets):
         start[s + 1] += start[s]
+    # Positions ascending within each set (stable), each with its shuffle beside it, so that
+    # the sort within a set below reads contiguous memory instead of following `order`.
     order = np.empty(m, np.int64)
-    for j in range(m):  # positions ascending within each set: stable
-        order[start[sets[j]]] = j
-        start[sets[j]] += 1
+    keys = np.empty(m, np.int64)
+    cursor = start[:-1].copy()
+    for j in range(m):
+        at = cursor[sets[j]]
+        order[at] = j
+        keys[at] = shuffle[j]
+        cursor[sets[j]] = at + 1
     # Within a set (a few misses), by shuffle: an insertion sort, stable.
-    j = 0
-    while j < m:
-        end = j + 1
-        while end < m and sets[order[end]] == sets[order[j]]:
-            end += 1
-        for a in range(j + 1, end):
+    for s in range(num_sets):
+        lo = start[s]
+        for a in range(lo + 1, start[s + 1]):
+            key = keys[a]
             item = order[a]
             b = a - 1
-            while b >= j and shuffle[order[b]] > shuffle[item]:
+            while b >= lo and keys[b] > key:
+                keys[b + 1] = keys[b]
                 order[b + 1] = order[b]
                 b -= 1
+            keys[b + 1] = key
             order[b + 1] = item
-        j = end
     return order
 
 
@@ -77,27 +87,34 @@ def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_o
     mask = (np.int64(1) << fusion_k) - 1
     m = 0
     for i in range(n):
+        if i + AHEAD < n:
+            ahead = ids[i + AHEAD]
+            prefetch_item(where, row_offset[ahead >> fusion_k] + (ahead & mask))
         key = ids[i]
         s = np.int64(where[row_offset[key >> fusion_k] + (key & mask)])
         slots[i] = s
         if s < 0:
             m += 1
-    miss_pos = np.empty(m, np.int64)
+    miss_pos = np.empty(m + 1, np.int64)  # one more: the loop below writes past the last
     if m == 0:
         for i in range(n):
             s = slots[i]
             locks[s] += 1
             if s < num_slots:
                 scores[s] = tick
-        return miss_pos, miss_pos, miss_pos
+        return miss_pos[:0], miss_pos[:0], miss_pos[:0]
+    # Branch-free (hit or miss is a coin toss the CPU cannot predict): each position is
+    # written and kept only by a miss; a hit adds its lock, a miss adds 0 to slot 0's.
     k = 0
     for i in range(n):
+        if i + AHEAD < n:
+            prefetch_item(locks, max(slots[i + AHEAD], 0))
         s = slots[i]
-        if s < 0:
-            miss_pos[k] = i
-            k += 1
-        else:
-            locks[s] += 1  # the ways this batch hits are as good as locked
+        miss = s < 0
+        miss_pos[k] = i
+        k += miss
+        locks[max(s, 0)] += np.int32(not miss)  # the ways this batch hits are as good as locked
+    miss_pos = miss_pos[:m]
     # Misses by set, then by the batch's shuffle (20 low bits), ties in the order of ids.
     sets = np.empty(m, np.int64)
     shuffle = np.empty(m, np.int64)
@@ -107,14 +124,22 @@ def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_o
         sets[j] = np.int64((mix64(key) & LOW63) % np.uint64(num_sets))
         shuffle[j] = np.int64(mix64(key ^ utick) & np.uint64(0xFFFFF))
     order = _by_set(sets, shuffle, num_sets)
+    by_set = np.empty(m, np.int64)  # the misses' sets in that order
+    for j in range(m):
+        by_set[j] = sets[order[j]]
     place = np.empty(m, np.int64)
     best_first = np.empty(ways, np.int64)
     j = 0
     while j < m:
-        s = sets[order[j]]
+        s = by_set[j]
         end = j + 1
-        while end < m and sets[order[end]] == s:
+        while end < m and by_set[end] == s:
             end += 1
+        if end + _SETS_AHEAD < m:  # the ways of a set a few ahead: their lines on the way
+            later = by_set[end + _SETS_AHEAD] * ways
+            prefetch_span(scores, later, ways)
+            prefetch_span(locks, later, ways)
+            prefetch_span(batch_of, later, ways)
         # The set's ways by (blocked, score, way): the k-th miss takes the k-th free one.
         base = s * ways
         # Branch-free loops over the ways, which the compiler vectorises: each way's key
@@ -124,16 +149,24 @@ def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_o
             key = scores[slot] * ways + w
             blocked = (locks[slot] > 0) | (batch_of[slot] == batch_seq)
             best_first[w] = BLOCKED if blocked else key
-        for q in range(j, end):
-            least = BLOCKED
-            for w in range(ways):
-                least = min(least, best_first[w])
-            if least == BLOCKED:
-                place[q] = -1
-            else:
-                w = least % ways  # the way (Python's modulo: an empty way's key is negative)
-                place[q] = base + w
-                best_first[w] = BLOCKED
+        if ways == 32:  # the default: a loop of known length, and a mask for the modulo
+            for q in range(j, end):
+                least = BLOCKED
+                for w in range(32):
+                    least = min(least, best_first[w])
+                place[q] = -1 if least == BLOCKED else base + (least & 31)
+                best_first[least & 31] = BLOCKED  # (all blocked already when least is)
+        else:
+            for q in range(j, end):
+                least = BLOCKED
+                for w in range(ways):
+                    least = min(least, best_first[w])
+                if least == BLOCKED:
+                    place[q] = -1
+                else:
+                    w = least % ways  # the way (Python's modulo: an empty way's key is < 0)
+                    place[q] = base + w
+                    best_first[w] = BLOCKED
         j = end
     return miss_pos, order, place
 
@@ -157,6 +190,10 @@ def reserve(ids, slots, miss_pos, order, place, where, row_offset, fusion_k, slo
     n_evicted = 0
     n_dirty = 0
     for q in range(m):
+        if q + AHEAD < m:
+            later = slot_keys[place[q + AHEAD]]
+            if later >= 0:  # the index entry of a victim a few ahead
+                prefetch_item(where, row_offset[later >> fusion_k] + (later & mask))
         s = place[q]
         v = slot_keys[s]
         old_keys[q] = v
@@ -173,6 +210,9 @@ def reserve(ids, slots, miss_pos, order, place, where, row_offset, fusion_k, slo
         slots[miss_pos[order[q]]] = s
     load_slots = np.empty(m, np.int64)
     for k in range(m):
+        if k + AHEAD < m:
+            ahead = ids[miss_pos[k + AHEAD]]
+            prefetch_item(where, row_offset[ahead >> fusion_k] + (ahead & mask))
         i = miss_pos[k]
         s = slots[i]
         key = ids[i]
@@ -267,7 +307,11 @@ def gather_join(weights, state, slots, out):
     """``out = [weights[slots] | state[slots]]`` (float32 rows)."""
     dim = weights.shape[1]
     width = state.shape[1]
-    for i in range(slots.shape[0]):
+    n = slots.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:
+            prefetch_row(weights, slots[i + AHEAD])
+            prefetch_row(state, slots[i + AHEAD])
         s = slots[i]
         for j in range(dim):
             out[i, j] = weights[s, j]
@@ -280,7 +324,11 @@ def gather_created(rows, created, ids, out):
     """``out = rows[ids]``; returns how many of ``ids`` are not ``created``."""
     width = rows.shape[1]
     absent = 0
-    for i in range(ids.shape[0]):
+    n = ids.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:
+            prefetch_row(rows, ids[i + AHEAD])
+            prefetch_item(created, ids[i + AHEAD])
         r = ids[i]
         if not created[r]:
             absent += 1

@@ -72,6 +72,7 @@ def _tier(cache: HotCache) -> list[torch.Tensor]:
         (256, 8, False, 120),  # evictions every batch
         (64, 16, False, 150),  # batches wider than the cache: scratch rows
         (512, 32, True, 90),  # bounded tier tables: pins released with the evictions
+        (64, 32, False, 150),  # 32 ways (the kernel's own loop for them), sets overflowing
         (128, 4, False, 40),  # few ways: sets run out while others have room
     ],
 )
