@@ -223,6 +223,7 @@ class HotCache(PolicyState):
         self._row_map: torch.Tensor | None = None
         self._row_rank: torch.Tensor | None = None
         self._row_bits: torch.Tensor | None = None  # `native.unique_rows`' bitmap
+        self._rows_lock = threading.Lock()  # one batch at a time through those
         self._allocate(scratch_rows=0)
         self.reset_stats()
 
@@ -308,37 +309,103 @@ class HotCache(PolicyState):
         holds at least one id per `_IDS_PER_ROW_MAP` rows (`_IDS_PER_ROW_BITMAP` through the
         compiled bitmap) is deduplicated faster so. None when it holds fewer, or the cache
         keeps no row index (its tables are unbounded, or it is on a GPU or direct)."""
-        n = ids.numel()
         compiled = native.available()
-        per_row = _IDS_PER_ROW_BITMAP if compiled else _IDS_PER_ROW_MAP
-        if not self._index_rows or n * per_row < self._index_rows:
+        if not self._dense_batch(ids.numel(), compiled):
             return None
+        with self._rows_lock:  # the map and ranks are this cache's, one batch at a time
+            self._row_buffers()
+            assert self._row_rank is not None
+            if compiled:
+                unique, inverse = native.unique_rows(
+                    ids.contiguous().numpy(), self._row_offset.numpy(), self.fusion_k,
+                    self._bitmap(), self._row_rank.numpy(), self._row_starts.numpy(),
+                    self._row_tables.numpy(),
+                )  # fmt: skip
+                return torch.from_numpy(unique), torch.from_numpy(inverse)
+            rows = self.row_index(ids)
+            fill_at(self._row_map, rows, True)
+            unique_rows = true_at(self._row_map)  # ascending: (table, id) order
+            fill_at(self._row_map, unique_rows, False)  # all clear again for the next batch
+            put(self._row_rank, unique_rows, torch.arange(unique_rows.numel()))
+            inverse = self._row_rank.index_select(0, rows).to(torch.int64)
+        table = torch.searchsorted(self._row_starts, unique_rows, right=True) - 1
+        raw = unique_rows - self._row_starts.index_select(0, table)
+        unique = raw | (self._row_tables.index_select(0, table) << self.fusion_k)
+        return unique, inverse
+
+    @property
+    def indexes_rows(self) -> bool:
+        """Whether the cache keeps the slot of every row of its tables (a set-associative
+        cache of bounded tables on a CPU, up to `ROW_INDEX_MAX_ROWS` rows): `unique_by_rows`
+        and `unique_values` then apply to large batches."""
+        return bool(self._index_rows)
+
+    def row_ranges(self, tables: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For `unique_values`: the first row (among this cache's tables' rows) and the number
+        of valid ids (``num_embeddings``, at most ``2**fusion_k``) of each of ``tables``
+        (table indices), int64 ``[len(tables)]`` each."""
+        bases = torch.tensor([int(self._row_offset[t]) for t in tables], dtype=torch.int64)
+        rows = [self._specs[t].num_embeddings for t in tables]
+        if any(r is None for r in rows):
+            raise ValueError("row_ranges: unbounded tables have no rows to range over")
+        limits = torch.tensor(rows, dtype=torch.int64).clamp(max=1 << self.fusion_k)
+        return bases, limits
+
+    def unique_values(
+        self,
+        values: torch.Tensor,
+        bounds: torch.Tensor,
+        ranges: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`unique_by_rows` of raw ids, checked and fused in the same compiled pass
+        (`native.unique_values`): the values of feature ``f``, ``values[bounds[f] :
+        bounds[f + 1]]``, are ids of a table of the cache whose `row_ranges` are
+        ``ranges[0][f], ranges[1][f]``. None when the compiled kernels do not run here, the
+        batch is too sparse for the map (`unique_by_rows`), or an id is out of its table's
+        range or past ``2**fusion_k`` (`kernels.ids.fuse_ids` then says which).
+
+        Args:
+            values: CPU int64 or int32 ``[nnz]`` raw ids, the features one after another.
+            bounds: CPU int64 ``[F + 1]`` the first value of each feature, then ``nnz``.
+            ranges: `row_ranges` of the features' tables.
+        """
+        if values.dtype not in (torch.int64, torch.int32) or not (
+            native.available() and self._dense_batch(values.numel(), True)
+        ):
+            return None
+        bases, limits = ranges
+        with self._rows_lock:
+            self._row_buffers()
+            assert self._row_rank is not None
+            unique, inverse, bad = native.unique_values(
+                values.contiguous().numpy(), bounds.contiguous().numpy(), bases.numpy(),
+                limits.numpy(), self.fusion_k, self._bitmap(), self._row_rank.numpy(),
+                self._row_starts.numpy(), self._row_tables.numpy(),
+            )  # fmt: skip
+        if bad >= 0:
+            return None
+        return torch.from_numpy(unique), torch.from_numpy(inverse)
+
+    def _dense_batch(self, n: int, compiled: bool) -> bool:
+        """Whether a batch of ``n`` ids is deduplicated through the map over the tables' rows
+        (the cache keeps a row index, and the batch has enough ids for the map's size)."""
+        per_row = _IDS_PER_ROW_BITMAP if compiled else _IDS_PER_ROW_MAP
+        return bool(self._index_rows) and n * per_row >= self._index_rows
+
+    def _row_buffers(self) -> None:
+        """Make the map, the ranks and the table starts of `unique_by_rows` (first use)."""
         if self._row_map is None:
             self._row_map = torch.zeros(self._index_rows, dtype=torch.bool)
             self._row_rank = host_zeros((self._index_rows,), torch.int32)
             starts = sorted((int(self._row_offset[i]), i) for i in self._specs)
             self._row_starts = torch.tensor([start for start, _ in starts])
             self._row_tables = torch.tensor([idx for _, idx in starts])
-        assert self._row_rank is not None
-        if compiled:
-            if self._row_bits is None:  # one bit a row, all clear between batches
-                self._row_bits = torch.zeros((self._index_rows + 63) // 64, dtype=torch.int64)
-            unique, inverse = native.unique_rows(
-                ids.contiguous().numpy(), self._row_offset.numpy(), self.fusion_k,
-                self._row_bits.numpy().view(np.uint64), self._row_rank.numpy(),
-                self._row_starts.numpy(), self._row_tables.numpy(),
-            )  # fmt: skip
-            return torch.from_numpy(unique), torch.from_numpy(inverse)
-        rows = self.row_index(ids)
-        fill_at(self._row_map, rows, True)
-        unique_rows = true_at(self._row_map)  # ascending: (table, id) order
-        fill_at(self._row_map, unique_rows, False)  # all clear again for the next batch
-        put(self._row_rank, unique_rows, torch.arange(unique_rows.numel()))
-        inverse = self._row_rank.index_select(0, rows).to(torch.int64)
-        table = torch.searchsorted(self._row_starts, unique_rows, right=True) - 1
-        raw = unique_rows - self._row_starts.index_select(0, table)
-        unique = raw | (self._row_tables.index_select(0, table) << self.fusion_k)
-        return unique, inverse
+
+    def _bitmap(self) -> np.ndarray:
+        """The compiled dedup's bitmap, one bit a row (all clear between batches)."""
+        if self._row_bits is None:
+            self._row_bits = torch.zeros((self._index_rows + 63) // 64, dtype=torch.int64)
+        return self._row_bits.numpy().view(np.uint64)
 
     def _index(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Record that ``keys`` (resident, distinct) are held at ``slots``."""

@@ -128,6 +128,7 @@ class CacheEngine:
         self.fused: Any = None
         self._bases: torch.Tensor | None = None  # direct mapping: slot of row 0 per feature
         self._distinct_rows: native_direct.DistinctRows | None = None  # its compiled pass
+        self._row_ranges: tuple[torch.Tensor, torch.Tensor] | None = None  # `unique_share`'s
         self._columns: torch.Tensor | None = None
 
     @property
@@ -175,10 +176,38 @@ class CacheEngine:
     ) -> Prepared:
         """Dedup ``fused`` ids and resolve them to slots (misses come from the tier), locked
         until `release` when ``lock``."""
-        p = self.dedup(fused, lengths, weights)
+        return self.resolve_share(self.dedup(fused, lengths, weights), lock)
+
+    def resolve_share(self, p: Prepared, lock: bool) -> Prepared:
+        """Resolve a deduplicated share's unique ids to slots, locked until `release` when
+        ``lock``."""
         p.slots = self.cache.resolve(p.unique, lock=lock)
         p.locked = lock
         return p
+
+    @profiled("engine.dedup")
+    def unique_share(self, batch: JaggedBatch) -> Prepared | None:
+        """This cache's share of a checked batch, its ids checked, fused and deduplicated in
+        one compiled pass (`HotCache.unique_values`), not yet resolved: what `fuse` and then
+        `dedup` give, for a cache on the fused CPU step that indexes its rows. None when that
+        does not apply, and for a bad id (`fuse` then raises naming it)."""
+        if self.fused is None or not self.cache.indexes_rows:
+            return None
+        values, lengths, weights = group_inputs(batch, self.layout.features)
+        if values.device.type != "cpu" or not self.fused.takes(weights):
+            return None
+        if self._row_ranges is None:
+            self._row_ranges = self.cache.row_ranges([t.index for t in self.layout.feature_table])
+        whole = batch.keys() == self.layout.features
+        offsets = (batch.offsets() if whole else _offsets(lengths)).to(torch.int64)
+        b = batch.stride()
+        found = self.cache.unique_values(values, offsets[::b], self._row_ranges) if b else None
+        if found is None:
+            return None
+        unique, inverse = found
+        if weights is not None:
+            weights = weights.to(self.device, torch.float32)
+        return Prepared(unique, inverse, unique[:0], offsets, weights, False)
 
     @profiled("engine.dedup")
     def dedup(

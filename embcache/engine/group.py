@@ -161,13 +161,17 @@ class EngineGroup:
 
     def check(self, batch: JaggedBatch, lock: bool) -> list[Prepared | tuple]:
         """Every engine's share of a checked batch, validated and not yet resolved: the fused
-        ids, lengths and weights (`CacheEngine.fuse`), or for a training batch of a
-        direct-mapped cache on the fused CPU step, a share that skips dedup and resolve
-        (`CacheEngine.direct_share`). A bad id raises here, before any cache changes."""
+        ids, lengths and weights (`CacheEngine.fuse`); for a training batch of a direct-mapped
+        cache on the fused CPU step, a share that skips dedup and resolve
+        (`CacheEngine.direct_share`); for a cache on that step that indexes its rows, the
+        share checked and deduplicated in one pass (`CacheEngine.unique_share`). A bad id
+        raises here, before any cache changes."""
         shares: list[Prepared | tuple] = []
         for engine in self.engines:
-            direct = engine.direct_share(batch) if lock else None
-            shares.append(engine.fuse(batch) if direct is None else direct)
+            share = engine.direct_share(batch) if lock else None
+            if share is None:  # checked and deduplicated at once where that applies
+                share = engine.unique_share(batch)
+            shares.append(engine.fuse(batch) if share is None else share)
         return shares
 
     def start(self, prepared: list[Prepared]) -> InFlight:
@@ -309,8 +313,10 @@ class EngineGroup:
         prepared: list[Prepared] = []
         try:
             for engine, share in zip(self.engines, shares, strict=True):
-                if isinstance(share, Prepared):
+                if isinstance(share, Prepared) and share.direct is not None:
                     prepared.append(engine.serve_direct(share))
+                elif isinstance(share, Prepared):
+                    prepared.append(engine.resolve_share(share, lock))
                 else:
                     prepared.append(engine.prepare(*share, lock=lock))
         except BaseException:

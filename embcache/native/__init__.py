@@ -15,7 +15,8 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
   touched sets, misses ordered by set and the batch's shuffle) and the index changes that
   reserve the chosen ways;
 * `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows
-  (`HotCache.unique_by_rows`);
+  (`HotCache.unique_by_rows`); `unique_values` the same from raw ids, checked against their
+  tables in the same pass (`HotCache.unique_values`: `kernels.ids.fuse_ids`, then the dedup);
 * `scatter_split`, `gather_join`: stored rows into a cache's weights and state, and out
   (`TierTransfer.copy_in`, `HotCache.rows_of`), one pass each instead of a copy per part;
 * `gather_created`, `scatter_created`: a dense tier table's reads and writes with its
@@ -81,6 +82,11 @@ def reserve(*args: Any) -> tuple[np.ndarray, ...]:
 def unique_rows(*args: Any) -> tuple[np.ndarray, np.ndarray]:
     """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
     return _kernels().unique_rows(*args)
+
+
+def unique_values(*args: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    return _kernels().unique_values(*args)
 
 
 def scatter_split(*args: np.ndarray) -> None:

@@ -265,6 +265,65 @@ def unique_rows(ids, row_offset, fusion_k, bits, rank, row_starts, row_tables):
         bits[word] |= one << np.uint64(r & 63)
         lo = min(lo, word)
         hi = max(hi, word)
+    return _list_marked(rows, lo, hi, fusion_k, bits, rank, row_starts, row_tables)
+
+
+@_jit
+def unique_values(values, bounds, bases, limits, fusion_k, bits, rank, row_starts, row_tables):
+    """`unique_rows` of raw ids, checked in the same pass: the values of feature ``f``,
+    ``values[bounds[f] : bounds[f + 1]]``, are ids of the table whose first row (among the
+    tables' rows) is ``bases[f]``, each valid when ``0 <= id < limits[f]``. Returns
+    ``(unique fused ids, inverse, -1)``, or ``(empty, empty, i)`` for the first value ``i``
+    out of its range, or ``(empty, empty, len(values))`` when the bounds do not cover the
+    values; ``bits`` is left all zero either way."""
+    n = values.shape[0]
+    n_features = bases.shape[0]
+    rows = np.empty(n, np.int64)
+    lo = bits.shape[0]
+    hi = -1
+    one = np.uint64(1)
+    bad = np.int64(-1)
+    if bounds[0] != 0 or bounds[n_features] != n:
+        bad = np.int64(n)
+    done = 0
+    for f in range(n_features):
+        if bad >= 0:
+            break
+        start = bounds[f]
+        stop = bounds[f + 1]
+        if stop < start:
+            bad = np.int64(n)
+            break
+        base = bases[f]
+        limit = limits[f]
+        for i in range(start, stop):
+            v = np.int64(values[i])
+            if v < 0 or v >= limit:
+                bad = np.int64(i)
+                break
+            r = base + v
+            rows[i] = r
+            word = r >> 6
+            bits[word] |= one << np.uint64(r & 63)
+            lo = min(lo, word)
+            hi = max(hi, word)
+            done = i + 1
+    if bad >= 0:
+        for i in range(done):  # the rows marked before the bad value: clear again
+            bits[rows[i] >> 6] = 0
+        empty = np.empty(0, np.int64)
+        return empty, empty, bad
+    unique, inverse = _list_marked(rows, lo, hi, fusion_k, bits, rank, row_starts, row_tables)
+    return unique, inverse, bad
+
+
+@_jit
+def _list_marked(rows, lo, hi, fusion_k, bits, rank, row_starts, row_tables):
+    """The passes after marking ``rows`` in ``bits`` (words ``lo .. hi``): the marked rows
+    listed ascending as fused ids (``bits`` cleared on the way, each row's ``rank`` set),
+    then each of ``rows``' rank."""
+    n = rows.shape[0]
+    one = np.uint64(1)
     unique = np.empty(n, np.int64)
     u = 0
     table = 0

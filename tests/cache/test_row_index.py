@@ -157,6 +157,99 @@ def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> No
     assert again is not None and torch.equal(again[0], torch.unique(ids[: n // 2 + 50]))
 
 
+def _four_tables() -> tuple[HotCache, dict[int, int]]:
+    """A cache over four tables declared out of index order; their sizes by table index."""
+    store = HostKV()
+    specs = [
+        (2, TableSpec("b", DIM, 40)),
+        (0, TableSpec("a", DIM, 30)),
+        (5, TableSpec("c", DIM, 27)),
+        (3, TableSpec("d", DIM, 700)),
+    ]
+    for _, spec in specs:
+        store.init_table(spec)
+    cache = HotCache(specs, CacheConfig(capacity=16, ways=4), store, CPU, FUSION_K)
+    return cache, {idx: spec.num_embeddings for idx, spec in specs}
+
+
+def _raw_features(gen, sizes, feature_tables, per_feature):
+    """Raw ids of features (one after another), each table's first and last rows among them,
+    and the bounds of the features' values."""
+    parts = []
+    for t, n in zip(feature_tables, per_feature, strict=True):
+        raw = torch.randint(0, sizes[t], (n,), generator=gen)
+        if n >= 2:
+            raw[0], raw[-1] = 0, sizes[t] - 1
+        parts.append(raw)
+    bounds = torch.tensor([0, *per_feature]).cumsum(0)
+    return torch.cat(parts), bounds
+
+
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("per_feature", [(300, 0, 250, 120, 90), (1000, 3, 1, 400, 7)])
+def test_unique_values_checks_fuses_and_dedups_raw_ids(
+    dtype: torch.dtype, per_feature: tuple[int, ...]
+) -> None:
+    """Raw ids of features (two of one table, an empty one) give exactly `torch.unique` of
+    their fused ids, sorted, with its inverse; the bitmap is clear afterwards (a second batch
+    is right too)."""
+    cache, sizes = _four_tables()
+    feature_tables = [3, 0, 3, 5, 2]
+    gen = torch.Generator().manual_seed(sum(per_feature))
+    ranges = cache.row_ranges(feature_tables)
+    prefixes = torch.tensor(feature_tables).repeat_interleave(torch.tensor(per_feature))
+    for _ in range(2):  # the second batch sees the bitmap the first one left
+        raw, bounds = _raw_features(gen, sizes, feature_tables, per_feature)
+        got = cache.unique_values(raw.to(dtype), bounds, ranges)
+        assert got is not None
+        unique, inverse = torch.unique(raw | (prefixes << FUSION_K), return_inverse=True)
+        assert torch.equal(got[0], unique)
+        assert torch.equal(got[1], inverse)
+
+
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", ["negative", "past the table", "past 2**fusion_k"])
+def test_unique_values_refuses_a_bad_id_and_leaves_the_bitmap_clear(where: str, bad: str) -> None:
+    """An id out of its table's range (or one that would overflow fusion_k) anywhere in the
+    batch gives None, and the rows marked before it are cleared: the next batch is right."""
+    cache, sizes = _four_tables()
+    feature_tables, per_feature = [3, 0, 2], (400, 300, 200)
+    gen = torch.Generator().manual_seed(7)
+    raw, bounds = _raw_features(gen, sizes, feature_tables, per_feature)
+    ranges = cache.row_ranges(feature_tables)
+    if bad == "past 2**fusion_k":  # a narrower fusion_k than the table's rows
+        cache.fusion_k = 8
+        ranges = cache.row_ranges(feature_tables)
+        assert int(ranges[1][0]) == 1 << 8
+        value = 1 << 8
+    else:
+        value = -1 if bad == "negative" else sizes[3]
+    at = {"first": 0, "middle": 250, "last": 399}[where]
+    broken = raw.clone()
+    broken[at] = value
+    assert cache.unique_values(broken, bounds, ranges) is None
+    assert not bool(cache._row_bits.any()), "marks of the refused batch are cleared"
+    cache.fusion_k = FUSION_K
+    ranges = cache.row_ranges(feature_tables)
+    got = cache.unique_values(raw, bounds, ranges)
+    ids = raw | (torch.tensor(feature_tables).repeat_interleave(torch.tensor(per_feature))
+                 << FUSION_K)  # fmt: skip
+    assert got is not None and torch.equal(got[0], torch.unique(ids))
+
+
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+def test_unique_values_refuses_bounds_that_miss_values() -> None:
+    cache, sizes = _four_tables()
+    raw, bounds = _raw_features(torch.Generator().manual_seed(1), sizes, [3, 0], (400, 300))
+    ranges = cache.row_ranges([3, 0])
+    assert cache.unique_values(raw, bounds - 1, ranges) is None  # does not start at 0
+    assert cache.unique_values(raw[:-1], bounds, ranges) is None  # past the last value
+    assert cache.unique_values(raw.float(), bounds, ranges) is None  # not integer ids
+    assert not bool(cache._row_bits.any())
+
+
 def test_unique_by_rows_needs_the_row_index() -> None:
     ids = torch.arange(97)
     unbounded, _, _ = make_cache(CONFIGS["quarter"], OptimRule.SGD, CPU, unbounded=True)

@@ -121,6 +121,73 @@ def test_the_fused_path_declines_what_it_cannot_do(monkeypatch, case: str) -> No
     assert all(e.fused is None for e in ebc.engines.engines)
 
 
+def _record_unique_shares(monkeypatch, engine) -> list:
+    """What each call of ``engine.unique_share`` returns, from now on."""
+    shares: list = []
+    unique_share = engine.unique_share
+
+    def recorded(batch):
+        shares.append(unique_share(batch))
+        return shares[-1]
+
+    monkeypatch.setattr(engine, "unique_share", recorded)
+    return shares
+
+
+def _rows_of(ebc) -> dict[str, torch.Tensor]:
+    ebc.flush()
+    return {t.name: ebc.table_rows(t.name) for t in ebc.tables}
+
+
+@pytest.mark.parametrize(("feature", "bad"), [("f0", -1), ("f1", 300), ("f2", 200), ("f0", 2**40)])
+def test_a_bad_id_on_the_indexed_path_is_refused_and_changes_nothing(
+    monkeypatch, feature: str, bad: int
+) -> None:
+    """A 10% cache on the fused step checks and deduplicates a batch in one compiled pass
+    (`CacheEngine.unique_share`): a bad id anywhere still raises `fuse`'s error naming it, with
+    nothing changed, and the batches before and after train as the twins train them."""
+    good = _batches(3, seed=5)
+    broken = _batches(1, seed=6)[0]
+    values = broken.values().clone()
+    values[broken.offset_per_key()[KEYS.index(feature)] + 1] = bad
+    broken = embcache.JaggedBatch.from_lengths(KEYS, values, broken.lengths())
+    runs = {}
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+        ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), cache=CACHES["10pct"], seed=0)
+        opt = RULES["rowwise_adagrad"](ebc)
+        shares = _record_unique_shares(monkeypatch, ebc.engines.engines[0])
+        gen = torch.Generator().manual_seed(2)
+
+        def step(batch, gen=gen, ebc=ebc, opt=opt) -> None:
+            out = ebc(batch).values()
+            (out * torch.randn(out.shape, generator=gen)).sum().backward()
+            opt.step()
+
+        step(good[0])
+        before, stats = _rows_of(ebc), ebc.cache_stats()
+        with pytest.raises(ValueError) as info:
+            ebc(broken)
+        assert ebc.cache_stats() == stats
+        assert ebc.caches()[0].locked_slots() == 0 and not ebc.engines.has_gradients
+        after = _rows_of(ebc)
+        for name in before:
+            assert torch.equal(after[name], before[name]), name
+        for batch in good[1:]:
+            step(batch)
+        runs[backend] = (str(info.value), shares, ebc.cache_stats(), _rows_of(ebc))
+    (message, shares, stats, rows), (twin_message, twin_shares, twin_stats, twin_rows) = (
+        runs.values()
+    )
+    assert [s is not None for s in shares] == [True, False, True, True]  # the bad one: fuse's
+    assert not any(twin_shares)  # the twins' path fuses, then sorts
+    table = "t0" if feature in ("f0", "f1") else "t1"
+    assert message == twin_message
+    assert repr(feature) in message and repr(table) in message and str(bad) in message
+    assert stats == twin_stats
+    _assert_rows_close(rows, twin_rows)
+
+
 def test_the_twins_backend_turns_it_off(monkeypatch) -> None:
     _, fused, used = _train("torch", monkeypatch, "sgd", CACHES["whole"])
     assert fused == [False] and used == 0
