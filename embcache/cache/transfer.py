@@ -110,6 +110,9 @@ class TierTransfer:
         ``order`` is None when ``fused`` is sorted already (a cache's misses come so from a
         sorted dedup): the sort, and the permutations it would cost the callers, are skipped.
         """
+        compiled = self._grouped_compiled(fused, ascending)
+        if compiled is not None:
+            return compiled
         if fused.numel() <= 1 or bool((fused[1:] >= fused[:-1]).all()):
             order, ordered = None, fused
         else:
@@ -129,6 +132,32 @@ class TierTransfer:
             groups.append((idx, start, raw[start : start + count]))
             start += count
         return order, groups
+
+    def _grouped_compiled(
+        self, fused: torch.Tensor, ascending: bool
+    ) -> tuple[torch.Tensor | None, list[tuple[int, int, torch.Tensor]]] | None:
+        """`_grouped` through one compiled pass (`native.group_by_table`) where it applies:
+        CPU int64 ids already sorted, or to be grouped without a sort. None otherwise."""
+        n = fused.numel()
+        if not (native.available() and n > 1 and fused.dtype == torch.int64):
+            return None
+        if fused.device.type != "cpu" or not fused.is_contiguous():
+            return None
+        counts = np.zeros(max(self.specs) + 1, dtype=np.int64)
+        order = torch.empty(n, dtype=torch.int64)
+        raw = torch.empty(n, dtype=torch.int64)
+        status = native.group_by_table(
+            fused.numpy(), self.fusion_k, ascending, counts, order.numpy(), raw.numpy()
+        )
+        if status == 2:
+            return None
+        groups = []
+        start = 0
+        for idx in np.flatnonzero(counts).tolist():
+            count = int(counts[idx])
+            groups.append((idx, start, raw[start : start + count]))
+            start += count
+        return (None if status == 0 else order), groups
 
     @staticmethod
     def _part(order: torch.Tensor | None, start: int, n: int) -> torch.Tensor | slice:

@@ -34,6 +34,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 import embcache.native as native
@@ -105,18 +106,22 @@ def _sample_major(
     if features <= 1:
         return p.slots.index_select(0, p.inverse), p.offsets, p.weights
     n = p.inverse.numel()
+    if _compiled(p):
+        # One pass gathers each value's slot and moves its bag (`native.bags_sample_major`).
+        moved = torch.empty(n, dtype=torch.int64)
+        offsets = torch.empty(num_bags + 1, dtype=torch.int64)
+        weights = None if p.weights is None else torch.empty(n, dtype=torch.float32)
+        native.bags_sample_major(
+            p.slots.numpy(), p.inverse.numpy(), p.offsets.contiguous().numpy(), batch_size,
+            _NO_WEIGHTS if p.weights is None else p.weights.contiguous().numpy(),
+            moved.numpy(), offsets.numpy(), _NO_WEIGHTS if weights is None else weights.numpy(),
+        )  # fmt: skip
+        return moved, offsets, weights
     bag_lengths = p.offsets[1:] - p.offsets[:-1]
     shortest, longest = torch.stack(torch.aminmax(bag_lengths)).tolist() if num_bags else (0, 1)
-    if shortest == longest == 0:
-        return p.slots.index_select(0, p.inverse), p.offsets, p.weights
-    if shortest == longest and p.weights is None and _compiled(p):
-        # One pass gathers each value's slot and moves its bag (`native.slots_sample_major`).
-        moved_slots = torch.empty(n, dtype=torch.int64)
-        native.slots_sample_major(p.slots.numpy(), p.inverse.numpy(), features, batch_size,
-                                  longest, moved_slots.numpy())  # fmt: skip
-        offsets = torch.arange(0, n + 1, longest, dtype=torch.int64)
-        return moved_slots, offsets, None
     slots = p.slots.index_select(0, p.inverse)
+    if shortest == longest == 0:
+        return slots, p.offsets, p.weights
     if shortest == longest:  # bags of one length: a transpose of [F, B, L]
 
         def moved(t: torch.Tensor) -> torch.Tensor:
@@ -136,16 +141,21 @@ def _sample_major(
 
 
 def _compiled(p: Prepared) -> bool:
-    """Whether a share's slots reach the TBE through a compiled pass (CPU int64 tensors)."""
+    """Whether a share's slots reach the TBE through a compiled pass (CPU int64 slots,
+    inverse and offsets, float32 weights)."""
     return (
         native.available()
         and p.slots is not None
         and p.inverse is not None
-        and p.slots.device.type == p.inverse.device.type == "cpu"
-        and p.slots.dtype == p.inverse.dtype == torch.int64
+        and p.slots.device.type == p.inverse.device.type == p.offsets.device.type == "cpu"
+        and p.slots.dtype == p.inverse.dtype == p.offsets.dtype == torch.int64
+        and (p.weights is None or p.weights.dtype == torch.float32)
         and p.slots.is_contiguous()
         and p.inverse.is_contiguous()
     )
+
+
+_NO_WEIGHTS = np.empty(0, dtype=np.float32)  # `native.bags_sample_major` without weights
 
 
 class FusedCpuStep:

@@ -17,11 +17,14 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
 * `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows
   (`HotCache.unique_by_rows`); `unique_values` the same from raw ids, checked against their
   tables in the same pass (`HotCache.unique_values`: `kernels.ids.fuse_ids`, then the dedup);
+* `group_by_table`: a tier transfer's ids grouped by table, by one pass when sorted and a
+  counting sort otherwise (`TierTransfer._grouped`);
 * `scatter_split`, `gather_join`: stored rows into a cache's weights and state, and out
   (`TierTransfer.copy_in`, `HotCache.rows_of`), one pass each instead of a copy per part;
 * `gather_created`, `scatter_created`: a dense tier table's reads and writes with its
   ``created`` mask (`kv.host_tables.DenseTable`);
-* `slots_sample_major`: each value's slot in the fused CPU step's order (`engine.fused_cpu`).
+* `bags_sample_major`: each value's slot (and weight) with the bags in the fused CPU step's
+  order, and their offsets (`engine.fused_cpu`).
 
 numba is imported on first use; `available()` says whether it can be. The kernels release the
 GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
@@ -89,6 +92,11 @@ def unique_values(*args: Any) -> tuple[np.ndarray, np.ndarray, int]:
     return _kernels().unique_values(*args)
 
 
+def group_by_table(*args: Any) -> int:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    return _kernels().group_by_table(*args)
+
+
 def scatter_split(*args: np.ndarray) -> None:
     """``weights[slots], state[slots] = rows[:, :dim], rows[:, dim:]`` for float32 arrays
     (a cache's copy-in of stored rows)."""
@@ -111,7 +119,7 @@ def scatter_created(*args: np.ndarray) -> None:
     return _kernels().scatter_created(*args)
 
 
-def slots_sample_major(*args: np.ndarray | int) -> None:
-    """Each value's slot with bags of one length moved to sample-major order (the fused CPU
-    step's indices: `engine.fused_cpu`), one gather-and-move pass."""
-    _kernels().slots_sample_major(*args)
+def bags_sample_major(*args: np.ndarray | int) -> None:
+    """A batch's values as slots (and weights), its bags moved to sample-major order with
+    their offsets (the fused CPU step's indices: `engine.fused_cpu`), one pass."""
+    _kernels().bags_sample_major(*args)

@@ -349,6 +349,40 @@ def _list_marked(rows, lo, hi, fusion_k, bits, rank, row_starts, row_tables):
 
 
 @_jit
+def group_by_table(fused, fusion_k, ascending, counts, order, raw):
+    """Fused ids grouped by table (`cache.transfer.TierTransfer._grouped`): ``counts[t]``
+    (all zero on entry) gets the number of ids of table ``t``. Returns 0 when ``fused`` is
+    sorted already (``raw`` gets each id's raw part, in place: nothing to move); 1 when it is
+    not and ``ascending`` is False (``order`` gets the positions grouped by table, each
+    table's in their order in ``fused``, and ``raw`` the raw ids in that order: a counting
+    sort); 2 when it is not and ``ascending`` asks for a sort (nothing more is written)."""
+    n = fused.shape[0]
+    mask = (np.int64(1) << fusion_k) - 1
+    ordered = True
+    for i in range(n):
+        counts[fused[i] >> fusion_k] += 1
+        if i and fused[i] < fused[i - 1]:
+            ordered = False
+    if ordered:
+        for i in range(n):
+            raw[i] = fused[i] & mask
+        return 0
+    if ascending:
+        return 2
+    cursor = np.empty(counts.shape[0], np.int64)
+    at = 0
+    for t in range(counts.shape[0]):
+        cursor[t] = at
+        at += counts[t]
+    for i in range(n):
+        t = fused[i] >> fusion_k
+        order[cursor[t]] = i
+        raw[cursor[t]] = fused[i] & mask
+        cursor[t] += 1
+    return 1
+
+
+@_jit
 def scatter_split(weights, state, slots, rows):
     """``weights[slots], state[slots] = rows[:, :dim], rows[:, dim:]`` (float32 rows)."""
     dim = weights.shape[1]
@@ -408,12 +442,41 @@ def scatter_created(rows, created, ids, src):
 
 
 @_jit
-def slots_sample_major(slots, inverse, features, batch_size, length, out):
-    """``out[(b * F + f) * L + l] = slots[inverse[(f * B + b) * L + l]]``: each value's slot,
-    with bags of one length ``L`` moved from feature-major to sample-major order."""
-    for f in range(features):
-        for b in range(batch_size):
-            src = (f * batch_size + b) * length
-            dst = (b * features + f) * length
-            for v in range(length):
-                out[dst + v] = slots[inverse[src + v]]
+def bags_sample_major(slots, inverse, offsets, batch_size, weights, out, out_offsets,
+                      out_weights):  # fmt: skip
+    """The fused CPU step's indices (`engine.fused_cpu._sample_major`): bag ``(f, b)`` of a
+    batch held feature-major (``offsets[f * B + b]``) moved to ``b * F + f``, each value
+    replaced by its slot ``slots[inverse[i]]`` into ``out``, its per-sample weight (when
+    ``weights`` is not empty) into ``out_weights``, and the new bag offsets into
+    ``out_offsets`` ``[F * B + 1]``."""
+    num_bags = offsets.shape[0] - 1
+    features = num_bags // batch_size
+    weighted = weights.shape[0] > 0
+    out_offsets[0] = 0
+    if num_bags == 0:
+        return
+    length = offsets[1] - offsets[0]
+    same = True
+    for k in range(1, num_bags):
+        same &= offsets[k + 1] - offsets[k] == length
+    if same and not weighted:  # bags of one length: loops of known shape (one id per bag...)
+        for k in range(num_bags + 1):
+            out_offsets[k] = k * length
+        for f in range(features):
+            for b in range(batch_size):
+                src = (f * batch_size + b) * length
+                dst = (b * features + f) * length
+                for v in range(length):
+                    out[dst + v] = slots[inverse[src + v]]
+        return
+    at = 0
+    out_offsets[0] = 0
+    for b in range(batch_size):
+        for f in range(features):
+            bag = f * batch_size + b
+            for i in range(offsets[bag], offsets[bag + 1]):
+                out[at] = slots[inverse[i]]
+                if weighted:
+                    out_weights[at] = weights[i]
+                at += 1
+            out_offsets[b * features + f + 1] = at

@@ -117,7 +117,14 @@ def test_writes_land_under_their_ids_and_place_fills_the_slots(in_order: bool) -
     assert bool(weights[others].isnan().all())
 
 
-def test_sorted_ids_are_grouped_without_a_permutation() -> None:
+BACKENDS = pytest.mark.parametrize(
+    "backend", ["auto", "torch"], ids=["compiled grouping", "torch grouping"]
+)
+
+
+@BACKENDS
+def test_sorted_ids_are_grouped_without_a_permutation(monkeypatch, backend: str) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
     _, transfer = _setup([100, 100, 100])
     ids = torch.cat([_fused(0, torch.tensor([3, 9])), _fused(2, torch.tensor([1, 2, 50]))])
     expected = [(0, 0, [3, 9]), (2, 2, [1, 2, 50])]
@@ -129,9 +136,14 @@ def test_sorted_ids_are_grouped_without_a_permutation() -> None:
     assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == expected
 
 
+@BACKENDS
 @pytest.mark.parametrize("tables", [3, 300], ids=["8-bit table keys", "16-bit table keys"])
-def test_writes_are_grouped_by_table_in_their_own_order(tables: int) -> None:
-    """Grouping for a write keeps each table's ids in the order given (no sort of the ids)."""
+def test_writes_are_grouped_by_table_in_their_own_order(
+    monkeypatch, tables: int, backend: str
+) -> None:
+    """Grouping for a write keeps each table's ids in the order given (no sort of the ids),
+    and sorted ids need no permutation."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
     _, transfer = _setup([100] * tables)
     gen = torch.Generator().manual_seed(tables)
     table = torch.randint(0, tables, (500,), generator=gen)
@@ -147,6 +159,10 @@ def test_writes_are_grouped_by_table_in_their_own_order(tables: int) -> None:
         assert torch.equal(raw_ids, given)
         assert torch.equal(grouped[start : start + raw_ids.numel()], _fused(idx, raw_ids))
     assert sum(r.numel() for _, _, r in groups) == ids.numel()
+    ids = ids.sort().values
+    order, sorted_groups = transfer._grouped(ids, ascending=False)
+    assert order is None
+    assert torch.equal(torch.cat([_fused(idx, raw) for idx, _, raw in sorted_groups]), ids)
 
 
 @pytest.mark.parametrize("in_order", [True, False], ids=["sorted ids", "shuffled ids"])

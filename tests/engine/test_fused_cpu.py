@@ -290,13 +290,16 @@ def _sample_major_reference(slots: list[int], offsets: list[int], F: int, B: int
     return values, out_offsets
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled pass", "torch ops"])
 @pytest.mark.parametrize("lengths", ["zero", "one", "three", "mixed"])
-def test_bags_go_to_the_tbe_sample_major(lengths: str) -> None:
+def test_bags_go_to_the_tbe_sample_major(monkeypatch, lengths: str, backend: str) -> None:
     """`_sample_major` against reading each bag in sample-major order: bags of one length (a
     transpose, empty bags included) and of mixed lengths (a permutation), weights following
-    their values."""
+    their values, through the compiled pass and the torch ops."""
     from embcache.engine.batch_state import Prepared
     from embcache.engine.fused_cpu import _sample_major
+
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
 
     F, B = 3, 5
     gen = torch.Generator().manual_seed(len(lengths))
@@ -322,6 +325,10 @@ def test_bags_go_to_the_tbe_sample_major(lengths: str) -> None:
     _, _, moved = _sample_major(tagged, B)
     positions, _ = _sample_major_reference(list(range(nnz)), offsets.tolist(), F, B)
     assert moved.tolist() == [float(i) for i in positions]
+    unweighted = Prepared(unique_slots, inverse, unique_slots, offsets, None, True)
+    slots_only, offsets_only, none = _sample_major(unweighted, B)
+    assert slots_only.tolist() == want_slots and offsets_only.tolist() == want_offsets
+    assert none is None
     assert torch.equal(got_weights, weights[torch.tensor(positions, dtype=torch.int64)])
 
 

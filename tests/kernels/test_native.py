@@ -74,16 +74,29 @@ def test_dense_table_scatter_marks_the_rows_created() -> None:
     assert bool(rows[~expected].isnan().all())
 
 
-@pytest.mark.parametrize(("features", "batch_size", "length"), [(3, 5, 4), (1, 7, 2), (4, 6, 1)])
-def test_slots_sample_major_is_a_gather_then_a_transpose(
-    features: int, batch_size: int, length: int
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize(("features", "batch_size"), [(3, 5), (1, 7), (4, 6)])
+def test_bags_sample_major_moves_each_bag_with_its_slots_and_weights(
+    features: int, batch_size: int, weighted: bool
 ) -> None:
     gen = torch.Generator().manual_seed(features * 100 + batch_size)
+    lengths = torch.randint(0, 4, (features * batch_size,), generator=gen)
+    lengths[0] = 0  # an empty bag
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     slots = torch.randperm(SLOTS, generator=gen)[:40]
-    inverse = torch.randint(0, slots.numel(), (features * batch_size * length,), generator=gen)
+    inverse = torch.randint(0, slots.numel(), (int(offsets[-1]),), generator=gen)
+    weights = torch.rand(inverse.numel(), generator=gen) if weighted else torch.empty(0)
     out = torch.full((inverse.numel(),), -1, dtype=torch.int64)
-    native.slots_sample_major(
-        slots.numpy(), inverse.numpy(), features, batch_size, length, out.numpy()
-    )
-    expected = slots[inverse].view(features, batch_size, length).transpose(0, 1).reshape(-1)
-    assert torch.equal(out, expected)
+    out_offsets = torch.full((offsets.numel(),), -1, dtype=torch.int64)
+    out_weights = torch.full((weights.numel(),), float("nan"))
+    native.bags_sample_major(
+        slots.numpy(), inverse.numpy(), offsets.numpy(), batch_size, weights.numpy(),
+        out.numpy(), out_offsets.numpy(), out_weights.numpy(),
+    )  # fmt: skip
+    bags = [(f * batch_size + b) for b in range(batch_size) for f in range(features)]
+    positions = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in bags])
+    assert torch.equal(out, slots[inverse[positions]])
+    want = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[bags].cumsum(0)])
+    assert torch.equal(out_offsets, want)
+    if weighted:
+        assert torch.equal(out_weights, weights[positions])
