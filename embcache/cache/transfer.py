@@ -37,6 +37,10 @@ from embcache.profiling import profiled
 _PLACE_ROWS = 2048
 
 
+# `TierTransfer._grouped`: (order or None, [(table_idx, start, raw ids)], all raw ids).
+Grouped = tuple[torch.Tensor | None, list[tuple[int, int, torch.Tensor]], torch.Tensor]
+
+
 def take(t: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
     """``t[positions]`` along dim 0 for a slice or int64 positions (moved to ``t``'s device),
     the latter through ``index_select`` (whole rows at once)."""
@@ -100,13 +104,12 @@ class TierTransfer:
 
     # -- host side --------------------------------------------------------------------------
 
-    def _grouped(
-        self, fused: torch.Tensor, ascending: bool = True
-    ) -> tuple[torch.Tensor | None, list[tuple[int, int, torch.Tensor]]]:
-        """``(order, [(table_idx, start, raw_ids)])``: ``fused[order]`` grouped by table, so
-        table ``table_idx``'s ids are ``order[start : start + len(raw_ids)]``, raw ids
+    def _grouped(self, fused: torch.Tensor, ascending: bool = True) -> Grouped:
+        """``(order, [(table_idx, start, raw_ids)], raw)``: ``fused[order]`` grouped by table,
+        so table ``table_idx``'s ids are ``order[start : start + len(raw_ids)]``, raw ids
         ascending (or, with ``ascending=False``, in their order in ``fused``: a write does
-        not need them sorted, and grouping by table alone is a radix pass instead of a sort).
+        not need them sorted, and grouping by table alone is a radix pass instead of a sort);
+        ``raw`` is every group's raw ids one after another (each group's a slice of it).
         ``order`` is None when ``fused`` is sorted already (a cache's misses come so from a
         sorted dedup): the sort, and the permutations it would cost the callers, are skipped.
         """
@@ -131,11 +134,9 @@ class TierTransfer:
         for idx, count in zip(tables.tolist(), counts.tolist(), strict=True):
             groups.append((idx, start, raw[start : start + count]))
             start += count
-        return order, groups
+        return order, groups, raw
 
-    def _grouped_compiled(
-        self, fused: torch.Tensor, ascending: bool
-    ) -> tuple[torch.Tensor | None, list[tuple[int, int, torch.Tensor]]] | None:
+    def _grouped_compiled(self, fused: torch.Tensor, ascending: bool) -> Grouped | None:
         """`_grouped` through one compiled pass (`native.group_by_table`) where it applies:
         CPU int64 ids already sorted, or to be grouped without a sort. None otherwise."""
         n = fused.numel()
@@ -157,7 +158,7 @@ class TierTransfer:
             count = int(counts[idx])
             groups.append((idx, start, raw[start : start + count]))
             start += count
-        return (None if status == 0 else order), groups
+        return (None if status == 0 else order), groups, raw
 
     @staticmethod
     def _part(order: torch.Tensor | None, start: int, n: int) -> torch.Tensor | slice:
@@ -205,15 +206,17 @@ class TierTransfer:
             `_PLACE_ROWS` rows. Empty when nothing is read. A tier error propagates; nothing
             here holds state.
         """
+        if self.device.type == "cpu" and not self.store.parallel_io:
+            return self._exchange_grouped(write_ids, write_rows, read_ids, released)
         calls = []
         if write_ids.numel():
-            order, groups = self._grouped(write_ids, ascending=False)
+            order, groups, _ = self._grouped(write_ids, ascending=False)
             rows = write_rows(slice(None) if order is None else order)
             for idx, start, raw in groups:
                 part = rows[start : start + raw.numel()]
                 calls.append(partial(self.store.put, self.specs[idx].name, raw, part))
         n_puts = len(calls)
-        order, groups = self._grouped(read_ids) if read_ids.numel() else (None, [])
+        order, groups, _ = self._grouped(read_ids) if read_ids.numel() else (None, [], None)
         for idx, _, raw in groups:
             name = self.specs[idx].name
             if self._bounded(idx):
@@ -246,9 +249,36 @@ class TierTransfer:
                 pending = []
         return chunks
 
+    def _exchange_grouped(
+        self,
+        write_ids: torch.Tensor,
+        write_rows: Callable[[torch.Tensor | slice], torch.Tensor],
+        read_ids: torch.Tensor,
+        released: torch.Tensor | None,
+    ) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
+        """`exchange` for a CPU cache over an in-process tier: one `Store.put_grouped` and one
+        `Store.get_grouped` for all the tables (HostKV moves their rows in one compiled pass
+        each), the rows read returned as one part."""
+        if write_ids.numel():
+            order, groups, raw = self._grouped(write_ids, ascending=False)
+            rows = write_rows(slice(None) if order is None else order)
+            names = [self.specs[idx].name for idx, _, _ in groups]
+            self.store.put_grouped(names, raw, [ids.numel() for _, _, ids in groups], rows)
+        parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
+        if read_ids.numel():
+            order, groups, raw = self._grouped(read_ids)
+            names = [self.specs[idx].name for idx, _, _ in groups]
+            counts = [ids.numel() for _, _, ids in groups]
+            pins = [self._bounded(idx) for idx, _, _ in groups]
+            rows = self.store.get_grouped(names, raw, counts, pins if any(pins) else None)
+            parts.append((slice(None) if order is None else order, rows))
+        if released is not None and released.numel():
+            self.unpin(released)
+        return parts
+
     def unpin(self, fused: torch.Tensor) -> None:
         """Release the pins of host ``fused`` ids in their bounded tables."""
-        _, groups = self._grouped(fused, ascending=False)
+        _, groups, _ = self._grouped(fused, ascending=False)
         calls = [
             partial(self.store.unpin, self.specs[idx].name, raw)
             for idx, _, raw in groups
@@ -269,7 +299,7 @@ class TierTransfer:
         not hold read as their initial values and are not created there."""
         if not fused.numel():
             return self._empty(0)
-        order, groups = self._grouped(fused)
+        order, groups, _ = self._grouped(fused)
         calls = [partial(self.store.read, self.specs[idx].name, raw) for idx, _, raw in groups]
         parts = self._run(calls)
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -23,7 +23,7 @@ import enum
 import math
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -366,6 +366,8 @@ class Store(abc.ABC):
       has no leases).
     * `keeps_scores`: whether `export_rows` can give a table's eviction scores (bounded tables).
     * `remove`, `row_count`: drop rows, count them (not every tier can).
+    * `get_grouped` / `put_grouped`: several tables in one call (here, one call per table; an
+      in-process tier does them in one pass).
     """
 
     parallel_io: bool = False
@@ -397,6 +399,40 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows (stored, or the float32 view) for ``ids``."""
+
+    def get_grouped(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        pins: Sequence[bool] | None = None,
+    ) -> torch.Tensor:
+        """`get` of several tables (of one row layout) at once: ``ids`` holds ``counts[k]`` ids
+        of ``tables[k]`` after those of ``tables[:k]``; returns their stored rows in that
+        order, one tensor. ``pins[k]``: pin table ``k``'s rows (bounded tables). Here, one
+        `get` per table; a tier that serves several tables in one pass overrides it."""
+        parts = []
+        start = 0
+        for k, (table, n) in enumerate(zip(tables, counts, strict=True)):
+            pin = bool(pins[k]) if pins is not None else False
+            parts.append(self.get(table, ids[start : start + n], pin=pin))
+            start += n
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def put_grouped(
+        self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int], rows: torch.Tensor
+    ) -> None:
+        """`put` of several tables (of one row layout) at once, ``ids`` as `get_grouped` takes
+        them and ``rows`` in their order. Here, one `put` per table, after every table's ids
+        are checked (a bad one raises before any table is written)."""
+        start = 0
+        for table, n in zip(tables, counts, strict=True):
+            checked_ids(self.table_spec(table), ids[start : start + n])
+            start += n
+        start = 0
+        for table, n in zip(tables, counts, strict=True):
+            self.put(table, ids[start : start + n], rows[start : start + n])
+            start += n
 
     @abc.abstractmethod
     def export_rows(

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
+import embcache.native as native
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
-from embcache.kv.host_tables import BoundedTable, Table, make_table
+from embcache.kv.host_tables import BoundedTable, DenseTable, Table, make_table
 
 
 class HostKV(Store):
@@ -58,6 +60,8 @@ class HostKV(Store):
         self._lock = threading.Lock()
         self._closed = False
         self._stats = IOStats()
+        # `_dense_arrays`: per group of tables, their arrays and the kernels' lists of them.
+        self._typed: dict[tuple[str, ...], tuple] = {}
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -167,6 +171,106 @@ class HostKV(Store):
             t.put(ids, rows)
             self._count("written", ids.numel(), t.spec)
             self._count_evictions(t)
+
+    def get_grouped(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        pins: Sequence[bool] | None = None,
+    ) -> torch.Tensor:
+        """`Store.get_grouped`: dense float32 tables whose rows all exist are read in one
+        compiled pass (`native.gather_tables`), which checks every id; any other call (a
+        table of another layout, rows to create, pins, a bad id) goes table by table through
+        `get`, which creates rows and raises as it says."""
+        if not (pins is not None and any(pins)):
+            with self._lock:
+                arrays = self._dense_arrays(tables, ids, counts)
+                if arrays is not None:
+                    rows, created, limits, bounds, spec = arrays
+                    out = self._empty(spec, ids.numel())
+                    found = native.gather_tables(
+                        rows, created, limits, ids.numpy(), bounds, out.numpy()
+                    )
+                    if found == 0:  # every row exists, every id is in range
+                        for table, n in zip(tables, counts, strict=True):
+                            self._count("read", n, self._tables[table].spec)
+                        return out
+        return super().get_grouped(tables, ids, counts, pins)
+
+    def put_grouped(
+        self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int], rows: torch.Tensor
+    ) -> None:
+        """`Store.put_grouped`: dense float32 tables take stored float32 rows in one compiled
+        pass (`native.scatter_tables`, which checks every id before writing any); any other
+        call goes table by table through `put`."""
+        with self._lock:
+            arrays = self._dense_arrays(tables, ids, counts, allocate=True)
+            if (
+                arrays is not None
+                and rows.dtype == torch.float32
+                and rows.device.type == "cpu"
+                and rows.dim() == 2
+                and rows.shape == (ids.numel(), arrays[4].stored_width)
+            ):
+                tables_rows, created, limits, bounds, _ = arrays
+                src = rows.detach().numpy()
+                bad = native.scatter_tables(tables_rows, created, limits, ids.numpy(), bounds, src)
+                if bad < 0:  # every id in range: every row written
+                    for table, n in zip(tables, counts, strict=True):
+                        self._count("written", n, self._tables[table].spec)
+                    return
+        super().put_grouped(tables, ids, counts, rows)
+
+    def _dense_arrays(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        allocate: bool = False,
+    ) -> tuple | None:
+        """``(rows, created, limits, bounds, spec)`` for `native.gather_tables` /
+        `scatter_tables` over ``tables``, or None when a grouped call cannot take the compiled
+        pass: numba absent, ids that are not contiguous CPU int64 matching ``counts``, a table
+        that is not dense, not float32 or (unless ``allocate``) not yet allocated, tables
+        of different row widths, or a subclass that overrides `get` or `put` (which then sees
+        every call). The typed lists are kept while the arrays live."""
+        if not native.available() or not tables:
+            return None
+        if type(self).get is not HostKV.get or type(self).put is not HostKV.put:
+            return None
+        if ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
+            return None
+        if sum(counts) != ids.numel() or len(counts) != len(tables):
+            return None
+        self._check_open()
+        found = [self._tables.get(name) for name in tables]
+        if not all(isinstance(t, DenseTable) and t.spec.dtype == torch.float32 for t in found):
+            return None
+        if len({t.spec.stored_width for t in found}) != 1:
+            return None
+        if allocate:
+            for t in found:
+                t.allocate()
+        if any(t.rows is None for t in found):
+            return None
+        key = tuple(tables)
+        arrays = tuple((t.rows, t.created) for t in found)
+        kept = self._typed.get(key)
+        if kept is None or any(
+            a is not b or c is not d for (a, c), (b, d) in zip(kept[0], arrays, strict=True)
+        ):
+            limits = np.array([t.spec.num_embeddings for t in found], dtype=np.int64)
+            lists = (
+                native.array_list([r.numpy() for r, _ in arrays]),
+                native.array_list([c.numpy() for _, c in arrays]),
+            )
+            kept = (arrays, lists, limits)
+            self._typed[key] = kept
+        _, (rows, created), limits = kept
+        bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        return rows, created, limits, bounds, found[0].spec
 
     def unpin(self, table: str, ids: torch.Tensor) -> None:
         """Release one pin of each of ``ids`` (bounded tables; a no-op for others) and count

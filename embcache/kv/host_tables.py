@@ -74,7 +74,8 @@ class DenseTable:
         self.rows: torch.Tensor | None = None  # [N, stored_width], allocated on first touch
         self.created: torch.Tensor | None = None  # [N] bool
 
-    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table's rows and ``created`` mask, allocated at the first call."""
         if self.rows is None or self.created is None:
             n = self.spec.num_embeddings
             assert n is not None
@@ -96,7 +97,7 @@ class DenseTable:
                 return 0
         missing = ids if self.created is None else select(ids, ~self.created.index_select(0, ids))
         fresh = self.spec.initial_rows(missing) if missing.numel() else None
-        rows, created = self._allocate()
+        rows, created = self.allocate()
         if fresh is not None:
             copy_rows(rows, missing, fresh)
             fill_at(created, missing, True)
@@ -114,7 +115,7 @@ class DenseTable:
             out[absent] = self.spec.initial_rows(ids[absent])
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        rows, created = self._allocate()
+        rows, created = self.allocate()
         if _compiled(rows, values):
             native.scatter_created(rows.numpy(), created.numpy(), ids.numpy(), values.numpy())
             return

@@ -22,7 +22,8 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
 * `scatter_split`, `gather_join`: stored rows into a cache's weights and state, and out
   (`TierTransfer.copy_in`, `HotCache.rows_of`), one pass each instead of a copy per part;
 * `gather_created`, `scatter_created`: a dense tier table's reads and writes with its
-  ``created`` mask (`kv.host_tables.DenseTable`);
+  ``created`` mask (`kv.host_tables.DenseTable`); `gather_tables`, `scatter_tables` the same
+  over several tables in one call (`kv.host.HostKV.get_grouped`, `put_grouped`);
 * `bags_sample_major`: each value's slot (and weight) with the bags in the fused CPU step's
   order, and their offsets (`engine.fused_cpu`).
 
@@ -117,6 +118,24 @@ def gather_created(*args: np.ndarray) -> int:
 def scatter_created(*args: np.ndarray) -> None:
     """``rows[ids] = src`` and ``created[ids] = True`` (a dense tier table's write)."""
     return _kernels().scatter_created(*args)
+
+
+def array_list(arrays: list[np.ndarray]) -> Any:
+    """``arrays`` (of one dtype, rank and layout) as a list the kernels can take (numba's typed
+    list: building one costs about 2 us an array, so callers keep it while the arrays live)."""
+    from numba import typed
+
+    return typed.List(arrays)
+
+
+def gather_tables(*args: Any) -> int:
+    """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
+    return _kernels().gather_tables(*args)
+
+
+def scatter_tables(*args: Any) -> int:
+    """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
+    return _kernels().scatter_tables(*args)
 
 
 def bags_sample_major(*args: np.ndarray | int) -> None:

@@ -128,10 +128,10 @@ def test_sorted_ids_are_grouped_without_a_permutation(monkeypatch, backend: str)
     _, transfer = _setup([100, 100, 100])
     ids = torch.cat([_fused(0, torch.tensor([3, 9])), _fused(2, torch.tensor([1, 2, 50]))])
     expected = [(0, 0, [3, 9]), (2, 2, [1, 2, 50])]
-    order, groups = transfer._grouped(ids)
+    order, groups, _ = transfer._grouped(ids)
     assert order is None
     assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == expected
-    order, groups = transfer._grouped(ids.flip(0))
+    order, groups, _ = transfer._grouped(ids.flip(0))
     assert order is not None and torch.equal(ids.flip(0)[order], ids)
     assert [(idx, start, raw.tolist()) for idx, start, raw in groups] == expected
 
@@ -150,7 +150,7 @@ def test_writes_are_grouped_by_table_in_their_own_order(
     raw = torch.randint(0, 100, (500,), generator=gen)
     ids = torch.unique(_fused(table, raw))
     ids = ids[torch.randperm(ids.numel(), generator=gen)]
-    order, groups = transfer._grouped(ids, ascending=False)
+    order, groups, _ = transfer._grouped(ids, ascending=False)
     assert order is not None
     grouped = ids[order]
     assert torch.equal(grouped >> K, (grouped >> K).sort().values)  # by table
@@ -160,7 +160,7 @@ def test_writes_are_grouped_by_table_in_their_own_order(
         assert torch.equal(grouped[start : start + raw_ids.numel()], _fused(idx, raw_ids))
     assert sum(r.numel() for _, _, r in groups) == ids.numel()
     ids = ids.sort().values
-    order, sorted_groups = transfer._grouped(ids, ascending=False)
+    order, sorted_groups, _ = transfer._grouped(ids, ascending=False)
     assert order is None
     assert torch.equal(torch.cat([_fused(idx, raw) for idx, _, raw in sorted_groups]), ids)
 
