@@ -25,14 +25,59 @@ def put(t: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def fill_at(t: torch.Tensor, idx: torch.Tensor, value: float | int | bool) -> None:
-    """``t[idx] = value`` for a 1-D ``t`` (positions may repeat)."""
+    """``t[idx] = value`` for a 1-D ``t`` (positions may repeat). On a CPU with the compiled
+    kernels, one checked pass (`native.fill_at`; twice as fast as ``scatter_``)."""
+    if _compiled_at(t, idx):
+        _raise_if_bad(native.fill_at(t.numpy(), idx.numpy(), _scalar(t, value)), t, idx)
+        return
     t.scatter_(0, idx, torch.full((idx.numel(),), value, dtype=t.dtype, device=t.device))
 
 
 def add_at(t: torch.Tensor, idx: torch.Tensor, delta: int) -> None:
     """``t[idx] += delta`` for a 1-D ``t`` and distinct positions (a repeated position is
-    added to once per occurrence)."""
+    added to once per occurrence). On a CPU, one checked compiled pass as `fill_at`."""
+    if _compiled_at(t, idx):
+        bad = native.add_at(t.numpy(), idx.numpy(), _scalar(t, delta))
+        _raise_if_bad(bad, t, idx, IndexError)
+        return
     t.index_add_(0, idx, torch.full((idx.numel(),), delta, dtype=t.dtype, device=t.device))
+
+
+# Dtypes the compiled `fill_at` / `add_at` take (numba has no half precision).
+_COMPILED_DTYPES = (torch.bool, torch.int32, torch.int64, torch.float32)
+
+
+def _compiled_at(t: torch.Tensor, idx: torch.Tensor) -> bool:
+    """Whether a write at ``idx`` into ``t`` goes through a compiled pass: CPU tensors, a
+    contiguous 1-D ``t`` of a dtype numba has, contiguous int64 positions. (The write then
+    leaves ``t``'s autograd version counter as it was, as `copy_rows` does: the cache's
+    bookkeeping is saved by no graph.)"""
+    return (
+        t.device.type == "cpu"
+        and idx.device.type == "cpu"
+        and t.dim() == 1
+        and idx.dtype == torch.int64
+        and t.dtype in _COMPILED_DTYPES
+        and t.is_contiguous()
+        and idx.is_contiguous()
+        and not t.requires_grad
+        and native.available()
+    )
+
+
+def _scalar(t: torch.Tensor, value: float | int | bool) -> np.generic:
+    """``value`` as a numpy scalar of ``t``'s dtype (what the kernel writes)."""
+    return np.array(value, dtype=t.numpy().dtype)[()]
+
+
+def _raise_if_bad(at: int, t: torch.Tensor, idx: torch.Tensor, error: type = RuntimeError) -> None:
+    """For the kernels' refusals, the error torch's own op gives (``scatter_``: RuntimeError,
+    ``index_add_``: IndexError)."""
+    if at >= 0:
+        raise error(
+            f"index {int(idx[at])} at position {at} is out of bounds for dimension 0 with "
+            f"size {t.numel()} (nothing was written)"
+        )
 
 
 _BYTE_SUM = 0x0101010101010101  # times a word of 0/1 bytes: their sum lands in the top byte

@@ -976,6 +976,16 @@ class HotCache(PolicyState):
         """
         with self.lock:
             slots = self._live(slots.to(self.device))
+            if (
+                native.available()
+                and self.device.type == "cpu"
+                and slots.dtype == torch.int64
+                and slots.is_contiguous()
+            ):
+                # One compiled pass checks every lock, a second drops them (`native.unlock`).
+                if native.unlock(self.locks.numpy(), slots.numpy()) >= 0:
+                    raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
+                return
             if slots.numel() and int(self.locks.index_select(0, slots).min()) <= 0:
                 raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
             add_at(self.locks, slots, -1)

@@ -414,8 +414,10 @@ class Store(abc.ABC):
         parts = []
         start = 0
         for k, (table, n) in enumerate(zip(tables, counts, strict=True)):
-            pin = bool(pins[k]) if pins is not None else False
-            parts.append(self.get(table, ids[start : start + n], pin=pin))
+            part = ids[start : start + n]
+            # ``pin`` only when pinning: a tier's own `get` may not take the argument.
+            pinned = pins is not None and pins[k]
+            parts.append(self.get(table, part, pin=True) if pinned else self.get(table, part))
             start += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

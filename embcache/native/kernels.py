@@ -39,6 +39,56 @@ def scatter_rows(dst, idx, src):
 
 
 @_jit
+def fill_at(arr, idx, value):
+    """``arr[idx] = value`` for 1-D ``arr``; every position is checked first (nothing is
+    written when one is out of range). Returns -1, or the position of the first bad one."""
+    n = arr.shape[0]
+    m = idx.shape[0]
+    for i in range(m):
+        if idx[i] < 0 or idx[i] >= n:
+            return i
+    for i in range(m):
+        if i + AHEAD < m:
+            prefetch_item(arr, idx[i + AHEAD])
+        arr[idx[i]] = value
+    return -1
+
+
+@_jit
+def add_at(arr, idx, delta):
+    """``arr[idx] += delta`` for 1-D ``arr`` (a repeated position added to once per
+    occurrence), positions checked first as in `fill_at`."""
+    n = arr.shape[0]
+    m = idx.shape[0]
+    for i in range(m):
+        if idx[i] < 0 or idx[i] >= n:
+            return i
+    for i in range(m):
+        if i + AHEAD < m:
+            prefetch_item(arr, idx[i + AHEAD])
+        arr[idx[i]] += delta
+    return -1
+
+
+@_jit
+def unlock(locks, slots):
+    """Drop one lock from each of ``slots`` (distinct) when every one of them is in range and
+    locked; else change nothing. Returns -1, or the position of the first slot that is out of
+    range or not locked."""
+    n = locks.shape[0]
+    m = slots.shape[0]
+    for i in range(m):
+        if i + AHEAD < m:
+            prefetch_item(locks, slots[i + AHEAD])
+        s = slots[i]
+        if s < 0 or s >= n or locks[s] <= 0:
+            return i
+    for i in range(m):
+        locks[slots[i]] -= 1
+    return -1
+
+
+@_jit
 def _by_set(sets, shuffle, num_sets):
     """The order of misses by ``(set, shuffle, position)``: a counting sort by set when the
     sets are few for the misses, else a stable sort of ``set << 20 | shuffle``."""

@@ -335,6 +335,20 @@ def test_locked_invalidate_and_bad_unlock_raise(device: torch.device) -> None:
         cache.unlock(slots)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled", "torch"])
+def test_an_unlock_that_meets_a_slot_not_locked_drops_no_lock(monkeypatch, backend: str) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+    cache, _, _ = make_cache(CacheConfig(capacity=8, ways=4), OptimRule.SGD, torch.device("cpu"))
+    slots = cache.resolve(torch.tensor([1, 2, 3]))
+    free = next(s for s in range(cache.num_slots) if s not in slots.tolist())
+    locks = cache.locks.clone()
+    with pytest.raises(RuntimeError, match="not locked"):
+        cache.unlock(torch.cat([slots[:2], torch.tensor([free])]))
+    assert torch.equal(cache.locks, locks)
+    cache.unlock(slots)
+    assert cache.locked_slots() == 0
+
+
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="capacity or load_factor"):
         CacheConfig(capacity=4, load_factor=0.5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import embcache.native as native
 from embcache.indexing import add_at, copy_rows, count_true, fill_at, or_flags, put, select, true_at
 
 SIZES = [0, 1, 7, 8, 9, 1000, 100003]
@@ -111,9 +112,16 @@ def test_put_casts_its_source_to_the_target_dtype() -> None:
     assert t.dtype == torch.int32 and torch.equal(t, expected)
 
 
+@pytest.fixture
+def backend(monkeypatch, request) -> str:
+    monkeypatch.setenv("EMBCACHE_BACKEND", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"], indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 9, 1000])
-def test_fill_at_takes_repeated_positions(dtype: torch.dtype, n: int) -> None:
+def test_fill_at_takes_repeated_positions(backend: str, dtype: torch.dtype, n: int) -> None:
     gen = torch.Generator().manual_seed(10 + n)
     value = {torch.bool: True, torch.float32: 2.5}.get(dtype, 77)
     for draws in (0, 1, 3 * n):
@@ -125,10 +133,13 @@ def test_fill_at_takes_repeated_positions(dtype: torch.dtype, n: int) -> None:
         assert torch.equal(t, expected)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32])
 @pytest.mark.parametrize("n", [1, 9, 1000])
 @pytest.mark.parametrize("delta", [1, -1, 5])
-def test_add_at_adds_at_distinct_positions(dtype: torch.dtype, n: int, delta: int) -> None:
+def test_add_at_adds_at_distinct_positions(
+    backend: str, dtype: torch.dtype, n: int, delta: int
+) -> None:
     gen = torch.Generator().manual_seed(20 + n + delta)
     t = _random(n, dtype, gen)
     idx = torch.randperm(n, generator=gen)[: max(n // 2, 1)]
@@ -138,13 +149,15 @@ def test_add_at_adds_at_distinct_positions(dtype: torch.dtype, n: int, delta: in
     assert torch.equal(t, expected)
 
 
-def test_add_at_counts_a_repeated_position_once_per_occurrence() -> None:
+@pytest.mark.parametrize("backend", ["auto", "torch"], indirect=True)
+def test_add_at_counts_a_repeated_position_once_per_occurrence(backend: str) -> None:
     t = torch.zeros(6, dtype=torch.int32)
     add_at(t, torch.tensor([1, 4, 1, 1]), 2)
     assert t.tolist() == [0, 6, 0, 0, 2, 0]
 
 
-def test_writes_leave_other_positions_alone() -> None:
+@pytest.mark.parametrize("backend", ["auto", "torch"], indirect=True)
+def test_writes_leave_other_positions_alone(backend: str) -> None:
     """Untouched positions hold a poison value before and after every write."""
     gen = torch.Generator().manual_seed(5)
     poison = -(2**31)
@@ -164,6 +177,22 @@ def test_writes_leave_other_positions_alone() -> None:
     f = torch.full((100,), float("nan"))
     fill_at(f, idx, 1.0)
     assert bool(f[untouched].isnan().all()) and bool((f[idx] == 1.0).all())
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"], indirect=True)
+@pytest.mark.parametrize("bad", [-1, 50], ids=["negative", "past the end"])
+def test_a_position_out_of_range_raises_and_writes_nothing(backend: str, bad: int) -> None:
+    """As torch's own ops: ``scatter_`` raises RuntimeError, ``index_add_`` IndexError; the
+    compiled pass checks every position before writing any."""
+    for write, error in (
+        (lambda t, i: fill_at(t, i, 7), RuntimeError),
+        (lambda t, i: add_at(t, i, 1), IndexError),
+    ):
+        t = torch.zeros(50, dtype=torch.int32)
+        with pytest.raises(error):
+            write(t, torch.tensor([3, 9, bad, 11]))
+        if native.available():  # the compiled pass (absent where numba is)
+            assert not bool(t.any())
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled", "numpy"])
