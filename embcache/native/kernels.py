@@ -39,14 +39,22 @@ def scatter_rows(dst, idx, src):
 
 
 @_jit
+def _first_out_of_range(idx, n):
+    """The position of the first of ``idx`` outside ``[0, n)``, or -1."""
+    for i in range(idx.shape[0]):
+        if idx[i] < 0 or idx[i] >= n:
+            return i
+    return -1
+
+
+@_jit
 def fill_at(arr, idx, value):
     """``arr[idx] = value`` for 1-D ``arr``; every position is checked first (nothing is
     written when one is out of range). Returns -1, or the position of the first bad one."""
-    n = arr.shape[0]
+    bad = _first_out_of_range(idx, arr.shape[0])
+    if bad >= 0:
+        return bad
     m = idx.shape[0]
-    for i in range(m):
-        if idx[i] < 0 or idx[i] >= n:
-            return i
     for i in range(m):
         if i + AHEAD < m:
             prefetch_item(arr, idx[i + AHEAD])
@@ -58,11 +66,10 @@ def fill_at(arr, idx, value):
 def add_at(arr, idx, delta):
     """``arr[idx] += delta`` for 1-D ``arr`` (a repeated position added to once per
     occurrence), positions checked first as in `fill_at`."""
-    n = arr.shape[0]
+    bad = _first_out_of_range(idx, arr.shape[0])
+    if bad >= 0:
+        return bad
     m = idx.shape[0]
-    for i in range(m):
-        if idx[i] < 0 or idx[i] >= n:
-            return i
     for i in range(m):
         if i + AHEAD < m:
             prefetch_item(arr, idx[i + AHEAD])

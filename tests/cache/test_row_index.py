@@ -119,14 +119,8 @@ def test_no_index_for_unbounded_tables_or_a_direct_cache() -> None:
     assert whole.direct and whole._where is None
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled bitmap", "torch map"])
-@pytest.mark.parametrize("n", [1, 2, 40, 97, 500, 4000])
-def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> None:
-    """A batch deduplicated through the map over its tables' rows gives exactly the sorted unique
-    ids and inverse index of `torch.unique`, with tables declared out of index order (their
-    rows then lie in index order), repeats, and each table's first and last rows; a table
-    spans many 64-row words of the compiled path's bitmap."""
-    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+def _four_tables() -> tuple[HotCache, dict[int, int]]:
+    """A cache over four tables declared out of index order; their sizes by table index."""
     store = HostKV()
     specs = [
         (2, TableSpec("b", DIM, 40)),
@@ -137,8 +131,19 @@ def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> No
     for _, spec in specs:
         store.init_table(spec)
     cache = HotCache(specs, CacheConfig(capacity=16, ways=4), store, CPU, FUSION_K)
+    return cache, {idx: spec.num_embeddings for idx, spec in specs}
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled bitmap", "torch map"])
+@pytest.mark.parametrize("n", [1, 2, 40, 97, 500, 4000])
+def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> None:
+    """A batch deduplicated through the map over its tables' rows gives exactly the sorted unique
+    ids and inverse index of `torch.unique`, with tables declared out of index order (their
+    rows then lie in index order), repeats, and each table's first and last rows; a table
+    spans many 64-row words of the compiled path's bitmap."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+    cache, sizes = _four_tables()
     gen = torch.Generator().manual_seed(n)
-    sizes = {idx: spec.num_embeddings for idx, spec in specs}
     tables = torch.tensor(list(sizes))[torch.randint(0, len(sizes), (n,), generator=gen)]
     limits = torch.tensor([sizes[int(t)] for t in tables])
     raw = (torch.rand(n, generator=gen) * limits).long()
@@ -155,21 +160,6 @@ def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> No
     assert torch.equal(got[1], inverse)
     again = cache.unique_by_rows(ids[: n // 2 + 50])  # the map is cleared between batches
     assert again is not None and torch.equal(again[0], torch.unique(ids[: n // 2 + 50]))
-
-
-def _four_tables() -> tuple[HotCache, dict[int, int]]:
-    """A cache over four tables declared out of index order; their sizes by table index."""
-    store = HostKV()
-    specs = [
-        (2, TableSpec("b", DIM, 40)),
-        (0, TableSpec("a", DIM, 30)),
-        (5, TableSpec("c", DIM, 27)),
-        (3, TableSpec("d", DIM, 700)),
-    ]
-    for _, spec in specs:
-        store.init_table(spec)
-    cache = HotCache(specs, CacheConfig(capacity=16, ways=4), store, CPU, FUSION_K)
-    return cache, {idx: spec.num_embeddings for idx, spec in specs}
 
 
 def _raw_features(gen, sizes, feature_tables, per_feature):
