@@ -503,27 +503,14 @@ def gather_tables(tables, created, limits, ids, bounds, out):
     """`gather_created` over several dense tables in one call: ids ``bounds[t] ..
     bounds[t + 1]`` are rows of ``tables[t]`` (its ``created`` mask ``created[t]``, ids valid
     below ``limits[t]``), gathered into ``out`` in order. Returns how many are not created, or
-    ``-1 - i`` for the first id ``i`` out of its table's range (``out`` is then partly
-    written; nothing else)."""
+    ``-1 - i`` for the first id ``i`` out of its table's range (nothing is written then)."""
+    bad = _first_bad_of_tables(limits, ids, bounds)
+    if bad >= 0:
+        return -1 - bad
     absent = 0
     for t in range(len(tables)):
-        rows = tables[t]
-        made = created[t]
-        limit = limits[t]
-        width = rows.shape[1]
-        lo = bounds[t]
-        hi = bounds[t + 1]
-        for i in range(lo, hi):
-            r = ids[i]
-            if r < 0 or r >= limit:
-                return -1 - i
-            if i + AHEAD < hi:
-                prefetch_row(rows, ids[i + AHEAD])  # a hint: an id out of range does no harm
-                prefetch_item(made, ids[i + AHEAD])
-            if not made[r]:
-                absent += 1
-            for j in range(width):
-                out[i, j] = rows[r, j]
+        lo, hi = bounds[t], bounds[t + 1]
+        absent += gather_created(tables[t], created[t], ids[lo:hi], out[lo:hi])
     return absent
 
 
@@ -532,20 +519,23 @@ def scatter_tables(tables, created, limits, ids, bounds, src):
     """`scatter_created` over several dense tables in one call (ids as `gather_tables`
     takes them): every id is checked first, so that a bad one writes nothing. Returns -1,
     or the position of the first id out of its table's range."""
+    bad = _first_bad_of_tables(limits, ids, bounds)
+    if bad >= 0:
+        return bad
     for t in range(len(tables)):
-        limit = limits[t]
-        for i in range(bounds[t], bounds[t + 1]):
-            if ids[i] < 0 or ids[i] >= limit:
-                return i
-    for t in range(len(tables)):
-        rows = tables[t]
-        made = created[t]
-        width = rows.shape[1]
-        for i in range(bounds[t], bounds[t + 1]):
-            r = ids[i]
-            made[r] = True
-            for j in range(width):
-                rows[r, j] = src[i, j]
+        lo, hi = bounds[t], bounds[t + 1]
+        scatter_created(tables[t], created[t], ids[lo:hi], src[lo:hi])
+    return -1
+
+
+@_jit
+def _first_bad_of_tables(limits, ids, bounds):
+    """The position of the first id out of its table's range (``ids[bounds[t] : bounds[t +
+    1]]`` below ``limits[t]``), or -1."""
+    for t in range(limits.shape[0]):
+        bad = _first_out_of_range(ids[bounds[t] : bounds[t + 1]], limits[t])
+        if bad >= 0:
+            return bounds[t] + bad
     return -1
 
 
