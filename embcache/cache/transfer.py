@@ -7,7 +7,8 @@ table), and this class splits them by table on the host, where that costs no syn
 
 * Write-backs and reads of one resolve go to the tier in one round of calls, one per table,
   run concurrently when the tier declares ``parallel_io`` (a network round trip each, so the
-  latency is paid about once).
+  latency is paid about once); a CPU cache over an in-process tier makes one grouped write
+  and one grouped read for all its tables (`Store.put_grouped` / `get_grouped`).
 * Rows read come back into host memory (pinned when the cache is on a GPU) and are copied into
   their slots on a side stream; the compute stream waits for that copy through an event, so
   kernels already queued keep running.
@@ -202,9 +203,11 @@ class TierTransfer:
             the rows read, in parts ``(positions, rows)``: host stored ``rows``
             ``[len(positions), stored_width]`` of ``read_ids[positions]`` (``positions`` a host
             int64 tensor or a slice). On a device one part (in pinned memory on a GPU); on a CPU
-            the tier's own rows, those of tables with few rows joined into parts of at least
-            `_PLACE_ROWS` rows. Empty when nothing is read. A tier error propagates; nothing
-            here holds state.
+            over an in-process tier one part too (`_exchange_grouped`: one grouped write and
+            one grouped read); over a tier whose calls overlap (``parallel_io``), the tier's
+            own rows, those of tables with few rows joined into parts of at least `_PLACE_ROWS`
+            rows. Empty when nothing is read. A tier error propagates; nothing here holds
+            state.
         """
         if self.device.type == "cpu" and not self.store.parallel_io:
             return self._exchange_grouped(write_ids, write_rows, read_ids, released)
