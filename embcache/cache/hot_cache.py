@@ -69,7 +69,6 @@ from embcache.hostmem import host_zeros
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put, select, true_at
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
 from embcache.kv.base import Store, TableSpec
-from embcache.native import direct as native_direct
 from embcache.profiling import profiled
 
 
@@ -333,12 +332,12 @@ class HotCache(PolicyState):
         unique = raw | (self._row_tables.index_select(0, table) << self.fusion_k)
         return unique, inverse
 
-    @property
-    def indexes_rows(self) -> bool:
-        """Whether the cache keeps the slot of every row of its tables (a set-associative
-        cache of bounded tables on a CPU, up to `ROW_INDEX_MAX_ROWS` rows): `unique_by_rows`
-        and `unique_values` then apply to large batches."""
-        return bool(self._index_rows)
+    def maps_batch(self, n: int) -> bool:
+        """Whether `unique_values` takes a batch of ``n`` ids: the compiled kernels run, the
+        cache keeps the slot of every row of its tables (a set-associative cache of bounded
+        tables on a CPU, up to `ROW_INDEX_MAX_ROWS` rows), and the batch is dense enough for
+        the map over those rows."""
+        return native.available() and self._dense_batch(n, True)
 
     def row_ranges(self, tables: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """For `unique_values`: the first row (among this cache's tables' rows) and the number
@@ -369,9 +368,7 @@ class HotCache(PolicyState):
             bounds: CPU int64 ``[F + 1]`` the first value of each feature, then ``nnz``.
             ranges: `row_ranges` of the features' tables.
         """
-        if values.dtype not in (torch.int64, torch.int32) or not (
-            native.available() and self._dense_batch(values.numel(), True)
-        ):
+        if values.dtype not in (torch.int64, torch.int32) or not self.maps_batch(values.numel()):
             return None
         bases, limits = ranges
         with self._rows_lock:
@@ -652,10 +649,7 @@ class HotCache(PolicyState):
         (``value_slots`` and ``rows`` as given to it)."""
         with self.lock:
             if rows is not None:
-                if native_direct.available() and self.device.type == "cpu":
-                    native_direct.set_flags(self.dirty, rows)
-                else:
-                    fill_at(self.dirty, rows, True)
+                fill_at(self.dirty, rows, True)  # a compiled pass on a CPU (`indexing`)
                 return
             assert value_slots is not None
             if batch == self._seen_batch != -1 and self._seen is not None:

@@ -191,10 +191,12 @@ class CacheEngine:
         one compiled pass (`HotCache.unique_values`), not yet resolved: what `fuse` and then
         `dedup` give, for a cache on the fused CPU step that indexes its rows. None when that
         does not apply, and for a bad id (`fuse` then raises naming it)."""
-        if self.fused is None or not self.cache.indexes_rows:
+        if self.fused is None:
             return None
         values, lengths, weights = group_inputs(batch, self.layout.features)
         if values.device.type != "cpu" or not self.fused.takes(weights):
+            return None
+        if not self.cache.maps_batch(values.numel()):
             return None
         if self._row_ranges is None:
             self._row_ranges = self.cache.row_ranges([t.index for t in self.layout.feature_table])

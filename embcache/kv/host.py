@@ -89,6 +89,7 @@ class HostKV(Store):
             if table is None:
                 self._tables[spec.name] = make_table(spec)
                 return
+            self._typed.clear()  # a re-declared table may get new arrays
             old = table.spec
             for field in ("dim", "num_embeddings", "dtype", "capacity", "score"):
                 if getattr(old, field) != getattr(spec, field):
@@ -378,6 +379,7 @@ class HostKV(Store):
         """Drop every table. Any later call but `close` raises `RuntimeError`."""
         with self._lock:
             self._tables.clear()
+            self._typed.clear()
             self._closed = True
 
     # -- helpers (called with the lock held) -----------------------------------------------

@@ -9,8 +9,8 @@ where the torch path makes several.
 Each kernel computes exactly what the torch path beside it computes (the specification, run
 under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be imported):
 
-* `scatter_rows`: ``dst[idx] = src`` along dim 0 (`indexing.copy_rows`); `fill_at`, `add_at`:
-  a value written or added at positions of a 1-D array (`indexing.fill_at`, `add_at`);
+* `scatter_rows`: ``dst[idx] = src`` along dim 0 (`indexing.copy_rows`); `write_at`: a
+  value written or added at positions of a 1-D array (`indexing.fill_at`, `add_at`);
   `unlock`: a batch's locks dropped after checking them (`HotCache.unlock`);
 * `plan_lru`, `reserve`: a set-associative LRU cache's plan (`HotCache._plan_sets`): lookup
   through the row index, victim choice (`cache_index_ref.assign_ways_ref` on the ways of the
@@ -75,15 +75,11 @@ def scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
     _kernels().scatter_rows(dst, idx, src)
 
 
-def fill_at(arr: np.ndarray, idx: np.ndarray, value: Any) -> int:
-    """``arr[idx] = value`` (1-D ``arr``, int64 ``idx``), every position checked first:
-    -1, or the position of the first one out of range (nothing written then)."""
-    return _kernels().fill_at(arr, idx, value)
-
-
-def add_at(arr: np.ndarray, idx: np.ndarray, delta: Any) -> int:
-    """``arr[idx] += delta``, positions checked first as `fill_at` checks them."""
-    return _kernels().add_at(arr, idx, delta)
+def write_at(arr: np.ndarray, idx: np.ndarray, value: Any, add: bool) -> int:
+    """``arr[idx] = value`` (``add``: ``+= value``) for 1-D ``arr`` and int64 ``idx``, every
+    position checked first: -1, or the position of the first one out of range (nothing is
+    written then)."""
+    return _kernels().write_at(arr, idx, value, add)
 
 
 def unlock(locks: np.ndarray, slots: np.ndarray) -> int:

@@ -7,7 +7,8 @@ torch path (the specification: `CacheEngine._direct_slots` gives each value's sl
 counts them through a map or stamps) spends a dozen ops and two scatters over the cache's rows
 on them; `DistinctRows` does both in one pass over the values, remembering the rows it has
 seen in a bit per cache row, and the dirty flags are then set at the distinct rows alone
-(`set_flags`). No value's slot is written: only a share read without its TBE needs them.
+(`indexing.fill_at`, itself a compiled pass on a CPU). No value's slot is written: only a
+share read without its TBE needs them.
 
 `available()` is `embcache.native.available` (numba imports, ``EMBCACHE_BACKEND`` is auto).
 """
@@ -21,7 +22,7 @@ import torch
 
 from embcache.native import available
 
-__all__ = ["DistinctRows", "available", "set_flags"]
+__all__ = ["DistinctRows", "available"]
 
 
 def _kernels():
@@ -30,12 +31,6 @@ def _kernels():
     from embcache.native import direct_kernels
 
     return direct_kernels
-
-
-def set_flags(flags: torch.Tensor, idx: torch.Tensor) -> None:
-    """``flags[idx] = True`` for a contiguous 1-D CPU bool ``flags`` and int64 ``idx`` (in
-    range, repeats allowed): `indexing.fill_at` without its source tensor and scatter."""
-    _kernels().set_flags(flags.numpy(), idx.numpy())
 
 
 class DistinctRows:

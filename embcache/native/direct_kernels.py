@@ -56,10 +56,3 @@ def direct_rows(values, offsets, batch_size, feature_rows, feature_bases, seen, 
     for j in range(count):
         seen[rows[j] >> 6] = 0
     return verdict if verdict else count
-
-
-@_jit
-def set_flags(flags, idx):
-    """``flags[idx] = True`` (positions in range; repeats allowed)."""
-    for i in range(idx.shape[0]):
-        flags[idx[i]] = True

@@ -48,8 +48,9 @@ def _first_out_of_range(idx, n):
 
 
 @_jit
-def fill_at(arr, idx, value):
-    """``arr[idx] = value`` for 1-D ``arr``; every position is checked first (nothing is
+def write_at(arr, idx, value, add):
+    """``arr[idx] = value`` or, with ``add``, ``arr[idx] += value`` (a repeated position added
+    to once per occurrence), for 1-D ``arr``; every position is checked first (nothing is
     written when one is out of range). Returns -1, or the position of the first bad one."""
     bad = _first_out_of_range(idx, arr.shape[0])
     if bad >= 0:
@@ -58,22 +59,10 @@ def fill_at(arr, idx, value):
     for i in range(m):
         if i + AHEAD < m:
             prefetch_item(arr, idx[i + AHEAD])
-        arr[idx[i]] = value
-    return -1
-
-
-@_jit
-def add_at(arr, idx, delta):
-    """``arr[idx] += delta`` for 1-D ``arr`` (a repeated position added to once per
-    occurrence), positions checked first as in `fill_at`."""
-    bad = _first_out_of_range(idx, arr.shape[0])
-    if bad >= 0:
-        return bad
-    m = idx.shape[0]
-    for i in range(m):
-        if i + AHEAD < m:
-            prefetch_item(arr, idx[i + AHEAD])
-        arr[idx[i]] += delta
+        if add:
+            arr[idx[i]] += value
+        else:
+            arr[idx[i]] = value
     return -1
 
 

@@ -189,6 +189,7 @@ def test_unique_values_checks_fuses_and_dedups_raw_ids(
     gen = torch.Generator().manual_seed(sum(per_feature))
     ranges = cache.row_ranges(feature_tables)
     prefixes = torch.tensor(feature_tables).repeat_interleave(torch.tensor(per_feature))
+    assert cache.maps_batch(sum(per_feature)) and not cache.maps_batch(1)  # too sparse
     for _ in range(2):  # the second batch sees the bitmap the first one left
         raw, bounds = _raw_features(gen, sizes, feature_tables, per_feature)
         got = cache.unique_values(raw.to(dtype), bounds, ranges)

@@ -182,12 +182,3 @@ def test_distinct_rows_kernel() -> None:
             assert distinct(values, short, B) is None
         assert distinct(values, offsets[:-1], B) is None
         assert not distinct.seen.any()
-
-
-def test_set_flags_marks_the_positions() -> None:
-    flags = torch.zeros(1000, dtype=torch.bool)
-    idx = torch.tensor([5, 999, 0, 5, 17])
-    native_direct.set_flags(flags, idx)
-    expected = torch.zeros(1000, dtype=torch.bool)
-    expected[idx] = True
-    assert torch.equal(flags, expected)

@@ -151,3 +151,5 @@ def test_the_compiled_pass_keeps_up_with_reallocated_tables() -> None:
     assert got.shape == (ids.numel(), DIM + STATE + 1)
     assert bool((got[:, DIM:] == 0.25).all())
     assert torch.equal(got, Store.get_grouped(kv, tables, ids, counts))
+    kv.close()
+    assert not kv._typed, "a closed store keeps no table's arrays alive"
