@@ -218,10 +218,13 @@ class HotCache(PolicyState):
         self._served = 0  # batches served directly
         self._stamps: torch.Tensor | None = None  # `_distinct`'s positions, made on first use
         # `unique_by_rows`' map and ranks over the tables' rows (5 bytes a row), made on first
-        # use.
+        # use; the compiled dedup's bitmap (a bit a row) and ranks (4 bytes per 64 rows).
         self._row_map: torch.Tensor | None = None
         self._row_rank: torch.Tensor | None = None
-        self._row_bits: torch.Tensor | None = None  # `native.unique_rows`' bitmap
+        self._row_bits: torch.Tensor | None = None
+        self._word_rank: np.ndarray | None = None
+        self._row_starts: torch.Tensor | None = None  # first row of each table, ascending
+        self._row_tables: torch.Tensor | None = None  # and the table's index
         self._rows_lock = threading.Lock()  # one batch at a time through those
         self._allocate(scratch_rows=0)
         self.reset_stats()
@@ -312,15 +315,15 @@ class HotCache(PolicyState):
         if not self._dense_batch(ids.numel(), compiled):
             return None
         with self._rows_lock:  # the map and ranks are this cache's, one batch at a time
-            self._row_buffers()
-            assert self._row_rank is not None
+            self._row_buffers(compiled)
             if compiled:
                 unique, inverse = native.unique_rows(
                     ids.contiguous().numpy(), self._row_offset.numpy(), self.fusion_k,
-                    self._bitmap(), self._row_rank.numpy(), self._row_starts.numpy(),
+                    self._bitmap(), self._word_ranks(), self._row_starts.numpy(),
                     self._row_tables.numpy(),
                 )  # fmt: skip
                 return torch.from_numpy(unique), torch.from_numpy(inverse)
+            assert self._row_map is not None and self._row_rank is not None
             rows = self.row_index(ids)
             fill_at(self._row_map, rows, True)
             unique_rows = true_at(self._row_map)  # ascending: (table, id) order
@@ -372,11 +375,10 @@ class HotCache(PolicyState):
             return None
         bases, limits = ranges
         with self._rows_lock:
-            self._row_buffers()
-            assert self._row_rank is not None
+            self._row_buffers(compiled=True)
             unique, inverse, bad = native.unique_values(
                 values.contiguous().numpy(), bounds.contiguous().numpy(), bases.numpy(),
-                limits.numpy(), self.fusion_k, self._bitmap(), self._row_rank.numpy(),
+                limits.numpy(), self.fusion_k, self._bitmap(), self._word_ranks(),
                 self._row_starts.numpy(), self._row_tables.numpy(),
             )  # fmt: skip
         if bad >= 0:
@@ -389,11 +391,13 @@ class HotCache(PolicyState):
         per_row = _IDS_PER_ROW_BITMAP if compiled else _IDS_PER_ROW_MAP
         return bool(self._index_rows) and n * per_row >= self._index_rows
 
-    def _row_buffers(self) -> None:
-        """Make the map, the ranks and the table starts of `unique_by_rows` (first use)."""
-        if self._row_map is None:
+    def _row_buffers(self, compiled: bool) -> None:
+        """Make the table starts of `unique_by_rows` and, for the torch path (not
+        ``compiled``), its map and ranks over the tables' rows (first use)."""
+        if not compiled and self._row_map is None:
             self._row_map = torch.zeros(self._index_rows, dtype=torch.bool)
             self._row_rank = host_zeros((self._index_rows,), torch.int32)
+        if self._row_starts is None:
             starts = sorted((int(self._row_offset[i]), i) for i in self._specs)
             self._row_starts = torch.tensor([start for start, _ in starts])
             self._row_tables = torch.tensor([idx for _, idx in starts])
@@ -403,6 +407,12 @@ class HotCache(PolicyState):
         if self._row_bits is None:
             self._row_bits = torch.zeros((self._index_rows + 63) // 64, dtype=torch.int64)
         return self._row_bits.numpy().view(np.uint64)
+
+    def _word_ranks(self) -> np.ndarray:
+        """The compiled dedup's rank of each word of `_bitmap` (scratch, int32)."""
+        if self._word_rank is None:
+            self._word_rank = np.zeros((self._index_rows + 63) // 64, dtype=np.int32)
+        return self._word_rank
 
     def _index(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Record that ``keys`` (resident, distinct) are held at ``slots``."""

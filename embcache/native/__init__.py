@@ -16,9 +16,10 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
   through the row index, victim choice (`cache_index_ref.assign_ways_ref` on the ways of the
   touched sets, misses ordered by set and the batch's shuffle) and the index changes that
   reserve the chosen ways;
-* `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows
-  (`HotCache.unique_by_rows`); `unique_values` the same from raw ids, checked against their
-  tables in the same pass (`HotCache.unique_values`: `kernels.ids.fuse_ids`, then the dedup);
+* `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows,
+  each id ranked by the marked bits before it (`HotCache.unique_by_rows`); `unique_values`
+  the same from raw ids, checked against their tables in the same pass
+  (`HotCache.unique_values`: `kernels.ids.fuse_ids`, then the dedup);
 * `group_by_table`: a tier transfer's ids grouped by table, by one pass when sorted and a
   counting sort otherwise (`TierTransfer._grouped`);
 * `scatter_split`, `gather_join`: stored rows into a cache's weights and state, and out

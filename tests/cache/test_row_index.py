@@ -162,6 +162,26 @@ def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> No
     assert again is not None and torch.equal(again[0], torch.unique(ids[: n // 2 + 50]))
 
 
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+def test_the_compiled_dedup_ranks_every_bit_of_full_words_and_keeps_no_rank_per_row() -> None:
+    """Every row of every table, shuffled and each seen three times: every bit of the bitmap's
+    words between the first row and the last is set, bits 0 and 63 of words and the rows of
+    tables whose first row falls inside a word included, and each id's rank (counted from the
+    bits below it in its word) is still `torch.unique`'s inverse. The compiled path keeps a rank
+    per 64-row word, never the 4-byte rank per row the torch path needs."""
+    cache, sizes = _four_tables()
+    ids = torch.cat([torch.arange(n) | (t << FUSION_K) for t, n in sizes.items()])
+    gen = torch.Generator().manual_seed(7)
+    batch = ids.repeat(3)[torch.randperm(3 * ids.numel(), generator=gen)]
+    got = cache.unique_by_rows(batch)
+    assert got is not None
+    unique, inverse = torch.unique(batch, sorted=True, return_inverse=True)
+    assert torch.equal(got[0], unique) and torch.equal(got[1], inverse)
+    assert not bool(cache._row_bits.any()), "the bitmap is clear for the next batch"
+    assert cache._row_rank is None and cache._row_map is None
+    assert cache._word_rank.size == (sum(sizes.values()) + 63) // 64
+
+
 def _raw_features(gen, sizes, feature_tables, per_feature):
     """Raw ids of features (one after another), each table's first and last rows among them,
     and the bounds of the features' values."""

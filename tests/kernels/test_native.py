@@ -100,3 +100,26 @@ def test_bags_sample_major_moves_each_bag_with_its_slots_and_weights(
     assert torch.equal(out_offsets, want)
     if weighted:
         assert torch.equal(out_weights, weights[positions])
+
+
+def test_popcount_counts_the_bits_of_any_word() -> None:
+    """`native.bits.popcount` against Python's count of a word's bits, on the edge words (0,
+    one bit at either end, all bits) and fresh random ones."""
+    import numpy as np
+    from numba import njit
+
+    from embcache.native.bits import popcount
+
+    @njit
+    def counts(words, out):
+        for i in range(words.shape[0]):
+            out[i] = popcount(words[i])
+
+    rng = np.random.default_rng()
+    words = np.concatenate([
+        np.array([0, 1, 1 << 63, (1 << 64) - 1, 0x5555555555555555], dtype=np.uint64),
+        rng.integers(0, 1 << 64, 200, dtype=np.uint64, endpoint=False),
+    ])  # fmt: skip
+    out = np.full(words.size, 99, dtype=np.uint64)
+    counts(words, out)
+    assert out.tolist() == [bin(int(w)).count("1") for w in words]
