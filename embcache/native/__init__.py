@@ -9,6 +9,8 @@ where the torch path makes several.
 Each kernel computes exactly what the torch path beside it computes (the specification, run
 under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be imported):
 
+* `hashed_uniform`: the default initialiser's rows of new ids (`kv.base.hashed_init`, whose
+  torch ops build a 64-bit temporary per value, several times over);
 * `scatter_rows`: ``dst[idx] = src`` along dim 0 (`indexing.copy_rows`); `write_at`: a
   value written or added at positions of a 1-D array (`indexing.fill_at`, `add_at`);
   `unlock`: a batch's locks dropped after checking them (`HotCache.unlock`);
@@ -69,6 +71,12 @@ def _kernels() -> Any:
     from embcache.native import kernels
 
     return kernels
+
+
+def hashed_uniform(ids: np.ndarray, salt: int, mid: float, half: float, out: np.ndarray) -> None:
+    """The hashed uniform initialiser's float32 rows of int64 ``ids`` (>= 0) into ``out``
+    ``[n, dim]`` (`kv.base.hashed_init`, the same bits as its torch ops)."""
+    _kernels().hashed_uniform(ids, salt, mid, half, out)
 
 
 def scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:

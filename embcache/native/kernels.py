@@ -16,6 +16,7 @@ MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 MIX2 = np.uint64(0x94D049BB133111EB)
 LOW63 = np.uint64(0x7FFFFFFFFFFFFFFF)
 S27, S30, S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+S40, LOW24 = np.uint64(40), np.uint64(0xFFFFFF)
 BLOCKED = np.iinfo(np.int64).max  # a way no miss may take (scores stay below 2**57)
 # Misses ahead (in set order) whose set's ways the plan asks for: a set costs about as many
 # nanoseconds as memory takes to answer, so a few sets ahead is enough.
@@ -28,6 +29,23 @@ def mix64(x):  # x: uint64; splitmix64's finaliser (`embcache.hashing.mix64`)
     z = (z ^ (z >> S30)) * MIX1
     z = (z ^ (z >> S27)) * MIX2
     return z ^ (z >> S31)
+
+
+@_jit
+def hashed_uniform(ids, salt, mid, half, out):
+    """The hashed uniform initialiser (`kv.base.hashed_init`): value ``j`` of row ``ids[i]``
+    from the top 24 bits of ``mix64(mix64(id ^ salt) + j)``, ``(2 u - 1) * half + mid`` in
+    float64, rounded to float32 into ``out[i, j]``: the torch path's arithmetic, op for op, so
+    the bits are the same."""
+    dim = out.shape[1]
+    usalt = np.uint64(salt)
+    scale = 1.0 / (1 << 24)
+    for i in range(out.shape[0]):
+        h = mix64(np.uint64(ids[i]) ^ usalt)
+        for j in range(dim):
+            bits = (mix64(h + np.uint64(j)) >> S40) & LOW24
+            unit = np.float64(bits) * scale
+            out[i, j] = np.float32((2.0 * unit - 1.0) * half + mid)
 
 
 @_jit
