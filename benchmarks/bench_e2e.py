@@ -30,6 +30,11 @@ table ``embcache_100_rowwise`` <= 1.2x ``fbgemm_rowwise`` and ``embcache_100`` <
 and ``embcache_10_rowwise`` <= 2x ``fbgemm_rowwise``. `bench_step_profile.py` shows where the
 time of embcache's step goes, per phase.
 
+Impls take turns in rounds of a few steps each; ``ms_per_step`` is an impl's median over the
+rounds, and a ratio is the median over rounds of the two impls' times in the same round (this
+shared machine's speed drifts between rounds, by up to 2x within minutes, and a ratio of two
+medians would mix rounds run at different speeds).
+
 Prints a table; writes ``benchmarks/results/e2e.csv`` and ``e2e.png``.
 
     python benchmarks/bench_e2e.py [--quick] [--threads N] [--workloads a,b] [--out PATH]
@@ -275,6 +280,12 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
 
     probes = {impl.name: impl.probe(w.probe) for impl in impls}
     median = {name: statistics.median(t) for name, t in times.items()}
+
+    def ratio(name: str, base: str) -> float:
+        # Each round's ratio (the two ran within a second of each other, on the machine as it
+        # was then), the median over rounds: this machine's speed drifts between rounds.
+        return statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
+
     rows = []
     for impl in impls:
         s, ref = median[impl.name], probes[FAMILY[impl.name]]
@@ -289,8 +300,8 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
                 impl=impl.name,
                 ms_per_step=s * 1e3,
                 samples_per_s=w.batch / s,
-                vs_torchrec=s / median[ADAGRAD_BASE],
-                vs_fbgemm_rowwise=s / median[ROWWISE_BASE],
+                vs_torchrec=ratio(impl.name, ADAGRAD_BASE),
+                vs_fbgemm_rowwise=ratio(impl.name, ROWWISE_BASE),
                 hit_rate=impl.hit_rate() if impl.hit_rate else None,
                 probe_rel_diff=float(rel),
             )
