@@ -186,6 +186,11 @@ class HotCache(PolicyState):
                 offset += spec.num_embeddings
             thresholds[idx] = config.admit_after_of(spec.name)
         self._row_offset = row_offset.to(self.device)  # slot (direct) / LFU count base per table
+        # The raw ids each table index takes (0: not a table of this cache), for `_check_keys`.
+        self._key_limits = torch.zeros(n_idx, dtype=torch.int64)
+        for idx, spec in tables:
+            rows = spec.num_embeddings
+            self._key_limits[idx] = 1 << fusion_k if rows is None else min(rows, 1 << fusion_k)
 
         if self.direct:
             self.ways, self.num_sets = 1, total_rows
@@ -504,8 +509,12 @@ class HotCache(PolicyState):
 
         Raises:
             CacheCapacityError: the batch's rows cannot fit the cache plus the scratch area.
+            ValueError: on a CPU, an id that is no row of this cache's tables (a table index
+                not among them, a raw id past its table's rows): nothing changed.
         """
         ids = unique_ids.to(self.device, torch.int64)
+        if self.device.type == "cpu":
+            self._check_keys(ids)
         if ids.numel() > self.num_slots and not self._overflow_warned:
             self._overflow_warned = True
             warn_overflow(ids.numel(), self.num_slots, self._names(), self.dim)
@@ -552,6 +561,32 @@ class HotCache(PolicyState):
             with self.lock:
                 self._commit(plan, lock)
             return plan.slots
+
+    def _check_keys(self, ids: torch.Tensor) -> None:
+        """A ValueError naming the first of CPU int64 ``ids`` that is no row of this cache's
+        tables. Callers above (`CacheEngine.fuse`) check their ids already; this keeps a bad
+        one given to `resolve` directly from reaching the row index, which the compiled plan
+        reads unchecked."""
+        if not ids.numel():
+            return
+        if native.available() and ids.is_contiguous():
+            bad = native.first_bad_key(ids.numpy(), self.fusion_k, self._key_limits.numpy())
+        else:
+            tables = ids >> self.fusion_k
+            n = self._key_limits.numel()
+            wrong = (ids < 0) | (tables >= n)
+            limits = self._key_limits.index_select(0, tables.clamp(0, n - 1))
+            wrong |= (ids & ((1 << self.fusion_k) - 1)) >= limits
+            found = true_at(wrong)
+            bad = int(found[0]) if found.numel() else -1
+        if bad >= 0:
+            key = int(ids[bad])
+            raise ValueError(
+                f"HotCache.resolve: id {key} at position {bad} (table index "
+                f"{key >> self.fusion_k}, raw id {key & ((1 << self.fusion_k) - 1)}) is no row "
+                f"of this cache's tables {sorted(self._specs)} (rows "
+                f"{[self._specs[i].num_embeddings for i in sorted(self._specs)]})"
+            )
 
     def _prefill_direct(self, chunk_rows: int = 1 << 16) -> None:
         """Direct mapping holds every row: read them all from the tier at once, in chunks,
@@ -969,8 +1004,9 @@ class HotCache(PolicyState):
                 slots = live
             fill_at(self.dirty, slots, True)
 
-    def unlock(self, slots: torch.Tensor) -> None:
-        """Drop one lock from each of ``slots`` (distinct).
+    def unlock(self, slots: torch.Tensor, dirty: bool = False) -> None:
+        """Drop one lock from each of ``slots`` (distinct); with ``dirty``, also record that
+        their rows were changed in place, as `mark_dirty` does (a batch after its update).
 
         Never calls the tier: scratch rows left without a lock are written back and freed by
         the next `release` (which the next `resolve`, `flush` and unlocked forwards call).
@@ -979,20 +1015,29 @@ class HotCache(PolicyState):
             RuntimeError: a slot is not locked (nothing is changed then).
         """
         with self.lock:
-            slots = self._live(slots.to(self.device))
+            given = slots.to(self.device)
+            slots = self._live(given)
             if (
                 native.available()
                 and self.device.type == "cpu"
                 and slots.dtype == torch.int64
                 and slots.is_contiguous()
             ):
-                # One compiled pass checks every lock, a second drops them (`native.unlock`).
-                if native.unlock(self.locks.numpy(), slots.numpy()) >= 0:
+                # One compiled pass checks every lock, a second drops them (and marks the rows
+                # dirty: `native.unlock_dirty`).
+                locks = self.locks.numpy()
+                bad = (native.unlock_dirty(locks, self.dirty.numpy(), slots.numpy()) if dirty
+                       else native.unlock(locks, slots.numpy()))  # fmt: skip
+                if bad >= 0:
                     raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
-                return
-            if slots.numel() and int(self.locks.index_select(0, slots).min()) <= 0:
-                raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
-            add_at(self.locks, slots, -1)
+            else:
+                if slots.numel() and int(self.locks.index_select(0, slots).min()) <= 0:
+                    raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
+                add_at(self.locks, slots, -1)
+                if dirty:
+                    fill_at(self.dirty, slots, True)
+            if dirty:
+                self.gradients_dropped += given.numel() - slots.numel()
 
     @profiled("cache.release_scratch")
     def release(self) -> None:

@@ -321,12 +321,19 @@ class CacheEngine:
         p.direct.batch = self.cache.serve_direct(p.direct.slots, p.direct.rows)
         return p
 
-    def mark_dirty(self, p: Prepared) -> None:
-        """Mark the rows of a share dirty after its update."""
+    def mark_dirty(self, p: Prepared, release: bool = False) -> None:
+        """Mark the rows of a share dirty after its update; with ``release``, `release` it too
+        (a locked share's slots are unlocked and marked in one pass)."""
+        if p.direct is None and release and p.locked:
+            self.cache.unlock(p.slots, dirty=True)
+            p.locked = False
+            return
         if p.direct is not None:
             self.cache.mark_dirty_direct(p.direct.slots, p.direct.batch, p.direct.rows)
         else:
             self.cache.mark_dirty(p.slots)
+        if release:
+            self.release(p)
 
     def materialize(self, p: Prepared) -> Prepared:
         """Give a direct share its unique ids, inverse index and slots (locked until

@@ -279,8 +279,7 @@ class EngineGroup:
                 p = u.batch.prepared[u.engine]
                 with engine.cache.lock:
                     engine.fused.apply(u, p)
-                    engine.mark_dirty(p)
-                engine.release(p)
+                    engine.mark_dirty(p, release=True)
         self._entries, self._pending = [], []
         if release:
             self.release_all()

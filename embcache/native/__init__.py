@@ -9,11 +9,14 @@ where the torch path makes several.
 Each kernel computes exactly what the torch path beside it computes (the specification, run
 under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be imported):
 
+* `first_bad_key`: the first fused id that is no row of a cache's tables (`HotCache.resolve`'s
+  check, before the plan reads the row index unchecked);
 * `hashed_uniform`: the default initialiser's rows of new ids (`kv.base.hashed_init`, whose
   torch ops build a 64-bit temporary per value, several times over);
 * `scatter_rows`: ``dst[idx] = src`` along dim 0 (`indexing.copy_rows`); `write_at`: a
   value written or added at positions of a 1-D array (`indexing.fill_at`, `add_at`);
-  `unlock`: a batch's locks dropped after checking them (`HotCache.unlock`);
+  `unlock`: a batch's locks dropped after checking them (`HotCache.unlock`), `unlock_dirty`
+  its rows marked dirty in the same pass (`HotCache.unlock` with ``dirty``);
 * `plan_lru`, `reserve`: a set-associative LRU cache's plan (`HotCache._plan_sets`): lookup
   through the row index, victim choice (`cache_index_ref.assign_ways_ref` on the ways of the
   touched sets, misses ordered by set and the batch's shuffle) and the index changes that
@@ -84,6 +87,12 @@ def scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
     _kernels().scatter_rows(dst, idx, src)
 
 
+def first_bad_key(keys: np.ndarray, fusion_k: int, limits: np.ndarray) -> int:
+    """The position of the first int64 fused id of ``keys`` that is no row of tables of
+    ``limits[t]`` raw ids each (0: no such table), or -1 (`HotCache.resolve`'s check)."""
+    return _kernels().first_bad_key(keys, fusion_k, limits)
+
+
 def write_at(arr: np.ndarray, idx: np.ndarray, value: Any, add: bool) -> int:
     """``arr[idx] = value`` (``add``: ``+= value``) for 1-D ``arr`` and int64 ``idx``, every
     position checked first: -1, or the position of the first one out of range (nothing is
@@ -95,6 +104,12 @@ def unlock(locks: np.ndarray, slots: np.ndarray) -> int:
     """One lock dropped from each of ``slots`` when all are in range and locked (else none):
     -1, or the position of the first that is not (`HotCache.unlock`)."""
     return _kernels().unlock(locks, slots)
+
+
+def unlock_dirty(locks: np.ndarray, dirty: np.ndarray, slots: np.ndarray) -> int:
+    """`unlock`, each slot marked in ``dirty`` too (same length as ``locks``), one pass: -1, or
+    the position of the first slot that is not locked (nothing changed then)."""
+    return _kernels().unlock_dirty(locks, dirty, slots)
 
 
 def plan_lru(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -58,6 +58,20 @@ def scatter_rows(dst, idx, src):
 
 
 @_jit
+def first_bad_key(keys, fusion_k, limits):
+    """The position of the first fused id of ``keys`` that is negative, of a table index past
+    ``limits`` or with a raw id at or past its table's ``limits[t]``; -1 when all are rows."""
+    mask = (np.int64(1) << fusion_k) - 1
+    n_tables = limits.shape[0]
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        t = k >> fusion_k
+        if k < 0 or t >= n_tables or (k & mask) >= limits[t]:
+            return i
+    return -1
+
+
+@_jit
 def _first_out_of_range(idx, n):
     """The position of the first of ``idx`` outside ``[0, n)``, or -1."""
     for i in range(idx.shape[0]):
@@ -90,6 +104,31 @@ def unlock(locks, slots):
     """Drop one lock from each of ``slots`` (distinct) when every one of them is in range and
     locked; else change nothing. Returns -1, or the position of the first slot that is out of
     range or not locked."""
+    bad = _first_not_locked(locks, slots)
+    if bad >= 0:
+        return bad
+    for i in range(slots.shape[0]):
+        locks[slots[i]] -= 1
+    return -1
+
+
+@_jit
+def unlock_dirty(locks, dirty, slots):
+    """`unlock`, each slot also marked ``dirty`` in the same pass (a batch's rows after its
+    update): nothing changes unless every slot is in range and locked. Returns as `unlock`."""
+    bad = _first_not_locked(locks, slots)
+    if bad >= 0:
+        return bad
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        locks[s] -= 1
+        dirty[s] = True
+    return -1
+
+
+@_jit
+def _first_not_locked(locks, slots):
+    """The position of the first of ``slots`` out of ``locks``' range or not locked, or -1."""
     n = locks.shape[0]
     m = slots.shape[0]
     for i in range(m):
@@ -98,8 +137,6 @@ def unlock(locks, slots):
         s = slots[i]
         if s < 0 or s >= n or locks[s] <= 0:
             return i
-    for i in range(m):
-        locks[slots[i]] -= 1
     return -1
 
 

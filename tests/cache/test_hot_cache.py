@@ -349,6 +349,60 @@ def test_an_unlock_that_meets_a_slot_not_locked_drops_no_lock(monkeypatch, backe
     assert cache.locked_slots() == 0
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled", "torch"])
+def test_unlock_with_dirty_is_mark_dirty_then_unlock(monkeypatch, backend: str) -> None:
+    """``unlock(slots, dirty=True)`` (the fused step's release after its update) leaves the
+    locks and dirty flags exactly as `mark_dirty` then `unlock` do, on twin caches fed the same
+    batches; a slot not locked raises and changes neither locks nor flags."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+    gen = torch.Generator().manual_seed(11)
+    twins = [make_cache(CacheConfig(capacity=32, ways=4), OptimRule.SGD, torch.device("cpu"))[0]
+             for _ in range(2)]  # fmt: skip
+    for _ in range(6):
+        ids = torch.randint(0, SIZES["t0"], (12,), generator=gen).unique()
+        a, b = (cache.resolve(ids) for cache in twins)
+        assert torch.equal(a, b)
+        twins[0].mark_dirty(a)
+        twins[0].unlock(a)
+        twins[1].unlock(b, dirty=True)
+        for name in ("locks", "dirty", "slot_keys"):
+            assert torch.equal(getattr(twins[0], name), getattr(twins[1], name)), name
+        assert twins[0].cache_stats() == twins[1].cache_stats()
+    assert bool(twins[1].dirty.any()) and twins[1].locked_slots() == 0
+    cache = twins[1]
+    slots = cache.resolve(torch.tensor([1, 2, 3]))
+    free = next(s for s in range(cache.num_slots) if s not in slots.tolist() and not cache.dirty[s])
+    locks, dirty = cache.locks.clone(), cache.dirty.clone()
+    with pytest.raises(RuntimeError, match="not locked"):
+        cache.unlock(torch.cat([slots[:2], torch.tensor([free])]), dirty=True)
+    assert torch.equal(cache.locks, locks) and torch.equal(cache.dirty, dirty)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled", "torch"])
+@pytest.mark.parametrize(
+    "bad",
+    [SIZES["t0"], (1 << FUSION_K) + SIZES["t1"], 5 << FUSION_K, -3],
+    ids=["past t0's rows", "past t1's rows", "no such table", "negative"],
+)
+def test_resolve_refuses_an_id_that_is_no_row_and_changes_nothing(
+    monkeypatch, backend: str, bad: int
+) -> None:
+    """A fused id past its table's rows, of a table index the cache does not hold, or negative,
+    given to `resolve` directly: a ValueError naming it and its position, and the cache is as
+    it was (on the compiled path the plan would otherwise read the row index out of bounds)."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+    cache, _, _ = make_cache(CacheConfig(capacity=32, ways=4), OptimRule.SGD, torch.device("cpu"))
+    cache.unlock(cache.resolve(torch.tensor([1, 2, (1 << FUSION_K) + 3])))
+    before = {name: getattr(cache, name).clone() for name in ("slot_keys", "locks", "dirty")}
+    stats = cache.cache_stats()
+    with pytest.raises(ValueError, match=rf"id {bad} at position 2 .* no row"):
+        cache.resolve(torch.tensor([4, 5, bad, 6]))
+    for name, value in before.items():
+        assert torch.equal(getattr(cache, name), value), name
+    assert cache.cache_stats() == stats
+    cache.unlock(cache.resolve(torch.tensor([SIZES["t0"] - 1, (1 << FUSION_K) + SIZES["t1"] - 1])))
+
+
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="capacity or load_factor"):
         CacheConfig(capacity=4, load_factor=0.5)
