@@ -265,19 +265,27 @@ class TierTransfer:
         if write_ids.numel():
             order, groups, raw = self._grouped(write_ids, ascending=False)
             rows = write_rows(slice(None) if order is None else order)
-            names = [self.specs[idx].name for idx, _, _ in groups]
-            self.store.put_grouped(names, raw, [ids.numel() for _, _, ids in groups], rows)
+            names, counts, _ = self._grouped_call(groups)
+            self.store.put_grouped(names, raw, counts, rows)
         parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
         if read_ids.numel():
             order, groups, raw = self._grouped(read_ids)
-            names = [self.specs[idx].name for idx, _, _ in groups]
-            counts = [ids.numel() for _, _, ids in groups]
-            pins = [self._bounded(idx) for idx, _, _ in groups]
-            rows = self.store.get_grouped(names, raw, counts, pins if any(pins) else None)
+            names, counts, pins = self._grouped_call(groups)
+            rows = self.store.get_grouped(names, raw, counts, pins)
             parts.append((slice(None) if order is None else order, rows))
         if released is not None and released.numel():
             self.unpin(released)
         return parts
+
+    def _grouped_call(
+        self, groups: list[tuple[int, int, torch.Tensor]]
+    ) -> tuple[list[str], list[int], list[bool] | None]:
+        """``(tables, counts, pins)`` of a grouped tier call over `_grouped`'s groups (``pins``
+        None when no table is bounded)."""
+        names = [self.specs[idx].name for idx, _, _ in groups]
+        counts = [ids.numel() for _, _, ids in groups]
+        pins = [self._bounded(idx) for idx, _, _ in groups]
+        return names, counts, pins if any(pins) else None
 
     def unpin(self, fused: torch.Tensor) -> None:
         """Release the pins of host ``fused`` ids in their bounded tables."""

@@ -619,7 +619,6 @@ def bags_sample_major(slots, inverse, offsets, batch_size, weights, out, out_off
                     out[dst + v] = slots[inverse[src + v]]
         return
     at = 0
-    out_offsets[0] = 0
     for b in range(batch_size):
         for f in range(features):
             bag = f * batch_size + b

@@ -349,15 +349,19 @@ def test_an_unlock_that_meets_a_slot_not_locked_drops_no_lock(monkeypatch, backe
     assert cache.locked_slots() == 0
 
 
+@pytest.mark.parametrize("admit_after", [None, 2], ids=["every id", "admission"])
 @pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled", "torch"])
-def test_unlock_with_dirty_is_mark_dirty_then_unlock(monkeypatch, backend: str) -> None:
+def test_unlock_with_dirty_is_mark_dirty_then_unlock(
+    monkeypatch, backend: str, admit_after: int | None
+) -> None:
     """``unlock(slots, dirty=True)`` (the fused step's release after its update) leaves the
     locks and dirty flags exactly as `mark_dirty` then `unlock` do, on twin caches fed the same
-    batches; a slot not locked raises and changes neither locks nor flags."""
+    batches, and counts the gradients of ids not admitted (slot -1) as dropped as `mark_dirty`
+    does; a slot not locked raises and changes neither locks nor flags."""
     monkeypatch.setenv("EMBCACHE_BACKEND", backend)
     gen = torch.Generator().manual_seed(11)
-    twins = [make_cache(CacheConfig(capacity=32, ways=4), OptimRule.SGD, torch.device("cpu"))[0]
-             for _ in range(2)]  # fmt: skip
+    config = CacheConfig(capacity=32, ways=4, admit_after=admit_after)
+    twins = [make_cache(config, OptimRule.SGD, torch.device("cpu"))[0] for _ in range(2)]
     for _ in range(6):
         ids = torch.randint(0, SIZES["t0"], (12,), generator=gen).unique()
         a, b = (cache.resolve(ids) for cache in twins)
@@ -369,6 +373,8 @@ def test_unlock_with_dirty_is_mark_dirty_then_unlock(monkeypatch, backend: str) 
             assert torch.equal(getattr(twins[0], name), getattr(twins[1], name)), name
         assert twins[0].cache_stats() == twins[1].cache_stats()
     assert bool(twins[1].dirty.any()) and twins[1].locked_slots() == 0
+    if admit_after is not None:  # some ids were seen once only: their updates were dropped
+        assert twins[1].cache_stats()["gradients_dropped"] > 0
     cache = twins[1]
     slots = cache.resolve(torch.tensor([1, 2, 3]))
     free = next(s for s in range(cache.num_slots) if s not in slots.tolist() and not cache.dirty[s])
