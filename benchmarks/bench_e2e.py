@@ -20,7 +20,13 @@ Two named baselines, one per optimizer family; every row is a ratio to both:
 * ``fbgemm_adagrad``: the same TBE with EXACT_ADAGRAD.
 * ``embcache_100`` / ``embcache_10``: `CachedEmbeddingBagCollection` with the cache holding all
   rows / 10% of them (LRU), `SparseAdaGrad`, `HostKV` behind it; ``embcache_100_rowwise`` /
-  ``embcache_10_rowwise``: the same with `SparseRowWiseAdaGrad`.
+  ``embcache_10_rowwise``: the same with `SparseRowWiseAdaGrad`. Each step is the plain loop
+  (forward, backward, ``opt.step()``), one thread.
+* ``embcache_10_prefetch`` / ``embcache_10_rowwise_prefetch``: the 10% caches trained through
+  `TrainPipeline(prefetch=True)`, whose worker thread resolves batch i+1 (victim choice, tier
+  reads and write-backs) on the machine's second core while batch i trains. The baselines get
+  no faster with a second thread (``--threads 2``), so they keep one. A pipeline starts again
+  each round, and its first batch is resolved without overlap: rounds are 8 steps long.
 
 All start from the same weights and use lr 0.05, eps 1e-10, so after the timed steps each family
 must hold the same weights: the script prints the largest relative difference of a probe batch's
@@ -73,6 +79,8 @@ FAMILY = {
     "fbgemm_rowwise": ROWWISE_BASE,
     "embcache_100_rowwise": ROWWISE_BASE,
     "embcache_10_rowwise": ROWWISE_BASE,
+    "embcache_10_prefetch": ADAGRAD_BASE,
+    "embcache_10_rowwise_prefetch": ROWWISE_BASE,
 }
 # (impl, baseline, at most, workloads it applies to; None: all): docs/design.md, "Targets", CPU.
 TARGETS = [
@@ -80,6 +88,8 @@ TARGETS = [
     ("embcache_100", ADAGRAD_BASE, 0.9, None),
     ("embcache_10", ADAGRAD_BASE, 1.3, ("long_bags", "batch256")),
     ("embcache_10_rowwise", ROWWISE_BASE, 2.0, None),
+    ("embcache_10_prefetch", ADAGRAD_BASE, 1.3, ("long_bags", "batch256")),
+    ("embcache_10_rowwise_prefetch", ROWWISE_BASE, 2.0, None),
 ]
 
 
@@ -146,7 +156,8 @@ def criteo(n: int, quick: bool) -> Workload:
 
 class Impl:
     """One way of training the tables: ``step(kjt, coeff)`` runs forward, backward and the
-    update; ``probe(kjt)`` returns the pooled output without training."""
+    update; ``run(kjts, coeff)`` a round of steps (``step`` on each, or ``run_steps``: a
+    pipeline over them); ``probe(kjt)`` returns the pooled output without training."""
 
     def __init__(
         self,
@@ -155,9 +166,18 @@ class Impl:
         probe: Callable[[KeyedJaggedTensor], torch.Tensor],
         hit_rate: Callable[[], float] | None = None,
         filled: Callable[[], bool] | None = None,
+        run_steps: Callable[[list[KeyedJaggedTensor], torch.Tensor], None] | None = None,
     ) -> None:
         self.name, self.step, self.probe, self.hit_rate = name, step, probe, hit_rate
         self.filled = filled  # whether its caches hold as many rows as they can (steady state)
+        self._run_steps = run_steps
+
+    def run(self, kjts: list[KeyedJaggedTensor], coeff: torch.Tensor) -> None:
+        if self._run_steps is not None:
+            self._run_steps(kjts, coeff)
+            return
+        for kjt in kjts:
+            self.step(kjt, coeff)
 
 
 def build_impls(tables: list[EmbeddingBagConfig]) -> list[Impl]:
@@ -197,12 +217,15 @@ def build_impls(tables: list[EmbeddingBagConfig]) -> list[Impl]:
         ("embcache_10", 0.1, embcache.SparseAdaGrad),
         ("embcache_100_rowwise", 1.0, embcache.SparseRowWiseAdaGrad),
         ("embcache_10_rowwise", 0.1, embcache.SparseRowWiseAdaGrad),
+        ("embcache_10_prefetch", 0.1, embcache.SparseAdaGrad),
+        ("embcache_10_rowwise_prefetch", 0.1, embcache.SparseRowWiseAdaGrad),
     ):
         cached = embcache.CachedEmbeddingBagCollection(
             tables, cache=embcache.CacheConfig(load_factor=load_factor, policy="lru"), seed=0
         )
         cached.load_state_dict(initial)
-        impls.append(_embcache_impl(name, cached, optim([cached], lr=LR, eps=EPS)))
+        opt = optim([cached], lr=LR, eps=EPS)
+        impls.append(_embcache_impl(name, cached, opt, pipelined=name.endswith("_prefetch")))
     return impls
 
 
@@ -231,10 +254,20 @@ def _tbe_impl(name: str, optim: EmbOptimType, tables, initial) -> Impl:
     return Impl(name, step, probe)
 
 
-def _embcache_impl(name: str, ebc, opt) -> Impl:
+def _embcache_impl(name: str, ebc, opt, pipelined: bool = False) -> Impl:
     def step(kjt: KeyedJaggedTensor, coeff: torch.Tensor) -> None:
         (ebc(kjt).values() * coeff).sum().backward()
         opt.step()
+
+    weighting: list[torch.Tensor] = []  # the round's coeff, for the pipeline's loss
+    pipe = embcache.TrainPipeline(
+        ebc, opt, None, features=lambda kjt: kjt, prefetch=True,
+        loss=lambda model, kjt: (model(kjt).values() * weighting[0]).sum(),
+    )  # fmt: skip
+
+    def run_steps(kjts: list[KeyedJaggedTensor], coeff: torch.Tensor) -> None:
+        weighting[:] = [coeff]
+        pipe.run(kjts)
 
     def probe(kjt: KeyedJaggedTensor) -> torch.Tensor:
         with torch.no_grad():
@@ -244,7 +277,10 @@ def _embcache_impl(name: str, ebc, opt) -> Impl:
         # Every slot holds a row: each miss now evicts (and writes back) one.
         return all(bool((c.slot_keys[: c.num_slots] >= 0).all()) for c in ebc.caches())
 
-    return Impl(name, step, probe, lambda: ebc.cache_stats()["hit_rate"], filled)
+    def hit_rate() -> float:
+        return ebc.cache_stats()["hit_rate"]
+
+    return Impl(name, step, probe, hit_rate, filled, run_steps if pipelined else None)
 
 
 def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
@@ -274,8 +310,7 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
         chunk = w.batches[warmup + r * per_round : warmup + (r + 1) * per_round]
         for impl in impls:
             t0 = time.perf_counter()
-            for kjt in chunk:
-                impl.step(kjt, coeff)
+            impl.run(chunk, coeff)
             times[impl.name].append((time.perf_counter() - t0) / len(chunk))
 
     probes = {impl.name: impl.probe(w.probe) for impl in impls}
@@ -376,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     # At least `warmup` warm-up batches, more until the caches are full (`bench`): up to
     # `fill` more.
-    warmup, fill, rounds, per_round = (3, 5, 5, 2) if args.quick else (5, 30, 10, 3)
+    warmup, fill, rounds, per_round = (3, 5, 5, 4) if args.quick else (5, 30, 10, 8)
     n = warmup + fill + rounds * per_round
     makers = {
         "long_bags": lambda: long_bags("long_bags", 1024 if args.quick else 2048, n, args.quick),

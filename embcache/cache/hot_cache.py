@@ -127,8 +127,13 @@ class HotCache(PolicyState):
         weights: ``[num_slots + scratch_rows, dim]`` of the tables' dtype, the slots' weights,
         and
         state: float32 ``[num_slots + scratch_rows, state_dim]``, their optimizer state: the slot
-            storage. Read them under ``lock`` when another thread may resolve concurrently (the
-            scratch area may grow, which replaces both tensors).
+            storage. Read them under ``lock`` or ``storage_lock`` when another thread may resolve
+            concurrently (the scratch area may grow, which replaces both tensors).
+        storage_lock: held while the slot storage is replaced, and by whoever reads or writes
+            rows through a view of it that must stay the storage (the fused CPU step's TBE,
+            for its forward's table and its backward's update), without holding ``lock``: the
+            update of one batch's locked rows then runs beside a prefetch's resolve of the
+            next. Taken after ``lock``, never before it.
         num_slots: slots of the cache proper (scratch excluded).
         direct: True when every row has its own slot.
     """
@@ -161,6 +166,7 @@ class HotCache(PolicyState):
         self.device = torch.device(device)
         self.fusion_k = fusion_k
         self.lock = threading.RLock()
+        self.storage_lock = threading.RLock()  # see the class docstring: after `lock`
         self._resolve_mutex = threading.RLock()  # serialises resolves (and flush, read)
         self._specs = {idx: spec for idx, spec in tables}
         self.transfer = TierTransfer(store, self._specs, fusion_k, self.device)
@@ -288,11 +294,13 @@ class HotCache(PolicyState):
         self._filled = False  # direct mapping: every row loaded
         total = self.num_slots + scratch_rows
         if self.device.type == "cpu":  # rows read at random: huge pages spare the TLB
-            self.weights = host_zeros((total, self.dim), self.dtype)
-            self.state = host_zeros((total, self.state_dim), torch.float32)
+            weights = host_zeros((total, self.dim), self.dtype)
+            state = host_zeros((total, self.state_dim), torch.float32)
         else:
-            self.weights = torch.zeros(total, self.dim, dtype=self.dtype, device=self.device)
-            self.state = torch.zeros(total, self.state_dim, device=self.device)
+            weights = torch.zeros(total, self.dim, dtype=self.dtype, device=self.device)
+            state = torch.zeros(total, self.state_dim, device=self.device)
+        with self.storage_lock:
+            self.weights, self.state = weights, state
         self.slot_keys = torch.full((total,), -1, dtype=torch.int64, device=self.device)
         self.locks = torch.zeros(total, dtype=torch.int32, device=self.device)
         self.dirty = torch.zeros(total, dtype=torch.bool, device=self.device)
@@ -455,8 +463,9 @@ class HotCache(PolicyState):
         grow = want - self.scratch_rows
         dev = self.device
         zeros = torch.zeros(grow, self.dim, dtype=self.dtype, device=dev)
-        self.weights = torch.cat([self.weights, zeros])
-        self.state = torch.cat([self.state, torch.zeros(grow, self.state_dim, device=dev)])
+        with self.storage_lock:  # no TBE update writes the old storage while it is copied
+            self.weights = torch.cat([self.weights, zeros])
+            self.state = torch.cat([self.state, torch.zeros(grow, self.state_dim, device=dev)])
         self.slot_keys = torch.cat(
             [self.slot_keys, torch.full((grow,), -1, dtype=torch.int64, device=dev)]
         )

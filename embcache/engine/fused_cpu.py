@@ -224,7 +224,7 @@ class FusedCpuStep:
         """The TBE over the cache's current storage (made again when the cache reallocated
         it: a grown scratch area, a new optimizer state layout): one table, its rows the
         slots."""
-        with self.cache.lock:  # a prefetch growing the scratch area replaces both tensors
+        with self.cache.storage_lock:  # a prefetch growing the scratch area replaces both
             bound = self._storage()
             if self._tbe is None or bound != self._bound:
                 self._tbe = self._make([self.cache.weights.shape[0]], None)
@@ -234,7 +234,7 @@ class FusedCpuStep:
     def _direct_table(self) -> Any:
         """The TBE over a direct-mapped cache's storage as its tables: one per table of the
         cache, in slot order, read by raw id."""
-        with self.cache.lock:
+        with self.cache.storage_lock:
             bound = self._storage()
             if self._direct_tbe is None or bound != self._direct_bound:
                 assert self.direct_tables is not None
@@ -329,8 +329,9 @@ class FusedCpuStep:
         When the cache reallocated its storage since the forward (a prefetch grew the scratch
         area; rows keep their slots), the graph is built again over the new storage first, so
         the update lands there with the same arithmetic."""
-        pooled = pending.pooled
-        if pending.bound != self._storage():
-            again = self.pool_direct if p.direct is not None else self.pool
-            pooled, _ = again(p, pending.lr, pending.batch_size)
-        torch.autograd.backward(pooled, pending.grad)
+        with self.cache.storage_lock:  # not `lock`: a prefetch may resolve meanwhile
+            pooled = pending.pooled
+            if pending.bound != self._storage():
+                again = self.pool_direct if p.direct is not None else self.pool
+                pooled, _ = again(p, pending.lr, pending.batch_size)
+            torch.autograd.backward(pooled, pending.grad)

@@ -277,8 +277,11 @@ class EngineGroup:
             for u in self._pending:
                 engine = self.engines[u.engine]
                 p = u.batch.prepared[u.engine]
+                # The update writes only this batch's rows, which its locks keep in their
+                # slots: it holds the storage lock, not the cache's, so that a prefetch's
+                # resolve of the next batch runs beside it (`HotCache.storage_lock`).
+                engine.fused.apply(u, p)
                 with engine.cache.lock:
-                    engine.fused.apply(u, p)
                     engine.mark_dirty(p, release=True)
         self._entries, self._pending = [], []
         if release:

@@ -23,7 +23,10 @@ Why the numbers do not change (invariant I5 of docs/design.md), the rules:
   never evicts them; the slots the prefetch takes are locked too, so batch i's step never
   evicts them when it re-resolves.
 * Resolves are serialised (one at a time) and do their tier I/O outside the cache's lock; the
-  training thread only pools and updates rows it holds locked, under that lock.
+  training thread only pools and updates rows it holds locked, and marks them dirty and unlocks
+  them under that lock. The fused CPU step's update holds the cache's storage lock instead
+  (`HotCache.storage_lock`: the storage cannot be replaced under it), so that the next batch's
+  resolve runs beside it on the second core.
 * A prefetch that does not fit because batch i's locked slots leave too little room (cache plus
   scratch area) is abandoned with a warning that says which capacity would avoid it; the batch
   is then resolved synchronously by its forward, after batch i released its slots. (A sharded

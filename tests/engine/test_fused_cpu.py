@@ -270,6 +270,79 @@ def test_pipeline_with_the_fused_path_is_bit_identical(monkeypatch) -> None:
         assert torch.equal(runs[1][1][name], rows), name
 
 
+def test_fused_update_runs_while_another_thread_holds_the_cache_lock(monkeypatch) -> None:
+    """The TBE's update of a batch holds the storage lock, not the cache's lock, so that a
+    prefetch resolving the next batch (under the cache's lock) runs beside it: with the cache's
+    lock held elsewhere, the batch's rows change, and only the release (dirty marks and
+    unlocks, under the cache's lock) waits."""
+    import threading
+
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=_tables(), cache=embcache.CacheConfig(load_factor=0.5), seed=0
+    )
+    opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.1)
+    cache = ebc.engines.engines[0].cache
+    assert ebc.engines.engines[0].fused is not None
+    ebc(_batches(1)[0]).values().square().sum().backward()
+    before = cache.weights.clone()
+    locked_batch = cache.locks.clone()
+    held, done = threading.Event(), threading.Event()
+
+    def hold_cache_lock() -> None:
+        with cache.lock:
+            held.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold_cache_lock)
+    holder.start()
+    held.wait(30)
+    stepper = threading.Thread(target=opt.step)
+    stepper.start()
+    try:
+        changed = False
+        for _ in range(600):  # up to 30 s for the update to land
+            if not torch.equal(cache.weights, before):
+                changed = True
+                break
+            stepper.join(0.05)
+        assert changed, "the fused update waited for the cache's lock"
+        assert stepper.is_alive(), "the release did not wait for the cache's lock"
+        assert torch.equal(cache.locks, locked_batch)  # still locked: no release yet
+    finally:
+        done.set()
+        holder.join(30)
+        stepper.join(30)
+    assert not stepper.is_alive()
+    assert int(cache.locks.sum()) == 0
+
+
+def test_scratch_growth_waits_for_an_update_in_progress(monkeypatch) -> None:
+    """A resolve that grows the scratch area replaces the slot storage: while an update holds
+    the storage lock it waits (the update would land in the storage being copied and be lost),
+    then replaces it, rows kept."""
+    import threading
+
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=_tables(), cache=embcache.CacheConfig(capacity=8, ways=2), seed=0
+    )
+    cache = ebc.engines.engines[0].cache
+    old = cache.weights
+    rows = torch.arange(60)  # far more than the 8 slots: the batch needs scratch rows
+    result: list[torch.Tensor] = []
+    with cache.storage_lock:
+        resolver = threading.Thread(target=lambda: result.append(cache.resolve(rows)))
+        resolver.start()
+        resolver.join(0.5)
+        assert resolver.is_alive() and cache.weights is old
+    resolver.join(30)
+    assert not resolver.is_alive() and result
+    assert cache.weights is not old and cache.weights.shape[0] > old.shape[0]
+    stored = ebc.store.read("t0", rows)[:, : cache.dim]  # the rows as the tier has them
+    assert torch.equal(cache.weights[result[0]], stored)
+
+
 def test_for_engine_needs_fbgemm(monkeypatch) -> None:
     """Without fbgemm_gpu (as on the GPU image) the path is simply absent."""
     import embcache.engine.fused_cpu as fused_cpu
