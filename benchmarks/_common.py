@@ -42,6 +42,24 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
+def keep_freed_memory() -> str:
+    """Tell glibc's malloc to keep the memory a step frees for the next step (no trimming of
+    the heap, and ``mmap`` only for blocks over 32 MB), as a CPU training job does by linking
+    jemalloc or tcmalloc: with the defaults, a process whose impls free tens of MB a step
+    (torchrec's sparse AdaGrad) has them returned to the system and faulted in again, which
+    cost a prefetching impl up to 1.3x in one run and any impl some. Applies to every impl
+    alike. Returns what was done, for the run's header."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        trim, mmap_threshold = -1, -3  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD (malloc.h)
+        ok = libc.mallopt(trim, 1 << 30) == 1 and libc.mallopt(mmap_threshold, 32 << 20) == 1
+    except (OSError, AttributeError):
+        ok = False
+    return "malloc keeps freed memory" if ok else "malloc defaults (no glibc mallopt)"
+
+
 def cpu_bench_parser(doc: str, out_name: str) -> argparse.ArgumentParser:
     """The options of a CPU benchmark: ``--quick``, ``--threads`` (1) and ``--out`` (the CSV,
     ``results/<out_name>`` by default); a script adds its own before `start_cpu_bench`."""

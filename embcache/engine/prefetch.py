@@ -43,27 +43,34 @@ from embcache.engine.inputs import JaggedBatch
 
 class SerialWorker:
     """Runs submitted calls one at a time, in submission order, on a daemon thread that is
-    started for a burst of work and exits when the queue is empty (an idle collection holds no
-    thread).
+    started for a burst of work and exits once the queue has stayed empty for ``linger_s`` (an
+    idle collection holds no thread; a training loop, which submits once a step, keeps one
+    thread instead of starting one per step).
 
     Args:
         name: the thread's name.
         device: a CUDA device to make current on the thread (the training thread's may differ
             from the default), or None.
+        linger_s: how long an idle thread waits for the next call before it exits.
     """
 
-    def __init__(self, name: str, device: torch.device | None = None) -> None:
+    def __init__(
+        self, name: str, device: torch.device | None = None, linger_s: float = 0.05
+    ) -> None:
         self.name = name
         self.device = device if device is not None and device.type == "cuda" else None
+        self.linger_s = linger_s
         self._queue: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
         self._running = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()
         with self._lock:
             self._queue.append((future, fn, args))
-            if not self._running:
+            if self._running:
+                self._lock.notify()
+            else:
                 self._running = True
                 threading.Thread(target=self._run, name=self.name, daemon=True).start()
         return future
@@ -73,6 +80,8 @@ class SerialWorker:
             torch.cuda.set_device(self.device)
         while True:
             with self._lock:
+                if not self._queue:
+                    self._lock.wait(self.linger_s)
                 if not self._queue:
                     self._running = False
                     return
