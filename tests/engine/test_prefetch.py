@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -51,6 +52,22 @@ class Recorder:
         """A forward's use of the prefetcher: the seq of the share it got, or None."""
         got = self.prefetcher.use(self.prefetcher.take(features))
         return None if got is None else int(got.prepared[0].unique[0])
+
+
+def test_worker_keeps_its_thread_between_calls_a_step_apart() -> None:
+    """A training loop submits once a step: a call that comes within ``linger_s`` of the last
+    one finishing runs on the same thread (no thread started per step), and the thread exits
+    once no call has come for that long."""
+    worker = SerialWorker("embcache-test-linger", linger_s=5.0)
+    first = worker.submit(threading.current_thread).result(TIMEOUT_S)
+    time.sleep(0.05)  # the first call is done: the old worker's thread would have exited
+    second = worker.submit(threading.current_thread).result(TIMEOUT_S)
+    assert second is first and first is not threading.current_thread()
+    quick = SerialWorker("embcache-test-linger-short", linger_s=0.01)
+    thread = quick.submit(threading.current_thread).result(TIMEOUT_S)
+    thread.join(TIMEOUT_S)
+    assert not thread.is_alive()
+    assert quick.submit(lambda: 7).result(TIMEOUT_S) == 7  # a new thread for a new burst
 
 
 def test_worker_runs_in_order_on_a_thread_that_exits_when_idle() -> None:
