@@ -204,25 +204,7 @@ def build_impls(tables: list[EmbeddingBagConfig]) -> list[Impl]:
     torch.random.set_rng_state(gen_state)
     initial = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     del reference
-    impls: list[Impl] = []
-
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    ebc.load_state_dict(initial)
-    for bag in ebc.embedding_bags.values():
-        bag.sparse = True
-    opt = torch.optim.Adagrad(ebc.parameters(), lr=LR, eps=EPS)
-
-    def torchrec_step(kjt: KeyedJaggedTensor, coeff: torch.Tensor) -> None:
-        (ebc(kjt).values() * coeff).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def torchrec_probe(kjt: KeyedJaggedTensor) -> torch.Tensor:
-        with torch.no_grad():
-            return ebc(kjt).values()
-
-    impls.append(Impl("torchrec", torchrec_step, torchrec_probe))
-
+    impls: list[Impl] = [_torchrec_impl(tables, initial)]
     for name, optim in (
         ("fbgemm_rowwise", EmbOptimType.EXACT_ROWWISE_ADAGRAD),
         ("fbgemm_adagrad", EmbOptimType.EXACT_ADAGRAD),
@@ -241,10 +223,28 @@ def build_impls(tables: list[EmbeddingBagConfig]) -> list[Impl]:
             tables, cache=embcache.CacheConfig(load_factor=load_factor, policy="lru"), seed=0
         )
         cached.load_state_dict(initial)
-        sparse_opt = optim([cached], lr=LR, eps=EPS)  # (not `opt`: torchrec_step's own)
-        pipelined = name.endswith("_prefetch")
-        impls.append(_embcache_impl(name, cached, sparse_opt, pipelined=pipelined))
+        opt = optim([cached], lr=LR, eps=EPS)
+        impls.append(_embcache_impl(name, cached, opt, pipelined=name.endswith("_prefetch")))
     return impls
+
+
+def _torchrec_impl(tables: list[EmbeddingBagConfig], initial) -> Impl:
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    ebc.load_state_dict(initial)
+    for bag in ebc.embedding_bags.values():
+        bag.sparse = True
+    opt = torch.optim.Adagrad(ebc.parameters(), lr=LR, eps=EPS)
+
+    def step(kjt: KeyedJaggedTensor, coeff: torch.Tensor) -> None:
+        (ebc(kjt).values() * coeff).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def probe(kjt: KeyedJaggedTensor) -> torch.Tensor:
+        with torch.no_grad():
+            return ebc(kjt).values()
+
+    return Impl("torchrec", step, probe)
 
 
 def _tbe_impl(name: str, optim: EmbOptimType, tables, initial) -> Impl:
@@ -277,15 +277,17 @@ def _embcache_impl(name: str, ebc, opt, pipelined: bool = False) -> Impl:
         (ebc(kjt).values() * coeff).sum().backward()
         opt.step()
 
-    weighting: list[torch.Tensor] = []  # the round's coeff, for the pipeline's loss
-    pipe = embcache.TrainPipeline(
-        ebc, opt, None, features=lambda kjt: kjt, prefetch=True,
-        loss=lambda model, kjt: (model(kjt).values() * weighting[0]).sum(),
-    )  # fmt: skip
+    run_steps = None
+    if pipelined:
+        weighting: list[torch.Tensor] = []  # the round's coeff, for the pipeline's loss
+        pipe = embcache.TrainPipeline(
+            ebc, opt, None, features=lambda kjt: kjt, prefetch=True,
+            loss=lambda model, kjt: (model(kjt).values() * weighting[0]).sum(),
+        )  # fmt: skip
 
-    def run_steps(kjts: list[KeyedJaggedTensor], coeff: torch.Tensor) -> None:
-        weighting[:] = [coeff]
-        pipe.run(kjts)
+        def run_steps(kjts: list[KeyedJaggedTensor], coeff: torch.Tensor) -> None:
+            weighting[:] = [coeff]
+            pipe.run(kjts)
 
     def probe(kjt: KeyedJaggedTensor) -> torch.Tensor:
         with torch.no_grad():
@@ -298,7 +300,7 @@ def _embcache_impl(name: str, ebc, opt, pipelined: bool = False) -> Impl:
     def hit_rate() -> float:
         return ebc.cache_stats()["hit_rate"]
 
-    return Impl(name, step, probe, hit_rate, filled, run_steps if pipelined else None)
+    return Impl(name, step, probe, hit_rate, filled, run_steps)
 
 
 def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:

@@ -179,7 +179,10 @@ def spawn(
 
 
 def _supervise(procs: list, reports, grace: float) -> list[Any]:
-    """Collect every rank's report; on a failure, wait ``grace`` then give up on the rest."""
+    """Collect every rank's report; on a failure, wait ``grace`` then give up on the rest.
+
+    A result is the pickle its rank made (`_run_rank`), unpickled here: it comes over the
+    multiprocessing queue from a process this call started, never from a file."""
     results: dict[int, Any] = {}
     failures: dict[int, RankFailure] = {}
     deadline: float | None = None
@@ -283,6 +286,9 @@ def _run_rank(
             timeout=datetime.timedelta(seconds=timeout),
         )
         result = fn(rank, *args)
+        # Plain pickle bytes, not the object: torch's queue reducers would share a tensor's
+        # memory by a file descriptor that is gone once this rank exits; and an unpicklable
+        # result fails here, as this rank's error, not on the queue's feeder thread.
         reports.put(("ok", rank, pickle.dumps(result), time.time()))
     except BaseException as e:
         text = f"{type(e).__name__} on rank {rank}: {e}\n\n{traceback.format_exc()}"

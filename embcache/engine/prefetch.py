@@ -61,15 +61,15 @@ class SerialWorker:
         self.device = device if device is not None and device.type == "cuda" else None
         self.linger_s = linger_s
         self._queue: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
-        self._lock = threading.Condition(threading.Lock())
+        self._wake = threading.Condition(threading.Lock())  # the queue; a submit wakes the thread
         self._running = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()
-        with self._lock:
+        with self._wake:
             self._queue.append((future, fn, args))
             if self._running:
-                self._lock.notify()
+                self._wake.notify()
             else:
                 self._running = True
                 threading.Thread(target=self._run, name=self.name, daemon=True).start()
@@ -79,9 +79,9 @@ class SerialWorker:
         if self.device is not None:
             torch.cuda.set_device(self.device)
         while True:
-            with self._lock:
+            with self._wake:
                 if not self._queue:
-                    self._lock.wait(self.linger_s)
+                    self._wake.wait(self.linger_s)
                 if not self._queue:
                     self._running = False
                     return

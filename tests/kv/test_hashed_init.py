@@ -42,14 +42,15 @@ def _salt(name: str, seed: int) -> int:
 @pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled", "torch ops"])
 @pytest.mark.parametrize("dim", [1, 5, 64, 129])
 def test_the_uniform_init_is_the_reference_bit_for_bit(monkeypatch, backend: str, dim: int) -> None:
-    """Fresh random ids (small, and up to 2**62 as unbounded tables hash them), a random seed
-    and bounds: each backend gives exactly the plain-Python reference's float32 bits."""
+    """Fresh random ids (small, up to 2**62 as unbounded tables hash them, and the largest
+    int64 a table takes), a random seed and bounds: each backend gives exactly the
+    plain-Python reference's float32 bits."""
     monkeypatch.setenv("EMBCACHE_BACKEND", backend)
     rng = random.Random()
     seed = rng.randrange(1 << 20)
     low = -rng.uniform(0.001, 1.0)
     high = rng.uniform(0.001, 1.0)
-    ids = [0, 1, (1 << 62) - 1] + [rng.randrange(1 << 62) for _ in range(20)]
+    ids = [0, 1, (1 << 62) - 1, (1 << 63) - 1] + [rng.randrange(1 << 62) for _ in range(20)]
     ids += [rng.randrange(1000) for _ in range(20)]
     init = hashed_init("table_x", seed, "uniform", low=low, high=high)
     got = init(torch.tensor(ids), dim)
