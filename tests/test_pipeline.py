@@ -146,6 +146,54 @@ def test_prefetch_reads_run_on_the_worker_thread() -> None:
     assert all(name.startswith("embcache-prefetch") for name in store.readers), store.readers
 
 
+class GatedWriteKV(embcache.HostKV):
+    """A host tier whose writes wait for ``gate``; records the thread of each write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.writers: list[str] = []
+
+    def put(self, table, ids, rows):
+        assert self.gate.wait(TIMEOUT_S), "a write waited for the gate too long"
+        self.writers.append(threading.current_thread().name)
+        super().put(table, ids, rows)
+
+
+def test_a_prefetch_is_ready_before_its_victims_are_written() -> None:
+    """The worker's resolve leaves the dirty victims' write-back for its next call: the
+    handle is ready while the tier's writes are held, the worker makes them afterwards (before
+    any later prefetch), and the numbers are those of the plain loop."""
+    batches = make_batches(8, seed=6)
+    # One set that holds two batches' rows: no scratch rows, whose write the resolve makes.
+    cache = embcache.CacheConfig(capacity=64, ways=64)
+    model, sparse, dense = build(cache)
+    train_plain(model, sparse, dense, batches)
+    reference = snapshot(model)
+
+    store = GatedWriteKV()
+    model, sparse, dense = build(cache, store=store)
+    train_plain(model, sparse, dense, batches[:4])  # the cache is full of trained rows
+    assert all(c.scratch_rows == 0 for c in model.sparse.caches())
+    writes = len(store.writers)
+    store.gate.clear()
+    handle = model.sparse.issue_fused_prefetch(batches[4][0])
+    assert handle.state.future.result(timeout=TIMEOUT_S).error is None
+    assert len(store.writers) == writes, "the resolve wrote its victims before it was ready"
+    assert any(c._deferred for c in model.sparse.caches())
+    store.gate.set()
+    train_plain(model, sparse, dense, batches[4:5])  # its forward takes the handle
+    model.sparse.engines.prefetches.worker.submit(lambda: None).result(timeout=TIMEOUT_S)
+    assert len(store.writers) > writes
+    assert all(name.startswith("embcache-prefetch") for name in store.writers[writes:])
+    assert not any(c._deferred for c in model.sparse.caches())
+    pipeline(model, sparse, dense).run(batches[5:])
+    for key, value in snapshot(model).items():
+        assert torch.equal(value, reference[key]), key
+    assert_clean(model)
+
+
 def test_prefetch_that_does_not_fit_falls_back_with_a_warning() -> None:
     batches = make_batches(6, seed=1)
     # The scratch area holds any one batch's rows of a table, not two batches' rows.

@@ -63,7 +63,7 @@ from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig, CachePolicy
 from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.sketch import Counters
 from embcache.cache.snapshot import PolicyState
-from embcache.cache.transfer import TierTransfer, packed_float32, take
+from embcache.cache.transfer import Staged, TierTransfer, packed_float32, take
 from embcache.hashing import mix64
 from embcache.hostmem import host_zeros
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put, select, true_at
@@ -237,6 +237,7 @@ class HotCache(PolicyState):
         self._row_starts: torch.Tensor | None = None  # first row of each table, ascending
         self._row_tables: torch.Tensor | None = None  # and the table's index
         self._rows_lock = threading.Lock()  # one batch at a time through those
+        self._deferred: list[Staged] = []  # rows a resolve left to write (`write_deferred`)
         self._allocate(scratch_rows=0)
         self.reset_stats()
 
@@ -493,7 +494,11 @@ class HotCache(PolicyState):
 
     @profiled("cache.resolve")
     def resolve(
-        self, unique_ids: torch.Tensor, lock: bool = True, count_sightings: bool = True
+        self,
+        unique_ids: torch.Tensor,
+        lock: bool = True,
+        count_sightings: bool = True,
+        defer_writeback: bool = False,
     ) -> torch.Tensor:
         """Slots holding the rows of ``unique_ids``, loading misses from the tier.
 
@@ -511,6 +516,13 @@ class HotCache(PolicyState):
                 then call `release` so scratch rows they used are written back.
             count_sightings: with admission, count this batch as a sighting of its ids (False
                 for ids resolved again, whose batch was counted already).
+            defer_writeback: leave the dirty victims' write to the tier for later: their rows
+                are copied out at once (their slots take the misses), and `write_deferred`
+                writes them, or else whatever reads the tier next through this cache (the next
+                resolve, `flush`, `read`, ...) does first. A prefetch worker resolves so: the
+                batch is ready a write sooner, and the write runs while the training thread
+                starts the next prefetch. Only where the tier's write and read are one grouped
+                call each (`TierTransfer.grouped`) and no table is bounded; else ignored.
 
         Returns:
             int64 ``[n]`` slot of each id, on the cache's device: ``rows[slots]`` are its rows;
@@ -528,8 +540,10 @@ class HotCache(PolicyState):
             self._overflow_warned = True
             warn_overflow(ids.numel(), self.num_slots, self._names(), self.dim)
         with self._resolve_mutex:
-            # Scratch rows of finished batches go first, so they do not crowd this one out; a
-            # tier error here changes nothing either (`release` keeps what it cannot write).
+            # A deferred write first (this batch may read those rows back). Scratch rows of
+            # finished batches next, so they do not crowd this one out; a tier error in
+            # either changes nothing (both keep what they cannot write).
+            self.write_deferred()
             self.release()
             with self.lock:
                 admitted = None
@@ -549,18 +563,23 @@ class HotCache(PolicyState):
             # Outside the lock: the reserved slots are locked by this resolve and no other
             # resolve runs (mutex), so nobody else reads or writes them, and `rows` is only
             # ever replaced by a resolve. The training thread keeps using its own slots.
+            staged = None
             try:
                 n_write, n_read = plan.victim_ids.numel(), plan.load_ids.numel()
                 if n_write or n_read:
                     # One copy of all the ids the tier needs, one of the rows it gets.
                     host_ids = torch.cat([plan.victim_ids, plan.load_ids]).cpu()
                     released = None if plan.released is None else plan.released.cpu()
+                    write_ids = host_ids[:n_write]
 
                     def victim_rows(positions: torch.Tensor | slice) -> torch.Tensor:
                         return self._host_rows(take(plan.victim_slots, positions))
 
+                    if n_write and defer_writeback and self.transfer.grouped and not self.pins:
+                        staged = self.transfer.stage(write_ids, victim_rows)
+                        write_ids = write_ids[:0]
                     loaded = self.transfer.exchange(
-                        host_ids[:n_write], victim_rows, host_ids[n_write:], released
+                        write_ids, victim_rows, host_ids[n_write:], released
                     )
                     self.transfer.place(self.weights, self.state, plan.load_slots, loaded)
             except BaseException:
@@ -569,7 +588,18 @@ class HotCache(PolicyState):
                 raise
             with self.lock:
                 self._commit(plan, lock)
+            if staged is not None:
+                self._deferred.append(staged)
             return plan.slots
+
+    def write_deferred(self) -> None:
+        """Make the tier writes a resolve with ``defer_writeback`` left staged, in order (a
+        no-op when there are none). A tier error propagates and the rows not yet written stay
+        staged: the next call, or the next resolve, writes them."""
+        with self._resolve_mutex:
+            while self._deferred:
+                self.transfer.write_staged(self._deferred[0])
+                del self._deferred[0]
 
     def _check_keys(self, ids: torch.Tensor) -> None:
         """A ValueError naming the first of CPU int64 ``ids`` that is no row of this cache's
@@ -1077,6 +1107,7 @@ class HotCache(PolicyState):
     def flush(self) -> None:
         """Write every dirty row back to the tier (rows stay cached, now clean)."""
         with self._resolve_mutex, self.lock:
+            self.write_deferred()
             dirty = true_at(self.dirty)
             if dirty.numel():
                 self._write_tier(self.slot_keys[dirty], dirty)
@@ -1138,6 +1169,7 @@ class HotCache(PolicyState):
         Rows resident in a slot (scratch included) are read there, others from the tier.
         """
         with self._resolve_mutex, self.lock:
+            self.write_deferred()  # rows that left the cache are in the tier before it is read
             ids = fused_ids.to(self.device, torch.int64)
             slots = self._resident_slots(ids)
             found = slots >= 0
@@ -1158,6 +1190,7 @@ class HotCache(PolicyState):
             weights: float32 ``[n, dim]`` their new weights.
         """
         with self._resolve_mutex, self.lock:
+            self.write_deferred()
             ids = fused_ids.to(self.device, torch.int64)
             weights = weights.to(self.device, torch.float32)
             slots = self._resident_slots(ids)

@@ -9,6 +9,8 @@ table), and this class splits them by table on the host, where that costs no syn
   run concurrently when the tier declares ``parallel_io`` (a network round trip each, so the
   latency is paid about once); a CPU cache over an in-process tier makes one grouped write
   and one grouped read for all its tables (`Store.put_grouped` / `get_grouped`).
+* A CPU cache over an in-process tier can take the rows to write now and make the write later
+  (`stage`, `write_staged`): a prefetch worker's resolve hands its batch over first.
 * Rows read come back into host memory (pinned when the cache is on a GPU) and are copied into
   their slots on a side stream; the compute stream waits for that copy through an event, so
   kernels already queued keep running.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -40,6 +43,20 @@ _PLACE_ROWS = 2048
 
 # `TierTransfer._grouped`: (order or None, [(table_idx, start, raw ids)], all raw ids).
 Grouped = tuple[torch.Tensor | None, list[tuple[int, int, torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class Staged:
+    """Rows taken from the cache for a grouped tier write not yet made (`TierTransfer.stage`):
+    ``rows`` ``[n, stored_width]`` of raw ``ids``, ``counts[i]`` of them in ``tables[i]``."""
+
+    tables: list[str]
+    ids: torch.Tensor
+    counts: list[int]
+    rows: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.ids.numel()
 
 
 def take(t: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
@@ -252,6 +269,28 @@ class TierTransfer:
                 pending = []
         return chunks
 
+    @property
+    def grouped(self) -> bool:
+        """Whether `exchange` makes one grouped write and one grouped read (a CPU cache over an
+        in-process tier), the write of which can be staged and made later (`stage`)."""
+        return self.device.type == "cpu" and not self.store.parallel_io
+
+    def stage(
+        self, write_ids: torch.Tensor, write_rows: Callable[[torch.Tensor | slice], torch.Tensor]
+    ) -> Staged:
+        """The rows of host ``write_ids`` taken now (``write_rows`` as in `exchange`) and the
+        grouped write that puts them in the tier, for `write_staged` to make later: the slots
+        they came from may take other rows in between."""
+        order, groups, raw = self._grouped(write_ids, ascending=False)
+        rows = write_rows(slice(None) if order is None else order)
+        names, counts, _ = self._grouped_call(groups)
+        return Staged(names, raw, counts, rows)
+
+    def write_staged(self, staged: Staged) -> None:
+        """Make a staged write (`Store.put_grouped`). A tier error propagates and the write can
+        be made again: the rows stay in ``staged``."""
+        self.store.put_grouped(staged.tables, staged.ids, staged.counts, staged.rows)
+
     def _exchange_grouped(
         self,
         write_ids: torch.Tensor,
@@ -263,10 +302,7 @@ class TierTransfer:
         `Store.get_grouped` for all the tables (HostKV moves their rows in one compiled pass
         each), the rows read returned as one part."""
         if write_ids.numel():
-            order, groups, raw = self._grouped(write_ids, ascending=False)
-            rows = write_rows(slice(None) if order is None else order)
-            names, counts, _ = self._grouped_call(groups)
-            self.store.put_grouped(names, raw, counts, rows)
+            self.write_staged(self.stage(write_ids, write_rows))
         parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
         if read_ids.numel():
             order, groups, raw = self._grouped(read_ids)

@@ -178,10 +178,10 @@ class CacheEngine:
         until `release` when ``lock``."""
         return self.resolve_share(self.dedup(fused, lengths, weights), lock)
 
-    def resolve_share(self, p: Prepared, lock: bool) -> Prepared:
+    def resolve_share(self, p: Prepared, lock: bool, defer_writeback: bool = False) -> Prepared:
         """Resolve a deduplicated share's unique ids to slots, locked until `release` when
-        ``lock``."""
-        p.slots = self.cache.resolve(p.unique, lock=lock)
+        ``lock`` (``defer_writeback``: as `HotCache.resolve` says)."""
+        p.slots = self.cache.resolve(p.unique, lock=lock, defer_writeback=defer_writeback)
         p.locked = lock
         return p
 

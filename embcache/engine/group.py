@@ -309,16 +309,20 @@ class EngineGroup:
 
     # -- prefetch ----------------------------------------------------------------------------
 
-    def prepare_fused(self, shares: list[Prepared | tuple], lock: bool) -> list[Prepared]:
+    def prepare_fused(
+        self, shares: list[Prepared | tuple], lock: bool, defer_writeback: bool = False
+    ) -> list[Prepared]:
         """`prepare` after `check` (every id validated): dedup and resolve each engine's
-        share, or serve a direct one; a failing resolve leaves nothing locked."""
+        share, or serve a direct one; a failing resolve leaves nothing locked.
+        ``defer_writeback``: each cache's victims are written by `write_deferred` (or the
+        cache's next tier access), not before this returns (`HotCache.resolve`)."""
         prepared: list[Prepared] = []
         try:
             for engine, share in zip(self.engines, shares, strict=True):
                 if isinstance(share, Prepared) and share.direct is not None:
                     prepared.append(engine.serve_direct(share))
                 elif isinstance(share, Prepared):
-                    prepared.append(engine.resolve_share(share, lock))
+                    prepared.append(engine.resolve_share(share, lock, defer_writeback))
                 else:
                     prepared.append(engine.prepare(*share, lock=lock))
         except BaseException:
@@ -333,10 +337,26 @@ class EngineGroup:
                 engine.release(p)
 
     def issue(
-        self, owner_id: int, batch: JaggedBatch, job: Callable[[int], Prefetched]
+        self,
+        owner_id: int,
+        batch: JaggedBatch,
+        job: Callable[[int], Prefetched],
+        then_write_back: bool = False,
     ) -> FusedPrefetchHandle:
-        """Queue a prefetch (``job(seq) -> Prefetched`` on the worker); returns its handle."""
-        return self.prefetches.issue(owner_id, self.generation, batch, job)
+        """Queue a prefetch (``job(seq) -> Prefetched`` on the worker); returns its handle.
+        ``then_write_back``: the job defers its victims' write-back (`prepare_fused`), and
+        the worker makes it next (`write_deferred`), after the handle is ready and before
+        any later prefetch."""
+        handle = self.prefetches.issue(owner_id, self.generation, batch, job)
+        if then_write_back:
+            self.prefetches.worker.submit(self.write_deferred)
+        return handle
+
+    def write_deferred(self) -> None:
+        """Write to the tier the victims each cache's last resolve left staged (a tier error
+        propagates; the rows stay staged for the cache's next tier access)."""
+        for cache in self.caches():
+            cache.write_deferred()
 
     def check_handle(self, handle: FusedPrefetchHandle, owner_id: int) -> None:
         if not isinstance(handle, FusedPrefetchHandle):

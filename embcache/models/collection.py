@@ -273,12 +273,14 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         """
         batch = self.checked_input(features)
         shares = self.engines.check(batch, lock=True)
-        return self.engines.issue(id(self), batch, functools.partial(self._prefetch, shares))
+        job = functools.partial(self._prefetch, shares)
+        return self.engines.issue(id(self), batch, job, then_write_back=True)
 
     def _prefetch(self, shares: list, seq: int) -> Prefetched:
-        """Worker-thread body of `issue_fused_prefetch`."""
+        """Worker-thread body of `issue_fused_prefetch`: the batch's rows resolved, the
+        victims' write-back left for the worker's next call (`EngineGroup.issue`)."""
         try:
-            return Prefetched(self.engines.prepare_fused(shares, lock=True))
+            return Prefetched(self.engines.prepare_fused(shares, lock=True, defer_writeback=True))
         except Exception as e:  # the forward reads synchronously (and meets it again)
             return Prefetched([], error=e)
 

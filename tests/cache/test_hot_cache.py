@@ -88,12 +88,19 @@ def dense_index(fused: torch.Tensor, device: torch.device | None = None) -> torc
     return torch.where(table == 0, raw, raw + OFFSETS["t1"]).to(device or fused.device)
 
 
-def train(cache: HotCache, dense: torch.Tensor, update: RowUpdate, steps: int, seed: int):
+def train(
+    cache: HotCache,
+    dense: torch.Tensor,
+    update: RowUpdate,
+    steps: int,
+    seed: int,
+    defer_writeback: bool = False,
+):
     gen = torch.Generator().manual_seed(seed)
     for step in range(1, steps + 1):
         n_values = 200 if step % 4 == 0 else 24  # every 4th batch exceeds small caches
         unique = torch.unique(random_batch(gen, n_values))
-        slots = cache.resolve(unique)
+        slots = cache.resolve(unique, defer_writeback=defer_writeback)
         rows = dense[dense_index(unique, dense.device)]
         assert torch.equal(cache.rows_of(slots), rows), f"I1: stale rows served at step {step}"
         grads = torch.randn(unique.numel(), DIM, generator=gen).to(dense.device)
@@ -284,6 +291,117 @@ def test_failed_write_back_loses_nothing(device: torch.device) -> None:
     assert torch.equal(all_rows(cache), state[2])
     with pytest.raises(ConnectionError):
         cache.flush()
+    store.down = False
+    cache.flush()
+    assert torch.equal(tier_rows(store, specs, device), dense)
+
+
+@pytest.mark.parametrize("cap", ["one_row_per_set", "tiny_4way", "quarter"])
+def test_deferred_write_back_equals_dense(device: torch.device, cap: str) -> None:
+    """Resolves that leave their victims' write for later serve the same rows as the dense
+    copy (a row evicted by one resolve and read back by the next comes from the staged write,
+    made first), and after `flush` the tier equals it (I1, I3)."""
+    update = UPDATES["adagrad"]
+    cache, store, specs = make_cache(CacheConfig(**CAPACITIES[cap]), update.rule, device)
+    dense = dense_reference(specs, device)
+    train(cache, dense, update, steps=12, seed=21, defer_writeback=True)
+    assert cache.writebacks > 0
+    cache.flush()
+    assert not cache._deferred
+    assert torch.equal(tier_rows(store, specs, device), dense)
+
+
+def _evict_dirty_rows(cache: HotCache, dense: torch.Tensor, update: RowUpdate):
+    """Train a few batches, then resolve (deferring the write) a batch that evicts dirty
+    rows; returns the victims' fused ids, read off the slots before the resolve."""
+    train(cache, dense, update, steps=3, seed=1)
+    cache.release()  # scratch rows of the last batch are written now, not by the resolve
+    ways = slice(0, cache.num_slots)
+    keys_before = cache.slot_keys[ways].clone()
+    dirty_before = cache.dirty[ways].clone()
+    slots = cache.resolve(torch.arange(30, 50), defer_writeback=True)
+    cache.unlock(slots)
+    replaced = (cache.slot_keys[ways] != keys_before) & (keys_before >= 0) & dirty_before
+    victims = keys_before[replaced]
+    assert victims.numel(), "the batch must evict dirty rows"
+    return victims
+
+
+def test_deferred_write_back_waits_for_write_deferred(device: torch.device) -> None:
+    """On a CPU over an in-process tier the victims' rows are in neither the cache nor the
+    tier until `write_deferred`, which writes them (once); elsewhere the resolve wrote them."""
+    update = UPDATES["sgd"]
+    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=2), update.rule, device)
+    dense = dense_reference(specs, device)
+    victims = _evict_dirty_rows(cache, dense, update)
+
+    def tier_of(ids):
+        return torch.cat([
+            store.get(specs[int(t)][1].name, ids[ids >> FUSION_K == t] & ((1 << FUSION_K) - 1))
+            for t in torch.unique(ids >> FUSION_K)
+        ]).to(device)  # fmt: skip
+
+    by_table = [victims[victims >> FUSION_K == t] for t in torch.unique(victims >> FUSION_K)]
+    victims = torch.cat(by_table)  # in `tier_of`'s order
+    wanted = dense[dense_index(victims, device)]
+    if cache.transfer.grouped:
+        assert sum(len(staged) for staged in cache._deferred) == victims.numel()
+        assert not torch.equal(tier_of(victims), wanted), "the write was not deferred"
+        written = store.io_stats()["rows_written"]
+        cache.write_deferred()
+        assert store.io_stats()["rows_written"] == written + victims.numel()
+        cache.write_deferred()  # nothing left: no second write
+        assert store.io_stats()["rows_written"] == written + victims.numel()
+    assert not cache._deferred
+    assert torch.equal(tier_of(victims), wanted)
+
+
+@pytest.mark.parametrize("reader", ["resolve", "read", "flush"])
+def test_deferred_write_back_is_made_before_the_tier_is_read(
+    device: torch.device, reader: str
+) -> None:
+    """Whatever reads the tier through the cache next makes the staged write first: the
+    evicted rows come back with their trained values."""
+    update = UPDATES["sgd"]
+    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=2), update.rule, device)
+    dense = dense_reference(specs, device)
+    victims = _evict_dirty_rows(cache, dense, update)
+    wanted = dense[dense_index(victims, device)]
+    if reader == "resolve":
+        slots = cache.resolve(torch.unique(victims))
+        got = cache.rows_of(slots)
+        cache.unlock(slots)
+        wanted = dense[dense_index(torch.unique(victims), device)]
+    elif reader == "read":
+        got = cache.read(victims)
+    else:
+        cache.flush()
+        got = tier_rows(store, specs, device)[dense_index(victims, device)]
+    assert not cache._deferred
+    assert torch.equal(got, wanted)
+
+
+def test_failed_deferred_write_back_loses_nothing(device: torch.device) -> None:
+    """A staged write that fails stays staged: the next resolve raises before it changes
+    anything, and once the tier is back the rows reach it."""
+    update = UPDATES["sgd"]
+    store = FlakyStore()
+    cache, store, specs = make_cache(CacheConfig(capacity=8, ways=2), update.rule, device, store)
+    dense = dense_reference(specs, device)
+    _evict_dirty_rows(cache, dense, update)
+    if not cache.transfer.grouped:
+        assert not cache._deferred  # nothing to defer there: the resolve wrote them
+        return
+    store.down = True
+    state = (cache.slot_keys.clone(), cache.dirty.clone(), all_rows(cache).clone())
+    with pytest.raises(ConnectionError):
+        cache.resolve(torch.arange(0, 12))
+    with pytest.raises(ConnectionError):
+        cache.write_deferred()
+    assert torch.equal(cache.slot_keys, state[0])
+    assert torch.equal(cache.dirty, state[1])
+    assert torch.equal(all_rows(cache), state[2])
+    assert cache._deferred
     store.down = False
     cache.flush()
     assert torch.equal(tier_rows(store, specs, device), dense)
