@@ -27,7 +27,13 @@ Workloads (1 torch thread, Zipf ids, the same batches for every phase):
 
 (the workloads of `bench_e2e.py`, which times the same steps against torchrec and FBGEMM)
 
-each with the whole table cached and with 10% cached (LRU), `SparseRowWiseAdaGrad` on `HostKV`.
+each with the whole table cached and with 10% cached (LRU), `SparseRowWiseAdaGrad` on `HostKV`;
+and the 10% cache trained through ``TrainPipeline(prefetch=True)``, profiled per thread
+(`embcache.profiling.phase_times`: the torch profiler records only the thread that started
+it): the training thread's check and dedup of the next batch (``engine.dedup``), FBGEMM's
+forward (``engine.pool``) and fused update, its wait for the worker (``pipeline.wait``) and
+``other``; the worker's resolve (plan, tier reads, copy-in, rest), its deferred write-back of
+the victims (``cache.deferred_write``) and ``idle``. Each thread's phases add up to the step.
 
 Prints a table; writes ``benchmarks/results/step_profile.csv`` and ``step_profile.png``.
 
@@ -37,6 +43,7 @@ Prints a table; writes ``benchmarks/results/step_profile.csv`` and ``step_profil
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -47,6 +54,7 @@ from _common import RESULTS, ZipfIds, pyplot, run_header, set_threads, write_csv
 
 import embcache
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
+from embcache.profiling import phase_times
 
 PHASES = [
     "engine.fuse",
@@ -68,6 +76,12 @@ PHASES = [
     "other",
 ]
 _RESOLVE_PARTS = ("cache.plan", "cache.tier_io", "cache.copy_in", "cache.release_scratch")
+# A prefetching step, per thread (`embcache.profiling.phase_times`): the training thread's
+# phases and its wait for the worker; the worker's resolve and deferred write-back.
+TRAINING_PHASES = ["engine.dedup", "engine.pool", "engine.fused_update", "optim.check_gradients",
+                   "pipeline.wait", "other"]  # fmt: skip
+WORKER_PHASES = [*_RESOLVE_PARTS, "cache.resolve (rest)", "cache.deferred_write", "idle"]
+WORKER = "embcache-prefetch"  # the prefetch worker's thread name
 _TOP = [p for p in PHASES if p not in (*_RESOLVE_PARTS, "cache.resolve (rest)", "other")]
 
 
@@ -184,15 +198,60 @@ def profile(
     return step_ms, {p: phases[p] * scale for p in PHASES}
 
 
+def profile_prefetch(w: Workload, warm: int, steps: int) -> tuple[float, dict[str, dict]]:
+    """A 10% cache trained through ``TrainPipeline(prefetch=True)``: ``(ms per step, {thread:
+    {phase: ms per step}})`` for the training thread and the prefetch worker, the phases
+    timed on each thread by `embcache.profiling.phase_times` (the torch profiler sees only
+    the training thread). Each thread's phases sum to the step: the training thread's rest is
+    ``other``, the worker's ``idle``."""
+    ebc, opt, coeff = _collection(w, 0.1)
+
+    def loss(model, batch):
+        out = model(batch).values()
+        return (out * coeff).sum() + 0.5 * out.square().sum()
+
+    pipe = embcache.TrainPipeline(ebc, opt, None, features=lambda b: b, loss=loss, prefetch=True)
+    pipe.run(w.batches[:warm])
+    while warm < len(w.batches) - 2 * steps and not _filled(ebc):
+        pipe.run(w.batches[warm : warm + 4])
+        warm += 4
+    timed = w.batches[warm : warm + steps]
+    start = time.perf_counter()
+    pipe.run(timed)
+    step_ms = (time.perf_counter() - start) * 1e3 / len(timed)
+    profiled = w.batches[warm + steps : warm + 2 * steps]
+    with phase_times() as times:
+        start = time.perf_counter()
+        pipe.run(profiled)
+        wall_ms = (time.perf_counter() - start) * 1e3 / len(profiled)
+    main = threading.current_thread().name
+
+    def ms(thread: str, phase: str) -> float:
+        return times.seconds.get((thread, phase), 0.0) * 1e3 / len(profiled)
+
+    training = {p: ms(main, p) for p in TRAINING_PHASES[:-1]}
+    training["other"] = max(wall_ms - sum(training.values()), 0.0)
+    worker = {p: ms(WORKER, p) for p in _RESOLVE_PARTS}
+    worker["cache.resolve (rest)"] = max(ms(WORKER, "cache.resolve") - sum(worker.values()), 0.0)
+    worker["cache.deferred_write"] = ms(WORKER, "cache.deferred_write")
+    worker["idle"] = max(wall_ms - ms(WORKER, "cache.resolve") - worker["cache.deferred_write"], 0)
+    scale = step_ms / wall_ms
+    return step_ms, {
+        "training thread": {p: v * scale for p, v in training.items()},
+        "worker": {p: v * scale for p, v in worker.items()},
+    }
+
+
 def plot(rows: list[Row], path: Path) -> None:
     plt = pyplot()
     cases = sorted({(r.workload, r.cached) for r in rows}, key=lambda c: (c[0], c[1]))
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(cases) + 2.5))
     left = [0.0] * len(cases)
     colors = plt.cm.tab20.colors
-    for k, phase in enumerate(PHASES):
+    phases = list(dict.fromkeys(r.phase for r in rows))  # every case's, in order of first use
+    for k, phase in enumerate(phases):
         widths = [
-            next(r.ms for r in rows if (r.workload, r.cached) == c and r.phase == phase)
+            next((r.ms for r in rows if (r.workload, r.cached) == c and r.phase == phase), 0.0)
             for c in cases
         ]
         ax.barh([f"{w} ({c})" for w, c in cases], widths, left=left, color=colors[k % 20],
@@ -233,11 +292,20 @@ def main() -> None:
                 rows.append(Row(w.name, cached, step_ms, phase, phases[phase], share))
                 if phases[phase] >= 0.005 * step_ms:
                     print(f"  {phase:<24} {phases[phase]:8.2f} ms  {share:6.1%}")
+        step_ms, threads = profile_prefetch(w, warm, steps)
+        print(f"\n{w.name} (10% cached, prefetch): {step_ms:.1f} ms/step, per thread")
+        for thread, phases in threads.items():
+            cached = f"10%, prefetch: {thread}"
+            for phase, value in phases.items():
+                share = value / step_ms if step_ms else 0.0
+                rows.append(Row(w.name, cached, step_ms, phase, value, share))
+                if value >= 0.005 * step_ms:
+                    print(f"  {thread:<15} {phase:<24} {value:8.2f} ms  {share:6.1%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out)
     png = args.out.with_suffix(".png")
     plot(rows, png)
-    worst = max((r for r in rows if r.phase != "other"), key=lambda r: r.share)
+    worst = max((r for r in rows if r.phase not in ("other", "idle")), key=lambda r: r.share)
     print(
         f"\nsummary: largest phase {worst.phase} {worst.share:.0%} of "
         f"{worst.workload} ({worst.cached})"

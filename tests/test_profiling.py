@@ -1,12 +1,15 @@
 """`embcache.profiling.profiled`: a named range while a torch profiler records, the bare call
-otherwise (and the same result and exceptions either way)."""
+otherwise (and the same result and exceptions either way); `phase_times` times the calls on
+every thread while it collects."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from embcache.profiling import profiled
+from embcache.profiling import phase_times, profiled
 
 
 @profiled("test.double")
@@ -46,3 +49,22 @@ def test_exceptions_pass_through_either_way() -> None:
     with torch.profiler.profile(activities=cpu) as prof, pytest.raises(ValueError, match="bad"):
         _fail()
     assert "test.fail" in _ranges(prof)
+
+
+def test_phase_times_are_collected_per_thread_and_only_inside() -> None:
+    x = torch.arange(4.0)
+    _double(x)  # before: not collected
+    with phase_times() as times:
+        _double(x)
+        worker = threading.Thread(target=lambda: [_double(x), _double(x)], name="side")
+        worker.start()
+        worker.join()
+        with pytest.raises(ValueError):
+            _fail()  # a call that raises is timed too
+    _double(x)  # after: not collected
+    main = threading.current_thread().name
+    assert times.calls == {(main, "test.double"): 1, ("side", "test.double"): 2,
+                           (main, "test.fail"): 1}  # fmt: skip
+    assert all(s > 0 for s in times.seconds.values())
+    with phase_times(), pytest.raises(RuntimeError, match="already"), phase_times():
+        pass

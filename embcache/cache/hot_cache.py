@@ -592,6 +592,7 @@ class HotCache(PolicyState):
                 self._deferred.append(staged)
             return plan.slots
 
+    @profiled("cache.deferred_write")
     def write_deferred(self) -> None:
         """Make the tier writes a resolve with ``defer_writeback`` left staged, in order (a
         no-op when there are none). A tier error propagates and the rows not yet written stay

@@ -52,6 +52,7 @@ from embcache.engine.batch_state import FusedPrefetchHandle
 from embcache.engine.inputs import JaggedBatch, is_kjt
 from embcache.engine.interface import CachedCollectionInterface
 from embcache.optim.sparse import SparseOptimizer
+from embcache.profiling import profiled
 
 _END = object()
 
@@ -118,6 +119,7 @@ class TrainPipeline:
             raise
         return handles
 
+    @profiled("pipeline.wait")
     def _ready(
         self, handles: list[FusedPrefetchHandle]
     ) -> list[FusedPrefetchHandle] | CacheCapacityError | None:
