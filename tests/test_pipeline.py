@@ -194,6 +194,44 @@ def test_a_prefetch_is_ready_before_its_victims_are_written() -> None:
     assert_clean(model)
 
 
+def test_a_forward_on_the_features_a_prefetch_was_issued_for_checks_them_once(
+    monkeypatch,
+) -> None:
+    """The prefetch checked its features: a forward given that same object takes the checked
+    batch from the handle; one given an equal copy checks it (and still uses the prefetch)."""
+    batches = make_batches(3, seed=7)
+    cache = embcache.CacheConfig(load_factor=0.1, ways=4)
+    model, _sparse, _dense = build(cache)
+    with torch.no_grad():
+        reference = [model.sparse(b[0]).values() for b in batches[:2]]
+    checked = []
+    original = type(model.sparse).checked_input
+
+    def counting(self, features):
+        checked.append(features)
+        return original(self, features)
+
+    monkeypatch.setattr(type(model.sparse), "checked_input", counting)
+    kjt = batches[0][0]
+    model.sparse.issue_fused_prefetch(kjt)
+    assert checked == [kjt]
+    with torch.no_grad():
+        out = model.sparse(kjt).values()
+    assert checked == [kjt], "the forward checked the prefetched features again"
+    assert torch.equal(out, reference[0])
+    again = batches[1][0]
+    model.sparse.issue_fused_prefetch(again)
+    copy = KeyedJaggedTensor.from_lengths_sync(
+        keys=again.keys(), values=again.values().clone(), lengths=again.lengths().clone()
+    )
+    with torch.no_grad():
+        out = model.sparse(copy).values()
+    assert checked == [kjt, again, copy]
+    assert torch.equal(out, reference[1])
+    assert model.sparse.pending_prefetch is None  # the copy's forward took the handle
+    assert_clean(model)
+
+
 def test_prefetch_that_does_not_fit_falls_back_with_a_warning() -> None:
     batches = make_batches(6, seed=1)
     # The scratch area holds any one batch's rows of a table, not two batches' rows.

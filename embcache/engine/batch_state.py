@@ -105,6 +105,8 @@ class FusedPrefetchHandle:
         lengths: torch.Tensor,
         values: torch.Tensor,
         state: PrefetchState,
+        source: object = None,
+        batch: JaggedBatch | None = None,
     ) -> None:
         self.module_id = module_id
         self.generation = generation
@@ -112,6 +114,10 @@ class FusedPrefetchHandle:
         self.lengths = lengths
         self.values = values
         self.state = state
+        # The features object it was issued for and the checked batch made of it: a forward
+        # given that same object takes the batch instead of checking it again.
+        self.source = source
+        self.batch = batch
 
     @property
     def used(self) -> bool:

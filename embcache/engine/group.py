@@ -342,15 +342,25 @@ class EngineGroup:
         batch: JaggedBatch,
         job: Callable[[int], Prefetched],
         then_write_back: bool = False,
+        source: object = None,
     ) -> FusedPrefetchHandle:
         """Queue a prefetch (``job(seq) -> Prefetched`` on the worker); returns its handle.
         ``then_write_back``: the job defers its victims' write-back (`prepare_fused`), and
         the worker makes it next (`write_deferred`), after the handle is ready and before
-        any later prefetch."""
-        handle = self.prefetches.issue(owner_id, self.generation, batch, job)
+        any later prefetch. ``source``: the features object ``batch`` was checked from
+        (`checked_prefetch`)."""
+        handle = self.prefetches.issue(owner_id, self.generation, batch, job, source)
         if then_write_back:
             self.prefetches.worker.submit(self.write_deferred)
         return handle
+
+    def checked_prefetch(self, features: object) -> JaggedBatch | None:
+        """The checked batch of the handle the next forward takes, when it was issued for
+        this very ``features`` object (its check need not run again), else None."""
+        handle = self.prefetches.recorded
+        if handle is None or handle.source is not features or handle.used:
+            return None
+        return handle.batch if handle.generation == self.generation else None
 
     def write_deferred(self) -> None:
         """Write to the tier the victims each cache's last resolve left staged (a tier error

@@ -126,13 +126,16 @@ class Prefetcher:
         generation: int,
         batch: JaggedBatch,
         job: Callable[[int], Prefetched],
+        source: object = None,
     ) -> FusedPrefetchHandle:
-        """Queue ``job(seq)`` on the worker and record its handle for the next forward."""
+        """Queue ``job(seq)`` on the worker and record its handle for the next forward
+        (``batch`` is the checked batch, ``source`` the features object it was made of)."""
         self.collect_dropped()
         state = self._submit(job)
         handle = FusedPrefetchHandle(
-            module_id, generation, list(batch.keys()), batch.lengths(), batch.values(), state
-        )
+            module_id, generation, list(batch.keys()), batch.lengths(), batch.values(), state,
+            source, batch,
+        )  # fmt: skip
         state.finalizer = weakref.finalize(handle, self._dropped.append, state)
         self.issued.append(state)
         self.record(handle, explicit=False)

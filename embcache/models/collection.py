@@ -200,7 +200,10 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         if self.device.type == "meta":  # shapes only, as torchrec's meta weights give
             values = torch.empty(features.stride(), sum(self.output_dims), device="meta")
             return pooled_output(features, self.output_keys, self.output_dims, values)
-        batch = self.checked_input(features)
+        # Features a prefetch was issued for were checked then (the handle keeps the batch).
+        batch = self.engines.checked_prefetch(features)
+        if batch is None:
+            batch = self.checked_input(features)
         if not self.tables:
             values = torch.empty(batch.stride(), 0, device=self.device)
             return pooled_output(features, self.output_keys, self.output_dims, values)
@@ -274,7 +277,7 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         batch = self.checked_input(features)
         shares = self.engines.check(batch, lock=True)
         job = functools.partial(self._prefetch, shares)
-        return self.engines.issue(id(self), batch, job, then_write_back=True)
+        return self.engines.issue(id(self), batch, job, then_write_back=True, source=features)
 
     def _prefetch(self, shares: list, seq: int) -> Prefetched:
         """Worker-thread body of `issue_fused_prefetch`: the batch's rows resolved, the
