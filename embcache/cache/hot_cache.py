@@ -499,6 +499,7 @@ class HotCache(PolicyState):
         lock: bool = True,
         count_sightings: bool = True,
         defer_writeback: bool = False,
+        checked: bool = False,
     ) -> torch.Tensor:
         """Slots holding the rows of ``unique_ids``, loading misses from the tier.
 
@@ -523,6 +524,8 @@ class HotCache(PolicyState):
                 batch is ready a write sooner, and the write runs while the training thread
                 starts the next prefetch. Only where the tier's write and read are one grouped
                 call each (`TierTransfer.grouped`) and no table is bounded; else ignored.
+            checked: the caller checked every id against this cache's tables already (a
+                share from `CacheEngine.fuse` or `unique_share`): the check is not repeated.
 
         Returns:
             int64 ``[n]`` slot of each id, on the cache's device: ``rows[slots]`` are its rows;
@@ -534,7 +537,7 @@ class HotCache(PolicyState):
                 not among them, a raw id past its table's rows): nothing changed.
         """
         ids = unique_ids.to(self.device, torch.int64)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not checked:
             self._check_keys(ids)
         if ids.numel() > self.num_slots and not self._overflow_warned:
             self._overflow_warned = True

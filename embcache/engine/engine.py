@@ -174,14 +174,17 @@ class CacheEngine:
         weights: torch.Tensor | None,
         lock: bool,
     ) -> Prepared:
-        """Dedup ``fused`` ids and resolve them to slots (misses come from the tier), locked
-        until `release` when ``lock``."""
+        """Dedup ``fused`` ids (checked, as `fuse` gives them) and resolve them to slots
+        (misses come from the tier), locked until `release` when ``lock``."""
         return self.resolve_share(self.dedup(fused, lengths, weights), lock)
 
     def resolve_share(self, p: Prepared, lock: bool, defer_writeback: bool = False) -> Prepared:
         """Resolve a deduplicated share's unique ids to slots, locked until `release` when
-        ``lock`` (``defer_writeback``: as `HotCache.resolve` says)."""
-        p.slots = self.cache.resolve(p.unique, lock=lock, defer_writeback=defer_writeback)
+        ``lock`` (``defer_writeback``: as `HotCache.resolve` says). Its ids were checked when
+        the share was made (`fuse`, `unique_share`)."""
+        p.slots = self.cache.resolve(
+            p.unique, lock=lock, defer_writeback=defer_writeback, checked=True
+        )
         p.locked = lock
         return p
 
