@@ -22,6 +22,10 @@ Why the numbers do not change (invariant I5 of docs/design.md), the rules:
 * The slots of batch i are locked from its resolve to its step, so the prefetch of batch i+1
   never evicts them; the slots the prefetch takes are locked too, so batch i's step never
   evicts them when it re-resolves.
+* A victim written back after its prefetch is ready (a CPU cache over an in-process tier: the
+  worker makes the write as its next call, `HotCache.resolve(defer_writeback=True)`) is in
+  its staged rows meanwhile, and whatever reads the tier through the cache next makes the
+  write first: a batch that needs that row again reads the updated value.
 * Resolves are serialised (one at a time) and do their tier I/O outside the cache's lock; the
   training thread only pools and updates rows it holds locked, and marks them dirty and unlocks
   them under that lock. The fused CPU step's update holds the cache's storage lock instead
