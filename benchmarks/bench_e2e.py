@@ -410,13 +410,18 @@ def write_plot(rows: list[Row], path: Path) -> None:
             xs = [k + (i - (len(impls) - 1) / 2) * width for k in range(len(workloads))]
             ax.bar(xs, ratios, width, label=impl)
         ax.axhline(1.0, color="black", linewidth=0.8)
+        for limit in sorted({t[2] for t in TARGETS if t[1] == base}):  # the targets' bounds
+            ax.axhline(limit, color="gray", linewidth=0.8, linestyle="--")
+            ax.annotate(f"target {limit:g}x", (len(workloads) - 0.5, limit), fontsize=7,
+                        ha="right", va="bottom", color="gray")  # fmt: skip
         ax.set_xticks(range(len(workloads)))
         ax.set_xticklabels(workloads)
         ax.set_ylabel(f"time per step / {base}")
         ax.set_title(f"against {base}")
-    axes[0].legend(fontsize=7, loc="upper left")
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="lower center",
+               ncol=min(len(impls), 5))  # fmt: skip
     fig.suptitle("training step (forward + backward + sparse step), CPU, 1 thread")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
