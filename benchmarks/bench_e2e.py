@@ -41,7 +41,8 @@ phase.
 Impls take turns in rounds of steps; ``ms_per_step`` is an impl's median over the
 rounds, and a ratio is the median over rounds of the two impls' times in the same round (this
 shared machine's speed drifts between rounds, by up to 2x within minutes, and a ratio of two
-medians would mix rounds run at different speeds).
+medians would mix rounds run at different speeds). The quartiles of those per-round ratios
+(``vs_*_q1``, ``vs_*_q3``) say how far the rounds spread; each target line prints them.
 
 glibc's malloc is told to keep freed memory for the next step (`_common.keep_freed_memory`, as
 a CPU training job does with jemalloc or tcmalloc), for every impl alike.
@@ -124,6 +125,11 @@ class Row:
     vs_fbgemm_rowwise: float
     hit_rate: float | None
     probe_rel_diff: float
+    # The quartiles of the per-round ratios to each baseline: how far the rounds spread.
+    vs_torchrec_q1: float = 0.0
+    vs_torchrec_q3: float = 0.0
+    vs_fbgemm_rowwise_q1: float = 0.0
+    vs_fbgemm_rowwise_q3: float = 0.0
 
 
 @dataclass
@@ -336,10 +342,20 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
     probes = {impl.name: impl.probe(w.probe) for impl in impls}
     median = {name: statistics.median(t) for name, t in times.items()}
 
-    def ratio(name: str, base: str) -> float:
+    def ratios(name: str, base: str) -> list[float]:
         # Each round's ratio (the two ran within a second of each other, on the machine as it
-        # was then), the median over rounds: this machine's speed drifts between rounds.
-        return statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
+        # was then): this machine's speed drifts between rounds.
+        return [t / b for t, b in zip(times[name], times[base], strict=True)]
+
+    def ratio(name: str, base: str) -> float:
+        return statistics.median(ratios(name, base))
+
+    def quartiles(name: str, base: str) -> tuple[float, float]:
+        found = ratios(name, base)
+        if len(found) < 2:
+            return found[0], found[0]
+        q1, _, q3 = statistics.quantiles(found, n=4, method="inclusive")
+        return q1, q3
 
     rows = []
     for impl in impls:
@@ -361,6 +377,9 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
                 probe_rel_diff=float(rel),
             )
         )
+        row = rows[-1]
+        row.vs_torchrec_q1, row.vs_torchrec_q3 = quartiles(impl.name, ADAGRAD_BASE)
+        row.vs_fbgemm_rowwise_q1, row.vs_fbgemm_rowwise_q3 = quartiles(impl.name, ROWWISE_BASE)
     return rows
 
 
@@ -388,9 +407,13 @@ def print_table(rows: list[Row]) -> None:
         for r in rows:
             if r.impl != impl or (where is not None and r.workload not in where):
                 continue
-            ratio = r.vs_torchrec if base == ADAGRAD_BASE else r.vs_fbgemm_rowwise
+            if base == ADAGRAD_BASE:
+                ratio, q1, q3 = r.vs_torchrec, r.vs_torchrec_q1, r.vs_torchrec_q3
+            else:
+                ratio, q1, q3 = r.vs_fbgemm_rowwise, r.vs_fbgemm_rowwise_q1, r.vs_fbgemm_rowwise_q3
             verdict = "meets" if ratio <= limit else "MISSES"
-            print(f"target {impl} <= {limit:.1f}x {base} on {r.workload}: {ratio:.2f}x, {verdict}")
+            print(f"target {impl} <= {limit:.1f}x {base} on {r.workload}: {ratio:.2f}x, {verdict} "
+                  f"(rounds' quartiles {q1:.2f}-{q3:.2f}x)")  # fmt: skip
 
 
 def write_plot(rows: list[Row], path: Path) -> None:
