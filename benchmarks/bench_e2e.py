@@ -126,10 +126,10 @@ class Row:
     hit_rate: float | None
     probe_rel_diff: float
     # The quartiles of the per-round ratios to each baseline: how far the rounds spread.
-    vs_torchrec_q1: float = 0.0
-    vs_torchrec_q3: float = 0.0
-    vs_fbgemm_rowwise_q1: float = 0.0
-    vs_fbgemm_rowwise_q3: float = 0.0
+    vs_torchrec_q1: float
+    vs_torchrec_q3: float
+    vs_fbgemm_rowwise_q1: float
+    vs_fbgemm_rowwise_q3: float
 
 
 @dataclass
@@ -342,25 +342,21 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
     probes = {impl.name: impl.probe(w.probe) for impl in impls}
     median = {name: statistics.median(t) for name, t in times.items()}
 
-    def ratios(name: str, base: str) -> list[float]:
+    def ratio(name: str, base: str) -> tuple[float, float, float]:
         # Each round's ratio (the two ran within a second of each other, on the machine as it
-        # was then): this machine's speed drifts between rounds.
-        return [t / b for t, b in zip(times[name], times[base], strict=True)]
-
-    def ratio(name: str, base: str) -> float:
-        return statistics.median(ratios(name, base))
-
-    def quartiles(name: str, base: str) -> tuple[float, float]:
-        found = ratios(name, base)
+        # was then; this machine's speed drifts between rounds): their median and quartiles.
+        found = [t / b for t, b in zip(times[name], times[base], strict=True)]
         if len(found) < 2:
-            return found[0], found[0]
-        q1, _, q3 = statistics.quantiles(found, n=4, method="inclusive")
-        return q1, q3
+            return found[0], found[0], found[0]
+        q1, median, q3 = statistics.quantiles(found, n=4, method="inclusive")
+        return median, q1, q3
 
     rows = []
     for impl in impls:
         s, ref = median[impl.name], probes[FAMILY[impl.name]]
         rel = (probes[impl.name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+        vs_torchrec, torchrec_q1, torchrec_q3 = ratio(impl.name, ADAGRAD_BASE)
+        vs_fbgemm, fbgemm_q1, fbgemm_q3 = ratio(impl.name, ROWWISE_BASE)
         rows.append(
             Row(
                 workload=w.name,
@@ -371,15 +367,16 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
                 impl=impl.name,
                 ms_per_step=s * 1e3,
                 samples_per_s=w.batch / s,
-                vs_torchrec=ratio(impl.name, ADAGRAD_BASE),
-                vs_fbgemm_rowwise=ratio(impl.name, ROWWISE_BASE),
+                vs_torchrec=vs_torchrec,
+                vs_fbgemm_rowwise=vs_fbgemm,
                 hit_rate=impl.hit_rate() if impl.hit_rate else None,
                 probe_rel_diff=float(rel),
+                vs_torchrec_q1=torchrec_q1,
+                vs_torchrec_q3=torchrec_q3,
+                vs_fbgemm_rowwise_q1=fbgemm_q1,
+                vs_fbgemm_rowwise_q3=fbgemm_q3,
             )
         )
-        row = rows[-1]
-        row.vs_torchrec_q1, row.vs_torchrec_q3 = quartiles(impl.name, ADAGRAD_BASE)
-        row.vs_fbgemm_rowwise_q1, row.vs_fbgemm_rowwise_q3 = quartiles(impl.name, ROWWISE_BASE)
     return rows
 
 

@@ -77,10 +77,11 @@ PHASES = [
 ]
 _RESOLVE_PARTS = ("cache.plan", "cache.tier_io", "cache.copy_in", "cache.release_scratch")
 # A prefetching step, per thread (`embcache.profiling.phase_times`): the training thread's
-# phases and its wait for the worker; the worker's resolve and deferred write-back.
-TRAINING_PHASES = ["engine.dedup", "engine.pool", "engine.fused_update", "optim.check_gradients",
-                   "pipeline.wait", "other"]  # fmt: skip
-WORKER_PHASES = [*_RESOLVE_PARTS, "cache.resolve (rest)", "cache.deferred_write", "idle"]
+# timed phases (its wait for the worker included; the rest of its step is "other"), and the
+# worker's (the rest of its resolve is "cache.resolve (rest)", the rest of its step "idle").
+TRAINING_PHASES = ("engine.dedup", "engine.pool", "engine.fused_update", "optim.check_gradients",
+                   "pipeline.wait")  # fmt: skip
+WORKER_PHASES = (*_RESOLVE_PARTS, "cache.deferred_write")
 WORKER = "embcache-prefetch"  # the prefetch worker's thread name
 _TOP = [p for p in PHASES if p not in (*_RESOLVE_PARTS, "cache.resolve (rest)", "other")]
 
@@ -229,12 +230,12 @@ def profile_prefetch(w: Workload, warm: int, steps: int) -> tuple[float, dict[st
     def ms(thread: str, phase: str) -> float:
         return times.seconds.get((thread, phase), 0.0) * 1e3 / len(profiled)
 
-    training = {p: ms(main, p) for p in TRAINING_PHASES[:-1]}
+    training = {p: ms(main, p) for p in TRAINING_PHASES}
     training["other"] = max(wall_ms - sum(training.values()), 0.0)
-    worker = {p: ms(WORKER, p) for p in _RESOLVE_PARTS}
-    worker["cache.resolve (rest)"] = max(ms(WORKER, "cache.resolve") - sum(worker.values()), 0.0)
-    worker["cache.deferred_write"] = ms(WORKER, "cache.deferred_write")
-    worker["idle"] = max(wall_ms - ms(WORKER, "cache.resolve") - worker["cache.deferred_write"], 0)
+    worker = {p: ms(WORKER, p) for p in WORKER_PHASES}
+    resolve = ms(WORKER, "cache.resolve")  # the parts of the resolve are inside it
+    worker["cache.resolve (rest)"] = max(resolve - sum(ms(WORKER, p) for p in _RESOLVE_PARTS), 0.0)
+    worker["idle"] = max(wall_ms - resolve - worker["cache.deferred_write"], 0.0)
     scale = step_ms / wall_ms
     return step_ms, {
         "training thread": {p: v * scale for p, v in training.items()},
