@@ -348,8 +348,8 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
         found = [t / b for t, b in zip(times[name], times[base], strict=True)]
         if len(found) < 2:
             return found[0], found[0], found[0]
-        q1, median, q3 = statistics.quantiles(found, n=4, method="inclusive")
-        return median, q1, q3
+        q1, mid, q3 = statistics.quantiles(found, n=4, method="inclusive")
+        return mid, q1, q3
 
     rows = []
     for impl in impls:

@@ -181,28 +181,18 @@ def spawn(
 def _supervise(procs: list, reports, grace: float) -> list[Any]:
     """Collect every rank's report; on a failure, wait ``grace`` then give up on the rest.
 
-    A result is the pickle its rank made (`_run_rank`), unpickled here: it comes over the
-    multiprocessing queue from a process this call started, never from a file."""
+    Reports are read by `_take_report`."""
     results: dict[int, Any] = {}
     failures: dict[int, RankFailure] = {}
     deadline: float | None = None
     first_failure: float | None = None
     while len(results) + len(failures) < len(procs):
-        try:
-            kind, rank, payload, at = reports.get(timeout=_POLL_S)
-        except queue_module.Empty:
-            kind = None
-        if kind == "ok":
-            results[rank] = pickle.loads(payload)
-        elif kind == "error":
-            text, secondary = payload
-            failures[rank] = RankFailure(rank, text, at, secondary)
-        elif kind is None:
+        if not _take_report(reports, results, failures, _POLL_S):
             for rank, p in enumerate(procs):
                 if rank in results or rank in failures or p.is_alive():
                     continue
                 # Exited: its report may still be in flight, so look once more before judging.
-                if not _drain_one(reports, results, failures):
+                if not _take_report(reports, results, failures, 0.5):
                     failures[rank] = RankFailure(
                         rank, _exit_text(p.exitcode), time.time(), secondary=False
                     )
@@ -225,15 +215,22 @@ def _supervise(procs: list, reports, grace: float) -> list[Any]:
     return [results[r] for r in range(len(procs))]
 
 
-def _drain_one(reports, results: dict, failures: dict) -> bool:
+def _take_report(reports, results: dict, failures: dict, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for one rank's report and record it in ``results`` or
+    ``failures``; False when none came.
+
+    A result is the pickle its rank made (`_run_rank`), unpickled here: it comes over the
+    multiprocessing queue, itself a pickle channel, from a process this launch started, never
+    from a file."""
     try:
-        kind, rank, payload, at = reports.get(timeout=0.5)
+        kind, rank, payload, at = reports.get(timeout=timeout)
     except queue_module.Empty:
         return False
     if kind == "ok":
         results[rank] = pickle.loads(payload)
     else:
-        failures[rank] = RankFailure(rank, payload[0], at, payload[1])
+        text, secondary = payload
+        failures[rank] = RankFailure(rank, text, at, secondary)
     return True
 
 
