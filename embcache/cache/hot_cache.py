@@ -833,29 +833,42 @@ class HotCache(PolicyState):
 
     def _native_plan(self, admitted: torch.Tensor | None) -> bool:
         """Whether this plan runs as compiled CPU kernels (`embcache.native`): a CPU cache
-        with a row index, LRU, admitting every id. The torch path is the specification."""
-        return (
-            self._where is not None
-            and admitted is None
-            and self.policy is CachePolicy.LRU
-            and native.available()
-        )
+        with a row index, admitting every id, LRU or LFU with exact counts (no sketch). The
+        torch path is the specification."""
+        if self._where is None or admitted is not None or not native.available():
+            return False
+        if self.policy is CachePolicy.LRU:
+            return True
+        return self._counts is not None and self._counts.sketch is None
 
     def _plan_native(self, ids: torch.Tensor) -> _Plan:
-        """`_plan_sets` through `native.plan_lru` and `native.reserve`: the same plan, the
-        same changes to the index, in a few passes over the batch's ids."""
+        """`_plan_sets` through `native.plan_lru` (or `plan_lfu` and `touch_lfu`) and
+        `native.reserve`: the same plan, the same changes to the index, in a few passes over
+        the batch's ids."""
         assert self._where is not None
         ids = ids.contiguous()
         slots = torch.empty_like(ids)
         self._tick += 1  # both undone if the plan is refused
         self._lookups += 1
-        miss_pos, order, place = native.plan_lru(
-            ids.numpy(), self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
-            self.slot_keys.numpy(), self.scores.numpy(), self.locks.numpy(),
-            self.batch_of.numpy(), self.num_slots, self.num_sets, self.ways, self._tick,
-            self._batch_seq, slots.numpy(),
-        )  # fmt: skip
+        lfu = self.policy is CachePolicy.LFU
+        if lfu:
+            assert self._counts is not None
+            miss_pos, order, place = native.plan_lfu(
+                ids.numpy(), self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
+                self._counts.exact.numpy(), self._counts.row_offset.numpy(),
+                self.scores.numpy(), self.locks.numpy(), self.batch_of.numpy(), self.num_sets,
+                self.ways, self._tick, self._batch_seq, slots.numpy(),
+            )  # fmt: skip
+        else:
+            miss_pos, order, place = native.plan_lru(
+                ids.numpy(), self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
+                self.slot_keys.numpy(), self.scores.numpy(), self.locks.numpy(),
+                self.batch_of.numpy(), self.num_slots, self.num_sets, self.ways, self._tick,
+                self._batch_seq, slots.numpy(),
+            )  # fmt: skip
         if not miss_pos.size:  # every id hit: its slot is locked and touched
+            if lfu:
+                self._touch_lfu_native(ids, slots)
             empty = self._empty_ids()
             return _Plan(ids, slots, empty, empty, empty, empty)
         miss_pos, order, place = map(torch.from_numpy, (miss_pos, order, place))
@@ -887,7 +900,20 @@ class HotCache(PolicyState):
         plan.evicted, plan.n_scratch = evicted.numel(), over.numel()
         if self.pins:
             plan.released = evicted
+        if lfu:  # `reserve` scored the batch's slots as LRU does: LFU scores replace them
+            self._touch_lfu_native(ids, slots)
         return plan
+
+    def _touch_lfu_native(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """`_touch` of an LFU cache counted exactly, as one compiled pass (the decay, when
+        due, after it: the same counts and scores as the torch path's decay before the
+        scores are set, since both round each value down once)."""
+        assert self._counts is not None
+        native.touch_lfu(
+            ids.numpy(), slots.numpy(), self._counts.exact.numpy(),
+            self._counts.row_offset.numpy(), self.fusion_k, self.scores.numpy(), self.num_slots,
+        )  # fmt: skip
+        self._decay_when_due()
 
     def _reserve(
         self,
@@ -1026,12 +1052,18 @@ class HotCache(PolicyState):
         main_slots = slots[main]
         assert self._counts is not None
         self._counts.add(ids)
+        self._decay_when_due()
+        self.scores[main_slots] = self._counts.get(ids[main])
+
+    def _decay_when_due(self) -> None:
+        """LFU with ``lfu_decay``: every ``lfu_decay_interval`` lookups, all frequencies and
+        the scores of resident rows are multiplied by it (rounded down)."""
         decay = self.config.lfu_decay
         if decay is not None and self._lookups % self.config.lfu_decay_interval == 0:
+            assert self._counts is not None
             self._counts.decay(decay)
             live = self.scores >= 0
             self.scores[live] = (self.scores[live].double() * decay).long()
-        self.scores[main_slots] = self._counts.get(ids[main])
 
     # ------------------------------------------------------------------------------------------
     # after the batch

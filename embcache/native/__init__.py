@@ -20,7 +20,9 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
 * `plan_lru`, `reserve`: a set-associative LRU cache's plan (`HotCache._plan_sets`): lookup
   through the row index, victim choice (`cache_index_ref.assign_ways_ref` on the ways of the
   touched sets, misses ordered by set and the batch's shuffle) and the index changes that
-  reserve the chosen ways;
+  reserve the chosen ways; `plan_lfu`, `touch_lfu` the same for an LFU cache whose rows are
+  counted exactly (misses by set, then most frequent first; a miss that would displace a row
+  asked for as often goes to scratch; counts and scores updated after the reservation);
 * `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows,
   each id ranked by the marked bits before it (`HotCache.unique_by_rows`); `unique_values`
   the same from raw ids, checked against their tables in the same pass
@@ -115,6 +117,16 @@ def unlock_dirty(locks: np.ndarray, dirty: np.ndarray, slots: np.ndarray) -> int
 def plan_lru(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
     return _kernels().plan_lru(*args)
+
+
+def plan_lfu(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    return _kernels().plan_lfu(*args)
+
+
+def touch_lfu(*args: Any) -> None:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    _kernels().touch_lfu(*args)
 
 
 def reserve(*args: Any) -> tuple[np.ndarray, ...]:

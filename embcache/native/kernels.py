@@ -179,12 +179,8 @@ def _by_set(sets, shuffle, num_sets):
 
 
 @_jit
-def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_of,
-             num_slots, num_sets, ways, tick, batch_seq, slots):  # fmt: skip
-    """Fill ``slots`` (hits; -1 for misses) and plan the misses. No miss: every slot is
-    locked and touched, and ``(empty, empty, empty)`` is returned. Else the hits are
-    locked and ``(miss_pos, order, place)`` returned: the misses' positions ascending,
-    their order by (set, shuffle), and in that order each one's slot (-1: no free way)."""
+def _lookup(ids, where, row_offset, fusion_k, slots):
+    """Each id's slot through the row index into ``slots`` (-1: a miss); returns the misses."""
     n = ids.shape[0]
     mask = (np.int64(1) << fusion_k) - 1
     m = 0
@@ -197,14 +193,15 @@ def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_o
         slots[i] = s
         if s < 0:
             m += 1
+    return m
+
+
+@_jit
+def _lock_hits(slots, locks, m):
+    """Lock the hits of ``slots`` (which has ``m`` misses); returns the misses' positions,
+    ascending."""
+    n = slots.shape[0]
     miss_pos = np.empty(m + 1, np.int64)  # one more: the loop below writes past the last
-    if m == 0:
-        for i in range(n):
-            s = slots[i]
-            locks[s] += 1
-            if s < num_slots:
-                scores[s] = tick
-        return miss_pos[:0], miss_pos[:0], miss_pos[:0]
     # Branch-free (hit or miss is a coin toss the CPU cannot predict): each position is
     # written and kept only by a miss; a hit adds its lock, a miss adds 0 to slot 0's.
     k = 0
@@ -216,16 +213,16 @@ def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_o
         miss_pos[k] = i
         k += miss
         locks[max(s, 0)] += np.int32(not miss)  # the ways this batch hits are as good as locked
-    miss_pos = miss_pos[:m]
-    # Misses by set, then by the batch's shuffle (20 low bits), ties in the order of ids.
-    sets = np.empty(m, np.int64)
-    shuffle = np.empty(m, np.int64)
-    utick = np.uint64(tick)
-    for j in range(m):
-        key = np.uint64(ids[miss_pos[j]])
-        sets[j] = np.int64((mix64(key) & LOW63) % np.uint64(num_sets))
-        shuffle[j] = np.int64(mix64(key ^ utick) & np.uint64(0xFFFFF))
-    order = _by_set(sets, shuffle, num_sets)
+    return miss_pos[:m]
+
+
+@_jit
+def _choose_ways(sets, order, scores, locks, batch_of, ways, batch_seq, freq, lfu):
+    """The slot each miss takes, in ``order`` (by set), -1 where its set has no free way:
+    the k-th miss of a set the k-th of its ways by (blocked, score, way). ``lfu``: a miss
+    whose way holds a row of a score no lower than its frequency ``freq`` takes none (it is
+    served from scratch), the way staying taken."""
+    m = order.shape[0]
     by_set = np.empty(m, np.int64)  # the misses' sets in that order
     for j in range(m):
         by_set[j] = sets[order[j]]
@@ -269,8 +266,140 @@ def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_o
                     w = least % ways  # the way (Python's modulo: an empty way's key is < 0)
                     place[q] = base + w
                     best_first[w] = BLOCKED
+        if lfu:
+            for q in range(j, end):
+                if place[q] >= 0 and scores[place[q]] >= freq[order[q]]:
+                    place[q] = -1
         j = end
+    return place
+
+
+@_jit
+def _sets_of(ids, miss_pos, num_sets):
+    """The set of each miss (`kernels.cache_index.set_index`)."""
+    m = miss_pos.shape[0]
+    sets = np.empty(m, np.int64)
+    for j in range(m):
+        key = np.uint64(ids[miss_pos[j]])
+        sets[j] = np.int64((mix64(key) & LOW63) % np.uint64(num_sets))
+    return sets
+
+
+@_jit
+def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_of,
+             num_slots, num_sets, ways, tick, batch_seq, slots):  # fmt: skip
+    """Fill ``slots`` (hits; -1 for misses) and plan the misses. No miss: every slot is
+    locked and touched, and ``(empty, empty, empty)`` is returned. Else the hits are
+    locked and ``(miss_pos, order, place)`` returned: the misses' positions ascending,
+    their order by (set, shuffle), and in that order each one's slot (-1: no free way)."""
+    n = ids.shape[0]
+    m = _lookup(ids, where, row_offset, fusion_k, slots)
+    if m == 0:
+        for i in range(n):
+            s = slots[i]
+            locks[s] += 1
+            if s < num_slots:
+                scores[s] = tick
+        empty = np.empty(0, np.int64)
+        return empty, empty, empty
+    miss_pos = _lock_hits(slots, locks, m)
+    # Misses by set, then by the batch's shuffle (20 low bits), ties in the order of ids.
+    sets = _sets_of(ids, miss_pos, num_sets)
+    shuffle = np.empty(m, np.int64)
+    utick = np.uint64(tick)
+    for j in range(m):
+        shuffle[j] = np.int64(mix64(np.uint64(ids[miss_pos[j]]) ^ utick) & np.uint64(0xFFFFF))
+    order = _by_set(sets, shuffle, num_sets)
+    place = _choose_ways(sets, order, scores, locks, batch_of, ways, batch_seq, shuffle, False)
     return miss_pos, order, place
+
+
+@_jit
+def plan_lfu(ids, where, row_offset, fusion_k, counts, count_offset, scores, locks, batch_of,
+             num_sets, ways, tick, batch_seq, slots):  # fmt: skip
+    """`plan_lru` for an LFU cache whose rows are counted exactly (``counts[count_offset[t]
+    + id]``): the misses ordered by (set, frequency descending, shuffle), each one's
+    frequency its count plus this request, and a miss whose way holds a row of a score no
+    lower left to scratch (-1). No miss: every slot is locked (`touch_lfu` does the rest)."""
+    n = ids.shape[0]
+    m = _lookup(ids, where, row_offset, fusion_k, slots)
+    if m == 0:
+        for i in range(n):
+            locks[slots[i]] += 1
+        empty = np.empty(0, np.int64)
+        return empty, empty, empty
+    miss_pos = _lock_hits(slots, locks, m)
+    sets = _sets_of(ids, miss_pos, num_sets)
+    mask = (np.int64(1) << fusion_k) - 1
+    utick = np.uint64(tick)
+    shuffle = np.empty(m, np.int64)  # all 64 bits, compared as int64 (the torch path's argsort)
+    freq = np.empty(m, np.int64)
+    for j in range(m):
+        if j + AHEAD < m:
+            ahead = ids[miss_pos[j + AHEAD]]
+            prefetch_item(counts, count_offset[ahead >> fusion_k] + (ahead & mask))
+        key = ids[miss_pos[j]]
+        shuffle[j] = np.int64(mix64(np.uint64(key) ^ utick))
+        freq[j] = counts[count_offset[key >> fusion_k] + (key & mask)] + 1
+    order = _by_set_freq(sets, freq, shuffle, num_sets)
+    place = _choose_ways(sets, order, scores, locks, batch_of, ways, batch_seq, freq, True)
+    return miss_pos, order, place
+
+
+@_jit
+def _before(freq, shuffle, a, b):
+    """Whether miss ``a`` comes before miss ``b``: more frequent first, then by shuffle."""
+    return freq[a] > freq[b] or (freq[a] == freq[b] and shuffle[a] < shuffle[b])
+
+
+@_jit
+def _by_set_freq(sets, freq, shuffle, num_sets):
+    """The order of misses by ``(set, -freq, shuffle)`` (shuffles are distinct): a counting
+    sort by set and an insertion sort within each set (a few misses) when the sets are few for
+    the misses, else three sorts."""
+    m = sets.shape[0]
+    if num_sets > 8 * m:
+        by_shuffle = np.argsort(shuffle)
+        by_freq = by_shuffle[np.argsort(-freq[by_shuffle], kind="mergesort")]
+        return by_freq[np.argsort(sets[by_freq], kind="mergesort")]
+    start = np.zeros(num_sets + 1, np.int64)
+    for j in range(m):
+        start[sets[j] + 1] += 1
+    for s in range(num_sets):
+        start[s + 1] += start[s]
+    order = np.empty(m, np.int64)
+    cursor = start[:-1].copy()
+    for j in range(m):
+        order[cursor[sets[j]]] = j
+        cursor[sets[j]] += 1
+    for s in range(num_sets):
+        lo = start[s]
+        for a in range(lo + 1, start[s + 1]):
+            item = order[a]
+            b = a - 1
+            while b >= lo and _before(freq, shuffle, item, order[b]):
+                order[b + 1] = order[b]
+                b -= 1
+            order[b + 1] = item
+    return order
+
+
+@_jit
+def touch_lfu(ids, slots, counts, count_offset, fusion_k, scores, num_slots):
+    """`HotCache._touch` for an LFU cache counted exactly: one more request of each id
+    (distinct), and each slot of the cache proper scored with its row's count."""
+    mask = (np.int64(1) << fusion_k) - 1
+    n = ids.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:  # the count of an id a few ahead (counts are read at random)
+            ahead = ids[i + AHEAD]
+            prefetch_item(counts, count_offset[ahead >> fusion_k] + (ahead & mask))
+        key = ids[i]
+        c = count_offset[key >> fusion_k] + (key & mask)
+        counts[c] += 1
+        s = slots[i]
+        if 0 <= s < num_slots:
+            scores[s] = counts[c]
 
 
 @_jit

@@ -9,6 +9,7 @@ the stats, the rows in the slots and the rows in the tier.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ SIZES = [300, 50, 1000]  # rows of three tables
 pytestmark = pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
 
 
-def _cache(capacity: int, ways: int, bounded: bool) -> HotCache:
+def _cache(capacity: int, ways: int, bounded: bool, policy: str = "lru", **lfu: object) -> HotCache:
     store = HostKV()
     tables = []
     for idx, rows in enumerate(SIZES):
@@ -35,7 +36,7 @@ def _cache(capacity: int, ways: int, bounded: bool) -> HotCache:
         )  # fmt: skip
         store.init_table(spec)
         tables.append((idx, spec))
-    config = CacheConfig(capacity=capacity, ways=ways, policy="lru", max_scratch_rows=4096)
+    config = CacheConfig(capacity=capacity, ways=ways, policy=policy, max_scratch_rows=4096, **lfu)
     return HotCache(tables, config, store, "cpu", K)
 
 
@@ -50,7 +51,8 @@ def _batch(gen: torch.Generator, n: int) -> torch.Tensor:
 
 def _state(cache: HotCache) -> dict[str, torch.Tensor]:
     assert cache._where is not None
-    return {
+    counts = {} if cache._counts is None else {"counts": cache._counts.exact.clone()}
+    return counts | {
         "slot_keys": cache.slot_keys.clone(),
         "scores": cache.scores.clone(),
         "locks": cache.locks.clone(),
@@ -66,22 +68,36 @@ def _tier(cache: HotCache) -> list[torch.Tensor]:
     return [cache.store.read(f"t{idx}", torch.arange(rows)) for idx, rows in enumerate(SIZES)]
 
 
+LFU_DECAY = {"lfu_decay": 0.5, "lfu_decay_interval": 4}
+
+
 @pytest.mark.parametrize(
-    ("capacity", "ways", "bounded", "batch"),
+    ("capacity", "ways", "bounded", "batch", "policy", "lfu"),
     [
-        (256, 8, False, 120),  # evictions every batch
-        (64, 16, False, 150),  # batches wider than the cache: scratch rows
-        (512, 32, True, 90),  # bounded tier tables: pins released with the evictions
-        (64, 32, False, 150),  # 32 ways (the kernel's own loop for them), sets overflowing
-        (128, 4, False, 40),  # few ways: sets run out while others have room
+        (256, 8, False, 120, "lru", {}),  # evictions every batch
+        (64, 16, False, 150, "lru", {}),  # batches wider than the cache: scratch rows
+        (512, 32, True, 90, "lru", {}),  # bounded tier tables: pins released with the evictions
+        (64, 32, False, 150, "lru", {}),  # 32 ways (the kernel's own loop for them), overflow
+        (128, 4, False, 40, "lru", {}),  # few ways: sets run out while others have room
+        (256, 8, False, 120, "lfu", {}),  # LFU: misses refused by frequency go to scratch
+        (64, 32, False, 150, "lfu", {}),  # LFU, 32 ways, sets overflowing
+        (512, 32, True, 90, "lfu", LFU_DECAY),  # LFU with decay, bounded tier tables
+        (1024, 1, False, 100, "lfu", {}),  # more sets than 8 a miss: the kernel's sorts
     ],
 )
 def test_native_plan_equals_the_torch_plan(
-    monkeypatch: pytest.MonkeyPatch, capacity: int, ways: int, bounded: bool, batch: int
+    monkeypatch: pytest.MonkeyPatch,
+    capacity: int,
+    ways: int,
+    bounded: bool,
+    batch: int,
+    policy: str,
+    lfu: dict,
 ) -> None:
-    caches = {"auto": _cache(capacity, ways, bounded), "torch": _cache(capacity, ways, bounded)}
+    caches = {name: _cache(capacity, ways, bounded, policy, **lfu) for name in ("auto", "torch")}
     gen = torch.Generator().manual_seed(capacity + ways)
-    calls = {"plan_lru": 0, "reserve": 0}
+    plan = f"plan_{policy}"
+    calls = {plan: 0, "reserve": 0}
     for name in calls:
         kernel = getattr(native, name)
 
@@ -114,7 +130,7 @@ def test_native_plan_equals_the_torch_plan(
         assert caches["auto"].cache_stats() == caches["torch"].cache_stats()
     for ours, spec in zip(_tier(caches["auto"]), _tier(caches["torch"]), strict=True):
         torch.testing.assert_close(ours, spec, rtol=0, atol=0)
-    assert calls["plan_lru"] == 25  # every resolve planned by the kernels (torch: never)
+    assert calls[plan] == 25  # every resolve planned by the kernels (torch: never)
     assert calls["reserve"] > 0
     if batch > capacity:  # misses overflowed into scratch rows, reserved by the kernel too
         assert caches["auto"].scratch_rows > 0
@@ -125,15 +141,16 @@ def test_native_plan_equals_the_torch_plan(
         torch.testing.assert_close(ours, spec, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize(
     ("capacity", "batch"), [(256, 50), (64, 150)], ids=["ways", "ways and scratch"]
 )
 def test_native_plan_rolls_back_a_failed_tier_call(
-    monkeypatch: pytest.MonkeyPatch, capacity: int, batch: int
+    monkeypatch: pytest.MonkeyPatch, capacity: int, batch: int, policy: str
 ) -> None:
     """A tier error after a compiled plan leaves the cache exactly as before the resolve."""
     monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
-    cache = _cache(capacity, 16, False)
+    cache = _cache(capacity, 16, False, policy)
     gen = torch.Generator().manual_seed(5)
     for _ in range(20):
         slots = cache.resolve(_batch(gen, batch))
@@ -157,10 +174,26 @@ def test_native_plan_rolls_back_a_failed_tier_call(
     assert reserved
     assert cache._scratch_used == scratch_used
     after = _state(cache)
-    # Scores aside: the batch's hits keep their new recency (as on the torch path). A scratch
-    # area grown for the batch stays grown, its new rows empty.
-    for name in before.keys() - {"scores"}:
+    # Scores and LFU counts aside: the batch's hits keep their new recency, and LFU counts the
+    # request (as on the torch path). A scratch area grown for the batch stays grown, its new
+    # rows empty.
+    for name in before.keys() - {"scores", "counts"}:
         n = before[name].shape[0]
         torch.testing.assert_close(after[name][:n], before[name], rtol=0, atol=0, msg=name)
     assert bool((cache.slot_keys[before["slot_keys"].shape[0] :] == -1).all())
     assert cache.cache_stats() == stats
+
+
+@pytest.mark.parametrize("num_sets", [7, 5000], ids=["counting sort", "three sorts"])
+def test_lfu_miss_order_is_set_then_frequency_then_shuffle(num_sets: int) -> None:
+    """The LFU plan's order of misses, in both of its ways of sorting, is numpy's lexsort by
+    (set, frequency descending, shuffle)."""
+    from embcache.native import kernels
+
+    rng = np.random.default_rng(num_sets)
+    m = 300
+    sets = rng.integers(0, num_sets, m)
+    freq = rng.integers(1, 4, m)  # few values: ties are broken by the shuffle
+    shuffle = rng.permutation(np.arange(-m, m))[:m].astype(np.int64) * (1 << 40)
+    order = kernels._by_set_freq(sets, freq, shuffle, num_sets)
+    np.testing.assert_array_equal(order, np.lexsort((shuffle, -freq, sets)))
