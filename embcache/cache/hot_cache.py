@@ -1122,20 +1122,35 @@ class HotCache(PolicyState):
         with self.lock:
             if not self._scratch_used:
                 return
-            scratch = slice(self.num_slots, None)
-            done = (self.slot_keys[scratch] >= 0) & (self.locks[scratch] == 0)
-            done &= self.batch_of[scratch] != self._batch_seq  # guarded until the next batch
-            done_slots = self.num_slots + true_at(done)
+            compiled = self._where is not None and native.available()
+            if compiled:  # the same rows and writes, in two compiled passes
+                done_slots, dirty, dirty_keys = map(torch.from_numpy, native.scratch_done(
+                    self.slot_keys.numpy(), self.locks.numpy(), self.batch_of.numpy(),
+                    self.dirty.numpy(), self.num_slots, self._batch_seq,
+                ))  # fmt: skip
+            else:
+                scratch = slice(self.num_slots, None)
+                done = (self.slot_keys[scratch] >= 0) & (self.locks[scratch] == 0)
+                done &= self.batch_of[scratch] != self._batch_seq  # guarded until the next batch
+                done_slots = self.num_slots + true_at(done)
+                dirty = select(done_slots, self.dirty.index_select(0, done_slots))
+                dirty_keys = self.slot_keys.index_select(0, dirty)
             if not done_slots.numel():
                 return
-            dirty = select(done_slots, self.dirty.index_select(0, done_slots))
             if dirty.numel():
-                self._write_tier(self.slot_keys.index_select(0, dirty), dirty)
+                self._write_tier(dirty_keys, dirty)
             if self.pins:
                 self.transfer.unpin(self.slot_keys.index_select(0, done_slots).cpu())
-            self._unindex(self.slot_keys.index_select(0, done_slots))
-            fill_at(self.slot_keys, done_slots, -1)
-            fill_at(self.dirty, done_slots, False)
+            if compiled:
+                assert self._where is not None
+                native.free_slots(
+                    done_slots.numpy(), self.slot_keys.numpy(), self.dirty.numpy(),
+                    self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
+                )  # fmt: skip
+            else:
+                self._unindex(self.slot_keys.index_select(0, done_slots))
+                fill_at(self.slot_keys, done_slots, -1)
+                fill_at(self.dirty, done_slots, False)
             self._scratch_used -= done_slots.numel()
             self.evictions += done_slots.numel()
 

@@ -23,6 +23,8 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
   reserve the chosen ways; `plan_lfu`, `touch_lfu` the same for an LFU cache whose rows are
   counted exactly (misses by set, then most frequent first; a miss that would displace a row
   asked for as often goes to scratch; counts and scores updated after the reservation);
+* `scratch_done`, `free_slots`: the scratch rows a `HotCache.release` writes back and frees,
+  found in one pass, and freed (row index, keys, dirty flags) in another;
 * `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows,
   each id ranked by the marked bits before it (`HotCache.unique_by_rows`); `unique_values`
   the same from raw ids, checked against their tables in the same pass
@@ -127,6 +129,16 @@ def plan_lfu(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def touch_lfu(*args: Any) -> None:
     """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
     _kernels().touch_lfu(*args)
+
+
+def scratch_done(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    return _kernels().scratch_done(*args)
+
+
+def free_slots(*args: Any) -> None:
+    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
+    _kernels().free_slots(*args)
 
 
 def reserve(*args: Any) -> tuple[np.ndarray, ...]:

@@ -403,6 +403,42 @@ def touch_lfu(ids, slots, counts, count_offset, fusion_k, scores, num_slots):
 
 
 @_jit
+def scratch_done(slot_keys, locks, batch_of, dirty, num_slots, batch_seq):
+    """The scratch rows (slots from ``num_slots``) that hold a row no batch holds any more:
+    unlocked and not the last locked batch's. Returns their slots ascending, and the dirty
+    ones' slots and keys (`HotCache.release`)."""
+    n = slot_keys.shape[0] - num_slots
+    done = np.empty(n, np.int64)
+    dirty_slots = np.empty(n, np.int64)
+    dirty_keys = np.empty(n, np.int64)
+    d = 0
+    k = 0
+    for s in range(num_slots, slot_keys.shape[0]):
+        key = slot_keys[s]
+        if key >= 0 and locks[s] == 0 and batch_of[s] != batch_seq:
+            done[d] = s
+            d += 1
+            if dirty[s]:
+                dirty_slots[k] = s
+                dirty_keys[k] = key
+                k += 1
+    return done[:d], dirty_slots[:k], dirty_keys[:k]
+
+
+@_jit
+def free_slots(slots, slot_keys, dirty, where, row_offset, fusion_k):
+    """The rows held at ``slots`` leave the cache: their entries in the row index cleared,
+    the slots empty and clean."""
+    mask = (np.int64(1) << fusion_k) - 1
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        key = slot_keys[s]
+        where[row_offset[key >> fusion_k] + (key & mask)] = -1
+        slot_keys[s] = -1
+        dirty[s] = False
+
+
+@_jit
 def reserve(ids, slots, miss_pos, order, place, where, row_offset, fusion_k, slot_keys,
             scores, locks, dirty, num_slots, tick):  # fmt: skip
     """Give every miss its planned slot (a way, or a free scratch row at ``num_slots`` or
