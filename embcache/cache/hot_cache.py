@@ -862,13 +862,13 @@ class HotCache(PolicyState):
         else:
             miss_pos, order, place = native.plan_lru(
                 ids.numpy(), self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
-                self.slot_keys.numpy(), self.scores.numpy(), self.locks.numpy(),
-                self.batch_of.numpy(), self.num_slots, self.num_sets, self.ways, self._tick,
-                self._batch_seq, slots.numpy(),
+                self.scores.numpy(), self.locks.numpy(), self.batch_of.numpy(),
+                self.num_slots, self.num_sets, self.ways, self._tick, self._batch_seq,
+                slots.numpy(),
             )  # fmt: skip
         if not miss_pos.size:  # every id hit: its slot is locked and touched
             if lfu:
-                self._touch_lfu_native(ids, slots)
+                self._touch(ids, slots)
             empty = self._empty_ids()
             return _Plan(ids, slots, empty, empty, empty, empty)
         miss_pos, order, place = map(torch.from_numpy, (miss_pos, order, place))
@@ -901,19 +901,8 @@ class HotCache(PolicyState):
         if self.pins:
             plan.released = evicted
         if lfu:  # `reserve` scored the batch's slots as LRU does: LFU scores replace them
-            self._touch_lfu_native(ids, slots)
+            self._touch(ids, slots)
         return plan
-
-    def _touch_lfu_native(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """`_touch` of an LFU cache counted exactly, as one compiled pass (the decay, when
-        due, after it: the same counts and scores as the torch path's decay before the
-        scores are set, since both round each value down once)."""
-        assert self._counts is not None
-        native.touch_lfu(
-            ids.numpy(), slots.numpy(), self._counts.exact.numpy(),
-            self._counts.row_offset.numpy(), self.fusion_k, self.scores.numpy(), self.num_slots,
-        )  # fmt: skip
-        self._decay_when_due()
 
     def _reserve(
         self,
@@ -1041,19 +1030,29 @@ class HotCache(PolicyState):
 
     def _touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Update the eviction scores of the resident slots of a batch."""
-        main = (slots >= 0) & (slots < self.num_slots)
         if self.policy is CachePolicy.LRU:
             # Every slot of the batch is resident and in the cache proper unless some went to
             # scratch (or were refused): select only then.
             main_slots = slots if self._scratch_used == 0 and self._admission is None else (
-                slots[main])  # fmt: skip
+                slots[(slots >= 0) & (slots < self.num_slots)])  # fmt: skip
             fill_at(self.scores, main_slots, self._tick)
             return
-        main_slots = slots[main]
         assert self._counts is not None
+        if self.device.type == "cpu" and self._counts.sketch is None and native.available():
+            # Counted exactly: one compiled pass, the decay (when due) after it, which gives
+            # the same counts and scores as before the scores are set (each value is rounded
+            # down once either way).
+            native.touch_lfu(
+                ids.numpy(), slots.numpy(), self._counts.exact.numpy(),
+                self._counts.row_offset.numpy(), self.fusion_k, self.scores.numpy(),
+                self.num_slots,
+            )  # fmt: skip
+            self._decay_when_due()
+            return
+        main = (slots >= 0) & (slots < self.num_slots)
         self._counts.add(ids)
         self._decay_when_due()
-        self.scores[main_slots] = self._counts.get(ids[main])
+        self.scores[slots[main]] = self._counts.get(ids[main])
 
     def _decay_when_due(self) -> None:
         """LFU with ``lfu_decay``: every ``lfu_decay_interval`` lookups, all frequencies and

@@ -140,6 +140,29 @@ def _first_not_locked(locks, slots):
     return -1
 
 
+@njit(nogil=True, cache=True, boundscheck=False, inline="always")  # inlined in both sorts
+def _bucket_by_set(sets, num_sets, carry):
+    """A counting sort of misses by set: ``(start, order, keys)``, the misses of set ``s`` at
+    ``order[start[s] : start[s + 1]]``, their positions ascending (stable), and ``carry`` of
+    each beside it in ``keys`` (written in the same pass, so that a sort within a set reads
+    contiguous memory instead of following ``order``)."""
+    m = sets.shape[0]
+    start = np.zeros(num_sets + 1, np.int64)
+    for j in range(m):
+        start[sets[j] + 1] += 1
+    for s in range(num_sets):
+        start[s + 1] += start[s]
+    order = np.empty(m, np.int64)
+    keys = np.empty(m, np.int64)
+    cursor = start[:-1].copy()
+    for j in range(m):
+        at = cursor[sets[j]]
+        order[at] = j
+        keys[at] = carry[j]
+        cursor[sets[j]] = at + 1
+    return start, order, keys
+
+
 @_jit
 def _by_set(sets, shuffle, num_sets):
     """The order of misses by ``(set, shuffle, position)``: a counting sort by set when the
@@ -147,21 +170,7 @@ def _by_set(sets, shuffle, num_sets):
     m = sets.shape[0]
     if num_sets > 8 * m:
         return np.argsort((sets << 20) | shuffle, kind="mergesort")
-    start = np.zeros(num_sets + 1, np.int64)
-    for j in range(m):
-        start[sets[j] + 1] += 1
-    for s in range(num_sets):
-        start[s + 1] += start[s]
-    # Positions ascending within each set (stable), each with its shuffle beside it, so that
-    # the sort within a set below reads contiguous memory instead of following `order`.
-    order = np.empty(m, np.int64)
-    keys = np.empty(m, np.int64)
-    cursor = start[:-1].copy()
-    for j in range(m):
-        at = cursor[sets[j]]
-        order[at] = j
-        keys[at] = shuffle[j]
-        cursor[sets[j]] = at + 1
+    start, order, keys = _bucket_by_set(sets, num_sets, shuffle)
     # Within a set (a few misses), by shuffle: an insertion sort, stable.
     for s in range(num_sets):
         lo = start[s]
@@ -286,8 +295,8 @@ def _sets_of(ids, miss_pos, num_sets):
 
 
 @_jit
-def plan_lru(ids, where, row_offset, fusion_k, slot_keys, scores, locks, batch_of,
-             num_slots, num_sets, ways, tick, batch_seq, slots):  # fmt: skip
+def plan_lru(ids, where, row_offset, fusion_k, scores, locks, batch_of, num_slots, num_sets,
+             ways, tick, batch_seq, slots):  # fmt: skip
     """Fill ``slots`` (hits; -1 for misses) and plan the misses. No miss: every slot is
     locked and touched, and ``(empty, empty, empty)`` is returned. Else the hits are
     locked and ``(miss_pos, order, place)`` returned: the misses' positions ascending,
@@ -362,16 +371,7 @@ def _by_set_freq(sets, freq, shuffle, num_sets):
         by_shuffle = np.argsort(shuffle)
         by_freq = by_shuffle[np.argsort(-freq[by_shuffle], kind="mergesort")]
         return by_freq[np.argsort(sets[by_freq], kind="mergesort")]
-    start = np.zeros(num_sets + 1, np.int64)
-    for j in range(m):
-        start[sets[j] + 1] += 1
-    for s in range(num_sets):
-        start[s + 1] += start[s]
-    order = np.empty(m, np.int64)
-    cursor = start[:-1].copy()
-    for j in range(m):
-        order[cursor[sets[j]]] = j
-        cursor[sets[j]] += 1
+    start, order, _ = _bucket_by_set(sets, num_sets, shuffle)
     for s in range(num_sets):
         lo = start[s]
         for a in range(lo + 1, start[s + 1]):

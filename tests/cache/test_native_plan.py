@@ -170,11 +170,18 @@ def test_native_plan_rolls_back_a_failed_tier_call(
     reserved = []
     kernel = native.reserve
     monkeypatch.setattr(native, "reserve", lambda *a: reserved.append(1) or kernel(*a))
+    failed = _batch(gen, batch)
     with pytest.raises(ConnectionError):
-        cache.resolve(_batch(gen, batch))
+        cache.resolve(failed)
     assert reserved
     assert cache._scratch_used == scratch_used
     after = _state(cache)
+    if policy == "lfu":  # each id of the failed batch counted once more, no other count
+        assert cache._counts is not None
+        rows = cache._counts.row_offset[failed >> K] + (failed & ((1 << K) - 1))
+        expected = before["counts"].clone()
+        expected[rows] += 1
+        torch.testing.assert_close(after["counts"], expected, rtol=0, atol=0)
     # Scores and LFU counts aside: the batch's hits keep their new recency, and LFU counts the
     # request (as on the torch path). A scratch area grown for the batch stays grown, its new
     # rows empty.
@@ -198,3 +205,32 @@ def test_lfu_miss_order_is_set_then_frequency_then_shuffle(num_sets: int) -> Non
     shuffle = rng.permutation(np.arange(-m, m))[:m].astype(np.int64) * (1 << 40)
     order = kernels._by_set_freq(sets, freq, shuffle, num_sets)
     np.testing.assert_array_equal(order, np.lexsort((shuffle, -freq, sets)))
+
+
+def test_lfu_with_admission_counts_and_scores_as_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With admission the plan stays torch ops, but an exactly counted LFU cache's counts and
+    scores come from the compiled `native.touch_lfu`: the same as the torch path's, ids not
+    admitted (slot -1) counted and left unscored."""
+    caches = {name: _cache(256, 8, False, "lfu", admit_after=2) for name in ("auto", "torch")}
+    touched = []
+    kernel = native.touch_lfu
+    monkeypatch.setattr(native, "touch_lfu", lambda *a: touched.append(1) or kernel(*a))
+    gen = torch.Generator().manual_seed(11)
+    refused = 0
+    for _ in range(15):
+        ids = _batch(gen, 120)
+        slots = {}
+        for backend, cache in caches.items():
+            monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+            slots[backend] = cache.resolve(ids)
+            cache.unlock(slots[backend][slots[backend] >= 0])
+        refused += int((slots["auto"] < 0).sum())
+        torch.testing.assert_close(slots["auto"], slots["torch"], rtol=0, atol=0)
+        ours, spec = _state(caches["auto"]), _state(caches["torch"])
+        for name in ours:
+            torch.testing.assert_close(ours[name], spec[name], rtol=0, atol=0, msg=name)
+        assert caches["auto"].cache_stats() == caches["torch"].cache_stats()
+    assert len(touched) == 15  # every resolve of the compiled cache, none of the torch one
+    assert refused > 0  # some ids were not admitted
