@@ -63,7 +63,7 @@ from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig, CachePolicy
 from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.sketch import Counters
 from embcache.cache.snapshot import PolicyState
-from embcache.cache.transfer import Staged, TierTransfer, packed_float32, take
+from embcache.cache.transfer import SlotStorage, Staged, TierTransfer, packed_float32, take
 from embcache.hashing import mix64
 from embcache.hostmem import host_zeros
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put, select, true_at
@@ -287,6 +287,15 @@ class HotCache(PolicyState):
         rows = self.rows_of(slots)
         return rows if rows.device.type == "cpu" else rows.cpu()
 
+    def _slot_storage(
+        self, write_slots: torch.Tensor | None, read_slots: torch.Tensor | None
+    ) -> SlotStorage | None:
+        """On a CPU, this cache's storage and the slots of a tier exchange's rows, for the tier
+        to move them straight between its tables and the slots (`TierTransfer.exchange`)."""
+        if self.device.type != "cpu":
+            return None
+        return SlotStorage(self.weights, self.state, write_slots, read_slots)
+
     def _names(self) -> str:
         names = [spec.name for spec in self._specs.values()]
         return f"table {names[0]!r}" if len(names) == 1 else f"{len(names)} tables {names[:3]}"
@@ -485,8 +494,9 @@ class HotCache(PolicyState):
         copy of the ids and one of the rows to the host)."""
         host = fused.cpu()
         self.transfer.exchange(
-            host, lambda positions: self._host_rows(take(slots, positions)), host[:0]
-        )
+            host, lambda positions: self._host_rows(take(slots, positions)), host[:0],
+            slots=self._slot_storage(slots, None),
+        )  # fmt: skip
         self.writebacks += fused.numel()
 
     # ------------------------------------------------------------------------------------------
@@ -582,8 +592,9 @@ class HotCache(PolicyState):
                         staged = self.transfer.stage(write_ids, victim_rows)
                         write_ids = write_ids[:0]
                     loaded = self.transfer.exchange(
-                        write_ids, victim_rows, host_ids[n_write:], released
-                    )
+                        write_ids, victim_rows, host_ids[n_write:], released,
+                        self._slot_storage(plan.victim_slots, plan.load_slots),
+                    )  # fmt: skip
                     self.transfer.place(self.weights, self.state, plan.load_slots, loaded)
             except BaseException:
                 with self.lock:

@@ -8,7 +8,9 @@ table), and this class splits them by table on the host, where that costs no syn
 * Write-backs and reads of one resolve go to the tier in one round of calls, one per table,
   run concurrently when the tier declares ``parallel_io`` (a network round trip each, so the
   latency is paid about once); a CPU cache over an in-process tier makes one grouped write
-  and one grouped read for all its tables (`Store.put_grouped` / `get_grouped`).
+  and one grouped read for all its tables (`Store.put_grouped` / `get_grouped`), and where
+  the tier can (HostKV's dense float32 tables), moves the rows straight between its tables
+  and the cache's slots (`SlotStorage`, `Store.put_grouped_from` / `get_grouped_into`).
 * A CPU cache over an in-process tier can take the rows to write now and make the write later
   (`stage`, `write_staged`): a prefetch worker's resolve hands its batch over first.
 * Rows read come back into host memory (pinned when the cache is on a GPU) and are copied into
@@ -57,6 +59,19 @@ class Staged:
 
     def __len__(self) -> int:
         return self.ids.numel()
+
+
+@dataclass
+class SlotStorage:
+    """A CPU cache's slot storage and the slots of one `TierTransfer.exchange`'s rows: the slot
+    each row to write is held at, and the slot each row read goes to. A tier that can moves
+    them straight between its tables and these slots (`Store.put_grouped_from`,
+    `get_grouped_into`), with no rows tensor between."""
+
+    weights: torch.Tensor
+    state: torch.Tensor
+    write_slots: torch.Tensor | None = None
+    read_slots: torch.Tensor | None = None
 
 
 def take(t: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
@@ -201,6 +216,7 @@ class TierTransfer:
         write_rows: Callable[[torch.Tensor | slice], torch.Tensor],
         read_ids: torch.Tensor,
         released: torch.Tensor | None = None,
+        slots: SlotStorage | None = None,
     ) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Write rows back and read others in one round of tier calls (the ids differ, so the
         order between them does not matter), then release the rows that left the cache. Rows
@@ -215,6 +231,10 @@ class TierTransfer:
             read_ids: host int64 ``[r]`` fused ids to read (pinned in bounded tables).
             released: host int64 fused ids that left the cache (written back first when
                 dirty): their pins in bounded tables are released.
+            slots: a CPU cache's storage and the slots of ``write_ids`` and ``read_ids``
+                (either None: those rows go through ``write_rows`` and the parts returned).
+                On the grouped path, a tier that can moves the rows straight between its
+                tables and those slots, and the rows so read are not returned.
 
         Returns:
             the rows read, in parts ``(positions, rows)``: host stored ``rows``
@@ -223,11 +243,11 @@ class TierTransfer:
             over an in-process tier one part too (`_exchange_grouped`: one grouped write and
             one grouped read); over a tier whose calls overlap (``parallel_io``), the tier's
             own rows, those of tables with few rows joined into parts of at least `_PLACE_ROWS`
-            rows. Empty when nothing is read. A tier error propagates; nothing here holds
-            state.
+            rows. Empty when nothing is read, or when the rows read went to ``slots``. A tier
+            error propagates; nothing here holds state.
         """
         if self.device.type == "cpu" and not self.store.parallel_io:
-            return self._exchange_grouped(write_ids, write_rows, read_ids, released)
+            return self._exchange_grouped(write_ids, write_rows, read_ids, released, slots)
         calls = []
         if write_ids.numel():
             order, groups, _ = self._grouped(write_ids, ascending=False)
@@ -297,18 +317,32 @@ class TierTransfer:
         write_rows: Callable[[torch.Tensor | slice], torch.Tensor],
         read_ids: torch.Tensor,
         released: torch.Tensor | None,
+        slots: SlotStorage | None,
     ) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
-        """`exchange` for a CPU cache over an in-process tier: one `Store.put_grouped` and one
-        `Store.get_grouped` for all the tables (HostKV moves their rows in one compiled pass
-        each), the rows read returned as one part."""
+        """`exchange` for a CPU cache over an in-process tier: one grouped write and one grouped
+        read for all the tables (HostKV moves their rows in one compiled pass each, straight
+        between its tables and the cache's ``slots`` when given), the rows read returned as
+        one part unless they went to their slots."""
         if write_ids.numel():
-            self.write_staged(self.stage(write_ids, write_rows))
+            order, groups, raw = self._grouped(write_ids, ascending=False)
+            names, counts, _ = self._grouped_call(groups)
+            positions = slice(None) if order is None else order
+            if slots is None or slots.write_slots is None or not self.store.put_grouped_from(
+                names, raw, counts, slots.weights, slots.state, take(slots.write_slots, positions)
+            ):  # fmt: skip
+                self.store.put_grouped(names, raw, counts, write_rows(positions))
         parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
         if read_ids.numel():
             order, groups, raw = self._grouped(read_ids)
             names, counts, pins = self._grouped_call(groups)
-            rows = self.store.get_grouped(names, raw, counts, pins)
-            parts.append((slice(None) if order is None else order, rows))
+            positions = slice(None) if order is None else order
+            if pins is not None or slots is None or slots.read_slots is None or not (
+                self.store.get_grouped_into(
+                    names, raw, counts, slots.weights, slots.state,
+                    take(slots.read_slots, positions),
+                )
+            ):  # fmt: skip
+                parts.append((positions, self.store.get_grouped(names, raw, counts, pins)))
         if released is not None and released.numel():
             self.unpin(released)
         return parts

@@ -443,6 +443,38 @@ class Store(abc.ABC):
             self.put(table, ids[start : start + n], rows[start : start + n])
             start += n
 
+    def get_grouped_into(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> bool:
+        """`get_grouped` straight into a CPU cache's slot storage, for a tier that can: the
+        stored row of ``ids[i]`` lands in ``weights[slots[i]]`` (its first
+        ``weights.shape[1]`` values) and ``state[slots[i]]`` (the rest), without a rows tensor
+        between. True when every row was moved; False when this tier cannot take the call
+        (here: never), with nothing read, written or counted: the caller then makes it through
+        `get_grouped`, which creates rows and raises as it says."""
+        return False
+
+    def put_grouped_from(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> bool:
+        """`put_grouped` straight out of a CPU cache's slot storage, for a tier that can:
+        ``ids[i]``'s stored row is ``weights[slots[i]]`` then ``state[slots[i]]``. True when
+        every row was written; False when this tier cannot take the call (here: never), with
+        nothing written: the caller then makes it through `put_grouped`."""
+        return False
+
     @abc.abstractmethod
     def export_rows(
         self, table: str, chunk_rows: int = 65536, scores: bool = False

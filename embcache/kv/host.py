@@ -223,6 +223,94 @@ class HostKV(Store):
                     return
         super().put_grouped(tables, ids, counts, rows)
 
+    def get_grouped_into(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> bool:
+        """`Store.get_grouped_into`: dense float32 tables whose rows all exist go to the
+        slots in one compiled pass (`native.gather_tables_into`), which checks every id and
+        slot and that every row exists before moving any; anything else (rows to create, a
+        bad id, another layout) is left to `get_grouped` (False)."""
+        return self._straight("read", tables, ids, counts, weights, state, slots)
+
+    def put_grouped_from(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> bool:
+        """`Store.put_grouped_from`: dense float32 tables take their rows from the slots in
+        one compiled pass (`native.scatter_tables_from`, which checks every id and slot before
+        writing any); anything else is left to `put_grouped` (False)."""
+        return self._straight("written", tables, ids, counts, weights, state, slots)
+
+    def _straight(
+        self,
+        direction: str,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> bool:
+        """A straight move, ``"read"`` into the slots or ``"written"`` out of them, counted as
+        its direction when it moved every row; False, with nothing moved, when it cannot."""
+        reading = direction == "read"
+        with self._lock:
+            arrays = self._slot_arrays(tables, ids, counts, weights, state, slots, not reading)
+            if arrays is None:
+                return False
+            rows, created, limits, bounds, _ = arrays
+            args = (rows, created, limits, ids.numpy(), bounds,
+                    weights.numpy(), state.numpy(), slots.numpy())  # fmt: skip
+            # The read returns 0 when it moved every row, the write -1 (as their kin do).
+            if reading and native.gather_tables_into(*args) != 0:
+                return False
+            if not reading and native.scatter_tables_from(*args) != -1:
+                return False
+            for table, n in zip(tables, counts, strict=True):
+                self._count(direction, n, self._tables[table].spec)
+            return True
+
+    def _slot_arrays(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        weights: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        allocate: bool = False,
+    ) -> tuple | None:
+        """`_dense_arrays` for a move between the tables and slot storage, or None when the
+        compiled pass cannot take it: storage that is not CPU float32 ``[S, dim]`` and ``[S,
+        width]`` (contiguous, not requiring grad) with ``dim + width`` the tables' stored
+        width, or ``slots`` that are not contiguous CPU int64 of ``ids``'s length."""
+        for t in (weights, state):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
+                return None
+            if not t.is_contiguous() or t.requires_grad:
+                return None
+        if weights.shape[0] != state.shape[0]:
+            return None
+        if slots.dtype != torch.int64 or slots.device.type != "cpu" or not slots.is_contiguous():
+            return None
+        if slots.shape != ids.shape:
+            return None
+        arrays = self._dense_arrays(tables, ids, counts, allocate=allocate)
+        if arrays is None or arrays[4].stored_width != weights.shape[1] + state.shape[1]:
+            return None
+        return arrays
+
     def _dense_arrays(
         self,
         tables: Sequence[str],

@@ -35,7 +35,9 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
   (`TierTransfer.copy_in`, `HotCache.rows_of`), one pass each instead of a copy per part;
 * `gather_created`, `scatter_created`: a dense tier table's reads and writes with its
   ``created`` mask (`kv.host_tables.DenseTable`); `gather_tables`, `scatter_tables` the same
-  over several tables in one call (`kv.host.HostKV.get_grouped`, `put_grouped`);
+  over several tables in one call (`kv.host.HostKV.get_grouped`, `put_grouped`), and
+  `gather_tables_into`, `scatter_tables_from` straight between those tables and a CPU cache's
+  slots, with no rows array between (`HostKV.get_grouped_into`, `put_grouped_from`);
 * `bags_sample_major`: each value's slot (and weight) with the bags in the fused CPU step's
   order, and their offsets (`engine.fused_cpu`).
 
@@ -199,6 +201,16 @@ def gather_tables(*args: Any) -> int:
 def scatter_tables(*args: Any) -> int:
     """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
     return _kernels().scatter_tables(*args)
+
+
+def gather_tables_into(*args: Any) -> int:
+    """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
+    return _kernels().gather_tables_into(*args)
+
+
+def scatter_tables_from(*args: Any) -> int:
+    """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
+    return _kernels().scatter_tables_from(*args)
 
 
 def bags_sample_major(*args: np.ndarray | int) -> None:

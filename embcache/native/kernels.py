@@ -745,6 +745,75 @@ def scatter_tables(tables, created, limits, ids, bounds, src):
 
 
 @_jit
+def gather_tables_into(tables, created, limits, ids, bounds, weights, state, slots):
+    """`gather_tables` straight into a cache's slot storage: the row of id ``i`` goes to
+    ``weights[slots[i]]`` (its first ``dim`` values) and ``state[slots[i]]`` (the rest), no
+    rows array between the two. Every id and slot is checked first, and nothing is written
+    unless all rows exist. Returns 0 when every row was moved; else, with nothing written,
+    ``-1 - i`` for the first id ``i`` out of its table's range or its slot out of the
+    storage, or how many rows are not created."""
+    bad = _first_bad_of_tables(limits, ids, bounds)
+    if bad < 0:
+        bad = _first_out_of_range(slots, weights.shape[0])
+    if bad >= 0:
+        return -1 - bad
+    absent = 0
+    for t in range(len(tables)):  # ids come ascending in each table: a near-sequential pass
+        made = created[t]
+        for i in range(bounds[t], bounds[t + 1]):
+            if not made[ids[i]]:
+                absent += 1
+    if absent:
+        return absent
+    dim = weights.shape[1]
+    width = state.shape[1]
+    for t in range(len(tables)):
+        rows = tables[t]
+        lo, hi = bounds[t], bounds[t + 1]
+        for i in range(lo, hi):
+            if i + AHEAD < hi:
+                prefetch_row(rows, ids[i + AHEAD])
+            r = ids[i]
+            s = slots[i]
+            for j in range(dim):
+                weights[s, j] = rows[r, j]
+            for j in range(width):
+                state[s, j] = rows[r, dim + j]
+    return 0
+
+
+@_jit
+def scatter_tables_from(tables, created, limits, ids, bounds, weights, state, slots):
+    """`scatter_tables` straight out of a cache's slot storage: id ``i``'s row is
+    ``weights[slots[i]]`` then ``state[slots[i]]``. Every id and slot is checked first (a bad
+    one writes nothing). Returns -1, or the position of the first id out of its table's range
+    or slot out of the storage."""
+    bad = _first_bad_of_tables(limits, ids, bounds)
+    if bad < 0:
+        bad = _first_out_of_range(slots, weights.shape[0])
+    if bad >= 0:
+        return bad
+    dim = weights.shape[1]
+    width = state.shape[1]
+    n = ids.shape[0]
+    for t in range(len(tables)):
+        rows = tables[t]
+        made = created[t]
+        for i in range(bounds[t], bounds[t + 1]):
+            if i + AHEAD < n:
+                prefetch_row(weights, slots[i + AHEAD])
+                prefetch_item(state, slots[i + AHEAD])
+            r = ids[i]
+            s = slots[i]
+            made[r] = True
+            for j in range(dim):
+                rows[r, j] = weights[s, j]
+            for j in range(width):
+                rows[r, dim + j] = state[s, j]
+    return -1
+
+
+@_jit
 def _first_bad_of_tables(limits, ids, bounds):
     """The position of the first id out of its table's range (``ids[bounds[t] : bounds[t +
     1]]`` below ``limits[t]``), or -1."""

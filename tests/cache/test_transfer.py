@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embcache.cache.transfer import _PLACE_ROWS, TierTransfer, take
+import embcache.native as native
+from embcache.cache.transfer import _PLACE_ROWS, SlotStorage, TierTransfer, take
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
 
@@ -178,3 +179,129 @@ def test_read_gives_each_id_its_row_and_creates_none(in_order: bool) -> None:
     assert torch.equal(got, _stored(store, ids))  # the others: their initial values
     assert {name: len(table) for name, table in store._tables.items()} == before
     assert transfer.read(ids[:0]).shape == (0, DIM + STATE)
+
+
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.parametrize("in_order", [True, False], ids=["sorted", "shuffled"])
+def test_rows_move_straight_between_the_tier_and_the_slots(in_order: bool) -> None:
+    """Given the cache's storage (`SlotStorage`), a grouped exchange writes each id's row from
+    its slot and reads each id's row into its slot, returning no parts, and asks ``write_rows``
+    for nothing; the tier's rows and the slots end as the path through rows tensors leaves
+    them."""
+    store, transfer, ids, gen = _case("mixed", 11 + in_order, in_order)
+    twin, twin_transfer = _setup(CASES["mixed"][0])
+    half = ids.numel() // 2
+    write_ids, read_ids = ids[:half], ids[half:]
+    source = torch.randn(read_ids.numel(), DIM + STATE, generator=gen)
+    for t in (transfer, twin_transfer):  # the rows to read exist: the straight read takes them
+        t.exchange(read_ids, lambda positions: take(source, positions), read_ids[:0])
+    n_slots = ids.numel() + 17
+    weights = torch.randn(n_slots, DIM, generator=gen)
+    state = torch.randn(n_slots, STATE, generator=gen)
+    perm = torch.randperm(n_slots, generator=gen)
+    write_slots, read_slots = perm[:half], perm[half : ids.numel()]
+    twin_weights, twin_state = weights.clone(), state.clone()
+    weights[read_slots] = state[read_slots] = float("nan")  # filled by the read, or it shows
+    asked = []
+
+    def write_rows(positions: torch.Tensor | slice) -> torch.Tensor:
+        asked.append(positions)
+        return torch.cat([take(twin_weights, take(write_slots, positions)),
+                          take(twin_state, take(write_slots, positions))], dim=1)  # fmt: skip
+
+    slots = SlotStorage(weights, state, write_slots, read_slots)
+    assert transfer.exchange(write_ids, write_rows, read_ids, slots=slots) == []
+    assert asked == []
+    parts = twin_transfer.exchange(write_ids, write_rows, read_ids)
+    twin_transfer.place(twin_weights, twin_state, read_slots, parts)
+    assert torch.equal(weights, twin_weights) and torch.equal(state, twin_state)
+    assert torch.equal(_stored(store, ids), _stored(twin, ids))
+    assert store.io_stats() == twin.io_stats()
+
+
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+def test_a_read_of_rows_never_created_goes_through_rows_and_creates_them() -> None:
+    """Rows the tier must create first are read as before (the tier's initialiser, through a
+    part to place): the straight read refuses them and changes nothing."""
+    store, transfer, ids, gen = _case("small tables", 13, True)
+    _, twin_transfer = _setup(CASES["small tables"][0])
+    weights = torch.full((ids.numel(), DIM), float("nan"))
+    state = torch.full((ids.numel(), STATE), float("nan"))
+    slots = torch.randperm(ids.numel(), generator=gen)
+    parts = transfer.exchange(ids[:0], None, ids, slots=SlotStorage(weights, state, None, slots))
+    assert parts and bool(weights.isnan().all())
+    transfer.place(weights, state, slots, parts)
+    assert torch.equal(weights[slots], twin_transfer.read(ids)[:, :DIM])
+    assert store.io_stats()["rows_created"] == ids.numel()
+
+
+class _Counted(HostKV):
+    """HostKV recording whether each straight move was taken (True) or refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves: list[tuple[str, bool]] = []
+
+    def get_grouped_into(self, *args: object) -> bool:
+        self.moves.append(("read", super().get_grouped_into(*args)))
+        return self.moves[-1][1]
+
+    def put_grouped_from(self, *args: object) -> bool:
+        self.moves.append(("write", super().put_grouped_from(*args)))
+        return self.moves[-1][1]
+
+
+class _Refusing(HostKV):
+    """HostKV without straight moves (as `Store` has none): rows go through rows tensors."""
+
+    def get_grouped_into(self, *args: object) -> bool:
+        return False
+
+    def put_grouped_from(self, *args: object) -> bool:
+        return False
+
+
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+def test_a_cache_moves_its_rows_straight_and_ends_as_through_rows() -> None:
+    """A CPU cache's resolves (victims out, misses in) and its release of scratch rows move
+    rows straight between the tier and the slots, and end with the same slots, rows and tier
+    as over a tier that has no straight moves."""
+    from embcache.cache.config import CacheConfig
+    from embcache.cache.hot_cache import HotCache
+
+    sizes = [400, 900]
+    caches = []
+    for store in (_Counted(), _Refusing()):
+        tables = []
+        for idx, rows in enumerate(sizes):
+            spec = TableSpec(f"t{idx}", DIM, num_embeddings=rows, state_dim=STATE, seed=idx)
+            store.init_table(spec)
+            store.put(spec.name, torch.arange(rows), torch.randn(rows, DIM + STATE,
+                      generator=torch.Generator().manual_seed(idx)))  # fmt: skip
+            tables.append((idx, spec))
+        config = CacheConfig(capacity=128, ways=8, max_scratch_rows=1024)
+        caches.append(HotCache(tables, config, store, "cpu", K))
+    gen = torch.Generator().manual_seed(17)
+    for step in range(12):
+        table = torch.randint(0, 2, (200,), generator=gen)
+        raw = (torch.rand(200, generator=gen) ** 2 * torch.tensor(sizes)[table]).long()
+        ids = torch.unique(_fused(0, raw) | (table << K))
+        delta = torch.randn(ids.numel(), DIM, generator=gen)
+        got = []
+        for cache in caches:
+            slots = cache.resolve(ids)
+            cache.weights[slots] += delta
+            cache.mark_dirty(slots)
+            cache.unlock(slots)
+            got.append(slots)
+        assert torch.equal(got[0], got[1]), step
+        assert torch.equal(caches[0].weights, caches[1].weights), step
+    for cache in caches:
+        cache.flush()
+    for idx, rows in enumerate(sizes):
+        ours, theirs = (c.store.read(f"t{idx}", torch.arange(rows)) for c in caches)
+        assert torch.equal(ours, theirs), idx
+    moves = caches[0].store.moves
+    assert ("read", True) in moves and ("write", True) in moves
+    assert all(taken for _, taken in moves), "every row exists: no move refused"
+    assert caches[0].scratch_rows > 0  # batches wider than the cache: scratch rows written too
