@@ -301,10 +301,17 @@ class TierTransfer:
         """The rows of host ``write_ids`` taken now (``write_rows`` as in `exchange`) and the
         grouped write that puts them in the tier, for `write_staged` to make later: the slots
         they came from may take other rows in between."""
+        names, raw, counts, positions = self._write_call(write_ids)
+        return Staged(names, raw, counts, write_rows(positions))
+
+    def _write_call(
+        self, write_ids: torch.Tensor
+    ) -> tuple[list[str], torch.Tensor, list[int], torch.Tensor | slice]:
+        """``(tables, raw ids, counts, positions)`` of the grouped write of host ``write_ids``:
+        ``write_ids[positions]`` are the ids in the call's order (grouped by table)."""
         order, groups, raw = self._grouped(write_ids, ascending=False)
-        rows = write_rows(slice(None) if order is None else order)
         names, counts, _ = self._grouped_call(groups)
-        return Staged(names, raw, counts, rows)
+        return names, raw, counts, slice(None) if order is None else order
 
     def write_staged(self, staged: Staged) -> None:
         """Make a staged write (`Store.put_grouped`). A tier error propagates and the write can
@@ -324,9 +331,7 @@ class TierTransfer:
         between its tables and the cache's ``slots`` when given), the rows read returned as
         one part unless they went to their slots."""
         if write_ids.numel():
-            order, groups, raw = self._grouped(write_ids, ascending=False)
-            names, counts, _ = self._grouped_call(groups)
-            positions = slice(None) if order is None else order
+            names, raw, counts, positions = self._write_call(write_ids)
             if slots is None or slots.write_slots is None or not self.store.put_grouped_from(
                 names, raw, counts, slots.weights, slots.state, take(slots.write_slots, positions)
             ):  # fmt: skip

@@ -655,34 +655,45 @@ def group_by_table(fused, fusion_k, ascending, counts, order, raw):
     return 1
 
 
+_inline = njit(nogil=True, cache=True, boundscheck=False, inline="always")
+
+
+@_inline
+def _split_row(weights, state, s, rows, r):
+    """``weights[s], state[s] = rows[r, :dim], rows[r, dim:]``."""
+    dim = weights.shape[1]
+    for j in range(dim):
+        weights[s, j] = rows[r, j]
+    for j in range(state.shape[1]):
+        state[s, j] = rows[r, dim + j]
+
+
+@_inline
+def _join_row(weights, state, s, rows, r):
+    """``rows[r] = [weights[s] | state[s]]``."""
+    dim = weights.shape[1]
+    for j in range(dim):
+        rows[r, j] = weights[s, j]
+    for j in range(state.shape[1]):
+        rows[r, dim + j] = state[s, j]
+
+
 @_jit
 def scatter_split(weights, state, slots, rows):
     """``weights[slots], state[slots] = rows[:, :dim], rows[:, dim:]`` (float32 rows)."""
-    dim = weights.shape[1]
-    width = state.shape[1]
     for i in range(slots.shape[0]):
-        s = slots[i]
-        for j in range(dim):
-            weights[s, j] = rows[i, j]
-        for j in range(width):
-            state[s, j] = rows[i, dim + j]
+        _split_row(weights, state, slots[i], rows, i)
 
 
 @_jit
 def gather_join(weights, state, slots, out):
     """``out = [weights[slots] | state[slots]]`` (float32 rows)."""
-    dim = weights.shape[1]
-    width = state.shape[1]
     n = slots.shape[0]
     for i in range(n):
         if i + AHEAD < n:
             prefetch_row(weights, slots[i + AHEAD])
             prefetch_row(state, slots[i + AHEAD])
-        s = slots[i]
-        for j in range(dim):
-            out[i, j] = weights[s, j]
-        for j in range(width):
-            out[i, dim + j] = state[s, j]
+        _join_row(weights, state, slots[i], out, i)
 
 
 @_jit
@@ -765,20 +776,13 @@ def gather_tables_into(tables, created, limits, ids, bounds, weights, state, slo
                 absent += 1
     if absent:
         return absent
-    dim = weights.shape[1]
-    width = state.shape[1]
     for t in range(len(tables)):
         rows = tables[t]
         lo, hi = bounds[t], bounds[t + 1]
         for i in range(lo, hi):
-            if i + AHEAD < hi:
+            if i + AHEAD < hi:  # ids past ``hi`` are rows of the next table
                 prefetch_row(rows, ids[i + AHEAD])
-            r = ids[i]
-            s = slots[i]
-            for j in range(dim):
-                weights[s, j] = rows[r, j]
-            for j in range(width):
-                state[s, j] = rows[r, dim + j]
+            _split_row(weights, state, slots[i], rows, ids[i])
     return 0
 
 
@@ -793,23 +797,16 @@ def scatter_tables_from(tables, created, limits, ids, bounds, weights, state, sl
         bad = _first_out_of_range(slots, weights.shape[0])
     if bad >= 0:
         return bad
-    dim = weights.shape[1]
-    width = state.shape[1]
     n = ids.shape[0]
     for t in range(len(tables)):
         rows = tables[t]
         made = created[t]
         for i in range(bounds[t], bounds[t + 1]):
-            if i + AHEAD < n:
+            if i + AHEAD < n:  # the slots read ahead may be the next table's: all one storage
                 prefetch_row(weights, slots[i + AHEAD])
                 prefetch_item(state, slots[i + AHEAD])
-            r = ids[i]
-            s = slots[i]
-            made[r] = True
-            for j in range(dim):
-                rows[r, j] = weights[s, j]
-            for j in range(width):
-                rows[r, dim + j] = state[s, j]
+            made[ids[i]] = True
+            _join_row(weights, state, slots[i], rows, ids[i])
     return -1
 
 
