@@ -9,17 +9,22 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 TRITON_PIN := triton==3.8.0
 NODEPS_PINS := fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0
+# Every optional part, so that `make test` and `make demo` have everything (pyproject.toml).
+EXTRAS := dev,cpu,metrics,torchrec,redis,plots
 
 .PHONY: venv test test-fast demo bench lint format clean
 
 venv: $(STAMP)
 
+# torchrec and fbgemm-gpu-cpu go in last, with --no-warn-conflicts: torchrec declares fbgemm-gpu
+# (the CUDA build; fbgemm-gpu-cpu provides the same modules) and torchmetrics==1.0.3 (it runs with
+# the newer one the extras install), so pip's check after any install that touches it prints a red
+# "ERROR: pip's dependency resolver ... torchrec 1.8.0 requires fbgemm-gpu" although nothing failed.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_PIN) $(TRITON_PIN)
-	$(BIN)/pip install -q --no-deps $(NODEPS_PINS)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q $(TORCH_PIN) $(TRITON_PIN) -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q --no-deps --no-warn-conflicts $(NODEPS_PINS)
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -44,3 +49,20 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# The GPU check rehearsed on this CPU: benchmarks/gpu_check.sh --rehearsal in a Python built like
+# the GPU image's, once, under ~/.cache/embcache/gpu-image-py3.12 (tests/gpu_image/build.sh:
+# Python 3.12, torch 2.11.0+cu130, triton 3.6.0; ~5 GB, 1-3 minutes the first time).
+# gpu-rehearsal: every step and every test the GPU runs, Triton in its interpreter; run it before
+# a GPU is lent and after changing kernels or their tests. gpu-rehearsal-ci: the same steps, every
+# kernel test collected, the first of each test function run per backend (.ci/run).
+.PHONY: gpu-image gpu-rehearsal gpu-rehearsal-ci
+
+gpu-image:
+	bash tests/gpu_image/build.sh
+
+gpu-rehearsal:
+	PY="$$(bash tests/gpu_image/build.sh)" && PY="$$PY" bash benchmarks/gpu_check.sh --rehearsal
+
+gpu-rehearsal-ci:
+	PY="$$(bash tests/gpu_image/build.sh)" && PY="$$PY" bash benchmarks/gpu_check.sh --rehearsal --subset

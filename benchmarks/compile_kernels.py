@@ -10,10 +10,16 @@ Two phases, two processes: ``--record`` runs the GPU check's preflight at its ti
 and 300) through Triton's interpreter and writes every launch's kernel, argument types,
 constexprs and options to a JSON file; the default phase (no interpreter) compiles each distinct
 variant with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", ARCH, 32))``. One line
-per variant; exit status 1 if any fails. (Block sizes that depend on the device, such as one
-unique id per program on CUDA, are recorded at their CPU values: the code paths are the same.)
+per variant, each naming the Triton version that compiled it; exit status 1 if any fails.
 
-    python benchmarks/compile_kernels.py [--arch 90]
+A constexpr a launcher picks by device (`DEVICE_CONSTEXPRS`: one unique id per program,
+``BLOCK_U=1``, on CUDA; 64 under the interpreter, which pays per program) is recorded at its CPU
+value and compiled at the value the GPU launches, so the variants compiled are the GPU's.
+
+    python benchmarks/compile_kernels.py [--arch 90] [--launches FILE] [--json OUT]
+
+``--launches FILE`` compiles the launches recorded in FILE (a record phase's output, or the
+test's) instead of recording them; ``--json OUT`` writes each variant's result there.
 """
 
 from __future__ import annotations
@@ -27,14 +33,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
+# Constexprs the launchers choose by device: the value a CUDA device launches, where the
+# interpreter (CPU tensors) is given a wider one. BLOCK_U, unique ids per program of the
+# segment walks (`kernels.optim.aggregate_grads_triton`, `kernels.pooling.pool_backward_triton`:
+# ``block_u = 1 if <cuda> else 64``): one on a GPU.
+DEVICE_CONSTEXPRS = {"BLOCK_U": 1}
 
-def record(path: Path) -> None:
-    """Run the tiny preflight under the interpreter, writing each distinct launch to ``path``."""
-    os.environ["TRITON_INTERPRET"] = "1"
+
+@contextmanager
+def recording() -> Iterator[list[dict]]:
+    """While open, every launch of a Triton kernel through the interpreter (``TRITON_INTERPRET=1``
+    set before triton was imported) is recorded, once per distinct variant, in the list given:
+    its kernel, argument types, constexprs and launch options."""
     from triton.runtime import interpreter
     from triton.runtime.jit import mangle_type
 
@@ -62,14 +78,26 @@ def record(path: Path) -> None:
             "constexprs": constexprs,
             "options": options,
         }
-        seen.setdefault(json.dumps(entry, sort_keys=True), entry)
+        if json.dumps(entry, sort_keys=True) not in seen:
+            seen[json.dumps(entry, sort_keys=True)] = entry
+            launches.append(entry)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
+    launches: list[dict] = []
     interpreter.InterpretedFunction.run = recording_run
+    try:
+        yield launches
+    finally:
+        interpreter.InterpretedFunction.run = run
+
+
+def record(path: Path) -> None:
+    """Run the tiny preflight under the interpreter, writing each distinct launch to ``path``."""
+    os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(HERE))
     import gpu_preflight  # its _common puts this checkout's embcache first
 
-    with open(os.devnull, "w") as quiet:
+    with recording() as launches, open(os.devnull, "w") as quiet:
         stdout, sys.stdout = sys.stdout, quiet
         try:  # two dims: one column block, and several of the widest
             status = max(
@@ -80,64 +108,118 @@ def record(path: Path) -> None:
             sys.stdout = stdout
     if status != 0:
         raise SystemExit(f"the preflight failed under the interpreter (status {status})")
-    path.write_text(json.dumps(list(seen.values()), indent=1))
+    path.write_text(json.dumps(launches, indent=1))
 
 
-def compile_all(entries: list[dict], arch: int) -> int:
-    """Compile each recorded variant for ``cuda:arch``; returns the number that failed."""
+def device_variants(entries: list[dict]) -> list[dict]:
+    """The variants a CUDA device launches for the recorded ``entries``: each with the
+    constexprs of `DEVICE_CONSTEXPRS` set to their device values (recorded ones kept under
+    ``"recorded"``), distinct, in the order first recorded."""
+    out: dict[str, dict] = {}
+    for e in entries:
+        changed = {
+            k: v for k, v in e["constexprs"].items() if k in DEVICE_CONSTEXPRS
+            and v != DEVICE_CONSTEXPRS[k]
+        }  # fmt: skip
+        variant = {k: e[k] for k in ("module", "kernel", "signature", "options")}
+        variant["constexprs"] = {
+            k: DEVICE_CONSTEXPRS.get(k, v) if k in changed else v
+            for k, v in e["constexprs"].items()
+        }
+        key = json.dumps(variant, sort_keys=True)
+        if key not in out:
+            out[key] = variant | {"recorded": changed}
+        else:  # two recorded variants that the device launches as one
+            out[key]["recorded"] = out[key]["recorded"] or changed
+    return list(out.values())
+
+
+def compile_all(entries: list[dict], arch: int) -> list[dict]:
+    """Compile each variant for ``cuda:arch``; returns one result per variant (kernel,
+    constexprs, triton version, arch, ``ok``, cubin bytes or the error)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sys.path.insert(0, str(HERE.parent))  # this checkout's embcache, as the record phase used
     target = GPUTarget("cuda", arch, 32)
-    failed = 0
+    results = []
     for e in entries:
         fn = getattr(importlib.import_module(e["module"]), e["kernel"])
         names = list(inspect.signature(fn.fn).parameters)
+        # Keyed by the parameter's index path: the form both 3.6's and 3.8's ASTSource take.
         constexprs = {(names.index(k),): v for k, v in e["constexprs"].items()}
         variant = " ".join(f"{k}={v}" for k, v in e["constexprs"].items())
+        recorded = e.get("recorded") or {}
+        note = " (GPU's; recorded " + ", ".join(f"{k}={v}" for k, v in recorded.items()) + ")"
+        note = note if recorded else ""
+        result = {
+            "kernel": e["kernel"],
+            "constexprs": e["constexprs"],
+            "recorded": recorded,
+            "triton": triton.__version__,
+            "arch": f"sm_{arch}",
+        }
         t0 = time.perf_counter()
         try:
             compiled = triton.compile(
                 ASTSource(fn, e["signature"], constexprs), target=target, options=e["options"]
             )
             size = len(compiled.asm["cubin"])
-            print(f"ok    {e['kernel']:<24} {variant:<56} {time.perf_counter() - t0:5.1f} s "
-                  f"cubin {size} B", flush=True)  # fmt: skip
+            result |= {"ok": True, "cubin_bytes": size}
+            print(f"ok    triton {triton.__version__} sm_{arch} {e['kernel']:<24} "
+                  f"{variant + note:<56} {time.perf_counter() - t0:5.1f} s cubin {size} B",
+                  flush=True)  # fmt: skip
         except Exception as exc:
-            failed += 1
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            print(f"FAIL  {e['kernel']:<24} {variant}: {type(exc).__name__}: {first}", flush=True)
-    return failed
+            result |= {"ok": False, "error": f"{type(exc).__name__}: {first}"}
+            print(f"FAIL  triton {triton.__version__} sm_{arch} {e['kernel']:<24} {variant}"
+                  f"{note}: {result['error']}", flush=True)  # fmt: skip
+        results.append(result)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10")
     parser.add_argument("--record", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--launches", type=Path, default=None, help="compile the launches recorded in this file"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write each result here")
     args = parser.parse_args(argv)
     if args.record is not None:
         record(args.record)
         return 0
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the compile phase needs Triton's compiler")
-    with tempfile.TemporaryDirectory() as tmp:
-        launches = Path(tmp) / "launches.json"
-        subprocess.run(
-            [sys.executable, __file__, "--record", str(launches)],
-            check=True,
-            env={**os.environ, "TRITON_INTERPRET": "1"},
-        )
-        entries = json.loads(launches.read_text())
+    if args.launches is not None:
+        recorded = json.loads(args.launches.read_text())
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            launches = Path(tmp) / "launches.json"
+            subprocess.run(
+                [sys.executable, __file__, "--record", str(launches)],
+                check=True,
+                env={**os.environ, "TRITON_INTERPRET": "1"},
+            )
+            recorded = json.loads(launches.read_text())
+    entries = device_variants(recorded)
     import triton
 
-    print(f"# triton {triton.__version__}: {len(entries)} kernel variants for sm_{args.arch}")
+    moved = sum(bool(e["recorded"]) for e in entries)
+    print(f"# triton {triton.__version__} ({Path(triton.__file__).parent}), python "
+          f"{sys.version.split()[0]}: {len(entries)} kernel variants for sm_{args.arch} "
+          f"({len(recorded)} recorded; {moved} at the GPU's "
+          f"{', '.join(f'{k}={v}' for k, v in DEVICE_CONSTEXPRS.items())})")  # fmt: skip
     t0 = time.perf_counter()
-    failed = compile_all(entries, args.arch)
+    results = compile_all(entries, args.arch)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+    failed = sum(not r["ok"] for r in results)
     verdict = "all compiled" if not failed else f"{failed} FAILED"
-    print(f"summary: compile sm_{args.arch} {len(entries)} variants, {verdict}, "
-          f"{time.perf_counter() - t0:.0f} s (triton {triton.__version__})")  # fmt: skip
+    print(f"summary: triton {triton.__version__} compiled for sm_{args.arch} {len(entries)} "
+          f"variants, {verdict}, {time.perf_counter() - t0:.0f} s")  # fmt: skip
     return 1 if failed else 0
 
 

@@ -30,7 +30,10 @@ def fill_at(t: torch.Tensor, idx: torch.Tensor, value: float | int | bool) -> No
     the CPU's caches; it asks for the lines ahead, for the cache's bookkeeping arrays that a
     step's row moves push out of them)."""
     if _compiled_at(t, idx):
-        _raise_if_bad(native.write_at(t.numpy(), idx.numpy(), _scalar(t, value), False), t, idx)
+        try:
+            native.write_at(t.numpy(), idx.numpy(), _scalar(t, value), add=False)
+        except native.OutOfRangeError as error:  # as torch's ``scatter_`` refuses it
+            raise RuntimeError(str(error)) from None
         return
     t.scatter_(0, idx, torch.full((idx.numel(),), value, dtype=t.dtype, device=t.device))
 
@@ -38,9 +41,8 @@ def fill_at(t: torch.Tensor, idx: torch.Tensor, value: float | int | bool) -> No
 def add_at(t: torch.Tensor, idx: torch.Tensor, delta: int) -> None:
     """``t[idx] += delta`` for a 1-D ``t`` and distinct positions (a repeated position is
     added to once per occurrence). On a CPU, one checked compiled pass as `fill_at`."""
-    if _compiled_at(t, idx):
-        bad = native.write_at(t.numpy(), idx.numpy(), _scalar(t, delta), True)
-        _raise_if_bad(bad, t, idx, IndexError)
+    if _compiled_at(t, idx):  # a position out of range: IndexError, as ``index_add_``'s
+        native.write_at(t.numpy(), idx.numpy(), _scalar(t, delta), add=True)
         return
     t.index_add_(0, idx, torch.full((idx.numel(),), delta, dtype=t.dtype, device=t.device))
 
@@ -76,16 +78,6 @@ def _compiled_at(t: torch.Tensor, idx: torch.Tensor) -> bool:
 def _scalar(t: torch.Tensor, value: float | int | bool) -> np.generic:
     """``value`` as a numpy scalar of ``t``'s dtype (what the kernel writes)."""
     return _COMPILED_DTYPES[t.dtype](value)
-
-
-def _raise_if_bad(at: int, t: torch.Tensor, idx: torch.Tensor, error: type = RuntimeError) -> None:
-    """For the kernels' refusals, the error torch's own op gives (``scatter_``: RuntimeError,
-    ``index_add_``: IndexError)."""
-    if at >= 0:
-        raise error(
-            f"index {int(idx[at])} at position {at} is out of bounds for dimension 0 with "
-            f"size {t.numel()} (nothing was written)"
-        )
 
 
 _BYTE_SUM = 0x0101010101010101  # times a word of 0/1 bytes: their sum lands in the top byte

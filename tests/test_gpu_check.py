@@ -1,11 +1,13 @@
-"""`benchmarks/gpu_check.sh --dry-run`: the GPU check's plumbing, proved on the CPU.
+"""`benchmarks/gpu_check.sh`: the GPU check's plumbing, proved on the CPU.
 
-The dry run walks every step of the check (preflight, tests/test_gpu.py, a subset of the
-kernel and cache tests, the three benchmarks) with the Triton kernels in the interpreter at
-tiny sizes, in a Python that cannot import torchrec, fbgemm_gpu, tensordict, iopath or redis
-(as on the GPU image). These tests read what a person gets back from the GPU
-machine: the summary table and the tarball. A pytest step that passes no test must fail, and
-the preflight must stop at a broken kernel and name it.
+``--dry-run`` is the rehearsal (`make gpu-rehearsal`: the GPU's exact commands, the Triton
+kernels in the interpreter at tiny sizes) in this Python with torchrec, fbgemm_gpu, tensordict,
+iopath, redis-py and numba blocked, and the kernel tests cut to the first of each test function
+per backend (all still collected). These tests read what a person gets back from the GPU
+machine: the summary table and the tarball, also when a step is killed. A pytest step that
+passes no test must fail, a file whose tests are all skipped for a stated reason must not, the
+preflight must stop at a broken kernel and name it, and the launch guard must fail a test whose
+launches could not run on the GPU.
 """
 
 from __future__ import annotations
@@ -13,58 +15,73 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
+import textwrap
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STEPS = ["preflight", "gpu_tests", "kernel_tests", "bench_kernels", "bench_cache_index"]
-STEPS.append("bench_pipeline")
+STEPS += ["bench_pipeline", "bench_gpu_step"]
+KERNEL_FILES = sorted((ROOT / "tests" / "kernels").glob("test_*.py"))
+
+
+def _env(out: Path, **env: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("EMBCACHE_", "GPU_CHECK_"))}
+    base.pop("TRITON_INTERPRET", None)
+    return {**base, "PY": sys.executable, "OUT": str(out), **env}
 
 
 def dry_run(out: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
     """Run the dry run with ``OUT=out``; returns the process and the summary's table rows."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("EMBCACHE_", "GPU_CHECK_"))}
     done = subprocess.run(
         ["bash", str(SCRIPT), "--dry-run"],
         cwd=ROOT,
-        env={**base, "PY": sys.executable, "OUT": str(out), **env},
+        env=_env(out, **env),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1500,
     )
     summary = (out / "summary.txt").read_text() if (out / "summary.txt").exists() else ""
     rows = [line.split(None, 3) for line in summary.splitlines()[2:-1]]
     return done, rows
 
 
+@pytest.mark.slow
 def test_dry_run_walks_every_step(tmp_path: Path) -> None:
     done, rows = dry_run(tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
     header = summary.splitlines()[0]
-    for word in ("# GPU:", "torch 2.", "triton 3.", "dry run", "torchrec/", "redis blocked"):
+    for word in ("# GPU:", "torch 2.", "triton 3.", "rehearsal", "torchrec/", "numba blocked"):
         assert word in header, header
     assert [r[0] for r in rows] == STEPS, summary
     assert all(r[1] == "pass" for r in rows), summary
     assert summary.splitlines()[-1].endswith("all passed")
     results = {r[0]: r[3] for r in rows}
     assert results["preflight"].startswith("preflight 20 checks ok"), summary
-    assert " passed" in results["gpu_tests"] and "failed" not in results["gpu_tests"]
+    assert re.match(r"[1-9]\d* passed, 0 failed, 0 errors \(0 collecting\)", results["gpu_tests"])
     assert "identical=True" in results["bench_pipeline"]
+    assert re.search(r"step embcache_10 .* vs torch_sparse .* weights match", summary), summary
 
     # Everything a person needs comes back in one tarball (the machine returns at most 8 files).
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.tar.gz", "summary.txt"]
     with tarfile.open(tmp_path / "gpu_check.tar.gz") as tar:
         files = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
         expected = {f"{s}.log" for s in STEPS} | {"summary.txt"}
-        for bench in ("kernels", "cache_index", "pipeline"):
+        for bench in ("kernels", "cache_index", "pipeline", "gpu_step"):
             expected |= {f"{bench}.csv", f"{bench}.png"}
         assert set(files) == expected
+        # It unpacks into the checkout's results folder.
+        assert all(m.name.startswith("benchmarks/results/gpu-rehearsal/") for m in files.values())
         assert tar.extractfile(files["kernels.png"]).read(8) == b"\x89PNG\r\n\x1a\n"
         assert tar.extractfile(files["summary.txt"]).read().decode() == summary
         preflight = tar.extractfile(files["preflight.log"]).read().decode()
@@ -78,11 +95,20 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
     assert [path for path, _ in skipped] == ["tests/test_gpu.py"] * 2, skipped
     assert "auto picks the twins off CUDA" in skipped[0][1]
     assert "no host synchronisations to count" in skipped[1][1]
-    # The cache invariants ran beside the kernel tests, by path, with the Triton kernels.
-    assert "tests/cache/test_hot_cache.py::" in kernel_tests.splitlines()[1]
+    # Every kernel test file and the cache invariants ran side by side, by path, all of each
+    # file collected and the first of each test function per backend run, under the guard.
+    for path in [*KERNEL_FILES, ROOT / "tests" / "cache" / "test_hot_cache.py"]:
+        assert f"---- {path.relative_to(ROOT)}\n" in kernel_tests, path
+    assert "-p tests.triton_launch_guard tests/test_gpu.py" in gpu_tests.splitlines()[1]
+    assert kernel_tests.count(" deselected") >= 5, kernel_tests[-3000:]
+    assert "ERROR collecting" not in kernel_tests
+    files = len(KERNEL_FILES) + 1
+    # numba is blocked, so test_native.py skips whole, for its stated reason: skipped, not failed.
     assert re.search(
-        r"[1-9]\d* passed, 0 failed, 0 errors, 0 skipped; 3 files", results["kernel_tests"]
-    )
+        rf"[1-9]\d* passed, 0 failed, 0 errors \(0 collecting\), [1-9]\d* skipped; {files} "
+        r"files side by side; every test skipped in test_native\.py$",
+        results["kernel_tests"],
+    ), results["kernel_tests"]
 
 
 def test_a_step_that_passes_no_test_fails(tmp_path: Path) -> None:
@@ -144,3 +170,172 @@ def test_preflight_stops_at_a_broken_kernel_and_names_it(
     assert lines[-1].startswith("summary: preflight FAILED after") and kernel in lines[-1]
     assert "apply_row_update" not in out  # it stopped there
     assert os.environ["EMBCACHE_BACKEND"] == "auto"  # as it found it
+
+
+def test_a_killed_run_still_returns_its_finished_steps(tmp_path: Path) -> None:
+    """The outer limit ends the check with SIGTERM in the middle of a step: the steps that
+    finished, the killed step's log and a summary that says so are in $OUT (and were already
+    there before the signal, so a SIGKILL loses only the step under way)."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "--dry-run"],
+        cwd=ROOT,
+        env=_env(out, GPU_CHECK_STEPS="preflight gpu_tests"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 600
+    while "preflight " not in _text(out / "summary.txt") and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    before = _text(out / "summary.txt")
+    assert re.search(r"^preflight +pass ", before, re.MULTILINE), before
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:  # what a SIGKILL now would leave
+        assert "preflight.log" in {Path(m.name).name for m in tar}
+    time.sleep(2)  # gpu_tests is under way
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stdout[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.txt"]
+    summary = (out / "summary.txt").read_text()
+    assert re.search(r"^preflight +pass ", summary, re.MULTILINE), summary
+    assert re.search(r"^gpu_tests +KILLED .*SIGTERM", summary, re.MULTILINE), summary
+    assert summary.splitlines()[-1].endswith("FAILED (SIGTERM: stopped)"), summary
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        members = {Path(m.name).name: m for m in tar if m.isfile()}
+        assert set(members) == {"preflight.log", "gpu_tests.log", "summary.txt"}
+        assert "# killed by SIGTERM" in tar.extractfile(members["gpu_tests.log"]).read().decode()
+    # No step's process outlives the check.
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
+    assert not left.strip(), left
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def test_a_file_whose_tests_all_skip_for_a_reason_counts_as_skipped(tmp_path: Path) -> None:
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n"
+        "pytestmark = pytest.mark.skipif(True, reason='numba cannot be imported here')\n"
+        "def test_a():\n    pass\n"
+    )
+    (tmp_path / "test_passes.py").write_text("def test_a():\n    pass\n")
+    (tmp_path / "test_breaks.py").write_text("import no_such_module\n")
+
+    def parallel(*names: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(SCRIPT), "--parallel-pytest", *(str(tmp_path / n) for n in names)],
+            cwd=ROOT,
+            env={**os.environ, "PY": sys.executable, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    done = parallel("test_skips.py", "test_passes.py")
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.splitlines()[-1] == (
+        "summary: 1 passed, 0 failed, 0 errors (0 collecting), 1 skipped; 2 files side by side;"
+        " every test skipped in test_skips.py"
+    )
+    assert parallel("test_skips.py").returncode == 1  # nothing passed: nothing was checked
+    done = parallel("test_breaks.py", "test_passes.py")
+    assert done.returncode == 1
+    assert "1 errors (1 collecting)" in done.stdout.splitlines()[-1]
+
+
+GUARDED = """
+import pytest
+import torch
+import torch
+import triton
+import triton.language as tl
+
+
+@pytest.fixture
+def device():
+    return torch.device("cpu")
+
+
+@triton.jit
+def add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(x_ptr + o, tl.load(x_ptr + o, mask=o < n) + 1, mask=o < n)
+
+
+def launch(x):
+    add_one_kernel[(1,)](x, x.numel(), BLOCK=8)
+    return x
+
+
+def test_with_device(device):
+    assert launch(torch.zeros(3, device=device)).tolist() == [1, 1, 1]
+
+
+def test_without_device():
+    assert launch(torch.zeros(3)).tolist() == [1, 1, 1]
+
+
+def test_without_device_expecting_an_error():
+    with pytest.raises(Exception):
+        launch(torch.zeros(3))
+        raise ValueError("the launch guard must not be caught here")
+
+
+@pytest.mark.gpu
+def test_marked_gpu():
+    assert launch(torch.zeros(3)).tolist() == [1, 1, 1]
+
+
+def test_without_triton():
+    assert torch.zeros(3).sum() == 0
+"""
+
+
+GUARD_ARGS = ("-p", "tests.triton_launch_guard", "test_offender.py")
+
+
+def test_the_launch_guard_fails_a_test_that_could_not_launch_on_the_gpu(tmp_path: Path) -> None:
+    """Rehearsal (interpreter): a launching test without the `device` fixture fails, naming the
+    kernel, even inside ``pytest.raises(Exception)``; the others pass."""
+    (tmp_path / "test_offender.py").write_text(textwrap.dedent(GUARDED))
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: device tests\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *GUARD_ARGS],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "2 failed, 3 passed" in out, out
+    failed = re.findall(r"^FAILED test_offender\.py::(\w+) ", out, re.MULTILINE)
+    assert failed == ["test_without_device", "test_without_device_expecting_an_error"], out
+    for name in failed:
+        assert (
+            f"launch guard: test_offender.py::{name} launches Triton kernel 'add_one_kernel' "
+            "without the `device` fixture"
+        ) in out, out
+
+
+def test_the_launch_guard_names_a_cpu_tensor_for_a_compiled_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU mode (compiled Triton): the check names the kernel and the CPU argument."""
+    import tests.triton_launch_guard as guard
+
+    def copy_kernel() -> None: ...
+
+    kernel = SimpleNamespace(fn=copy_kernel, arg_names=("x_ptr", "out_ptr", "n"))
+    item = SimpleNamespace(nodeid="tests/test_x.py::test_copy", fixturenames=("device",))
+    monkeypatch.setattr(guard, "_current", [item])
+    meta = torch.empty(4, device="meta")
+    assert guard._check(kernel, (meta, meta, 4), {}, interpreted=False) is None
+    why = guard._check(kernel, (meta, torch.zeros(4)), {"n": 4}, interpreted=False)
+    assert why is not None
+    assert "as 'out_ptr' to compiled Triton kernel 'copy_kernel'" in why, why
+    assert "tests/test_x.py::test_copy" in why

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from embcache.kernels.optim_rules import WIDEST_STATE
 from embcache.kv.base import ScorePolicy, host_memory_bytes
 
 _DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -19,7 +20,7 @@ EXACT_LFU_MAX_ROWS = 1 << 24  # "auto": exact per-row LFU counts up to this many
 CPU_MEMORY_BUDGET = 1 << 30  # bytes of slots a default cache takes on the CPU
 GPU_MEMORY_FRACTION = 0.25  # ... and the fraction of a GPU's memory it takes there
 SLOT_OVERHEAD = 8 + 4 + 1 + 8  # bytes of a slot besides its row: key, lock, dirty flag, score
-WIDEST_STATE = 2  # state values per weight of the widest optimizer (Adam)
+# WIDEST_STATE: state values per weight of the widest optimizer rule (Adam's 2), from the rules.
 
 
 def slot_bytes(width: int) -> int:

@@ -11,6 +11,9 @@ table only when its slots fit the memory budget, and says so once in the log whe
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import warnings
 
 import torch
@@ -18,6 +21,9 @@ import torch
 from embcache.cache.config import WIDEST_STATE, CacheConfig, device_memory, slot_bytes
 
 logger = logging.getLogger("embcache.cache")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # embcache/
+_THREADING = threading.__file__
+_LIBRARY = (_PACKAGE, os.path.dirname(torch.__file__) + os.sep)  # torch: nn.Module.__call__
 
 
 class CacheOverflowWarning(UserWarning):
@@ -74,5 +80,17 @@ def warn_overflow(unique_rows: int, num_slots: int, what: str, dim: int) -> None
         "batch (exact, but tier traffic); give the cache a capacity above one batch's unique "
         "rows. Said once per cache.",
         CacheOverflowWarning,
-        stacklevel=4,
+        stacklevel=_outside_stacklevel(),
     )
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised here at the first caller outside the
+    embcache package and torch (the user's forward); past the stack's end, which names no
+    line, where every frame is theirs or the thread's start (a prefetch worker's)."""
+    frame, level = sys._getframe(1), 1  # warn_overflow's frame is level 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_LIBRARY) or frame.f_code.co_filename == _THREADING
+    ):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from embcache.kernels.cache_index_ref import set_index_ref
+
 
 class PolicyState:
     """`HotCache`'s checkpoint methods: they read and set the cache's own slots, counters,
@@ -55,14 +57,12 @@ class PolicyState:
         Returns:
             False, having changed nothing, when the saved cache had another geometry (slots,
             ways, policy, dtype, counters): this cache then starts empty.
+
+        Raises:
+            ValueError: a state that could not be this cache's (`check_policy_state`),
+                before anything changed.
         """
-        fits = all(meta.get(k) == v for k, v in self.policy_state_shape().items())
-        own, _ = self.policy_state() if fits else ({}, {})
-        fits = fits and set(own) == set(tensors) and all(
-            own[k].shape == tensors[k].shape and own[k].dtype == tensors[k].dtype
-            for k in own if k not in ("slot_keys", "batch_of")
-        )  # fmt: skip
-        if not fits:
+        if not self.check_policy_state(tensors, meta):
             return False
         with self._resolve_mutex, self.lock:
             self.invalidate()
@@ -87,6 +87,62 @@ class PolicyState:
                 loaded = self.transfer.exchange(keys[:0], self.rows_of, keys[held])
                 self.transfer.place(self.weights, self.state, held.to(self.device), loaded)
             return True
+
+    def check_policy_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, int]) -> bool:
+        """Whether `load_policy_state` restores this state (False: saved by a cache of another
+        geometry, so this one would start empty). Changes nothing; a checkpoint calls it before
+        applying anything.
+
+        Raises:
+            ValueError: the geometry fits but the state could not be this cache's: a slot key
+                that is no row of its tables (another table order), outside its set or held
+                twice, a negative clock.
+        """
+        fits = all(meta.get(k) == v for k, v in self.policy_state_shape().items())
+        own, _ = self.policy_state() if fits else ({}, {})
+        fits = fits and set(own) == set(tensors) and all(
+            own[k].shape == tensors[k].shape and own[k].dtype == tensors[k].dtype
+            for k in own if k not in ("slot_keys", "batch_of")
+        )  # fmt: skip
+        if not fits:
+            return False
+        clocks = ["tick", "lookups", "batch_seq"]
+        clocks += ["admission_sightings"] if self._admission is not None else []
+        for k in clocks:
+            if isinstance(meta.get(k), bool) or not isinstance(meta.get(k), int) or meta[k] < 0:
+                raise ValueError(f"cache state: {k} is {meta.get(k)!r}, not a count")
+        keys, batch_of = tensors["slot_keys"], tensors["batch_of"]
+        if (
+            keys.dtype != torch.int64 or keys.dim() != 1 or keys.numel() < self.num_slots
+            or batch_of.dtype != torch.int64 or batch_of.shape != keys.shape
+        ):  # fmt: skip
+            raise ValueError(
+                f"cache state: slot_keys {tuple(keys.shape)} {keys.dtype} and batch_of "
+                f"{tuple(batch_of.shape)} {batch_of.dtype}; expected int64 [n >= "
+                f"{self.num_slots}] both"
+            )
+        if self.direct:
+            return True  # its keys are not restored: every row is read again
+        if bool((keys < -1).any()):
+            raise ValueError("cache state: a slot key below -1")
+        held = keys[keys >= 0]
+        n = self._key_limits.numel()
+        tables = held >> self.fusion_k
+        limits = self._key_limits.index_select(0, tables.clamp(max=n - 1))
+        wrong = (tables >= n) | ((held & ((1 << self.fusion_k) - 1)) >= limits)
+        if bool(wrong.any()):
+            key = int(held[wrong.nonzero()[0, 0]])
+            raise ValueError(
+                f"cache state: slot key {key} (table index {key >> self.fusion_k}, raw id "
+                f"{key & ((1 << self.fusion_k) - 1)}) is no row of this cache's tables"
+            )
+        if torch.unique(held).numel() != held.numel():
+            raise ValueError("cache state: a row is held by two slots")
+        proper = keys[: self.num_slots]
+        slots = (proper >= 0).nonzero().flatten()
+        if bool((set_index_ref(proper[slots], self.num_sets) != slots // self.ways).any()):
+            raise ValueError("cache state: a slot key lies outside its set")
+        return True
 
     def policy_state_shape(self) -> dict[str, object]:
         """What a saved `policy_state` must match to be restored here."""

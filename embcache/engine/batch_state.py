@@ -46,6 +46,10 @@ class Prepared:
     # modes), whose backward sees slices of the values.
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None
     direct: DirectIds | None = None
+    # Where each lookup's values start, then nnz (host ints): with several pooling modes,
+    # `CacheLayout.bags` cuts the values there. Known on the host when the caches' shares
+    # were made together (`EngineGroup.check`); None: read from the offsets when needed.
+    cuts: list[int] | None = None
 
 
 @dataclass

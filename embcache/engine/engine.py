@@ -53,6 +53,7 @@ def pool_bags(
             out,
             batch_size,
             b.columns,
+            b.column_start,
         )
         for lk, b in zip(layout.lookups, bags, strict=True)
     ]
@@ -82,6 +83,7 @@ def bag_gradients(
             b.columns,
             argmax,
             grouping,
+            b.column_start,
         )
         grad = g if grad is None else grad + g
     assert grad is not None  # a layout has at least one lookup
@@ -103,6 +105,28 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return offsets
+
+
+def dedup_together(ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`kernels.ids.dedup` (unique ids ascending and the inverse, no counts) of several
+    caches' ids (one device), with one host read for all of them, their numbers of unique
+    ids, instead of one per cache: each is sorted, its runs ranked, and its unique ids
+    written at their ranks once those sizes are known."""
+    runs, sizes = [], []
+    for x in ids:
+        x = x.to(torch.int64)
+        ordered, order = torch.sort(x)
+        starts = torch.ones(x.numel(), dtype=torch.bool, device=x.device)
+        if x.numel() > 1:
+            torch.ne(ordered[1:], ordered[:-1], out=starts[1:])
+        rank = torch.cumsum(starts, 0) - 1
+        sizes.append(rank[-1:] + 1 if x.numel() else rank.new_zeros(1))
+        runs.append((ordered, order, rank))
+    out = []
+    for (ordered, order, rank), n in zip(runs, torch.cat(sizes).tolist(), strict=True):
+        unique = ordered.new_empty(n).scatter_(0, rank, ordered)  # a run writes one value
+        out.append((unique, torch.empty_like(order).scatter_(0, order, rank)))
+    return out
 
 
 class CacheEngine:
@@ -154,11 +178,12 @@ class CacheEngine:
         batch (device tensors). A bad id raises here, before any cache changes."""
         values, lengths, weights = group_inputs(batch, self.layout.features)
         per_feature = lengths.view(len(self.layout.features), -1).sum(dim=1)
+        table_index, table_rows = self.layout.indexes(values.device)
         fused = fuse_ids(
             values,
             per_feature,
-            self.layout.table_index,
-            self.layout.table_rows,
+            table_index,
+            table_rows,
             self.fusion_k,
             self.layout.features,
             self.layout.table_names,
@@ -173,10 +198,12 @@ class CacheEngine:
         lengths: torch.Tensor,
         weights: torch.Tensor | None,
         lock: bool,
+        cuts: list[int] | None = None,
     ) -> Prepared:
         """Dedup ``fused`` ids (checked, as `fuse` gives them) and resolve them to slots
-        (misses come from the tier), locked until `release` when ``lock``."""
-        return self.resolve_share(self.dedup(fused, lengths, weights), lock)
+        (misses come from the tier), locked until `release` when ``lock``; ``cuts``: see
+        `Prepared.cuts`."""
+        return self.resolve_share(self.dedup(fused, lengths, weights, cuts), lock)
 
     def resolve_share(self, p: Prepared, lock: bool, defer_writeback: bool = False) -> Prepared:
         """Resolve a deduplicated share's unique ids to slots, locked until `release` when
@@ -216,13 +243,24 @@ class CacheEngine:
 
     @profiled("engine.dedup")
     def dedup(
-        self, fused: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+        self,
+        fused: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+        cuts: list[int] | None = None,
+        found: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Prepared:
         """The batch's unique ids, inverse index and bag offsets, not yet resolved (a sharded
-        requester sends the unique ids to their owners instead)."""
+        requester sends the unique ids to their owners instead). ``cuts``: see
+        `Prepared.cuts`; ``found``: the unique ids and inverse, when `dedup_together` made
+        them (`plain_dedup`)."""
+        if found is not None:
+            unique, inverse = found
+            return Prepared(unique, inverse, unique[:0], _offsets(lengths), weights, False,
+                            cuts=cuts)  # fmt: skip
         grouping = None
         through_tbe = self.fused is not None and self.fused.takes(weights)
-        if fused.device.type == "cpu" and len(self.layout.lookups) == 1 and not through_tbe:
+        if self._grouped_dedup(fused, through_tbe):
             # The twins' CPU backward sums each id's rows in one pass over the grouped values
             # (the fused step's TBE groups them itself: its dedup is half the cost).
             unique, inverse, order, segments = dedup_grouped(fused)
@@ -231,7 +269,17 @@ class CacheEngine:
             by_rows = self.cache.unique_by_rows(fused) if through_tbe else None
             unique, inverse = by_rows or dedup(fused, with_counts=False)[:2]
         empty = unique[:0]
-        return Prepared(unique, inverse, empty, _offsets(lengths), weights, False, grouping)
+        return Prepared(unique, inverse, empty, _offsets(lengths), weights, False, grouping,
+                        cuts=cuts)  # fmt: skip
+
+    def _grouped_dedup(self, fused: torch.Tensor, through_tbe: bool) -> bool:
+        return fused.device.type == "cpu" and len(self.layout.lookups) == 1 and not through_tbe
+
+    def plain_dedup(self, fused: torch.Tensor, weights: torch.Tensor | None) -> bool:
+        """Whether `dedup` of these ids is a plain `kernels.ids.dedup` (no grouping for the
+        CPU backward, no map over the rows for the TBE): what `dedup_together` makes."""
+        through_tbe = self.fused is not None and self.fused.takes(weights)
+        return not through_tbe and not self._grouped_dedup(fused, through_tbe)
 
     # -- 1'. a direct-mapped cache on the fused CPU step: no dedup, no resolve ----------------
 
@@ -291,7 +339,8 @@ class CacheEngine:
         if n and values.numel() == n * f and bool((lengths.view(f, -1).sum(dim=1) == n).all()):
             grid = values.view(f, n)
             lo, hi = torch.aminmax(grid, dim=1)
-            if bool(torch.logical_and(lo >= 0, hi < self.layout.table_rows).all()):
+            table_rows = self.layout.indexes(hi.device)[1]
+            if bool(torch.logical_and(lo >= 0, hi < table_rows).all()):
                 return (grid + self._feature_bases().unsqueeze(1)).view(-1)
         fused, _, _ = self.fuse(batch)
         return self.cache.row_index(fused)
@@ -300,7 +349,10 @@ class CacheEngine:
         """Direct mapping: the slot of row 0 of each feature's table, int64 ``[F]``."""
         if self._bases is None:
             bases = self.cache.direct_bases()
-            self._bases = torch.tensor([bases[t.index] for t in self.layout.feature_table])
+            # Made on the cache's device once: no upload per step.
+            self._bases = torch.tensor(
+                [bases[t.index] for t in self.layout.feature_table], device=self.device
+            )
         return self._bases
 
     def value_slots(self, p: Prepared) -> torch.Tensor:
@@ -312,7 +364,7 @@ class CacheEngine:
             b = (p.offsets.numel() - 1) // len(self.layout.features)
             if b and values.numel():
                 per_feature = p.offsets[b::b] - p.offsets[:-1:b]
-                bases = self._feature_bases().to(self.device)
+                bases = self._feature_bases()
                 values = values + bases.repeat_interleave(per_feature, output_size=values.numel())
             p.direct.slots = values
         return p.direct.slots
@@ -362,7 +414,10 @@ class CacheEngine:
     # -- 2. pool, 3. gradient rows ----------------------------------------------------------
 
     def bags(self, p: Prepared, batch_size: int, columns: torch.Tensor) -> list[Bags]:
-        return self.layout.bags(p.inverse, p.offsets, p.weights, batch_size, columns)
+        # The engine's own columns lie side by side from 0: the kernels need not read them.
+        start = 0 if columns is self._columns else None
+        return self.layout.bags(p.inverse, p.offsets, p.weights, batch_size, columns, start,
+                                p.cuts)  # fmt: skip
 
     @profiled("engine.pool")
     def pool(
@@ -437,11 +492,16 @@ class CacheEngine:
         `kernels.optim.RowUpdate`; ``steps`` gives each table's step number), mark them dirty
         and unlock them. Makes no tier call, so it cannot fail half-way on a tier error."""
         try:
-            self._update_rows(located.unique, located.slots, located.grads, rule, steps)
+            self.update(located, rule, steps)
         finally:
             self.cache.unlock(located.slots)
             if located.prepared is not None:
                 located.prepared.locked = False
+
+    def update(self, located: Located, rule: Any, steps: dict[str, int]) -> None:
+        """`apply` without the unlock (`EngineGroup.apply` unlocks every engine's rows at
+        once, `unlock_together`): the rows updated in place and marked dirty."""
+        self._update_rows(located.unique, located.slots, located.grads, rule, steps)
 
     def _update_rows(self, unique, slots, grads, rule, steps) -> None:
         cache = self.cache
@@ -449,19 +509,21 @@ class CacheEngine:
         # Half-precision weights round stochastically, with draws keyed by each row's id.
         ids = unique if cache.stochastic_rounding else None
         seed = cache.rounding_seed
+        may_skip = not cache.admits_all  # slots of ids not admitted are -1
         with cache.lock:
             # Slots from a resolve are distinct by construction: no sorted check.
             if len(table_steps) == 1:
                 step = table_steps.pop()
                 apply_row_update(cache.weights, cache.state, slots, grads, rule, step, False,
-                                 ids, seed)  # fmt: skip
+                                 ids, seed, may_skip)  # fmt: skip
             else:
                 bounds = self.layout.table_bounds(unique, self.fusion_k)
                 for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False):
                     if hi > lo:
                         apply_row_update(cache.weights, cache.state, slots[lo:hi], grads[lo:hi],
                                          rule, steps[t.name], False,
-                                         None if ids is None else ids[lo:hi], seed)  # fmt: skip
+                                         None if ids is None else ids[lo:hi], seed,
+                                         may_skip)  # fmt: skip
             cache.mark_dirty(slots)
 
     # -- 5. release --------------------------------------------------------------------------

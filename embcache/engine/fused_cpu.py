@@ -20,16 +20,18 @@ The optimizer's step applies it with one backward call; anything that needs the 
 rows (reading ``_trace``, accumulating over several backwards) turns it into ordinary trace
 entries first, with the same numbers up to float32 rounding order.
 
-It applies to SGD, AdaGrad (no ``lr_decay``) and row-wise AdaGrad without weight decay, to
-float32 rows of a dim that is a multiple of 4, to caches that admit every id (no
-``admit_after``), and to caches whose features share one pooling mode, SUM or MEAN (unweighted
-MEAN: FBGEMM's weighted MEAN differs from the twins'); everything else takes the twins' path.
-`EMBCACHE_BACKEND=torch` turns it off (the twins are the specification).
+It applies to the rules whose spec names an FBGEMM CPU optimizer (`RuleSpec.fbgemm_cpu`: SGD,
+AdaGrad, row-wise AdaGrad) without weight decay or ``lr_decay`` (`fbgemm_type`, the one
+predicate both the choice of the path and each update ask), to float32 rows of a dim that is a
+multiple of 4, to caches that admit every id (no ``admit_after``), and to caches whose features
+share one pooling mode, SUM or MEAN (unweighted MEAN: FBGEMM's weighted MEAN differs from the
+twins'); everything else takes the twins' path.
+Any backend but ``auto`` (`embcache.backend`) turns it off (the twins are the specification);
+the backend is asked once, when the step is made for an engine.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -38,16 +40,24 @@ import numpy as np
 import torch
 
 import embcache.native as native
+from embcache.backend import backend_name
 from embcache.engine.batch_state import InFlight, Prepared
 from embcache.kernels.optim import OptimRule
+from embcache.kernels.optim_rules import RULES
 from embcache.kernels.pooling import PoolingMode
 from embcache.profiling import profiled
 
-_RULES = {
-    OptimRule.SGD: "EXACT_SGD",
-    OptimRule.ADAGRAD: "EXACT_ADAGRAD",
-    OptimRule.ROWWISE_ADAGRAD: "EXACT_ROWWISE_ADAGRAD",
-}
+
+def fbgemm_type(update: Any) -> str | None:
+    """FBGEMM's ``EmbOptimType`` whose CPU TBE applies ``update`` exactly (its rule's
+    `RuleSpec.fbgemm_cpu`), or None: no such optimizer, or an option the TBE is not given
+    (weight decay; AdaGrad's ``lr_decay``, whose rate changes with the step count while the
+    TBE's graph keeps the rate of its forward)."""
+    if update is None or update.weight_decay != 0.0 or getattr(update, "lr_decay", 0.0) != 0.0:
+        return None
+    return RULES[update.rule].fbgemm_cpu
+
+
 _FBGEMM: list = []  # [module namespace or None], filled on first use
 
 
@@ -96,26 +106,33 @@ class PendingUpdate:
 
 
 def _sample_major(
-    p: Prepared, batch_size: int
+    p: Prepared, batch_size: int, compiled: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The slot of every value, the bag offsets and the per-sample weights with the bags in
     sample-major order (bag ``(b, f)`` at ``b * F + f``; the batch holds them feature-major):
-    moving the ids costs less than transposing the pooled rows and their gradient."""
+    moving the ids costs less than transposing the pooled rows and their gradient.
+    ``compiled``: through the compiled pass where the share's tensors allow (the choice of
+    `FusedCpuStep`), else torch ops."""
     num_bags = p.offsets.numel() - 1
     features = num_bags // batch_size if batch_size else 0
     if features <= 1:
         return p.slots.index_select(0, p.inverse), p.offsets, p.weights
     n = p.inverse.numel()
-    if _compiled(p):
+    if compiled and _compiled_share(p):
         # One pass gathers each value's slot and moves its bag (`native.bags_sample_major`).
         moved = torch.empty(n, dtype=torch.int64)
         offsets = torch.empty(num_bags + 1, dtype=torch.int64)
         weights = None if p.weights is None else torch.empty(n, dtype=torch.float32)
         native.bags_sample_major(
-            p.slots.numpy(), p.inverse.numpy(), p.offsets.contiguous().numpy(), batch_size,
-            _NO_WEIGHTS if p.weights is None else p.weights.contiguous().numpy(),
-            moved.numpy(), offsets.numpy(), _NO_WEIGHTS if weights is None else weights.numpy(),
-        )  # fmt: skip
+            slots=p.slots.numpy(),
+            inverse=p.inverse.numpy(),
+            offsets=p.offsets.contiguous().numpy(),
+            batch_size=batch_size,
+            weights=_NO_WEIGHTS if p.weights is None else p.weights.contiguous().numpy(),
+            out=moved.numpy(),
+            out_offsets=offsets.numpy(),
+            out_weights=_NO_WEIGHTS if weights is None else weights.numpy(),
+        )
         return moved, offsets, weights
     bag_lengths = p.offsets[1:] - p.offsets[:-1]
     shortest, longest = torch.stack(torch.aminmax(bag_lengths)).tolist() if num_bags else (0, 1)
@@ -140,12 +157,11 @@ def _sample_major(
     return slots.index_select(0, perm), offsets, weights
 
 
-def _compiled(p: Prepared) -> bool:
-    """Whether a share's slots reach the TBE through a compiled pass (CPU int64 slots,
+def _compiled_share(p: Prepared) -> bool:
+    """Whether a share's slots can reach the TBE through the compiled pass (CPU int64 slots,
     inverse and offsets, float32 weights)."""
     return (
-        native.available()
-        and p.slots is not None
+        p.slots is not None
         and p.inverse is not None
         and p.slots.device.type == p.inverse.device.type == p.offsets.device.type == "cpu"
         and p.slots.dtype == p.inverse.dtype == p.offsets.dtype == torch.int64
@@ -165,10 +181,20 @@ class FusedCpuStep:
         cache: the `HotCache` whose ``weights`` and ``state`` the TBE reads and updates.
         mode: the pooling mode of every feature of the cache (SUM or MEAN).
         rule: the optimizer rule; ``eps`` its epsilon.
+        compiled: move the batch's bags with the compiled pass (`native.bags_sample_major`);
+            None: when `native.available()` says the backend runs it.
     """
 
-    def __init__(self, cache: Any, mode: PoolingMode, rule: OptimRule, eps: float) -> None:
+    def __init__(
+        self,
+        cache: Any,
+        mode: PoolingMode,
+        rule: OptimRule,
+        eps: float,
+        compiled: bool | None = None,
+    ) -> None:
         self.cache = cache
+        self.compiled = native.available() if compiled is None else compiled
         self.mode = mode
         self.rule = rule
         self.eps = eps
@@ -194,10 +220,8 @@ class FusedCpuStep:
         if (
             update is None
             or engine.device.type != "cpu"
-            or os.environ.get("EMBCACHE_BACKEND", "auto").strip().lower() not in ("", "auto")
-            or update.rule not in _RULES
-            or update.weight_decay != 0.0
-            or (update.rule == OptimRule.ADAGRAD and update.lr_decay != 0.0)
+            or backend_name() != "auto"
+            or fbgemm_type(update) is None
             or engine.cache.weights.dtype != torch.float32
             or not engine.cache.admits_all  # ids not admitted have slot -1
             or engine.dim % 4  # FBGEMM's CPU TBE takes dims that are multiples of 4
@@ -249,7 +273,7 @@ class FusedCpuStep:
         weights, state = self.cache.weights, self.cache.state
         dim = weights.shape[1]
         buffers = {"weights": _alias(weights)}
-        if self.rule != OptimRule.SGD:
+        if RULES[self.rule].state:  # FBGEMM's one state buffer: the rule's state columns
             buffers["momentum1"] = _alias(state)
         pooling = (
             common.PoolingMode.SUM if self.mode == PoolingMode.SUM else common.PoolingMode.MEAN
@@ -262,7 +286,7 @@ class FusedCpuStep:
                     for rows in table_rows
                 ],
                 feature_table_map=feature_tables,
-                optimizer=getattr(configs.EmbOptimType, _RULES[self.rule]),
+                optimizer=getattr(configs.EmbOptimType, RULES[self.rule].fbgemm_cpu),
                 learning_rate=0.0,  # set before each forward: its graph keeps it
                 eps=self.eps,
                 pooling_mode=pooling,
@@ -292,7 +316,7 @@ class FusedCpuStep:
         fused row update at learning rate ``lr``), and the storage that graph is bound to."""
         tbe = self._table()
         self._set_lr(tbe, lr)  # the CPU op reads it at the forward
-        indices, offsets, weights = _sample_major(p, batch_size)
+        indices, offsets, weights = _sample_major(p, batch_size, self.compiled)
         with torch.enable_grad():
             pooled = tbe(indices, offsets, per_sample_weights=weights)
         return pooled, self._bound
@@ -313,13 +337,12 @@ class FusedCpuStep:
 
     def can_apply(self, pending: PendingUpdate, update: Any) -> bool:
         """Whether ``pending`` can be applied by the TBE under ``update``: the rule, learning
-        rate and epsilon its graph was built with, and no decay."""
+        rate and epsilon its graph was built with, and what `fbgemm_type` asks."""
         return (
             update.rule == self.rule
+            and fbgemm_type(update) is not None
             and update.lr == pending.lr
             and update.eps == self.eps
-            and update.weight_decay == 0.0
-            and getattr(update, "lr_decay", 0.0) == 0.0
         )
 
     @profiled("engine.fused_update")

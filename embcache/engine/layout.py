@@ -34,6 +34,9 @@ class Bags:
     offsets: torch.Tensor  # int64 [F_lookup * B + 1], from 0
     weights: torch.Tensor | None  # float32 [nnz]
     columns: torch.Tensor  # int64 [F_lookup] first output column of each feature
+    # ``columns[0]`` when the columns are known to lie side by side (``columns[0] + dim *
+    # arange(F_lookup)``): the kernels then read nothing on the host. None: not known.
+    column_start: int | None = None
 
 
 @dataclass
@@ -46,9 +49,12 @@ class CacheLayout:
     feature_table: list[Table]
     lookups: list[Lookup]
     keys: list[str]  # output key of each position
-    table_index: torch.Tensor = field(init=False)  # int64 [F] table of each feature
+    table_index: torch.Tensor = field(init=False)  # int64 [F] table of each feature (host)
     table_rows: torch.Tensor = field(init=False)  # int64 [F] its num_embeddings (-1: unbounded)
     table_names: list[str] = field(init=False)
+    # `indexes` and `table_bounds`' tensors by device: made once, never copied per step (on a
+    # GPU each upload from the host is a blocking copy).
+    _on_device: dict[torch.device, tuple[torch.Tensor, ...]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.table_index = torch.tensor([t.index for t in self.feature_table])
@@ -56,6 +62,21 @@ class CacheLayout:
             [-1 if t.num_embeddings is None else t.num_embeddings for t in self.feature_table]
         )
         self.table_names = [t.name for t in self.feature_table]
+        self._on_device = {}
+
+    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(table_index, table_rows, table_starts_unshifted)`` on ``device``, made once."""
+        found = self._on_device.get(device)
+        if found is None:
+            starts = torch.tensor([t.index for t in self.tables])
+            found = tuple(t.to(device) for t in (self.table_index, self.table_rows, starts))
+            self._on_device[device] = found
+        return found
+
+    def indexes(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`table_index` and `table_rows` on ``device`` (made on the first call for it)."""
+        table_index, table_rows, _ = self._tensors(device)
+        return table_index, table_rows
 
     @classmethod
     def of_tables(cls, dim: int, tables: list[Table]) -> CacheLayout:
@@ -81,10 +102,20 @@ class CacheLayout:
             [k for _, k, _ in triples],
         )
 
+    def value_cuts(self, per_feature: list[int]) -> list[int] | None:
+        """`Prepared.cuts` from the number of values of each feature (host ints, in this
+        layout's order); None with one lookup (nothing to cut)."""
+        if len(self.lookups) == 1:
+            return None
+        starts = [0]
+        for n in per_feature:
+            starts.append(starts[-1] + n)
+        return [starts[lk.feature_lo] for lk in self.lookups] + [starts[-1]]
+
     def table_bounds(self, unique: torch.Tensor, fusion_k: int) -> list[int]:
         """Where each table's ids start in ascending fused ``unique`` ids (``[T + 1]``, the last
         entry ``len(unique)``): table i owns ``unique[bounds[i] : bounds[i + 1]]``."""
-        starts = torch.tensor([t.index << fusion_k for t in self.tables], device=unique.device)
+        starts = self._tensors(unique.device)[2] << fusion_k
         return [*torch.searchsorted(unique, starts).tolist(), unique.numel()]
 
     def bags(
@@ -94,9 +125,11 @@ class CacheLayout:
         weights: torch.Tensor | None,
         batch_size: int,
         columns: torch.Tensor,
+        column_start: int | None = None,
+        cuts: list[int] | None = None,
     ) -> list[Bags]:
-        """A batch's bags of this cache, cut per lookup (one host read of the cut points when
-        there are several lookups).
+        """A batch's bags of this cache, cut per lookup (with several lookups, at ``cuts``, or
+        else where one host read of the offsets says).
 
         Args:
             inverse: int64 ``[nnz]`` unique-id index of each value (features in this layout's
@@ -105,12 +138,17 @@ class CacheLayout:
             weights: float32 ``[nnz]`` per-sample weights, or None.
             batch_size: B.
             columns: int64 ``[F]`` first output column of each feature.
+            column_start: when known, ``columns`` is ``column_start + dim * arange(F)``.
+            cuts: the value where each lookup starts, then nnz (`Prepared.cuts`), or None.
         """
         if len(self.lookups) == 1:
-            return [Bags(inverse, offsets, weights, columns)]
+            return [Bags(inverse, offsets, weights, columns, column_start)]
         B = batch_size
-        cut = [lk.feature_lo * B for lk in self.lookups] + [offsets.numel() - 1]
-        bounds = offsets[cut].tolist()
+        if cuts is None:
+            cut = [lk.feature_lo * B for lk in self.lookups] + [offsets.numel() - 1]
+            bounds = offsets[cut].tolist()
+        else:
+            bounds = cuts
         out = []
         for i, lk in enumerate(self.lookups):
             lo, hi = bounds[i], bounds[i + 1]
@@ -120,6 +158,7 @@ class CacheLayout:
                     offsets[lk.feature_lo * B : lk.feature_hi * B + 1] - lo,
                     None if weights is None else weights[lo:hi],
                     columns[lk.feature_lo : lk.feature_hi],
+                    None if column_start is None else column_start + lk.feature_lo * self.dim,
                 )
             )
         return out

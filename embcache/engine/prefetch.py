@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from embcache.devices import resolve_device
 from embcache.engine.batch_state import FusedPrefetchHandle, Prefetched, PrefetchState, Prepared
 from embcache.engine.inputs import JaggedBatch
 
@@ -47,17 +48,23 @@ class SerialWorker:
     idle collection holds no thread; a training loop, which submits once a step, keeps one
     thread instead of starting one per step).
 
+    A thread that cannot start, or whose device cannot be made current, fails every call
+    queued for it with that error (their futures raise it); the next submit tries again with
+    a new thread. No future is left waiting for a thread that is gone.
+
     Args:
         name: the thread's name.
         device: a CUDA device to make current on the thread (the training thread's may differ
-            from the default), or None.
+            from the default), or None. ``cuda`` without an index is resolved here, on the
+            caller's thread, to its current device (`embcache.devices.resolve_device`).
         linger_s: how long an idle thread waits for the next call before it exits.
     """
 
     def __init__(
-        self, name: str, device: torch.device | None = None, linger_s: float = 0.05
+        self, name: str, device: torch.device | str | None = None, linger_s: float = 0.05
     ) -> None:
         self.name = name
+        device = None if device is None else resolve_device(device)
         self.device = device if device is not None and device.type == "cuda" else None
         self.linger_s = linger_s
         self._queue: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
@@ -65,19 +72,40 @@ class SerialWorker:
         self._running = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)``; its future holds the result, or the error it raised (or the
+        error that kept the worker's thread from starting or taking its device)."""
         future: Future = Future()
         with self._wake:
             self._queue.append((future, fn, args))
             if self._running:
                 self._wake.notify()
-            else:
-                self._running = True
+                return future
+            self._running = True
+            try:
                 threading.Thread(target=self._run, name=self.name, daemon=True).start()
+            except BaseException as err:  # e.g. "can't start new thread"
+                failed, error = self._drain(), err
+            else:
+                return future
+        _fail(failed, error)
         return future
 
+    def _drain(self) -> list[Future]:
+        """Take every queued call off the queue and mark the thread gone (the lock held)."""
+        futures = [future for future, _, _ in self._queue]
+        self._queue.clear()
+        self._running = False
+        return futures
+
     def _run(self) -> None:
-        if self.device is not None:
-            torch.cuda.set_device(self.device)
+        try:
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
+        except BaseException as err:
+            with self._wake:
+                failed = self._drain()
+            _fail(failed, err)
+            return
         while True:
             with self._wake:
                 if not self._queue:
@@ -92,6 +120,14 @@ class SerialWorker:
                 except BaseException as e:
                     future.set_exception(e)
             del future, fn, args  # the worker keeps no reference to a finished call
+
+
+def _fail(futures: list[Future], error: BaseException) -> None:
+    """Fail calls that no thread will run (outside the queue's lock: a future's callbacks
+    may submit again)."""
+    for future in futures:
+        if future.set_running_or_notify_cancel():
+            future.set_exception(error)
 
 
 class Prefetcher:

@@ -1,10 +1,13 @@
 """The one dispatch point between the Triton kernels and their torch twins.
 
-`EMBCACHE_BACKEND` decides, read at every call so tests can switch it per test:
+`embcache.backend.backend_name` decides (the environment variable is read there only), at
+every call so tests can switch it per test:
 
 * ``auto`` (default): Triton for CUDA tensors, the torch twins (``*_ref.py``) for CPU tensors.
 * ``triton``: Triton always. On CPU tensors this needs ``TRITON_INTERPRET=1`` set before
   triton is first imported (the test suite's conftest does that on machines without a GPU).
+  Code that keeps CPU-only structures beside a device branch (a cache's row index and
+  compiled plan) takes the device branch then too (`takes_device_path`).
 * ``torch``: the torch twins always, also on CUDA tensors.
 """
 
@@ -15,15 +18,9 @@ import os
 
 import torch
 
-_CHOICES = ("auto", "triton", "torch")
+from embcache.backend import backend_name
 
-
-def backend_name() -> str:
-    """The backend asked for by ``EMBCACHE_BACKEND`` (``auto`` when unset)."""
-    name = os.environ.get("EMBCACHE_BACKEND", "auto").strip().lower() or "auto"
-    if name not in _CHOICES:
-        raise ValueError(f"EMBCACHE_BACKEND={name!r} is not one of {', '.join(_CHOICES)}")
-    return name
+__all__ = ["backend_name", "takes_device_path", "use_triton"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -32,6 +29,16 @@ def use_triton(t: torch.Tensor) -> bool:
     if name == "auto":
         return t.is_cuda
     return name == "triton"
+
+
+def takes_device_path(device: torch.device) -> bool:
+    """Whether code with a CPU-only branch and a device (CUDA) branch takes the device branch
+    on ``device``: always off a CPU, and on a CPU under the ``triton`` backend, so that the
+    GPU's code path runs (Triton through the interpreter) and is tested without a GPU.
+
+    Read once by whoever holds the choice (a cache decides its structures at construction).
+    """
+    return device.type != "cpu" or backend_name() == "triton"
 
 
 def _fix_interpreter_scalar_index() -> None:

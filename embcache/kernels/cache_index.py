@@ -304,7 +304,10 @@ def cache_lookup(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> t
 
 
 def assign_ways(
-    scores: torch.Tensor, blocked: torch.Tensor, miss_sets: torch.Tensor
+    scores: torch.Tensor,
+    blocked: torch.Tensor,
+    miss_sets: torch.Tensor,
+    num_runs: int | None = None,
 ) -> torch.Tensor:
     """Give each miss a distinct victim way of its set, or -1 where the set runs out.
 
@@ -317,6 +320,8 @@ def assign_ways(
         blocked: bool ``[S, W]``, ways that must not be taken (locked, or hit by this batch).
         miss_sets: int64 ``[m]``, the set of each miss, sorted ascending (not checked: a check
             would cost a device sync).
+        num_runs: the number of distinct values in ``miss_sets``, when the caller knows it:
+            the torch twin then reads nothing on the host (the kernel never does).
 
     Returns:
         int64 ``[m]``: the way in ``[0, W)`` assigned to each miss, or -1 for an overflow.
@@ -330,4 +335,4 @@ def assign_ways(
         )
     if use_triton(scores):
         return assign_ways_triton(scores, blocked, miss_sets)
-    return assign_ways_ref(scores, blocked, miss_sets)
+    return assign_ways_ref(scores, blocked, miss_sets, num_runs)

@@ -45,7 +45,10 @@ def cache_lookup_ref(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) 
 
 
 def assign_ways_ref(
-    scores: torch.Tensor, blocked: torch.Tensor, miss_sets: torch.Tensor
+    scores: torch.Tensor,
+    blocked: torch.Tensor,
+    miss_sets: torch.Tensor,
+    num_runs: int | None = None,
 ) -> torch.Tensor:
     """Give each miss a distinct way of its set: the k-th miss of a set gets its k-th best victim.
 
@@ -59,6 +62,9 @@ def assign_ways_ref(
             below ``2**57`` (the twin orders ways by ``score * W + way``).
         blocked: bool ``[S, W]``, ways that must not be taken (locked, or hit by this batch).
         miss_sets: int64 ``[m]``, the set of each miss, sorted ascending.
+        num_runs: the number of distinct values in ``miss_sets``, when the caller knows it:
+            then nothing is read on the host (the runs are found at a known size, and every
+            set's ways are sorted whole).
 
     Returns:
         int64 ``[m]``: the way in ``[0, W)`` assigned to each miss, or -1 for an overflow.
@@ -67,6 +73,8 @@ def assign_ways_ref(
     if m == 0:
         return torch.empty(0, dtype=torch.int64, device=scores.device)
     W = scores.shape[1]
+    if num_runs is not None:
+        return _assign_known_runs(scores, blocked, miss_sets, num_runs)
     touched, counts = torch.unique_consecutive(miss_sets, return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
     owner = torch.repeat_interleave(torch.arange(touched.numel(), device=scores.device), counts)
@@ -88,3 +96,25 @@ def assign_ways_ref(
     n_free = (~s_blocked).sum(dim=1)  # [T]
     way = order[owner, rank.clamp(max=k - 1)]
     return torch.where(rank < n_free[owner], way, torch.full_like(way, -1))
+
+
+def _assign_known_runs(
+    scores: torch.Tensor, blocked: torch.Tensor, miss_sets: torch.Tensor, num_runs: int
+) -> torch.Tensor:
+    """`assign_ways_ref` for ``num_runs`` known runs in ``miss_sets``, without a host read:
+    the runs' starts at a known size, and each touched set's ways sorted whole (k = W)."""
+    m, W = miss_sets.numel(), scores.shape[1]
+    device = scores.device
+    first = torch.ones(m, dtype=torch.bool, device=device)
+    torch.ne(miss_sets[1:], miss_sets[:-1], out=first[1:])
+    owner = torch.cumsum(first, 0) - 1
+    starts = torch.nonzero_static(first, size=num_runs).squeeze(1)
+    rank = torch.arange(m, device=device) - starts.index_select(0, owner)
+    touched = miss_sets.index_select(0, starts)
+    s_blocked, s_scores = blocked.index_select(0, touched), scores.index_select(0, touched)
+    o_w = torch.arange(W, dtype=torch.int64, device=device)
+    key = torch.where(s_blocked, torch.iinfo(torch.int64).max, s_scores * W + o_w)  # [T, W]
+    order = torch.sort(key, dim=1).indices  # distinct keys: any sort is the stable one
+    n_free = (~s_blocked).sum(dim=1)  # [T]
+    way = order[owner, rank.clamp(max=W - 1)]
+    return torch.where(rank < n_free.index_select(0, owner), way, torch.full_like(way, -1))

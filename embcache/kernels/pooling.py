@@ -342,6 +342,7 @@ def pool_forward(
     out: torch.Tensor,
     batch_size: int,
     col_offsets: torch.Tensor,
+    col_start: int | None = None,
 ) -> torch.Tensor | None:
     """Pool F * B bags of cache rows into their columns of ``out``, in place.
 
@@ -361,6 +362,9 @@ def pool_forward(
             ``out[b, col_offsets[i] : col_offsets[i] + dim]`` (zeros for an empty bag).
         batch_size: B.
         col_offsets: int64 ``[F]``, first column of each feature in ``out``.
+        col_start: when the caller knows that ``col_offsets`` is ``col_start + dim *
+            arange(F)`` (features side by side), that start: the torch twin then writes the
+            block without reading ``col_offsets`` on the host (a device sync). Not checked.
 
     Returns:
         MAX: int64 ``[F * B, dim]``, the value index j giving each bag's max per column (-1 for
@@ -387,7 +391,7 @@ def pool_forward(
     args = (rows, dim, slots, inverse, offsets, per_sample_weights, mode, out, batch_size)
     if use_triton(rows):
         return pool_forward_triton(*args, col_offsets)
-    return pooling_ref.pool_forward_ref(*args, col_offsets)
+    return pooling_ref.pool_forward_ref(*args, col_offsets, col_start)
 
 
 def pool_backward(
@@ -402,6 +406,7 @@ def pool_backward(
     col_offsets: torch.Tensor,
     argmax: torch.Tensor | None,
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
+    col_start: int | None = None,
 ) -> torch.Tensor:
     """Gradient of each unique row from the gradient of the pooled output; deterministic.
 
@@ -418,6 +423,7 @@ def pool_backward(
         argmax: int64 ``[F * B, dim]`` returned by the forward for MAX; None otherwise.
         grouping: optional ``(order, segments)`` from `ids.dedup_grouped` over these values;
             the CPU path then sums each id's rows in one pass (same result).
+        col_start: as in `pool_forward`.
 
     Returns:
         float32 ``[U, dim]``: row u sums the gradients of every occurrence of unique id u (for
@@ -460,4 +466,4 @@ def pool_backward(
             f"grouping covers {order.numel()} values and {segments.numel() - 1} ids, expected "
             f"{inverse.numel()} and {num_unique}",
         )
-    return pooling_ref.pool_backward_ref(*args, col_offsets, argmax, grouping)
+    return pooling_ref.pool_backward_ref(*args, col_offsets, argmax, grouping, col_start)

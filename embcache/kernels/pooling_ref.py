@@ -29,15 +29,24 @@ def _pool_columns(col_offsets: torch.Tensor, dim: int) -> torch.Tensor:
     return (col_offsets.to(torch.int64).unsqueeze(1) + o_d).reshape(-1)
 
 
-def _pool_column_block(t: torch.Tensor, col_offsets: torch.Tensor, dim: int) -> torch.Tensor | None:
+def _pool_column_block(
+    t: torch.Tensor, col_offsets: torch.Tensor, dim: int, col_start: int | None = None
+) -> torch.Tensor | None:
     """``t[:, c0 : c0 + F*dim]`` viewed as ``[B, F, dim]`` when feature i's columns start at
-    ``c0 + i*dim`` (the usual layout), else None. A view: writing it writes ``t``."""
+    ``c0 + i*dim`` (the usual layout), else None. A view: writing it writes ``t``.
+    ``col_start``: the caller knows the columns are so laid out from ``c0 = col_start`` (no
+    host read of ``col_offsets``, which costs a device sync)."""
     num_features = col_offsets.numel()
     if num_features == 0 or t.stride(1) != 1:
         return None
-    c0 = int(col_offsets[0])
-    expected = c0 + dim * torch.arange(num_features, device=col_offsets.device)
-    if c0 + num_features * dim > t.shape[1] or not torch.equal(col_offsets, expected):
+    if col_start is not None:
+        c0 = col_start
+    else:
+        c0 = int(col_offsets[0])
+        expected = c0 + dim * torch.arange(num_features, device=col_offsets.device)
+        if not torch.equal(col_offsets, expected):
+            return None
+    if c0 < 0 or c0 + num_features * dim > t.shape[1]:
         return None
     return t.narrow(1, c0, num_features * dim).unflatten(1, (num_features, dim))
 
@@ -79,6 +88,7 @@ def pool_forward_ref(
     out: torch.Tensor,
     batch_size: int,
     col_offsets: torch.Tensor,
+    col_start: int | None = None,
 ) -> torch.Tensor | None:
     """Pool bags of cache rows into columns of ``out``; the twin of `pooling.pool_forward`.
 
@@ -99,6 +109,8 @@ def pool_forward_ref(
         out: float32 ``[B, C]``, written in place.
         batch_size: B.
         col_offsets: int64 ``[F]`` first output column of each feature.
+        col_start: when given, ``col_offsets`` is ``col_start + dim * arange(F)`` (the caller
+            knows it: nothing read on the host).
 
     Returns:
         MAX: int64 ``[F * B, dim]``, per bag and column the first value index j of the bag that
@@ -148,7 +160,7 @@ def pool_forward_ref(
             argmax = argmax.masked_fill(empty, -1)
     # [F*B, D] -> [B, F*D], feature-major columns, matching _pool_columns.
     by_sample = pooled.reshape(num_features, batch_size, dim).transpose(0, 1)  # [B, F, D]
-    block = _pool_column_block(out, col_offsets, dim)
+    block = _pool_column_block(out, col_offsets, dim, col_start)
     if block is not None:
         block.copy_(by_sample)
     else:
@@ -168,6 +180,7 @@ def pool_backward_ref(
     col_offsets: torch.Tensor,
     argmax: torch.Tensor | None,
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
+    col_start: int | None = None,
 ) -> torch.Tensor:
     """Gradient of each unique row from the gradient of the pooled output.
 
@@ -186,6 +199,7 @@ def pool_backward_ref(
         mode: ``POOL_SUM``, ``POOL_MEAN`` or ``POOL_MAX``.
         batch_size: B.
         col_offsets: int64 ``[F]``.
+        col_start: as in `pool_forward_ref`.
         argmax: int64 ``[F * B, dim]`` from the forward (MAX only), else None.
         grouping: ``(order, segments)`` of `dedup_grouped_ref` for these values, or None.
             With it, SUM and MEAN sum each unique id's gradient rows with one
@@ -203,7 +217,7 @@ def pool_backward_ref(
         return grad_unique
     g_block = None
     if mode != POOL_MAX and grad_out.dtype == torch.float32:
-        g_block = _pool_column_block(grad_out, col_offsets, dim)  # [B, F, D] view
+        g_block = _pool_column_block(grad_out, col_offsets, dim, col_start)  # [B, F, D] view
     if g_block is None:
         g = grad_out.index_select(1, _pool_columns(col_offsets, dim)).to(torch.float32)
         g = g.reshape(batch_size, num_features, dim).transpose(0, 1).reshape(num_bags, dim)

@@ -7,7 +7,8 @@ are loops compiled by numba, over numpy views of the cache's own tensors (no cop
 where the torch path makes several.
 
 Each kernel computes exactly what the torch path beside it computes (the specification, run
-under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be imported):
+under the ``torch`` backend (`embcache.backend`), on a GPU, and wherever numba cannot be
+imported):
 
 * `first_bad_key`: the first fused id that is no row of a cache's tables (`HotCache.resolve`'s
   check, before the plan reads the row index unchecked);
@@ -41,17 +42,84 @@ under ``EMBCACHE_BACKEND=torch``, on a GPU, and wherever numba cannot be importe
 * `bags_sample_major`: each value's slot (and weight) with the bags in the fused CPU step's
   order, and their offsets (`engine.fused_cpu`).
 
+The kernels live in three modules by what they serve: `plan_kernels` (the cache's plan and
+locks) and `dedup_kernels` (dedup, grouping), called through the typed functions of `plan`,
+and `row_kernels` (row moves), called through those of `rows`, which raise `OutOfRangeError`
+where a kernel refuses positions; `bits`, `prefetch` and `jit` are their shared helpers.
+
 numba is imported on first use; `available()` says whether it can be. The kernels release the
 GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
-their first compilation (``cache=True``).
+their first compilation (``cache=True``); `on_compile` tells a caller when one compiles.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
+from embcache.backend import backend_name
+from embcache.native.plan import (
+    first_bad_key,
+    free_slots,
+    group_by_table,
+    plan_lfu,
+    plan_lru,
+    reserve,
+    scratch_done,
+    touch_lfu,
+    unique_rows,
+    unique_values,
+    unlock,
+    unlock_dirty,
+)
+from embcache.native.rows import (
+    OutOfRangeError,
+    array_list,
+    bags_sample_major,
+    gather_created,
+    gather_join,
+    gather_tables,
+    gather_tables_into,
+    hashed_uniform,
+    scatter_created,
+    scatter_rows,
+    scatter_split,
+    scatter_tables,
+    scatter_tables_from,
+    write_at,
+)
+
+__all__ = [
+    "OutOfRangeError",
+    "array_list",
+    "available",
+    "bags_sample_major",
+    "first_bad_key",
+    "free_slots",
+    "gather_created",
+    "gather_join",
+    "gather_tables",
+    "gather_tables_into",
+    "group_by_table",
+    "hashed_uniform",
+    "on_compile",
+    "plan_lfu",
+    "plan_lru",
+    "reserve",
+    "scatter_created",
+    "scatter_rows",
+    "scatter_split",
+    "scatter_tables",
+    "scatter_tables_from",
+    "scratch_done",
+    "touch_lfu",
+    "unique_rows",
+    "unique_values",
+    "unlock",
+    "unlock_dirty",
+    "write_at",
+]
 
 _NUMBA: list = []  # [njit or None], filled on first use
 
@@ -67,153 +135,33 @@ def _njit() -> Any | None:
 
 
 def available() -> bool:
-    """Whether the compiled kernels run: numba imports, and ``EMBCACHE_BACKEND`` is ``auto``
-    (``torch`` asks for the torch path, the specification; read at every call)."""
-    name = os.environ.get("EMBCACHE_BACKEND", "auto").strip().lower() or "auto"
-    return name == "auto" and _njit() is not None
+    """Whether the compiled kernels run: numba imports, and the backend
+    (`embcache.backend.backend_name`, asked at every call) is ``auto``: ``torch`` asks for
+    the torch path, the specification. A backend name that is none of the choices raises
+    ValueError."""
+    return backend_name() == "auto" and _njit() is not None
 
 
-def _kernels() -> Any:
-    """The kernels' module (numba compiles each function at its first call, or loads it from
-    its disk cache)."""
-    assert _njit() is not None, "native kernels asked for without numba (check available())"
-    from embcache.native import kernels
+@contextmanager
+def on_compile(callback: Callable[[], None]) -> Iterator[None]:
+    """Within the block, ``callback()`` (on the compiling thread) as each numba compilation
+    starts: a kernel's first use with no entry in the disk cache (a load from it is none).
+    Without numba, never."""
+    if _njit() is None:
+        yield
+        return
+    from numba.core import event
 
-    return kernels
+    class _Started(event.Listener):
+        def on_start(self, _event: Any) -> None:
+            callback()
 
+        def on_end(self, _event: Any) -> None:
+            pass
 
-def hashed_uniform(ids: np.ndarray, salt: int, mid: float, half: float, out: np.ndarray) -> None:
-    """The hashed uniform initialiser's float32 rows of int64 ``ids`` (>= 0) into ``out``
-    ``[n, dim]`` (`kv.base.hashed_init`, the same bits as its torch ops)."""
-    _kernels().hashed_uniform(ids, salt, mid, half, out)
-
-
-def scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
-    """``dst[idx] = src`` for 2-D arrays of one dtype and int64 ``idx`` (in range, distinct)."""
-    _kernels().scatter_rows(dst, idx, src)
-
-
-def first_bad_key(keys: np.ndarray, fusion_k: int, limits: np.ndarray) -> int:
-    """The position of the first int64 fused id of ``keys`` that is no row of tables of
-    ``limits[t]`` raw ids each (0: no such table), or -1 (`HotCache.resolve`'s check)."""
-    return _kernels().first_bad_key(keys, fusion_k, limits)
-
-
-def write_at(arr: np.ndarray, idx: np.ndarray, value: Any, add: bool) -> int:
-    """``arr[idx] = value`` (``add``: ``+= value``) for 1-D ``arr`` and int64 ``idx``, every
-    position checked first: -1, or the position of the first one out of range (nothing is
-    written then)."""
-    return _kernels().write_at(arr, idx, value, add)
-
-
-def unlock(locks: np.ndarray, slots: np.ndarray) -> int:
-    """One lock dropped from each of ``slots`` when all are in range and locked (else none):
-    -1, or the position of the first that is not (`HotCache.unlock`)."""
-    return _kernels().unlock(locks, slots)
-
-
-def unlock_dirty(locks: np.ndarray, dirty: np.ndarray, slots: np.ndarray) -> int:
-    """`unlock`, each slot marked in ``dirty`` too (same length as ``locks``), one pass: -1, or
-    the position of the first slot that is not locked (nothing changed then)."""
-    return _kernels().unlock_dirty(locks, dirty, slots)
-
-
-def plan_lru(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    return _kernels().plan_lru(*args)
-
-
-def plan_lfu(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    return _kernels().plan_lfu(*args)
-
-
-def touch_lfu(*args: Any) -> None:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    _kernels().touch_lfu(*args)
-
-
-def scratch_done(*args: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    return _kernels().scratch_done(*args)
-
-
-def free_slots(*args: Any) -> None:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    _kernels().free_slots(*args)
-
-
-def reserve(*args: Any) -> tuple[np.ndarray, ...]:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    return _kernels().reserve(*args)
-
-
-def unique_rows(*args: Any) -> tuple[np.ndarray, np.ndarray]:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    return _kernels().unique_rows(*args)
-
-
-def unique_values(*args: Any) -> tuple[np.ndarray, np.ndarray, int]:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    return _kernels().unique_values(*args)
-
-
-def group_by_table(*args: Any) -> int:
-    """See the kernel of this name in `native.kernels` (numpy arrays and ints)."""
-    return _kernels().group_by_table(*args)
-
-
-def scatter_split(*args: np.ndarray) -> None:
-    """``weights[slots], state[slots] = rows[:, :dim], rows[:, dim:]`` for float32 arrays
-    (a cache's copy-in of stored rows)."""
-    return _kernels().scatter_split(*args)
-
-
-def gather_join(*args: np.ndarray) -> None:
-    """``out = [weights[slots] | state[slots]]`` for float32 arrays (a cache's stored rows)."""
-    return _kernels().gather_join(*args)
-
-
-def gather_created(*args: np.ndarray) -> int:
-    """``out = rows[ids]`` (same dtype), returning how many of ``ids`` are not ``created``
-    (a dense tier table's read)."""
-    return _kernels().gather_created(*args)
-
-
-def scatter_created(*args: np.ndarray) -> None:
-    """``rows[ids] = src`` and ``created[ids] = True`` (a dense tier table's write)."""
-    return _kernels().scatter_created(*args)
-
-
-def array_list(arrays: list[np.ndarray]) -> Any:
-    """``arrays`` (of one dtype, rank and layout) as a list the kernels can take (numba's typed
-    list: building one costs about 2 us an array, so callers keep it while the arrays live)."""
-    from numba import typed
-
-    return typed.List(arrays)
-
-
-def gather_tables(*args: Any) -> int:
-    """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
-    return _kernels().gather_tables(*args)
-
-
-def scatter_tables(*args: Any) -> int:
-    """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
-    return _kernels().scatter_tables(*args)
-
-
-def gather_tables_into(*args: Any) -> int:
-    """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
-    return _kernels().gather_tables_into(*args)
-
-
-def scatter_tables_from(*args: Any) -> int:
-    """See the kernel of this name in `native.kernels` (typed lists, numpy arrays)."""
-    return _kernels().scatter_tables_from(*args)
-
-
-def bags_sample_major(*args: np.ndarray | int) -> None:
-    """A batch's values as slots (and weights), its bags moved to sample-major order with
-    their offsets (the fused CPU step's indices: `engine.fused_cpu`), one pass."""
-    _kernels().bags_sample_major(*args)
+    listener = _Started()
+    event.register("numba:compile", listener)
+    try:
+        yield
+    finally:
+        event.unregister("numba:compile", listener)

@@ -10,7 +10,7 @@ seen in a bit per cache row, and the dirty flags are then set at the distinct ro
 (`indexing.fill_at`, itself a compiled pass on a CPU). No value's slot is written: only a
 share read without its TBE needs them.
 
-`available()` is `embcache.native.available` (numba imports, ``EMBCACHE_BACKEND`` is auto).
+`available()` is `embcache.native.available` (numba imports, the backend is ``auto``).
 """
 
 from __future__ import annotations

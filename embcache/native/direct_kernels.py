@@ -4,16 +4,15 @@ there for what each computes and which torch path it mirrors)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-_jit = njit(nogil=True, cache=True, boundscheck=False)
+from embcache.native.jit import jit
 
 BAD_OFFSETS = np.int64(-(1 << 62))  # offsets that do not cover the values exactly once
 ONE = np.uint64(1)
 LOW6 = np.int64(63)
 
 
-@_jit
+@jit
 def direct_rows(values, offsets, batch_size, feature_rows, feature_bases, seen, rows):
     """One pass over a batch's values, feature by feature (feature ``f`` holds the values of
     bags ``f * B .. (f + 1) * B``): check each id against its table, and append its slot

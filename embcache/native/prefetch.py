@@ -17,9 +17,11 @@ a hint: it never faults, even past an array's end, and changes no value.
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from embcache.native.jit import jit
 
 # How many rows ahead the kernels ask for: far enough to cover memory's latency at a few
 # nanoseconds of work a row, near enough that the lines are still cached when used.
@@ -51,10 +53,7 @@ def _prefetch_at(typingctx, arr, byte_offset):
     return sig, codegen
 
 
-_jit = njit(nogil=True, cache=True, boundscheck=False)
-
-
-@_jit
+@jit
 def prefetch_row(arr, r):
     """Ask for every line of row ``r`` of 2-D ``arr``, to read it."""
     start = r * arr.strides[0]
@@ -65,13 +64,13 @@ def prefetch_row(arr, r):
         _prefetch_at(arr, start + nbytes - 1)  # a row that starts inside a line
 
 
-@_jit
+@jit
 def prefetch_item(arr, i):
     """Ask for the line of element ``i`` of 1-D ``arr``, to read it."""
     _prefetch_at(arr, i * arr.strides[0])
 
 
-@_jit
+@jit
 def prefetch_span(arr, start, count):
     """Ask for the lines of elements ``start .. start + count`` of 1-D ``arr``, to read them."""
     step = arr.strides[0]

@@ -11,7 +11,8 @@ import torch
 import embcache.cache.hot_cache as hot_cache_module
 import embcache.native as native
 from embcache.cache.config import CacheConfig
-from embcache.cache.hot_cache import _IDS_PER_ROW_BITMAP, _IDS_PER_ROW_MAP, HotCache
+from embcache.cache.dedup import IDS_PER_ROW_BITMAP, IDS_PER_ROW_MAP
+from embcache.cache.hot_cache import HotCache
 from embcache.kernels.optim import OptimRule
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
@@ -150,7 +151,7 @@ def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> No
     raw[:3], raw[3:6] = 0, limits[3:6] - 1
     ids = raw | (tables << FUSION_K)
     got = cache.unique_by_rows(ids)
-    per_row = _IDS_PER_ROW_BITMAP if native.available() else _IDS_PER_ROW_MAP
+    per_row = IDS_PER_ROW_BITMAP if native.available() else IDS_PER_ROW_MAP
     if n * per_row < sum(sizes.values()):
         assert got is None  # too few ids for the map: the sort is cheaper
         return
@@ -177,9 +178,9 @@ def test_the_compiled_dedup_ranks_every_bit_of_full_words_and_keeps_no_rank_per_
     assert got is not None
     unique, inverse = torch.unique(batch, sorted=True, return_inverse=True)
     assert torch.equal(got[0], unique) and torch.equal(got[1], inverse)
-    assert not bool(cache._row_bits.any()), "the bitmap is clear for the next batch"
-    assert cache._row_rank is None and cache._row_map is None
-    assert cache._word_rank.size == (sum(sizes.values()) + 63) // 64
+    assert not bool(cache.dedup.row_bits.any()), "the bitmap is clear for the next batch"
+    assert cache.dedup.row_rank is None and cache.dedup.row_map is None
+    assert cache.dedup.word_rank.size == (sum(sizes.values()) + 63) // 64
 
 
 def _raw_features(gen, sizes, feature_tables, per_feature):
@@ -231,7 +232,7 @@ def test_unique_values_refuses_a_bad_id_and_leaves_the_bitmap_clear(where: str, 
     raw, bounds = _raw_features(gen, sizes, feature_tables, per_feature)
     ranges = cache.row_ranges(feature_tables)
     if bad == "past 2**fusion_k":  # a narrower fusion_k than the table's rows
-        cache.fusion_k = 8
+        cache.fusion_k = cache.dedup.fusion_k = 8
         ranges = cache.row_ranges(feature_tables)
         assert int(ranges[1][0]) == 1 << 8
         value = 1 << 8
@@ -241,8 +242,8 @@ def test_unique_values_refuses_a_bad_id_and_leaves_the_bitmap_clear(where: str, 
     broken = raw.clone()
     broken[at] = value
     assert cache.unique_values(broken, bounds, ranges) is None
-    assert not bool(cache._row_bits.any()), "marks of the refused batch are cleared"
-    cache.fusion_k = FUSION_K
+    assert not bool(cache.dedup.row_bits.any()), "marks of the refused batch are cleared"
+    cache.fusion_k = cache.dedup.fusion_k = FUSION_K
     ranges = cache.row_ranges(feature_tables)
     got = cache.unique_values(raw, bounds, ranges)
     ids = raw | (torch.tensor(feature_tables).repeat_interleave(torch.tensor(per_feature))
@@ -258,7 +259,7 @@ def test_unique_values_refuses_bounds_that_miss_values() -> None:
     assert cache.unique_values(raw, bounds - 1, ranges) is None  # does not start at 0
     assert cache.unique_values(raw[:-1], bounds, ranges) is None  # past the last value
     assert cache.unique_values(raw.float(), bounds, ranges) is None  # not integer ids
-    assert not bool(cache._row_bits.any())
+    assert not bool(cache.dedup.row_bits.any())
 
 
 def test_unique_by_rows_needs_the_row_index() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import embcache
+import embcache.native as native
 from embcache.engine.fused_cpu import FusedCpuStep, PendingUpdate
 
 pytest.importorskip("fbgemm_gpu")
@@ -284,7 +285,13 @@ def test_fused_update_runs_while_another_thread_holds_the_cache_lock(monkeypatch
     opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.1)
     cache = ebc.engines.engines[0].cache
     assert ebc.engines.engines[0].fused is not None
-    ebc(_batches(1)[0]).values().square().sum().backward()
+    # The forward and backward on a thread that ends before the step: a collection trains from
+    # one thread at a time, and the stepper takes the ended thread's step over.
+    trainer = threading.Thread(
+        target=lambda: ebc(_batches(1)[0]).values().square().sum().backward()
+    )
+    trainer.start()
+    trainer.join(30)
     before = cache.weights.clone()
     locked_batch = cache.locks.clone()
     held, done = threading.Event(), threading.Event()
@@ -373,6 +380,7 @@ def test_bags_go_to_the_tbe_sample_major(monkeypatch, lengths: str, backend: str
     from embcache.engine.fused_cpu import _sample_major
 
     monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+    compiled = native.available()  # as `FusedCpuStep` chooses
 
     F, B = 3, 5
     gen = torch.Generator().manual_seed(len(lengths))
@@ -388,18 +396,18 @@ def test_bags_go_to_the_tbe_sample_major(monkeypatch, lengths: str, backend: str
     inverse = torch.randint(0, 7, (nnz,), generator=gen)
     weights = torch.rand(nnz, generator=gen)
     p = Prepared(unique_slots, inverse, unique_slots, offsets, weights, True)
-    got_slots, got_offsets, got_weights = _sample_major(p, B)
+    got_slots, got_offsets, got_weights = _sample_major(p, B, compiled)
     slots = unique_slots[inverse].tolist()
     want_slots, want_offsets = _sample_major_reference(slots, offsets.tolist(), F, B)
     assert got_slots.tolist() == want_slots
     assert got_offsets.tolist() == want_offsets
     # Weights travel with their values: tag each value by its position and compare.
     tagged = Prepared(unique_slots, inverse, unique_slots, offsets, torch.arange(nnz) * 1.0, True)
-    _, _, moved = _sample_major(tagged, B)
+    _, _, moved = _sample_major(tagged, B, compiled)
     positions, _ = _sample_major_reference(list(range(nnz)), offsets.tolist(), F, B)
     assert moved.tolist() == [float(i) for i in positions]
     unweighted = Prepared(unique_slots, inverse, unique_slots, offsets, None, True)
-    slots_only, offsets_only, none = _sample_major(unweighted, B)
+    slots_only, offsets_only, none = _sample_major(unweighted, B, compiled)
     assert slots_only.tolist() == want_slots and offsets_only.tolist() == want_offsets
     assert none is None
     assert torch.equal(got_weights, weights[torch.tensor(positions, dtype=torch.int64)])

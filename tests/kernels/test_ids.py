@@ -183,14 +183,16 @@ def test_fuse_ids_folds_wide_ids_of_unbounded_tables(
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
-def test_fuse_ids_of_long_features_matches_reference(dtype: torch.dtype) -> None:
+def test_fuse_ids_of_long_features_matches_reference(
+    device: torch.device, dtype: torch.dtype
+) -> None:
     """Features of thousands of values each, the size at which the CPU twin checks and fuses
     one feature at a time (a path the short cases above never take)."""
     lengths = [9000, 0, 300, 12000]
     gen = torch.Generator().manual_seed(7)
     values = _valid_values(gen, lengths, 30)
-    t_values = torch.tensor(values, dtype=dtype)
-    fused = _fuse(t_values, torch.tensor(lengths), 30)
+    t_values = torch.tensor(values, dtype=dtype, device=device)
+    fused = _fuse(t_values, torch.tensor(lengths, device=device), 30)
     assert fused.dtype == torch.int64
     assert fused.tolist() == _fuse_reference(values, lengths, 30)
 
@@ -204,37 +206,43 @@ def test_fuse_ids_of_long_features_matches_reference(dtype: torch.dtype) -> None
     ],
     ids=["f0-over", "f2-over", "f0-negative"],
 )
-def test_fuse_ids_of_long_features_names_a_bad_id(where: int, bad: int, message: str) -> None:
+def test_fuse_ids_of_long_features_names_a_bad_id(
+    device: torch.device, where: int, bad: int, message: str
+) -> None:
     lengths = [9000, 0, 300, 12000]
     values = torch.tensor(_valid_values(torch.Generator().manual_seed(8), lengths, 30))
     values[where] = bad
+    values = values.to(device)
     before = values.clone()
     with pytest.raises(ValueError, match=message):
-        _fuse(values, torch.tensor(lengths), 30)
+        _fuse(values, torch.tensor(lengths, device=device), 30)
     assert torch.equal(values, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
-def test_fuse_ids_of_equal_features_matches_reference(dtype: torch.dtype) -> None:
+def test_fuse_ids_of_equal_features_matches_reference(
+    device: torch.device, dtype: torch.dtype
+) -> None:
     """Every feature with as many values (one id per bag, fixed-size bags): the CPU twin checks
     and fuses them all in one pass; a wide id of the unbounded table is still folded, and a bad
     id still named."""
     lengths = [64] * 4
     values = _valid_values(torch.Generator().manual_seed(9), lengths, 30)
-    fused = _fuse(torch.tensor(values, dtype=dtype), torch.tensor(lengths), 30)
+    t_lengths = torch.tensor(lengths, device=device)
+    fused = _fuse(torch.tensor(values, dtype=dtype, device=device), t_lengths, 30)
     assert fused.dtype == torch.int64
     assert fused.tolist() == _fuse_reference(values, lengths, 30)
 
     wide = torch.tensor(values)
     wide[-1] = 1 << 40  # f3's table is unbounded: folded into the id bits
-    fused = _fuse(wide, torch.tensor(lengths), 30)
+    fused = _fuse(wide.to(device), t_lengths, 30)
     assert int(fused[-1]) == int(mix64(wide[-1:]) & ((1 << 30) - 1)) | (TABLE_IDX[3] << 30)
     assert fused[:-1].tolist() == _fuse_reference(values, lengths, 30)[:-1]
 
     bad = torch.tensor(values, dtype=dtype)
     bad[64 * 2 + 5] = 37
     with pytest.raises(ValueError, match=r"'f2' \(table 't1'\): id 37 out of range \[0, 37\)"):
-        _fuse(bad, torch.tensor(lengths), 30)
+        _fuse(bad.to(device), t_lengths, 30)
 
 
 BAD_ARGUMENTS = {

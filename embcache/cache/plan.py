@@ -1,0 +1,313 @@
+"""Phase (1) of a `HotCache` resolve in a set-associative cache: hits looked up, misses
+given ways (or scratch rows), those slots reserved, and the undo of it all.
+
+`SetPlan` is a part of `HotCache` (its base class, as `snapshot.PolicyState` is), kept apart
+so the cache's coordinator (resolve, write-back, flush) reads on its own. What varies with the
+policy (the misses' order, the scores, which misses may displace a row) is the cache's
+`policy.EvictionPolicy`; the compiled CPU plan (`native.plan_lru`/`plan_lfu`, `native.reserve`)
+makes the same plan as the torch code here, which is its specification.
+
+A plan changes the index (keys, scores, dirty flags, locks, the row index, the scratch count)
+before the tier is called, and records what it replaced in its `Plan`: a tier that fails
+then gets the cache back as it was (`SetPlan._rollback`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import embcache.native as native
+from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
+from embcache.cache.scratch import CacheCapacityError
+from embcache.hashing import mix64
+from embcache.indexing import add_at, fill_at, put, true_at
+from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+
+
+@dataclass
+class Plan:
+    """What phase 1 of a resolve decided, for the tier transfer and the commit (or rollback)."""
+
+    ids: torch.Tensor  # int64 [n] the batch's ids
+    slots: torch.Tensor  # int64 [n] their slots
+    load_ids: torch.Tensor  # ids to read from the tier ...
+    load_slots: torch.Tensor  # ... into these slots
+    victim_ids: torch.Tensor  # dirty rows evicted: ids ...
+    victim_slots: torch.Tensor  # ... and the reserved slots still holding them until the commit
+    released: torch.Tensor | None = None  # every evicted id (bounded tiers: pins to release)
+    reserved: torch.Tensor | None = None  # slots given new keys (None: all hits), for rollback
+    old_keys: torch.Tensor | None = None
+    old_scores: torch.Tensor | None = None
+    old_dirty: torch.Tensor | None = None
+    n_scratch: int = 0
+    evicted: int = 0
+    refused: int = 0  # ids not admitted (slot -1)
+    exchanged: bool = False  # the tier transfer is done (the rows are in their slots)
+
+
+class SetPlan:
+    """`HotCache`'s plan of a set-associative cache: its methods read and set the cache's own
+    slots, clocks and policy, so they run on a `HotCache` only."""
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each of ``ids`` held in the cache proper or its scratch area, else -1: a
+        gather from the row index on a CPU, else the set index, then the scratch area."""
+        if self._where is not None:  # the slot of every held row, scratch included
+            return self._where.index_select(0, self.row_index(ids)).to(torch.int64)
+        W = self.ways
+        sets = set_index(ids, self.num_sets)
+        keys = self.slot_keys[: self.num_slots].view(self.num_sets, W)
+        ways = cache_lookup(keys, ids, sets)
+        slots = torch.where(ways >= 0, sets * W + ways, torch.full_like(ways, -1))
+        if self._scratch_used:
+            self._find_in_scratch(ids, slots)
+        return slots
+
+    def _plan_sets(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> Step:
+        """The plan of a set-associative cache (a `lockstep` step: its host reads are the
+        numbers of misses, of the sets they touch and of the victims, each asked once).
+        Raises CacheCapacityError with the cache unchanged."""
+        if self._native_plan(admitted):
+            return self._plan_native(ids)
+        # Gathers are index_select and writes scatter_/index_add_ (`embcache.indexing`): on a
+        # CPU, advanced indexing takes a general path several times slower.
+        slots = self._lookup(ids)
+        missing = slots < 0
+        # Every number this plan needs before its sort, in one read (with other caches').
+        wanted = [(slots >= 0).sum(), (slots >= self.num_slots).sum()]
+        if admitted is not None:  # ids not admitted keep slot -1 and are no misses
+            missing &= admitted
+            wanted.append((~admitted).sum())
+        n_miss, n_resident, n_scratch_hits, *refused = yield Counts([missing.sum(), *wanted])
+        refused = refused[0] if refused else 0
+        self._tick += 1  # both undone if the plan is refused
+        self._lookups += 1
+        if not n_miss:
+            add_at(self.locks, self._live(slots, n_resident), 1)
+            self._touch(ids, slots, n_resident - n_scratch_hits)
+            empty = self._empty_ids()
+            plan = Plan(ids, slots, empty, empty, empty, empty)
+            plan.refused = refused
+            return plan
+        miss_pos = first_true(missing, n_miss)
+        misses = miss_pos, ids.index_select(0, miss_pos)  # in the order of ``ids``
+
+        # Ways this batch hits are as good as locked while its misses choose victims.
+        self._lock_hits(slots, 1)
+        try:
+            found = yield from self._choose_ways(ids, misses)
+            miss_pos, place, n_placed, n_evicted, n_dirty = found
+            n_over = n_miss - n_placed
+            if n_over:
+                self._grow_scratch(n_over)
+        except BaseException:  # a refused plan (or one another cache's failure ends)
+            self._refuse(slots)
+            raise
+        return self._reserve(
+            ids, slots, misses, miss_pos, place, refused, (n_placed, n_evicted, n_dirty),
+            n_resident - n_scratch_hits + n_placed,
+        )  # fmt: skip
+
+    def _choose_ways(self, ids: torch.Tensor, misses: tuple[torch.Tensor, torch.Tensor]) -> Step:
+        """The ways the ``misses`` (their positions in ``ids``, ascending, and their ids)
+        take: returns their positions in the order they were placed, the slot each takes (-1:
+        scratch), and how many got a way, how many of those evict a row, and how many of
+        those rows are dirty."""
+        W = self.ways
+        # Misses compete for a set's ways in an order that changes every batch: dedup hands
+        # ids sorted, and a fixed order would give the same rows the ways each time. LFU:
+        # the most frequent first.
+        miss_pos, miss_ids = misses
+        shuffle = mix64(miss_ids ^ self._tick)
+        miss_pos, miss_sets, priority = self.eviction.order_misses(
+            ids, miss_pos, miss_ids, shuffle, self.num_sets
+        )
+        # The runs of sets (`torch.unique_consecutive`, their number read with the others').
+        first = torch.ones_like(miss_sets, dtype=torch.bool)
+        torch.ne(miss_sets[1:], miss_sets[:-1], out=first[1:])
+        owner = torch.cumsum(first, 0) - 1
+        (n_touched,) = yield Counts([owner[-1] + 1])
+        touched = miss_sets.index_select(0, first_true(first, n_touched))
+        locks_view = self.locks[: self.num_slots].view(self.num_sets, W)
+        scores_view = self.scores.view(self.num_sets, W)
+        # The last locked batch's rows are as good as locked: under prefetch they are (that
+        # batch is in flight), so a run evicts the same rows with and without prefetch.
+        guarded = locks_view.index_select(0, touched) > 0
+        batch_of = self.batch_of[: self.num_slots].view(self.num_sets, W)
+        guarded |= batch_of.index_select(0, touched) == self._batch_seq
+        runs = None if numpy_reads(self.device) else n_touched
+        assigned = assign_ways(scores_view.index_select(0, touched), guarded, owner, runs)
+        # LFU: a miss displaces a resident row only if asked for more often; the others are
+        # served from scratch for this batch, while their counts keep growing.
+        assigned = self.eviction.admit(assigned, scores_view, touched, owner, priority)
+        # The slot each miss (in the order of ``miss_pos``) takes, -1 where its set has none.
+        place = torch.where(assigned >= 0, touched.index_select(0, owner) * W + assigned, assigned)
+        placed = place >= 0
+        at = place.clamp(min=0)
+        held = placed & (self.slot_keys.index_select(0, at) >= 0)
+        n_placed, n_evicted, n_dirty = yield Counts(
+            [placed.sum(), held.sum(), (held & self.dirty.index_select(0, at)).sum()]
+        )
+        return miss_pos, place, n_placed, n_evicted, n_dirty
+
+    def _native_plan(self, admitted: torch.Tensor | None) -> bool:
+        """Whether this plan runs as compiled CPU kernels (`embcache.native`): a CPU cache
+        with a row index, admitting every id, LRU or LFU with exact counts (no sketch). The
+        torch path is the specification."""
+        if self._where is None or admitted is not None or not native.available():
+            return False
+        return self.eviction.compiled()
+
+    def _plan_native(self, ids: torch.Tensor) -> Plan:
+        """`_plan_sets` through `native.plan_lru` (or `plan_lfu` and `touch_lfu`) and
+        `native.reserve`: the same plan, the same changes to the index, in a few passes over
+        the batch's ids."""
+        assert self._where is not None
+        ids = ids.contiguous()
+        slots = torch.empty_like(ids)
+        self._tick += 1  # both undone if the plan is refused
+        self._lookups += 1
+        rescore = self.eviction.rescores_compiled_plan
+        miss_pos, order, place = self.eviction.plan_compiled(
+            ids, self._where, self._row_offset, self.scores, self.locks, self.batch_of,
+            (self.num_slots, self.num_sets, self.ways), self._tick, self._batch_seq, slots,
+        )  # fmt: skip
+        if not miss_pos.size:  # every id hit: its slot is locked and touched
+            if rescore:
+                self._touch(ids, slots)
+            empty = self._empty_ids()
+            return Plan(ids, slots, empty, empty, empty, empty)
+        miss_pos, order, place = map(torch.from_numpy, (miss_pos, order, place))
+        over = true_at(place < 0)  # misses whose set has no free way: scratch rows
+        if over.numel():
+            try:
+                self._grow_scratch(over.numel())  # may replace the arrays: views come after
+            except CacheCapacityError:
+                self._refuse(slots)
+                raise
+            free = true_at(self.slot_keys[self.num_slots :] < 0)[: over.numel()]
+            put(place, over, self.num_slots + free)  # in the planned order, as `_reserve`
+            self._scratch_used += over.numel()
+        load_slots, victim_ids, victim_slots, evicted, old_keys, old_scores, old_dirty = (
+            map(torch.from_numpy, native.reserve(
+                ids.numpy(), slots.numpy(), miss_pos.numpy(), order.numpy(), place.numpy(),
+                self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
+                self.slot_keys.numpy(), self.scores.numpy(), self.locks.numpy(),
+                self.dirty.numpy(), self.num_slots, self._tick,
+            ))
+        )  # fmt: skip
+        plan = Plan(ids, slots, ids.index_select(0, miss_pos), load_slots, victim_ids, victim_slots)
+        plan.reserved, plan.old_keys = place, old_keys
+        plan.old_scores, plan.old_dirty = old_scores, old_dirty
+        plan.evicted, plan.n_scratch = evicted.numel(), over.numel()
+        if self.pins:
+            plan.released = evicted
+        if rescore:  # `reserve` scored the batch's slots as LRU does: LFU scores replace them
+            self._touch(ids, slots)
+        return plan
+
+    def _reserve(
+        self,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
+        misses: tuple[torch.Tensor, torch.Tensor],
+        miss_pos: torch.Tensor,
+        place: torch.Tensor,
+        refused: int,
+        sizes: tuple[int, int, int],
+        n_main: int,
+    ) -> Plan:
+        """Reserve the planned slots: each miss at ``miss_pos`` takes its ``place``, or a
+        scratch row where that is -1 (the scratch area has room for them); the victims' keys
+        leave the index, the misses' enter it, and every slot of the batch is locked and
+        touched. ``misses`` are the misses' positions and ids in the order of ``ids``, the
+        order they are read from the tier in. ``sizes``: how many misses got a way, how many
+        of those evict a row, how many of those rows are dirty; ``n_main``: how many slots of
+        the batch will be in the cache proper (`_choose_ways` read them)."""
+        n_placed, n_evicted, n_dirty = sizes
+        n_over = place.numel() - n_placed
+        if not n_over:  # no overflow: no selection to make
+            place_slots, placed_pos, overflow_pos = place, miss_pos, self._empty_ids()
+        else:
+            placed = place >= 0
+            placed_at = first_true(placed, n_placed)
+            place_slots = place.index_select(0, placed_at)
+            placed_pos = miss_pos.index_select(0, placed_at)
+            overflow_pos = miss_pos.index_select(0, first_true(~placed, n_over))
+        if n_over:
+            free = first_true(self.slot_keys[self.num_slots :] < 0, n_over)
+            over_slots = self.num_slots + free
+        else:
+            over_slots = self._empty_ids()
+
+        victims = self.slot_keys.index_select(0, place_slots)
+        resident = victims >= 0
+        dirty = resident & self.dirty.index_select(0, place_slots)
+        dirty_victims = place_slots.index_select(0, first_true(dirty, n_dirty))
+        new_slots = torch.cat([place_slots, over_slots]) if n_over else place_slots
+        new_pos = torch.cat([placed_pos, overflow_pos]) if n_over else placed_pos
+        old_keys = self.slot_keys.index_select(0, new_slots)
+        put(slots, new_pos, new_slots)
+        # Every miss got a slot: the rows to read, in the order of ``ids`` (sorted ids read
+        # from the tier without another sort).
+        load_slots = slots.index_select(0, misses[0])
+        plan = Plan(
+            ids,
+            slots,
+            misses[1],
+            load_slots,
+            self.slot_keys.index_select(0, dirty_victims),
+            dirty_victims,
+        )
+        plan.reserved, plan.old_keys = new_slots, old_keys
+        plan.old_scores = self.scores.index_select(0, place_slots)
+        plan.old_dirty = self.dirty.index_select(0, new_slots)
+        evicted = victims.index_select(0, first_true(resident, n_evicted))
+        plan.n_scratch, plan.evicted = n_over, n_evicted
+        plan.refused = refused
+        if self.pins:
+            plan.released = evicted
+        self._unindex(evicted)
+        put(self.slot_keys, load_slots, plan.load_ids)
+        self._index(plan.load_ids, load_slots)
+        fill_at(self.dirty, new_slots, False)
+        self._scratch_used += n_over
+        add_at(self.locks, new_slots, 1)  # now every slot of the batch holds one lock
+        self._touch(ids, slots, n_main)
+        return plan
+
+    def _lock_hits(self, slots: torch.Tensor, delta: int) -> None:
+        """Add ``delta`` to the locks of the slots of ``slots`` that are not -1 (without
+        selecting them: a -1 adds 0 to slot 0)."""
+        hit = slots >= 0
+        self.locks.index_add_(0, slots.clamp(min=0), hit.to(self.locks.dtype) * delta)
+
+    def _refuse(self, slots: torch.Tensor) -> None:
+        """Undo what a plan did before it was refused (a full scratch area, or another cache's
+        failure): the hits' locks and the clocks it advanced."""
+        self._lock_hits(slots, -1)
+        self._tick -= 1
+        self._lookups -= 1
+
+    def _guarded(self) -> torch.Tensor:
+        """Which slots hold an unlocked row guarded as the last locked batch's."""
+        return (self.batch_of == self._batch_seq) & (self.locks == 0)
+
+    def _empty_ids(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def _rollback(self, plan: Plan) -> None:
+        """Undo `_plan_*` after a failed tier transfer (victims stay resident and dirty)."""
+        if plan.reserved is not None:
+            self.slot_keys[plan.reserved] = plan.old_keys
+            self._reindex()
+        if plan.old_dirty is not None:  # set together with reserved
+            self.dirty[plan.reserved] = plan.old_dirty
+        if plan.old_scores is not None:  # of the reserved ways (scratch rows have none)
+            reserved = plan.reserved[: plan.old_scores.numel()]
+            ways = reserved < self.num_slots
+            self.scores[reserved[ways]] = plan.old_scores[ways]
+        self._scratch_used -= plan.n_scratch
+        self.locks[self._live(plan.slots)] -= 1

@@ -1,0 +1,236 @@
+"""Eviction policies of a set-associative `HotCache`: which misses get ways first, what a
+slot's score is, and whether a miss may displace a resident row.
+
+* `LruPolicy`: a slot's score is the tick of its last use; misses compete for their set's
+  ways in an order shuffled every batch; any miss displaces the least recently used way.
+* `LfuPolicy`: a slot's score is its row's frequency (`sketch.LfuCounts`, decayed every
+  ``lfu_decay_interval`` lookups when ``lfu_decay`` is set); the most frequent misses choose
+  first, and a miss displaces a resident row only if asked for more often (the others are
+  served from scratch for the batch while their counts grow, so popular rows get in and stay).
+
+The cache keeps the slots and the clocks; a policy keeps the counts and the rules, and is
+given the score tensor (replaced when the cache reallocates) on each call. Both have compiled
+CPU plans (`native.plan_lru`, `native.plan_lfu`); the torch code is their specification.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+import embcache.native as native
+from embcache.cache.config import CacheConfig, CachePolicy
+from embcache.cache.lockstep import first_true
+from embcache.cache.sketch import LfuCounts
+from embcache.indexing import fill_at, put, select, true_at
+from embcache.kernels.cache_index import set_index
+
+PlanArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def main_slots(slots: torch.Tensor, num_slots: int, n_main: int | None) -> torch.Tensor:
+    """The slots of ``slots`` in the cache proper (not -1, not scratch); ``n_main``: how
+    many, when known (no host read then)."""
+    main = (slots >= 0) & (slots < num_slots)
+    return select(slots, main) if n_main is None else slots.index_select(
+        0, first_true(main, n_main))  # fmt: skip
+
+
+class EvictionPolicy(ABC):
+    """What varies between LRU and LFU in a cache's plan (`HotCache._plan_sets`).
+
+    Args:
+        counts: the row frequencies (LFU only; None for LRU and for a direct cache).
+        config: the cache's config (``lfu_decay``, ``lfu_decay_interval``).
+        device_path: the cache plans through the set index (no compiled CPU passes).
+        fusion_k: bits of the raw id inside a fused id.
+    """
+
+    kind: CachePolicy
+    # `native.reserve` scores the batch's slots as LRU does: a policy whose scores are
+    # something else touches them again after a compiled plan.
+    rescores_compiled_plan = False
+
+    def __init__(
+        self, counts: LfuCounts | None, config: CacheConfig, device_path: bool, fusion_k: int
+    ) -> None:
+        self.counts = counts
+        self.config = config
+        self.device_path = device_path
+        self.fusion_k = fusion_k
+
+    @abstractmethod
+    def order_misses(
+        self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
+        shuffle: torch.Tensor, num_sets: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """The order misses compete for their sets' ways in: their positions in ``ids`` and
+        their sets, sorted by set (runs, for `kernels.cache_index.assign_ways`), and each
+        one's priority for `admit` (None: every miss may displace a row).
+
+        Args:
+            ids: the batch's ids.
+            miss_pos: the misses' positions in ``ids``, ascending; ``miss_ids`` their ids.
+            shuffle: a hash of each miss that changes every batch (`hashing.mix64`).
+            num_sets: sets of the cache.
+        """
+
+    def admit(
+        self, assigned: torch.Tensor, set_scores: torch.Tensor, touched: torch.Tensor,
+        owner: torch.Tensor, priority: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The ways of ``assigned`` (-1: none) that each miss may take, given the scores of
+        the ways (``set_scores``, ``[num_sets, ways]``), the ``touched`` sets, the run of each
+        miss (``owner``) and the misses' ``priority`` (`order_misses`)."""
+        return assigned
+
+    @abstractmethod
+    def compiled(self) -> bool:
+        """Whether a CPU cache with a row index that admits every id plans in compiled
+        passes (`plan_compiled`)."""
+
+    @abstractmethod
+    def plan_compiled(
+        self, ids: torch.Tensor, where: torch.Tensor, row_offset: torch.Tensor,
+        scores: torch.Tensor, locks: torch.Tensor, batch_of: torch.Tensor,
+        geometry: tuple[int, int, int], tick: int, batch_seq: int, slots: torch.Tensor,
+    ) -> PlanArrays:  # fmt: skip
+        """`native.plan_lru` or `native.plan_lfu` (``geometry``: slots, sets, ways): fills
+        ``slots`` and returns the misses' positions, their order and their places."""
+
+    @abstractmethod
+    def touch(
+        self, ids: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor,
+        n_main: int | None, all_main: bool, tick: int, lookups: int,
+    ) -> None:  # fmt: skip
+        """Update ``scores`` for a batch's ``slots`` (of ``ids``). ``n_main``: how many of
+        ``slots`` are in the cache proper (not -1, not scratch), when known; ``all_main``:
+        every one is."""
+
+
+class LruPolicy(EvictionPolicy):
+    """Least recently used: a slot's score is the tick of its last use."""
+
+    kind = CachePolicy.LRU
+
+    def order_misses(
+        self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
+        shuffle: torch.Tensor, num_sets: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        # One sort: by set, then by the batch's shuffle (20 low bits; num_sets < 2**43).
+        miss_sets = set_index(miss_ids, num_sets)
+        key = (miss_sets << 20) | (shuffle & 0xFFFFF)
+        order = torch.sort(key, stable=True).indices
+        return miss_pos.index_select(0, order), miss_sets.index_select(0, order), None
+
+    def compiled(self) -> bool:
+        return True
+
+    def plan_compiled(
+        self, ids: torch.Tensor, where: torch.Tensor, row_offset: torch.Tensor,
+        scores: torch.Tensor, locks: torch.Tensor, batch_of: torch.Tensor,
+        geometry: tuple[int, int, int], tick: int, batch_seq: int, slots: torch.Tensor,
+    ) -> PlanArrays:  # fmt: skip
+        num_slots, num_sets, ways = geometry
+        return native.plan_lru(
+            ids.numpy(), where.numpy(), row_offset.numpy(), self.fusion_k, scores.numpy(),
+            locks.numpy(), batch_of.numpy(), num_slots, num_sets, ways, tick, batch_seq,
+            slots.numpy(),
+        )  # fmt: skip
+
+    def touch(
+        self, ids: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor,
+        n_main: int | None, all_main: bool, tick: int, lookups: int,
+    ) -> None:  # fmt: skip
+        # Every slot of the batch is resident and in the cache proper unless some went to
+        # scratch (or were refused): select only then.
+        fill_at(scores, slots if all_main else main_slots(slots, scores.numel(), n_main), tick)
+
+
+class LfuPolicy(EvictionPolicy):
+    """Least frequently used: a slot's score is its row's frequency (`LfuCounts`)."""
+
+    kind = CachePolicy.LFU
+    rescores_compiled_plan = True
+
+    def order_misses(
+        self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
+        shuffle: torch.Tensor, num_sets: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        # The most frequent first, ties in the batch's shuffled order.
+        assert self.counts is not None
+        miss_pos = miss_pos.index_select(0, torch.argsort(shuffle))
+        miss_freq = self.counts.get(ids.index_select(0, miss_pos)) + 1  # with this request
+        by_freq = torch.argsort(miss_freq, descending=True, stable=True)
+        miss_pos, miss_freq = miss_pos.index_select(0, by_freq), miss_freq[by_freq]
+        miss_sets = set_index(ids.index_select(0, miss_pos), num_sets)
+        miss_sets, order = torch.sort(miss_sets, stable=True)
+        return miss_pos.index_select(0, order), miss_sets, miss_freq[order]
+
+    def admit(
+        self, assigned: torch.Tensor, set_scores: torch.Tensor, touched: torch.Tensor,
+        owner: torch.Tensor, priority: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        # An empty way has score -1: any miss takes it.
+        victim_score = set_scores[touched[owner], assigned.clamp(min=0)]
+        admit = (assigned >= 0) & (victim_score < priority)
+        return torch.where(admit, assigned, torch.full_like(assigned, -1))
+
+    def compiled(self) -> bool:
+        return self.counts is not None and self.counts.sketch is None
+
+    def plan_compiled(
+        self, ids: torch.Tensor, where: torch.Tensor, row_offset: torch.Tensor,
+        scores: torch.Tensor, locks: torch.Tensor, batch_of: torch.Tensor,
+        geometry: tuple[int, int, int], tick: int, batch_seq: int, slots: torch.Tensor,
+    ) -> PlanArrays:  # fmt: skip
+        assert self.counts is not None
+        _, num_sets, ways = geometry
+        return native.plan_lfu(
+            ids.numpy(), where.numpy(), row_offset.numpy(), self.fusion_k,
+            self.counts.exact.numpy(), self.counts.row_offset.numpy(),
+            scores.numpy(), locks.numpy(), batch_of.numpy(), num_sets,
+            ways, tick, batch_seq, slots.numpy(),
+        )  # fmt: skip
+
+    def touch(
+        self, ids: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor,
+        n_main: int | None, all_main: bool, tick: int, lookups: int,
+    ) -> None:  # fmt: skip
+        assert self.counts is not None
+        if not self.device_path and self.counts.sketch is None and native.available():
+            # Counted exactly: one compiled pass, the decay (when due) after it, which gives
+            # the same counts and scores as before the scores are set (each value is rounded
+            # down once either way).
+            native.touch_lfu(
+                ids.numpy(), slots.numpy(), self.counts.exact.numpy(),
+                self.counts.row_offset.numpy(), self.fusion_k, scores.numpy(), scores.numel(),
+            )  # fmt: skip
+            self._decay_when_due(scores, lookups)
+            return
+        self.counts.add(ids)
+        self._decay_when_due(scores, lookups)
+        main = (slots >= 0) & (slots < scores.numel())
+        at = true_at(main) if n_main is None else first_true(main, n_main)
+        put(scores, slots.index_select(0, at), self.counts.get(ids.index_select(0, at)))
+
+    def _decay_when_due(self, scores: torch.Tensor, lookups: int) -> None:
+        """With ``lfu_decay``: every ``lfu_decay_interval`` lookups, all frequencies and the
+        scores of resident rows are multiplied by it (rounded down)."""
+        decay = self.config.lfu_decay
+        if decay is not None and lookups % self.config.lfu_decay_interval == 0:
+            assert self.counts is not None
+            self.counts.decay(decay)
+            decayed = (scores.double() * decay).long()
+            scores.copy_(torch.where(scores >= 0, decayed, scores))
+
+
+def make_policy(
+    kind: CachePolicy, counts: LfuCounts | None, config: CacheConfig, device_path: bool,
+    fusion_k: int,
+) -> EvictionPolicy:  # fmt: skip
+    """The policy object of ``kind``."""
+    cls = LfuPolicy if kind is CachePolicy.LFU else LruPolicy
+    return cls(counts, config, device_path, fusion_k)

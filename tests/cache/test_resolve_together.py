@@ -1,0 +1,117 @@
+"""`resolve_together`: several caches resolved in lockstep give what one resolve each gives,
+and a failure in one cache leaves none of them locked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embcache.cache.config import CacheConfig
+from embcache.cache.hot_cache import HotCache, resolve_together
+from embcache.kernels.cache_index_ref import assign_ways_ref
+from embcache.kv.base import TableSpec
+from embcache.kv.host import HostKV
+
+K = 20
+ROWS = 700
+
+
+def _caches(policy: str, dims: tuple[int, ...] = (4, 8, 12)) -> list[HotCache]:
+    store = HostKV()
+    caches = []
+    for d, dim in enumerate(dims):
+        spec = TableSpec(f"t{d}", dim, num_embeddings=ROWS, state_dim=1, state_init=0.25, seed=d)
+        store.init_table(spec)
+        config = CacheConfig(capacity=96, ways=4, policy=policy, max_scratch_rows=4096)
+        caches.append(HotCache([(d, spec)], config, store, "cpu", K))
+    return caches
+
+
+def _batches(gen: torch.Generator, n: int) -> list[torch.Tensor]:
+    """One batch of distinct sorted fused ids per table (skewed, so rows come back)."""
+    out = []
+    for d in range(n):
+        raw = (torch.rand(150, generator=gen) ** 3 * ROWS).long()
+        out.append(torch.unique(raw | (d << K)))
+    return out
+
+
+def _run(caches: list[HotCache], together: bool) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    seen = []
+    for _ in range(8):
+        batches = _batches(gen, len(caches))
+        if together:
+            slots = resolve_together(caches, batches)
+        else:
+            slots = [c.resolve(b) for c, b in zip(caches, batches, strict=True)]
+        for cache, s in zip(caches, slots, strict=True):
+            cache.weights[s] += 1.0  # an update: dirty victims and scratch rows written back
+            cache.mark_dirty(s)
+            cache.unlock(s)
+        seen += slots
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_lockstep_equals_one_resolve_each(
+    monkeypatch: pytest.MonkeyPatch, policy: str, backend: str
+) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+    alone, together = _caches(policy), _caches(policy)
+    for a, b in zip(_run(alone, False), _run(together, True), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(alone, together, strict=True):
+        assert a.cache_stats() == b.cache_stats()
+        for name in ("slot_keys", "scores", "dirty", "locks", "weights", "state"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+        a.flush()
+        b.flush()
+    ids = torch.arange(ROWS)
+    for d in range(3):
+        torch.testing.assert_close(
+            alone[0].store.get(f"t{d}", ids), together[0].store.get(f"t{d}", ids), rtol=0, atol=0
+        )
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_failed_tier_read_leaves_no_cache_locked(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
+    caches = _caches("lru")
+    _run(caches, True)
+    store = caches[0].store
+    real = store.get_grouped_into, store.get_grouped, store.get
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("tier down")
+
+    for name in ("get_grouped_into", "get_grouped", "get"):
+        monkeypatch.setattr(store, name, broken)
+    keys = [c.slot_keys.clone() for c in caches]
+    with pytest.raises(ConnectionError):
+        resolve_together(caches, _batches(torch.Generator().manual_seed(9), 3))
+    for cache, before in zip(caches, keys, strict=True):
+        assert cache.locked_slots() == 0
+        torch.testing.assert_close(cache.slot_keys[: cache.num_slots], before[: cache.num_slots])
+    for name, fn in zip(("get_grouped_into", "get_grouped", "get"), real, strict=True):
+        monkeypatch.setattr(store, name, fn)
+    resolve_together(caches, _batches(torch.Generator().manual_seed(9), 3))  # retried: works
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_assign_ways_with_known_runs_reads_nothing_and_agrees(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    S, W, m = 37, 5, 120
+    scores = torch.randint(-1, 50, (S, W), generator=gen)
+    blocked = torch.rand(S, W, generator=gen) < 0.3
+    miss_sets = torch.sort(torch.randint(0, S, (m,), generator=gen)).values
+    runs = int(torch.unique(miss_sets).numel())
+    torch.testing.assert_close(
+        assign_ways_ref(scores, blocked, miss_sets, runs),
+        assign_ways_ref(scores, blocked, miss_sets),
+        rtol=0,
+        atol=0,
+    )

@@ -1,0 +1,139 @@
+"""The backend is chosen in one place (`embcache.backend`): every choice asks it, a name that
+is none of the choices is a ValueError wherever the choice is made, and whoever holds a choice
+makes it once (a tier table its row moves when declared)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import embcache
+import embcache.native as native
+from embcache.backend import CHOICES, backend_name
+from embcache.kernels.backend import takes_device_path, use_triton
+from embcache.kv.base import TableSpec
+from embcache.kv.host import HostKV
+from embcache.kv.host_tables import DenseTable
+
+TYPO = "tourch"
+
+
+def _tables() -> list[embcache.TableConfig]:
+    return [
+        embcache.TableConfig(name="t0", embedding_dim=8, num_embeddings=300,
+                             feature_names=["f0", "f1"]),
+        embcache.TableConfig(name="t1", embedding_dim=8, num_embeddings=200,
+                             feature_names=["f2"]),
+    ]  # fmt: skip
+
+
+def _batch() -> embcache.JaggedBatch:
+    lengths = torch.tensor([1, 2, 0, 3, 1, 1])
+    values = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    return embcache.JaggedBatch.from_lengths(["f0", "f1", "f2"], values, lengths)
+
+
+@pytest.mark.parametrize(("value", "name"), [("", "auto"), (" Torch ", "torch"),
+                                             ("TRITON", "triton"), ("auto", "auto")])  # fmt: skip
+def test_each_choice_is_read_as_its_name(monkeypatch, value: str, name: str) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", value)
+    assert backend_name() == name and name in CHOICES
+
+
+def test_unset_is_auto(monkeypatch) -> None:
+    monkeypatch.delenv("EMBCACHE_BACKEND", raising=False)
+    assert backend_name() == "auto"
+
+
+def test_a_typo_raises_at_every_choice(monkeypatch) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", TYPO)
+    cpu = torch.empty(1)
+    for choose in (backend_name, native.available, lambda: use_triton(cpu),
+                   lambda: takes_device_path(cpu.device),
+                   lambda: HostKV(pin_memory=False).init_table(TableSpec("t", 4, 10))):  # fmt: skip
+        with pytest.raises(ValueError, match=f"EMBCACHE_BACKEND='{TYPO}' is not one of"):
+            choose()
+
+
+def test_a_typo_raises_when_the_collection_is_made(monkeypatch) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", TYPO)
+    with pytest.raises(ValueError, match="EMBCACHE_BACKEND"):
+        embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
+
+
+def test_a_typo_set_after_the_collection_raises_at_its_first_forward(monkeypatch) -> None:
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
+    opt = embcache.SparseSGD([ebc], lr=0.1)
+    monkeypatch.setenv("EMBCACHE_BACKEND", TYPO)
+    with pytest.raises(ValueError, match="EMBCACHE_BACKEND"):
+        ebc(_batch()).values().sum().backward()
+        opt.step()
+
+
+def test_the_fused_cpu_step_asks_the_backend(monkeypatch) -> None:
+    pytest.importorskip("fbgemm_gpu")
+    from embcache.engine.fused_cpu import FusedCpuStep
+
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
+    opt = embcache.SparseSGD([ebc], lr=0.1)
+    engine = ebc.engines.engines[0]
+    monkeypatch.setenv("EMBCACHE_BACKEND", TYPO)
+    with pytest.raises(ValueError, match="EMBCACHE_BACKEND"):
+        FusedCpuStep.for_engine(engine, opt)
+    monkeypatch.setenv("EMBCACHE_BACKEND", "torch")
+    assert FusedCpuStep.for_engine(engine, opt) is None
+
+
+# -- a tier table chooses its row moves when declared -----------------------------------------
+
+SIZES = {"a": 50, "b": 80}
+
+
+def _store() -> HostKV:
+    kv = HostKV(pin_memory=False)
+    for name, rows in SIZES.items():
+        kv.init_table(TableSpec(name, 3, num_embeddings=rows, state_dim=1, state_init=0.5))
+    return kv
+
+
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+def test_a_dense_table_keeps_the_row_moves_it_was_declared_with(monkeypatch) -> None:
+    compiled = _store()
+    monkeypatch.setenv("EMBCACHE_BACKEND", "torch")
+    twins = _store()
+    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
+    tables = {name: kv._tables[name] for kv in (compiled, twins) for name in SIZES}
+    assert all(isinstance(t, DenseTable) for t in tables.values())
+    assert all(compiled._tables[n].compiled for n in SIZES)
+    assert not any(twins._tables[n].compiled for n in SIZES)
+    ids = torch.tensor([3, 7, 3, 49, 0, 5, 79, 5])  # repeats; a miss seen twice
+    counts = [4, 4]
+    assert torch.equal(
+        compiled.get_grouped(list(SIZES), ids, counts), twins.get_grouped(list(SIZES), ids, counts)
+    )
+    assert compiled.io_stats() == twins.io_stats()
+
+
+@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+def test_a_missed_grouped_read_takes_no_other_implementation(monkeypatch) -> None:
+    """Rows never created, read through the compiled pass: created there, not by falling back
+    to `get` per table (or to the torch ops of `DenseTable.get`)."""
+    kv, reference = _store(), _store()
+    for store in (kv, reference):  # both tables allocated, a few rows of each created
+        store.put("a", torch.tensor([1, 2]), torch.ones(2, 4))
+        store.put("b", torch.tensor([3]), torch.ones(1, 4))
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a missed read walked to another implementation")
+
+    monkeypatch.setattr(HostKV, "get", refuse, raising=True)
+    monkeypatch.setattr(DenseTable, "get", refuse)
+    monkeypatch.setattr(kv, "get", refuse)
+    ids, counts = torch.tensor([1, 2, 9, 9, 0, 79]), [4, 2]
+    got = kv.get_grouped(list(SIZES), ids, counts)
+    monkeypatch.undo()
+    want = torch.cat([reference.get("a", ids[:4]), reference.get("b", ids[4:])])
+    assert torch.equal(got, want)
+    assert kv.row_count("a") == 3 and kv.row_count("b") == 3
