@@ -13,8 +13,10 @@ rule               S          state columns
 SGD                0          none
 ADAGRAD            dim        sum of squared gradients, per element
 ROWWISE_ADAGRAD    1          sum of mean squared gradients, per row
-ADAM               2 * dim    ``exp_avg`` then ``exp_avg_sq``
+ADAM, ADAMW        2 * dim    ``exp_avg`` then ``exp_avg_sq``
 =================  =========  ===========================================================
+
+(The rules' facts, state layouts included, live in `optim_rules.RULES`; this table shows them.)
 
 `apply_row_update` updates the rows named by ``slots`` in place with one aggregated gradient row
 each, and touches nothing else. On the rows it touches the numbers match, to float32 rounding:
@@ -28,12 +30,14 @@ each, and touches nothing else. On the rows it touches the numbers match, to flo
 * ADAM: ``torch.optim.SparseAdam(lr, betas, eps)``: ``m += (g - m) * (1 - beta1)``;
   ``v += (g * g - v) * (1 - beta2)``;
   ``w -= lr * sqrt(1 - beta2**step) / (1 - beta1**step) * (m / (sqrt(v) + eps))``.
+* ADAMW: lazy AdamW: ADAM after ``w *= 1 - lr * weight_decay`` (AdamW's decoupled decay, on
+  the touched rows only).
 
-``weight_decay`` is L2 on the touched rows only (FBGEMM's ``weight_decay_mode=L2``): the
-gradient becomes ``g + weight_decay * w`` before the rule. torch refuses ``weight_decay`` with
-sparse gradients (Adagrad raises, SparseAdam has no such option, SGD's sparse path raises), so
-this is an extension there; rows absent from a batch do not decay. ``lr_decay`` applies to
-ADAGRAD only.
+``weight_decay`` (but ADAMW's) is L2 on the touched rows only (FBGEMM's
+``weight_decay_mode=L2``): the gradient becomes ``g + weight_decay * w`` before the rule. torch
+refuses ``weight_decay`` with sparse gradients (Adagrad raises, SparseAdam has no such option,
+SGD's sparse path raises), so this is an extension there; rows absent from a batch do not decay.
+``lr_decay`` applies to ADAGRAD only.
 
 `aggregate_grads` sums the gradient rows of equal ids deterministically (a stable sort, then a
 fixed-order segment sum per id, no float atomics), as the optimizer needs before
@@ -45,7 +49,6 @@ functions that dispatch through `backend.use_triton`.
 
 from __future__ import annotations
 
-import enum
 import math
 import numbers
 import operator
@@ -64,16 +67,8 @@ from embcache.kernels.optim_ref import (
     rowwise_adagrad_update_ref,
     sgd_update_ref,
 )
+from embcache.kernels.optim_rules import RULES, OptimRule
 from embcache.kernels.rounding import rounding_key, row_hash, store_weights
-
-
-class OptimRule(enum.IntEnum):
-    """The update rule applied to a row; the value is what the Triton kernel branches on."""
-
-    SGD = 0
-    ADAGRAD = 1
-    ROWWISE_ADAGRAD = 2
-    ADAM = 3
 
 
 def state_dim(rule: OptimRule, dim: int) -> int:
@@ -84,16 +79,10 @@ def state_dim(rule: OptimRule, dim: int) -> int:
         dim: embedding dim.
 
     Returns:
-        SGD 0; ADAGRAD ``dim``; ROWWISE_ADAGRAD 1; ADAM ``2 * dim``.
+        The widths of the rule's state parts (`optim_rules.RuleSpec.state`): SGD 0; ADAGRAD
+        ``dim``; ROWWISE_ADAGRAD 1; ADAM and ADAMW ``2 * dim``.
     """
-    rule = OptimRule(rule)
-    if rule == OptimRule.SGD:
-        return 0
-    if rule == OptimRule.ADAGRAD:
-        return dim
-    if rule == OptimRule.ROWWISE_ADAGRAD:
-        return 1
-    return 2 * dim
+    return RULES[OptimRule(rule)].state_dim(dim)
 
 
 @dataclass(frozen=True)
@@ -107,7 +96,8 @@ class RowUpdate:
             The default is Adagrad's; ``torch.optim.SparseAdam`` defaults to 1e-8, so pass it.
         beta1: ADAM's first-moment decay, in [0, 1).
         beta2: ADAM's second-moment decay, in [0, 1).
-        weight_decay: L2 coefficient added to the gradient on the touched rows (all rules).
+        weight_decay: L2 coefficient added to the gradient on the touched rows (ADAMW:
+            AdamW's decoupled decay, ``w *= 1 - lr * weight_decay`` before the update).
         lr_decay: ADAGRAD only, as ``torch.optim.Adagrad``: ``lr / (1 + (step - 1) * lr_decay)``.
     """
 
@@ -139,7 +129,7 @@ class RowUpdate:
         for name in ("beta1", "beta2"):
             if not getattr(self, name) < 1.0:
                 raise ValueError(f"RowUpdate.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.lr_decay != 0.0 and self.rule != OptimRule.ADAGRAD:
+        if self.lr_decay != 0.0 and "lr_decay" not in RULES[self.rule].hyper:
             raise ValueError(f"RowUpdate.lr_decay applies to ADAGRAD only, not {self.rule.name}")
 
     def state_dim(self, dim: int) -> int:
@@ -195,9 +185,11 @@ def _row_update_kernel(
     one_minus_beta1,
     one_minus_beta2,
     weight_decay,
+    decay,
     key,
     RULE: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr,
+    DECOUPLED: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -208,7 +200,8 @@ def _row_update_kernel(
     ``lr`` is the step's effective rate (SGD and ROWWISE_ADAGRAD: lr; ADAGRAD: the decayed
     ``clr``; ADAM: ``lr * sqrt(1 - beta2**step) / (1 - beta1**step)``). With weight decay
     ``g = g + weight_decay * w`` first (ROWWISE_ADAGRAD: in the mean square only, the update
-    folds it into ``w`` as FBGEMM does). State columns:
+    folds it into ``w`` as FBGEMM does). With DECOUPLED (ADAMW, launched as ADAM)
+    ``w = w * decay`` first, ``decay = 1 - lr * weight_decay``. State columns:
 
     * SGD: ``w = w + (-lr) * g``.
     * ADAGRAD: ``a = a + g * g``; ``w = w + (-lr) * (g / (sqrt(a) + eps))``, a = ``[0, dim)``.
@@ -274,6 +267,8 @@ def _row_update_kernel(
             p_g = p_grad[:, None] + o_d[None, :] * stride_gd
             b_w = tl.load(p_w, mask=m_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
             b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if DECOUPLED:
+                b_w = b_w * decay
             if HAS_WEIGHT_DECAY:
                 b_g = _axpy(weight_decay, b_w, b_g)
             if RULE == _SGD:
@@ -359,11 +354,14 @@ def row_update_triton(
     weight_decay: float,
     ids: torch.Tensor | None = None,
     key: int = 0,
+    decay: float = 1.0,
 ) -> None:
     """Launch `_row_update_kernel` on checked inputs (see `apply_row_update`).
 
     ``lr`` is the step's effective rate, as the kernel's docstring says; ``ids`` (with
-    ``key``) make half-precision weights round stochastically.
+    ``key``) make half-precision weights round stochastically. ``weight_decay`` is L2 (added
+    to the gradient); ``decay`` multiplies the weights first (ADAMW's ``1 - lr *
+    weight_decay``; ADAMW runs the ADAM branch).
     """
     n, dim = slots.numel(), weights.shape[1]
     if n == 0:
@@ -391,9 +389,11 @@ def row_update_triton(
         1.0 - beta1,
         1.0 - beta2,
         weight_decay,
+        decay,
         key,
-        RULE=int(rule),
+        RULE=int(OptimRule.ADAM if rule == OptimRule.ADAMW else rule),
         HAS_WEIGHT_DECAY=weight_decay != 0.0,
+        DECOUPLED=decay != 1.0,
         STOCHASTIC=stochastic,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -526,6 +526,7 @@ def apply_row_update(
     check_slots: bool = True,
     ids: torch.Tensor | None = None,
     seed: int = 0,
+    may_skip: bool = True,
 ) -> None:
     """Apply one optimizer step to the rows ``slots`` of ``weights`` and ``state``, in place.
 
@@ -543,12 +544,14 @@ def apply_row_update(
             `aggregate_grads`).
         update: the rule and its hyper-parameters.
         step: the optimizer's step count after incrementing (1 on the first step); used by
-            ADAM's bias corrections and ADAGRAD's ``lr_decay``.
+            ADAM's and ADAMW's bias corrections and ADAGRAD's ``lr_decay``.
         check_slots: verify that slots are in range and distinct (a sort and a host sync).
             Callers whose slots come from a cache resolve, distinct by construction, skip it.
         ids: int64 ``[n]``, the rows' ids (fused ids): half-precision weights are then rounded
             stochastically with draws of ``(seed, step, id, column)``; None rounds to nearest.
         seed: the seed of those draws.
+        may_skip: ``slots`` may hold -1 (rows to skip). False when the caller knows they hold
+            none (a cache that admits every id): the CPU twin then reads nothing on the host.
 
     Raises:
         TypeError: a wrong type or dtype.
@@ -565,20 +568,23 @@ def apply_row_update(
     lr = update.lr
     if rule == OptimRule.ADAGRAD:
         lr = update.lr / (1 + (step - 1) * update.lr_decay)
-    elif rule == OptimRule.ADAM:
+    elif rule in (OptimRule.ADAM, OptimRule.ADAMW):
         # torch.optim.SparseAdam's step size, computed in double as torch does.
         lr = update.lr * math.sqrt(1 - update.beta2**step) / (1 - update.beta1**step)
 
-    wd = update.weight_decay
+    wd, decay = update.weight_decay, 1.0
+    if rule == OptimRule.ADAMW:  # decoupled: the weights shrink, the gradient has no L2 term
+        wd, decay = 0.0, 1.0 - update.lr * update.weight_decay
     key = rounding_key(seed, step)
     if use_triton(weights):
         row_update_triton(weights, state, slots, grads, rule, lr, update.eps, update.beta1,
-                          update.beta2, wd, ids, key)  # fmt: skip
+                          update.beta2, wd, ids, key, decay)  # fmt: skip
         return
-    keep = slots >= 0  # the CPU path: dropping skipped rows costs no device sync
-    if not bool(keep.all()):
-        slots, grads = slots[keep], grads[keep]
-        ids = None if ids is None else ids[keep]
+    if may_skip:  # the twins drop skipped rows first (a host read of the slots' flags)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, grads = slots[keep], grads[keep]
+            ids = None if ids is None else ids[keep]
     rounding = (ids, key)
     if rule == OptimRule.SGD:
         sgd_update_ref(weights, slots, grads, lr, wd, rounding)
@@ -588,7 +594,7 @@ def apply_row_update(
         rowwise_adagrad_update_ref(weights, state, slots, grads, lr, update.eps, wd, rounding)
     else:
         adam_update_ref(weights, state, slots, grads, lr, update.beta1, update.beta2,
-                        update.eps, wd, rounding)  # fmt: skip
+                        update.eps, wd, rounding, decay)  # fmt: skip
 
 
 def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Torch twins of the optimizer kernels (`kernels/optim.py`): in-place row updates (SGD,
-AdaGrad, row-wise AdaGrad, Adam) and the per-id gradient sum.
+AdaGrad, row-wise AdaGrad, Adam, lazy AdamW) and the per-id gradient sum.
 
 Each function computes what its Triton kernel computes, with the same float32 operations in the
 same order as the torch (or FBGEMM) optimizer it mirrors: the specification, and the CPU path.
@@ -161,8 +161,10 @@ def adam_update_ref(
     eps: float,
     weight_decay: float = 0.0,
     rounding: Rounding = _NEAREST,
+    decay: float = 1.0,
 ) -> None:
-    """Adam on the touched rows, in place, as ``torch.optim.SparseAdam``.
+    """Adam on the touched rows, in place, as ``torch.optim.SparseAdam``; with ``decay`` (lazy
+    AdamW's ``1 - lr * weight_decay``) ``w *= decay`` first.
 
     ``g' = g + weight_decay * w``; ``m += (g' - m) * (1 - beta1)``;
     ``v += (g' * g' - v) * (1 - beta2)``; ``w += -step_size * (m / (sqrt(v) + eps))``.
@@ -179,10 +181,13 @@ def adam_update_ref(
         eps: added to ``sqrt(v)``.
         weight_decay: L2 coefficient added to the gradient (0 disables it).
         rounding: how half-precision weights are stored back.
+        decay: AdamW's decoupled weight decay factor (1 disables it).
     """
     dim = weights.shape[1]
     w, mv = _gather_weights(weights, slots), _gather(state, slots, 2 * dim)  # [n, dim], [n, 2D]
     m, v = mv[:, :dim], mv[:, dim:]
+    if decay != 1.0:
+        w.mul_(decay)
     g = grads if weight_decay == 0.0 else grads.add(w, alpha=weight_decay)
     m.add_((g - m).mul_(1.0 - beta1))
     v.add_((g * g).sub_(v).mul_(1.0 - beta2))

@@ -3,6 +3,7 @@
 from embcache.optim.sparse import (
     SparseAdaGrad,
     SparseAdam,
+    SparseAdamW,
     SparseOptimizer,
     SparseRowWiseAdaGrad,
     SparseRowWiseAdagrad,
@@ -12,6 +13,7 @@ from embcache.optim.sparse import (
 __all__ = [
     "SparseAdaGrad",
     "SparseAdam",
+    "SparseAdamW",
     "SparseOptimizer",
     "SparseRowWiseAdaGrad",
     "SparseRowWiseAdagrad",

@@ -14,30 +14,42 @@ Rules and the torch optimizer each matches on the rows a batch touches:
   ``w -= lr * g / (sqrt(acc) + eps)``).
 * `SparseAdam`: ``torch.optim.SparseAdam`` (state: exp_avg and exp_avg_sq; a step count per
   table, advanced on every step in which the table was looked up).
+* `SparseAdamW`: lazy AdamW: `SparseAdam` after AdamW's decoupled decay
+  (``w *= 1 - lr * weight_decay``), both on the touched rows only.
+
+Each rule's facts (state parts, hyper-parameters and defaults, torch class, ...) are its spec in
+`kernels.optim_rules.RULES`; the tables here derive from it.
 
 `DistEmbedding` modules are updated the RecStore way (SGD only): read the rows, ``w - lr*g``,
 write them back through the KV client. Every optimizer takes its modules positionally or as
 ``params=`` (RecStore's keyword: ``SparseSGD(params=[module], lr=0.01)``).
+
+Every optimizer is a ``torch.optim.Optimizer`` to LR schedulers: ``param_groups`` is one group,
+``{"params": modules, "lr": ..., <the rule's hyper-parameters>}`` (``weight_decay``; ``eps``
+but for SGD; ``lr_decay`` for AdaGrad; ``betas`` for Adam and AdamW), and a change to it takes
+effect at the next step (a batch already looked up with the fused CPU path is updated by the
+ordinary path then). An optimizer may be built after a backward: the pending gradients are
+applied by its first step (with fresh state beside every row, as any new optimizer starts).
+
+    opt = SparseSGD([ebc], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    ...; opt.step(); sched.step()
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from embcache.kernels.optim import OptimRule, RowUpdate, state_dim
+from embcache.kernels.optim_rules import RULES
 from embcache.optim.protocol import SparseParameters
 from embcache.profiling import profiled
-
-_STATE_NAMES = {
-    OptimRule.SGD: [],
-    OptimRule.ADAGRAD: ["sum"],
-    OptimRule.ROWWISE_ADAGRAD: ["sum"],
-    OptimRule.ADAM: ["exp_avg", "exp_avg_sq"],
-}
 
 
 def _as_modules(modules: Any) -> list[Any]:
@@ -49,12 +61,30 @@ def _as_modules(modules: Any) -> list[Any]:
     return list(modules)
 
 
-class SparseOptimizer:
+def _hyper_parameters(update: RowUpdate) -> dict[str, Any]:
+    """The param-group entries of ``update``'s rule, as torch's optimizers name them."""
+    return RULES[update.rule].param_group(update)
+
+
+def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every sum of ``tensors`` is finite, read on the host once per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_device[t.device].append(t.sum(dtype=torch.float64 if t.dtype == torch.float64
+                                         else torch.float32))  # fmt: skip
+    return all(bool(torch.isfinite(torch.stack(sums)).all()) for sums in by_device.values())
+
+
+class SparseOptimizer(torch.optim.Optimizer):
     """Base of the sparse optimizers: the rule, its hyper-parameters and step counts.
 
     The optimizer knows the math, not the caches: each module it drives (a `SparseParameters`:
     cached collections, sharded ones, `DistEmbedding`) applies the rule to its own rows when
     ``step()`` asks it to.
+
+    A ``torch.optim.Optimizer`` for LR schedulers only: ``param_groups`` (one group; its
+    ``"params"`` are the modules) is where ``update`` reads its hyper-parameters, so a change
+    there applies from the next step. Torch's step hooks are not run.
 
     Args:
         modules: a module or a list of them (`SparseParameters`).
@@ -80,12 +110,53 @@ class SparseOptimizer:
                     f"{type(self).__name__} takes cached collections or DistEmbedding "
                     f"modules, got {type(m).__name__}"
                 )
+        # torch.optim.Optimizer's attributes, set here: its __init__ takes tensors only.
+        self.defaults = _hyper_parameters(update)
+        self.param_groups = [{"params": self.modules, **self.defaults}]
+        self.state = defaultdict(dict)  # torch's per-tensor state: ours lives beside the rows
         self.update = update
         self.state_init = float(state_init)
         self.allow_nonfinite = allow_nonfinite
         self._steps: dict[tuple[int, str], int] = {}
         for m in self.modules:
             m.attach_sparse_optimizer(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    @property
+    def update(self) -> RowUpdate:
+        """The rule and its hyper-parameters, as ``param_groups[0]`` has them now."""
+        if len(self.param_groups) != 1:
+            raise ValueError(
+                f"{type(self).__name__} has one parameter group, got {len(self.param_groups)}"
+            )
+        group = self.param_groups[0]
+        key = tuple((k, group.get(k)) for k in self._update_keys)
+        if key != self._update_key:
+            hyper = {k: group[k] for k in self._update_keys}
+            betas = hyper.pop("betas", None)
+            if betas is not None:
+                hyper["beta1"], hyper["beta2"] = betas
+            self._update = dataclasses.replace(self._update, **hyper)
+            self._update_key = key
+        return self._update
+
+    @update.setter
+    def update(self, value: RowUpdate) -> None:
+        hyper = _hyper_parameters(value)
+        if self.param_groups:
+            self.param_groups[0].update(hyper)
+        self._update, self._update_keys = value, tuple(hyper)
+        self._update_key = tuple(hyper.items())
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} has one parameter group (all its modules share the rule)"
+        )
 
     @property
     def lr(self) -> float:
@@ -119,7 +190,12 @@ class SparseOptimizer:
         module it concerns changes, with its trace kept; modules before it are done and their
         traces cleared. Calling ``step()`` again once the tier is back applies each gradient
         exactly once.
+
+        Raises:
+            ValueError: a NaN/Inf gradient, or a bad hyper-parameter in ``param_groups``;
+                nothing was updated.
         """
+        self.update  # noqa: B018 (the param group's values, checked before any update)
         for m in self.modules:
             self.check_gradients(m.sparse_gradients())
         for m in self.modules:
@@ -147,7 +223,8 @@ class SparseOptimizer:
             bases[id(base)] = base
         # A finite sum proves every element finite (NaN and Inf propagate); a non-finite sum
         # (NaN/Inf, or a rare overflow) falls through to the exact per-table check.
-        if all(math.isfinite(b.sum().item()) for b in bases.values()):
+        # One host read for all of them (not one per cache): their sums side by side.
+        if bases and _all_finite(bases.values()):
             return
         for table, _, grads in entries:
             if grads.numel() and not bool(torch.isfinite(grads).all()):
@@ -161,9 +238,16 @@ class SparseOptimizer:
     # state
 
     def hyper_state_dict(self) -> dict[str, Any]:
-        """The rule, its hyper-parameters and the step counts (per module, per table): what
-        a checkpoint needs beside the table rows, which hold the optimizer state."""
+        """The rule, its hyper-parameters, the param group (what an LR scheduler changed, as
+        JSON values) and the step counts (per module, per table): what a checkpoint needs
+        beside the table rows, which hold the optimizer state."""
+        group = {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in self.param_groups[0].items()
+            if k != "params"
+        }
         return {
+            "param_groups": [group],
             "rule": self.update.rule.name,
             "hyperparameters": {
                 k: getattr(self.update, k)
@@ -177,6 +261,10 @@ class SparseOptimizer:
     def load_hyper_state_dict(self, state: dict[str, Any]) -> None:
         """Restore step counts from `hyper_state_dict` (same rule, same module order)."""
         self.check_hyper_state_dict(state)
+        for group in state.get("param_groups", ())[:1]:
+            self.param_groups[0].update(
+                {k: tuple(v) if k == "betas" else v for k, v in group.items() if k != "params"}
+            )
         self._steps = {
             (id(m), t): int(n)
             for m, steps in zip(self.modules, state["steps"], strict=True)
@@ -221,7 +309,7 @@ class SparseOptimizer:
         """Restore what `state_dict` returned: same rule, same modules in the same order.
         Everything is checked before anything is written."""
         self.check_hyper_state_dict(state_dict)
-        names = _STATE_NAMES[self.update.rule]
+        names = RULES[self.update.rule].state_names
         per_module = state_dict["state"]
         writes = []
         for i, (m, parts_by_table) in enumerate(zip(self.modules, per_module, strict=True)):
@@ -251,7 +339,7 @@ class SparseOptimizer:
         self.load_hyper_state_dict(state_dict)
 
     def _split_state(self, state: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
-        names = _STATE_NAMES[self.update.rule]
+        names = RULES[self.update.rule].state_names
         if not names:
             return {}
         width = state.shape[1] // len(names)
@@ -380,6 +468,34 @@ class SparseAdam(SparseOptimizer):
             eps=eps,
             beta1=betas[0],
             beta2=betas[1],
+        )
+        super().__init__(modules, update, **kw)
+
+
+class SparseAdamW(SparseOptimizer):
+    """Lazy AdamW on the touched rows: ``w *= 1 - lr * weight_decay`` (AdamW's decoupled
+    decay), then `SparseAdam`'s update (bias corrections from the same per-table step count).
+    Rows a step does not touch neither decay nor move."""
+
+    def __init__(
+        self,
+        modules=None,
+        lr: float | None = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        params=None,
+        **kw,
+    ) -> None:
+        modules = _modules(modules, params, "SparseAdamW")
+        update = RowUpdate(
+            OptimRule.ADAMW,
+            lr=_lr(lr, modules, "SparseAdamW"),
+            eps=eps,
+            beta1=betas[0],
+            beta2=betas[1],
+            weight_decay=weight_decay,
         )
         super().__init__(modules, update, **kw)
 

@@ -22,6 +22,7 @@ from embcache.kernels.optim import (
     apply_row_update,
     state_dim,
 )
+from embcache.kernels.optim_rules import RULES
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 rounding of a few chained ops
 
@@ -30,6 +31,9 @@ UPDATES = {
     OptimRule.ADAGRAD: RowUpdate(OptimRule.ADAGRAD, lr=0.1, eps=1e-10, lr_decay=0.05),
     OptimRule.ROWWISE_ADAGRAD: RowUpdate(OptimRule.ROWWISE_ADAGRAD, lr=0.1, eps=1e-8),
     OptimRule.ADAM: RowUpdate(OptimRule.ADAM, lr=0.01, eps=1e-8, beta1=0.8, beta2=0.99),
+    OptimRule.ADAMW: RowUpdate(
+        OptimRule.ADAMW, lr=0.01, eps=1e-8, beta1=0.8, beta2=0.99, weight_decay=0.3
+    ),
 }
 RULE_IDS = [r.name.lower() for r in OptimRule]
 
@@ -60,26 +64,16 @@ def formula_float64(
     update: RowUpdate,
     step: int,
 ) -> torch.Tensor:
-    """The touched rows' first ``dim + S`` columns after an update, float64 ``[n, dim + S]``."""
+    """The touched rows' first ``dim + S`` columns after an update, float64 ``[n, dim + S]``:
+    the rule's float64 reference (`optim_rules.RuleSpec.reference`)."""
+    spec = RULES[update.rule]
     r = rows.double()[slots]
-    g = grads.double()
-    w = r[:, :dim]
-    g = g + update.weight_decay * w
-    lr, eps = update.lr, update.eps
-    if update.rule == OptimRule.SGD:
-        return w - lr * g
-    if update.rule == OptimRule.ADAGRAD:
-        clr = lr / (1 + (step - 1) * update.lr_decay)
-        acc = r[:, dim : 2 * dim] + g * g
-        return torch.cat([w - clr * g / (acc.sqrt() + eps), acc], 1)
-    if update.rule == OptimRule.ROWWISE_ADAGRAD:
-        acc = r[:, dim] + (g * g).mean(1)
-        return torch.cat([w - lr * g / (acc.sqrt() + eps).unsqueeze(1), acc.unsqueeze(1)], 1)
-    b1, b2 = update.beta1, update.beta2
-    m = b1 * r[:, dim : 2 * dim] + (1 - b1) * g
-    v = b2 * r[:, 2 * dim : 3 * dim] + (1 - b2) * g * g
-    step_size = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
-    return torch.cat([w - step_size * m / (v.sqrt() + eps), m, v], 1)
+    parts, lo = {}, dim
+    for part in spec.state:
+        parts[part.name] = r[:, lo : lo + part.width(dim)]
+        lo += part.width(dim)
+    w, parts = spec.reference(r[:, :dim], parts, grads.double(), update, step)
+    return torch.cat([w, *(parts[p.name] for p in spec.state)], 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,7 +100,7 @@ def test_rule_matches_formula(
     rows[slots, :dim] = torch.randn(n, dim, generator=gen)
     # Accumulators and second moments are non-negative; first moments any sign.
     rows[slots, dim:width] = torch.rand(n, width - dim, generator=gen) + 0.1
-    if rule == OptimRule.ADAM:
+    if rule in (OptimRule.ADAM, OptimRule.ADAMW):
         rows[slots, dim : 2 * dim] = torch.randn(n, dim, generator=gen) * 0.1
     grads = torch.randn(dim, n, generator=gen).t()  # non-contiguous on purpose
     step = 3
@@ -136,7 +130,7 @@ def test_no_slots_is_a_no_op(backend: str, device: torch.device, rule: OptimRule
 
 
 def test_state_dim() -> None:
-    assert [state_dim(r, 5) for r in OptimRule] == [0, 5, 1, 10]
+    assert [state_dim(r, 5) for r in OptimRule] == [0, 5, 1, 10, 10]
     assert UPDATES[OptimRule.ADAM].state_dim(3) == 6
 
 

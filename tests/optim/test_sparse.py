@@ -39,14 +39,17 @@ OPTIMIZERS = {
     ),
     "rowwise_adagrad": lambda m: embcache.SparseRowWiseAdaGrad([m], lr=0.1, eps=1e-8),
     "adam": lambda m: embcache.SparseAdam([m], lr=0.05, betas=(0.8, 0.95)),
+    "adamw": lambda m: embcache.SparseAdamW([m], lr=0.05, betas=(0.8, 0.95), weight_decay=0.1),
 }
 STATE_NAMES = {
     "sgd": [],
     "adagrad": ["sum"],
     "rowwise_adagrad": ["sum"],
     "adam": ["exp_avg", "exp_avg_sq"],
+    "adamw": ["exp_avg", "exp_avg_sq"],
 }
-STATE_WIDTH = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": None, "adam": 2}  # x dim; None: 1
+# x dim; None: 1
+STATE_WIDTH = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": None, "adam": 2, "adamw": 2}
 
 
 def batches(seed: int, n: int) -> list:

@@ -1,0 +1,664 @@
+"""One reference per operation: every implementation of each core operation, on the same
+fresh random inputs, against ONE float64 (or plain Python) reference written here.
+
+Implementations gathered per operation (a parametrize id per operation and implementation):
+
+* ``torch``: the torch twin (``*_ref.py``), through the public function under
+  ``EMBCACHE_BACKEND=torch``;
+* ``triton``: the Triton kernel through the same function under ``EMBCACHE_BACKEND=triton``
+  (the interpreter on a machine without a GPU, so shapes stay small);
+* ``numba-*``: the compiled CPU version in `embcache.native`, where there is one;
+* ``fbgemm``: FBGEMM's CPU TBE as `engine.fused_cpu.FusedCpuStep` drives it (pooling, and its
+  fused backward + row update), where fbgemm_gpu imports.
+
+Inputs have odd shapes on purpose: dims 5 and 123, empty bags, duplicate ids, one huge bag, ids
+at a table's last row; output buffers start as NaN so an element an implementation forgets to
+write shows. Operations with no implementation of a kind list none here (the cache index and
+the optimizer have no numba version; the numba plan looks ids up through a row index).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import embcache.native as native
+from embcache.engine import fused_cpu
+from embcache.engine.batch_state import Prepared
+from embcache.indexing import copy_rows
+from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+from embcache.kernels.ids import dedup, dedup_grouped
+from embcache.kernels.optim import (
+    OptimRule,
+    RowUpdate,
+    aggregate_grads,
+    apply_row_update,
+    state_dim,
+)
+from embcache.kernels.pooling import PoolingMode, pool_backward, pool_forward
+from embcache.kv.base import TableSpec
+from embcache.kv.host import HostKV
+
+HAS_NUMBA = native._njit() is not None
+HAS_FBGEMM = fused_cpu._fbgemm() is not None
+NO_NUMBA = "numba cannot be imported here: embcache.native has no compiled kernels"
+NO_FBGEMM = "fbgemm_gpu cannot be imported here: no CPU TBE"
+
+
+def _impl(name: str, needs: str | None = None) -> object:
+    """A parametrize entry for implementation ``name`` (skipped when its library is absent)."""
+    marks = []
+    if needs == "numba" and not HAS_NUMBA:
+        marks.append(pytest.mark.skip(reason=NO_NUMBA))
+    if needs == "fbgemm" and not HAS_FBGEMM:
+        marks.append(pytest.mark.skip(reason=NO_FBGEMM))
+    return pytest.param(name, id=name, marks=marks)
+
+
+@pytest.fixture
+def use(monkeypatch: pytest.MonkeyPatch):
+    """``use(impl)``: select the backend an implementation runs under. ``torch``/``triton``
+    force the twins or the kernels; every other implementation runs under ``auto`` (where
+    `embcache.native` is on, on a CPU)."""
+
+    def select(impl: str) -> None:
+        name = impl if impl in ("torch", "triton") else "auto"
+        if impl.startswith("twins-"):
+            name = impl.removeprefix("twins-")
+        monkeypatch.setenv("EMBCACHE_BACKEND", name)
+
+    return select
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# dedup of fused ids
+# ----------------------------------------------------------------------------------------------
+
+FUSION_K = 20
+TABLE_ROWS = (7, 50)  # two tables; ids hit each one's last row
+
+
+def _fused_batch(n: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Raw ids per feature (feature f reads table f) and the fused ids, feature-major."""
+    g = _gen(seed)
+    raw = []
+    for t, rows in enumerate(TABLE_ROWS):
+        k = n // 2 + t * (n % 2)
+        ids = torch.randint(0, rows, (k,), generator=g)
+        if k:
+            ids[torch.randint(0, k, (1,), generator=g)] = rows - 1  # the last row
+        raw.append(ids)
+    fused = torch.cat([ids | (t << FUSION_K) for t, ids in enumerate(raw)])
+    return raw, fused
+
+
+def _dedup_reference(fused: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    values = fused.tolist()
+    unique = sorted(set(values))
+    rank = {v: i for i, v in enumerate(unique)}
+    inverse = [rank[v] for v in values]
+    counts = [values.count(v) for v in unique]
+    return unique, inverse, counts
+
+
+def _numba_bitmap_args() -> tuple[np.ndarray, ...]:
+    total = sum(TABLE_ROWS)
+    words = (total + 63) // 64
+    row_offset = np.array([0, TABLE_ROWS[0]], dtype=np.int64)
+    return (
+        row_offset,
+        FUSION_K,
+        np.zeros(words, dtype=np.uint64),
+        np.zeros(words, dtype=np.int32),
+        row_offset.copy(),  # row_starts
+        np.array([0, 1], dtype=np.int64),  # row_tables
+    )
+
+
+def _run_dedup(impl: str, raw: list[torch.Tensor], fused: torch.Tensor):
+    if impl in ("torch", "triton"):
+        unique, inverse, counts = dedup(fused)
+        return unique, inverse, counts
+    if impl == "torch-grouped":
+        unique, inverse, order, segments = dedup_grouped(fused)
+        # The grouping: values of id u at order[segments[u]:segments[u + 1]], ascending.
+        assert torch.equal(fused[order], unique.repeat_interleave(segments.diff()))
+        for u in range(unique.numel()):
+            part = order[segments[u] : segments[u + 1]]
+            assert torch.equal(part, part.sort().values)
+        return unique, inverse, segments.diff()
+    if impl == "numba-rows":
+        unique, inverse = native.unique_rows(fused.numpy(), *_numba_bitmap_args())
+    else:  # numba-values: raw ids checked, fused and deduplicated in one pass
+        values = torch.cat(raw)
+        bounds = np.array([0, raw[0].numel(), values.numel()], dtype=np.int64)
+        row_offset, k, bits, ranks, starts, tables = _numba_bitmap_args()
+        limits = np.array(TABLE_ROWS, dtype=np.int64)
+        unique, inverse, bad = native.unique_values(
+            values.numpy(), bounds, row_offset, limits, k, bits, ranks, starts, tables
+        )
+        assert bad == -1
+    unique, inverse = torch.from_numpy(unique), torch.from_numpy(inverse)
+    return unique, inverse, torch.bincount(inverse, minlength=unique.numel())
+
+
+@pytest.mark.parametrize("n", [0, 1, 157], ids=["empty", "one", "n157"])
+@pytest.mark.parametrize(
+    "impl",
+    [
+        _impl("torch"),
+        _impl("triton"),
+        _impl("torch-grouped"),
+        _impl("numba-rows", "numba"),
+        _impl("numba-values", "numba"),
+    ],
+)
+def test_dedup(impl: str, n: int, use) -> None:
+    use(impl)
+    raw, fused = _fused_batch(n, seed=11 + n)
+    unique, inverse, counts = _run_dedup(impl, raw, fused)
+    ref_unique, ref_inverse, ref_counts = _dedup_reference(fused)
+    assert unique.dtype == inverse.dtype == torch.int64
+    assert unique.tolist() == ref_unique
+    assert inverse.tolist() == ref_inverse
+    assert counts.tolist() == ref_counts
+
+
+# ----------------------------------------------------------------------------------------------
+# pooling forward and backward
+# ----------------------------------------------------------------------------------------------
+
+B, F = 5, 2
+EXTRA_COLUMNS = 3  # rows are strided views: [R, dim] of [R, dim + 3]
+NUM_ROWS = 40
+
+
+def _bags(dim: int, weighted: bool, seed: int, unique: int = 20) -> SimpleNamespace:
+    """F * B feature-major bags over ``unique`` ids held at distinct slots (one at the last
+    row): empty bags, duplicates within a bag, and one huge bag."""
+    g = _gen(seed)
+    storage = torch.randn(NUM_ROWS, dim + EXTRA_COLUMNS, generator=g)
+    perm = torch.randperm(NUM_ROWS - 1, generator=g)[: unique - 1]
+    slots = torch.cat([perm, torch.tensor([NUM_ROWS - 1])])
+    lengths = torch.randint(0, 4, (F * B,), generator=g)
+    lengths[1] = 0  # empty bags
+    lengths[B] = 0
+    lengths[2] = 211 if dim < 100 else 97  # one huge bag
+    lengths[3] = max(int(lengths[3]), 2)
+    nnz = int(lengths.sum())
+    inverse = torch.randint(0, unique, (nnz,), generator=g)
+    start = int(lengths[:3].sum())
+    inverse[start : start + 2] = inverse[start]  # a duplicate within bag 3
+    offsets = torch.zeros(F * B + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    weights = torch.rand(nnz, generator=g) * 2 - 0.5 if weighted else None
+    return SimpleNamespace(
+        storage=storage,
+        rows=storage[:, :dim],
+        dim=dim,
+        slots=slots,
+        inverse=inverse,
+        offsets=offsets,
+        weights=weights,
+        col_offsets=torch.arange(F, dtype=torch.int64) * dim,
+        grad_out=torch.randn(B, F * dim, generator=g),
+    )
+
+
+def _values64(p: SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each value's row and weight, float64."""
+    x = p.rows.double()[p.slots[p.inverse]]
+    w = p.weights.double() if p.weights is not None else torch.ones(p.inverse.numel()).double()
+    return x, w
+
+
+def _forward_reference(p: SimpleNamespace, mode: PoolingMode):
+    """float64 ``out [B, F * dim]`` and, for MAX, the first value reaching each bag's max."""
+    x, w = _values64(p)
+    out = torch.zeros(B, F * p.dim, dtype=torch.float64)
+    argmax = torch.full((F * B, p.dim), -1, dtype=torch.int64)
+    for q in range(F * B):
+        f, b = divmod(q, B)
+        lo, hi = int(p.offsets[q]), int(p.offsets[q + 1])
+        if hi == lo:
+            continue
+        seg = x[lo:hi] * w[lo:hi, None]
+        cols = slice(f * p.dim, (f + 1) * p.dim)
+        if mode == PoolingMode.SUM:
+            out[b, cols] = seg.sum(0)
+        elif mode == PoolingMode.MEAN:
+            out[b, cols] = seg.sum(0) / (hi - lo)
+        else:
+            best = seg.max(0).values
+            out[b, cols] = best
+            argmax[q] = lo + (seg == best).to(torch.int8).argmax(0)
+    return out, argmax
+
+
+def _backward_reference(p: SimpleNamespace, mode: PoolingMode, argmax: torch.Tensor):
+    """float64 gradient ``[U, dim]`` of each unique id."""
+    _, w = _values64(p)
+    grad = torch.zeros(p.slots.numel(), p.dim, dtype=torch.float64)
+    g = p.grad_out.double()
+    for q in range(F * B):
+        f, b = divmod(q, B)
+        lo, hi = int(p.offsets[q]), int(p.offsets[q + 1])
+        gq = g[b, f * p.dim : (f + 1) * p.dim]
+        for j in range(lo, hi):
+            u = int(p.inverse[j])
+            if mode == PoolingMode.SUM:
+                grad[u] += w[j] * gq
+            elif mode == PoolingMode.MEAN:
+                grad[u] += w[j] * gq / (hi - lo)
+            else:
+                grad[u] += torch.where(argmax[q] == j, w[j] * gq, 0.0)
+    return grad
+
+
+def _fbgemm_step(p: SimpleNamespace, mode: PoolingMode, rule: OptimRule, weights, state):
+    """A `FusedCpuStep` over a stand-in cache holding ``weights`` / ``state`` as its slots."""
+    cache = SimpleNamespace(weights=weights, state=state, storage_lock=threading.Lock())
+    step = fused_cpu.FusedCpuStep(cache, mode, rule, eps=1e-8)
+    prepared = Prepared(
+        unique=None,
+        inverse=p.inverse,
+        slots=p.slots,
+        offsets=p.offsets,
+        weights=p.weights,
+        locked=True,
+    )
+    return step, prepared
+
+
+def _fbgemm_skip(dim: int, mode: PoolingMode, weighted: bool) -> None:
+    # What `FusedCpuStep.for_engine` / `takes` route elsewhere: not an implementation there.
+    if dim % 4:
+        pytest.skip("FBGEMM's CPU TBE takes dims that are multiples of 4 (fused_cpu's rule)")
+    if mode == PoolingMode.MAX:
+        pytest.skip("the FBGEMM path (engine/fused_cpu) pools SUM and MEAN only")
+    if weighted and mode == PoolingMode.MEAN:
+        pytest.skip("FBGEMM's weighted MEAN is another function (FusedCpuStep.takes refuses it)")
+
+
+MODES = [pytest.param(m, id=m.name.lower()) for m in PoolingMode]
+DIMS = [pytest.param(5, id="dim5"), pytest.param(8, id="dim8"), pytest.param(123, id="dim123")]
+WEIGHTED = [pytest.param(False, id="plain"), pytest.param(True, id="weighted")]
+
+
+@pytest.mark.parametrize("weighted", WEIGHTED)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton"), _impl("fbgemm", "fbgemm")])
+def test_pool_forward(impl: str, dim: int, mode: PoolingMode, weighted: bool, use) -> None:
+    use(impl)
+    p = _bags(dim, weighted, seed=dim * 7 + int(mode) * 2 + weighted)
+    ref, ref_argmax = _forward_reference(p, mode)
+    if impl == "fbgemm":
+        _fbgemm_skip(dim, mode, weighted)
+        step, prepared = _fbgemm_step(
+            p, mode, OptimRule.SGD, p.rows.contiguous(), torch.empty(NUM_ROWS, 0)
+        )
+        pooled, _ = step.pool(prepared, lr=0.0, batch_size=B)
+        out, argmax = pooled.detach().reshape(B, F * dim), None
+    else:
+        out = torch.full((B, F * dim), math.nan)
+        argmax = pool_forward(
+            p.rows, dim, p.slots, p.inverse, p.offsets, p.weights, mode, out, B, p.col_offsets
+        )
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    if mode == PoolingMode.MAX and argmax is not None:
+        # Any value reaching the max is a right answer; empty bags say -1.
+        x, w = _values64(p)
+        empty = p.offsets[1:] == p.offsets[:-1]
+        assert bool((argmax[empty] == -1).all())
+        assert torch.equal(argmax == -1, ref_argmax == -1)
+        lo, hi = p.offsets[:-1, None], p.offsets[1:, None]
+        won = argmax[~empty]
+        assert bool(((won >= lo[~empty]) & (won < hi[~empty])).all())
+        cols = torch.arange(dim).expand_as(won)
+        picked = x[won, cols] * w[won]
+        best = x[ref_argmax[~empty], cols] * w[ref_argmax[~empty]]
+        torch.testing.assert_close(picked, best, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", WEIGHTED)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton"), _impl("torch-grouped")])
+def test_pool_backward(impl: str, dim: int, mode: PoolingMode, weighted: bool, use) -> None:
+    use(impl.removesuffix("-grouped"))
+    p = _bags(dim, weighted, seed=dim * 5 + int(mode) * 2 + weighted)
+    _, argmax = _forward_reference(p, mode)
+    ref = _backward_reference(p, mode, argmax)
+    grouping = None
+    if impl == "torch-grouped":
+        order = torch.sort(p.inverse, stable=True).indices
+        counts = torch.bincount(p.inverse, minlength=p.slots.numel())
+        grouping = (order, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
+    grad = pool_backward(
+        p.grad_out,
+        dim,
+        p.inverse,
+        p.slots.numel(),
+        p.offsets,
+        p.weights,
+        mode,
+        B,
+        p.col_offsets,
+        argmax if mode == PoolingMode.MAX else None,
+        grouping,
+    )
+    assert grad.dtype == torch.float32 and grad.shape == ref.shape
+    torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# optimizer row update
+# ----------------------------------------------------------------------------------------------
+
+LR, EPS, BETAS, WD, LR_DECAY, STEP = 0.05, 1e-8, (0.9, 0.99), 0.01, 0.1, 3
+
+
+def _update_reference(rule: OptimRule, w, s, g, step=STEP, wd=WD, lr_decay=LR_DECAY):
+    """One step of ``rule`` on float64 rows ``w [n, dim]``, state ``s [n, S]``, gradient
+    ``g``, as the public contract words it (torch.optim / FBGEMM's formulas), L2 weight decay
+    ``wd`` added to the gradient (ADAMW: ``w *= 1 - lr * wd`` first, then ADAM)."""
+    dim = w.shape[1]
+    if rule == OptimRule.ADAMW:  # AdamW's decoupled decay: the weights shrink, no L2 term
+        w = w * (1 - LR * wd)
+    else:
+        g = g + wd * w
+    if rule == OptimRule.SGD:
+        return w - LR * g, s
+    if rule == OptimRule.ADAGRAD:
+        acc = s[:, :dim] + g * g
+        clr = LR / (1 + (step - 1) * lr_decay)
+        return w - clr * g / (acc.sqrt() + EPS), torch.cat([acc, s[:, dim:]], 1)
+    if rule == OptimRule.ROWWISE_ADAGRAD:
+        acc = s[:, :1] + (g * g).mean(1, keepdim=True)
+        return w - LR * g / (acc.sqrt() + EPS), torch.cat([acc, s[:, 1:]], 1)
+    b1, b2 = BETAS
+    m = b1 * s[:, :dim] + (1 - b1) * g
+    v = b2 * s[:, dim : 2 * dim] + (1 - b2) * g * g
+    size = LR * math.sqrt(1 - b2**step) / (1 - b1**step)
+    return w - size * m / (v.sqrt() + EPS), torch.cat([m, v, s[:, 2 * dim :]], 1)
+
+
+def _row_update(rule: OptimRule) -> RowUpdate:
+    return RowUpdate(
+        rule,
+        lr=LR,
+        eps=EPS,
+        beta1=BETAS[0],
+        beta2=BETAS[1],
+        weight_decay=WD,
+        lr_decay=LR_DECAY if rule == OptimRule.ADAGRAD else 0.0,
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+RULES = [pytest.param(r, id=r.name.lower()) for r in OptimRule]
+
+
+@pytest.mark.parametrize("dim", [pytest.param(5, id="dim5"), pytest.param(123, id="dim123")])
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton")])
+def test_row_update(impl: str, rule: OptimRule, dim: int, use) -> None:
+    use(impl)
+    g = _gen(dim * 3 + int(rule))
+    rows, n = 30, 12
+    cols = state_dim(rule, dim) + 1  # one column beyond the rule's, never touched
+    slots = torch.cat([torch.randperm(rows - 1, generator=g)[: n - 2], torch.tensor([rows - 1])])
+    slots = torch.cat([slots, torch.tensor([-1])])  # a row the cache did not admit: skipped
+    slots = slots[torch.randperm(slots.numel(), generator=g)]
+    weights = torch.full((rows, dim), math.nan)  # rows not updated stay NaN, bit for bit
+    state = torch.full((rows, cols), math.nan)
+    kept = slots[slots >= 0]
+    weights[kept] = torch.randn(kept.numel(), dim, generator=g)
+    state[kept, : cols - 1] = torch.rand(kept.numel(), cols - 1, generator=g)
+    grads = torch.randn(slots.numel(), dim, generator=g)
+    before_w, before_s = weights.clone(), state.clone()
+    ref_w, ref_s = _update_reference(
+        rule,
+        before_w[kept].double(),
+        before_s[kept, : cols - 1].double(),
+        grads[slots >= 0].double(),
+    )
+    apply_row_update(weights, state, slots, grads, _row_update(rule), STEP)
+    torch.testing.assert_close(weights[kept].double(), ref_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state[kept, : cols - 1].double(), ref_s, rtol=1e-5, atol=1e-6)
+    untouched = torch.ones(rows, dtype=torch.bool)
+    untouched[kept] = False
+    assert torch.equal(_bits(weights[untouched]), _bits(before_w[untouched]))
+    assert torch.equal(_bits(state[untouched]), _bits(before_s[untouched]))
+    assert torch.equal(_bits(state[:, -1]), _bits(before_s[:, -1]))
+
+
+@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton")])
+def test_aggregate_grads(impl: str, use) -> None:
+    use(impl)
+    g = _gen(5)
+    ids = torch.cat([torch.randint(0, 9, (60,), generator=g), torch.full((300,), 4)])  # hot id
+    ids = ids[torch.randperm(ids.numel(), generator=g)] | (1 << 40)
+    grads = torch.randn(ids.numel(), 5, generator=g)
+    unique, summed = aggregate_grads(ids, grads)
+    ref_unique = sorted(set(ids.tolist()))
+    assert unique.tolist() == ref_unique
+    ref = torch.stack([grads.double()[ids == u].sum(0) for u in ref_unique])
+    torch.testing.assert_close(summed.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+# The composite the FBGEMM CPU TBE does in one backward: pooled gradient -> per-id gradient
+# -> row update, against the references above chained in float64.
+
+FUSED_RULES = [
+    pytest.param(r, id=r.name.lower())
+    for r in (OptimRule.SGD, OptimRule.ADAGRAD, OptimRule.ROWWISE_ADAGRAD)
+]
+
+
+@pytest.mark.parametrize("mode", [pytest.param(PoolingMode.SUM, id="sum"),
+                                  pytest.param(PoolingMode.MEAN, id="mean")])  # fmt: skip
+@pytest.mark.parametrize("rule", FUSED_RULES)
+@pytest.mark.parametrize(
+    "impl", [_impl("twins-torch"), _impl("twins-triton"), _impl("fbgemm", "fbgemm")]
+)
+def test_pooled_backward_and_update(impl: str, rule: OptimRule, mode: PoolingMode, use) -> None:
+    use(impl)
+    dim = 8  # FBGEMM's CPU TBE needs a multiple of 4
+    p = _bags(dim, weighted=False, seed=int(rule) * 3 + int(mode))
+    weights = p.rows.contiguous()
+    state = torch.rand(NUM_ROWS, state_dim(rule, dim), generator=_gen(9))
+    before_w, before_s = weights.clone(), state.clone()
+    grad_rows = _backward_reference(p, mode, argmax=torch.empty(0))
+    # No weight decay, no lr decay: what the TBE path takes (FusedCpuStep.can_apply).
+    ref_w, ref_s = _update_reference(
+        rule, before_w[p.slots].double(), before_s[p.slots].double(), grad_rows, 1, 0.0, 0.0
+    )
+    if impl == "fbgemm":
+        step, prepared = _fbgemm_step(p, mode, rule, weights, state)
+        pooled, bound = step.pool(prepared, lr=LR, batch_size=B)
+        pending = fused_cpu.PendingUpdate(
+            engine=0,
+            batch=None,
+            pooled=pooled,
+            grad=p.grad_out.reshape(B * F, dim),
+            grad_out=p.grad_out,
+            batch_size=B,
+            columns=p.col_offsets,
+            bound=bound,
+            lr=LR,
+        )
+        step.apply(pending, prepared)
+    else:
+        grads = pool_backward(p.grad_out, dim, p.inverse, p.slots.numel(), p.offsets, None,
+                              mode, B, p.col_offsets, None)  # fmt: skip
+        update = RowUpdate(rule, lr=LR, eps=EPS)
+        apply_row_update(weights, state, p.slots, grads, update, 1)
+    torch.testing.assert_close(weights[p.slots].double(), ref_w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[p.slots].double(), ref_s, rtol=1e-5, atol=1e-5)
+    others = torch.ones(NUM_ROWS, dtype=torch.bool)
+    others[p.slots] = False
+    assert torch.equal(weights[others], before_w[others])
+    assert torch.equal(state[others], before_s[others])
+
+
+# ----------------------------------------------------------------------------------------------
+# cache set index, lookup and victim choice
+# ----------------------------------------------------------------------------------------------
+
+_M64 = (1 << 64) - 1
+
+
+def _set_reference(key: int, num_sets: int) -> int:
+    """splitmix64's finaliser of ``key + golden`` in Python ints, low 63 bits, mod sets."""
+    z = (key + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z ^= z >> 31
+    return (z & ((1 << 63) - 1)) % num_sets
+
+
+CACHE_IMPLS = [_impl("torch"), _impl("triton")]
+
+
+@pytest.mark.parametrize("num_sets", [1, 7, 1 << 40])
+@pytest.mark.parametrize("impl", CACHE_IMPLS)
+def test_set_index(impl: str, num_sets: int, use) -> None:
+    use(impl)
+    g = _gen(num_sets % 1000)
+    ids = torch.randint(-(2**62), 2**62, (97,), generator=g, dtype=torch.int64)
+    ids[:4] = torch.tensor([0, -1, 2**63 - 1, -(2**63)])
+    got = set_index(ids, num_sets)
+    assert got.tolist() == [_set_reference(k, num_sets) for k in ids.tolist()]
+
+
+@pytest.mark.parametrize("impl", CACHE_IMPLS)
+def test_cache_lookup(impl: str, use) -> None:
+    use(impl)
+    g = _gen(3)
+    sets, ways = 6, 5
+    keys = torch.full((sets, ways), -1, dtype=torch.int64)
+    held = torch.randperm(1000, generator=g)[:40]
+    set_of = {k: _set_reference(k, sets) for k in held.tolist()}
+    for k, s in set_of.items():
+        free = (keys[s] == -1).nonzero()
+        if free.numel():
+            keys[s, free[-1]] = k  # fill from the last way: the way matters
+    ids = torch.cat([held, torch.tensor([1000, 1001]), held[:3]])  # misses and duplicates
+    set_idx = torch.tensor([_set_reference(k, sets) for k in ids.tolist()])
+    got = cache_lookup(keys, ids, set_idx)
+    ref = []
+    for k, s in zip(ids.tolist(), set_idx.tolist(), strict=True):
+        row = keys[s].tolist()
+        ref.append(row.index(k) if k in row else -1)
+    assert got.tolist() == ref
+
+
+@pytest.mark.parametrize("impl", CACHE_IMPLS)
+def test_assign_ways(impl: str, use) -> None:
+    use(impl)
+    g = _gen(4)
+    sets, ways = 5, 4
+    scores = torch.randint(-1, 6, (sets, ways), generator=g)  # ties: broken by way
+    blocked = torch.rand(sets, ways, generator=g) < 0.3
+    blocked[0] = True  # a set with no way to give
+    miss_sets = torch.sort(torch.randint(0, sets, (14,), generator=g)).values
+    miss_sets[-6:] = sets - 1  # more misses than ways: the overflow gets -1
+    got = assign_ways(scores, blocked, miss_sets)
+    ref, rank = [], {}
+    for s in miss_sets.tolist():
+        order = sorted(range(ways), key=lambda w, s=s: (bool(blocked[s, w]), int(scores[s, w]), w))
+        k = rank.get(s, 0)
+        rank[s] = k + 1
+        ref.append(order[k] if k < int((~blocked[s]).sum()) else -1)
+    assert got.tolist() == ref
+
+
+# ----------------------------------------------------------------------------------------------
+# row moves between a tier's stored rows and a CPU cache's slots
+# ----------------------------------------------------------------------------------------------
+
+MOVE_DIM, MOVE_STATE, SLOTS = 5, 3, 23
+
+
+def _moves(seed: int) -> SimpleNamespace:
+    g = _gen(seed)
+    n = 9
+    slots = torch.cat([torch.randperm(SLOTS - 1, generator=g)[: n - 1], torch.tensor([SLOTS - 1])])
+    ids = torch.cat([torch.randperm(6, generator=g)[:4], torch.tensor([6]),  # table a, last row
+                     torch.randperm(30, generator=g)[:4]])  # fmt: skip
+    return SimpleNamespace(
+        slots=slots,
+        ids=ids,
+        counts=[5, 4],
+        rows=torch.randn(n, MOVE_DIM + MOVE_STATE, generator=g),
+    )
+
+
+def _tier(m: SimpleNamespace, rows: torch.Tensor | None) -> HostKV:
+    kv = HostKV(pin_memory=False)
+    for name, num in (("a", 7), ("b", 30)):
+        kv.init_table(TableSpec(name, MOVE_DIM, num, state_dim=MOVE_STATE))
+    if rows is not None:
+        kv.put_grouped(["a", "b"], m.ids, m.counts, rows)
+    return kv
+
+
+MOVE_IMPLS = [_impl("torch"), _impl("numba", "numba"), _impl("hostkv-straight", "numba")]
+
+
+@pytest.mark.parametrize("impl", MOVE_IMPLS)
+def test_rows_into_slots(impl: str, use) -> None:
+    use(impl)
+    m = _moves(1)
+    weights = torch.full((SLOTS, MOVE_DIM), math.nan)
+    state = torch.full((SLOTS, MOVE_STATE), math.nan)
+    if impl == "torch":
+        copy_rows(weights, m.slots, m.rows[:, :MOVE_DIM])
+        copy_rows(state, m.slots, m.rows[:, MOVE_DIM:])
+    elif impl == "numba":
+        native.scatter_split(weights.numpy(), state.numpy(), m.slots.numpy(), m.rows.numpy())
+    else:
+        kv = _tier(m, m.rows)
+        assert kv.get_grouped_into(["a", "b"], m.ids, m.counts, weights, state, m.slots)
+    ref_w = np.full((SLOTS, MOVE_DIM), np.nan)
+    ref_s = np.full((SLOTS, MOVE_STATE), np.nan)
+    for i, s in enumerate(m.slots.tolist()):
+        ref_w[s] = m.rows[i, :MOVE_DIM].double().numpy()
+        ref_s[s] = m.rows[i, MOVE_DIM:].double().numpy()
+    np.testing.assert_array_equal(weights.double().numpy(), ref_w)
+    np.testing.assert_array_equal(state.double().numpy(), ref_s)
+
+
+@pytest.mark.parametrize("impl", MOVE_IMPLS)
+def test_rows_out_of_slots(impl: str, use) -> None:
+    use(impl)
+    m = _moves(2)
+    g = _gen(7)
+    weights = torch.randn(SLOTS, MOVE_DIM, generator=g)
+    state = torch.randn(SLOTS, MOVE_STATE, generator=g)
+    out = torch.full((m.slots.numel(), MOVE_DIM + MOVE_STATE), math.nan)
+    if impl == "torch":
+        torch.index_select(weights, 0, m.slots, out=out[:, :MOVE_DIM])
+        torch.index_select(state, 0, m.slots, out=out[:, MOVE_DIM:])
+    elif impl == "numba":
+        native.gather_join(weights.numpy(), state.numpy(), m.slots.numpy(), out.numpy())
+    else:
+        kv = _tier(m, None)
+        assert kv.put_grouped_from(["a", "b"], m.ids, m.counts, weights, state, m.slots)
+        out = torch.cat([kv.read("a", m.ids[:5]), kv.read("b", m.ids[5:])])
+    ref = np.array([list(weights[s].double()) + list(state[s].double()) for s in m.slots.tolist()])
+    np.testing.assert_array_equal(out.double().numpy(), ref)
