@@ -2,10 +2,13 @@
 
 python tests/checkpoint_job.py resume CKPT STEPS OUT   load CKPT, train STEPS, save weights
 python tests/checkpoint_job.py crash CKPT OUT          save A, dump A's weights, start B slowly
+python tests/checkpoint_job.py race CKPT OUT           dump the states of A and B, then save A
+                                                       and B in turn until killed
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 
@@ -23,11 +26,11 @@ TABLES = [
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, tables: list[EmbeddingBagConfig] = TABLES) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.sparse = embcache.CachedEmbeddingBagCollection(
-            tables=TABLES, cache=embcache.CacheConfig(load_factor=0.05, ways=4)
+            tables=tables, cache=embcache.CacheConfig(load_factor=0.05, ways=4)
         )
         self.head = nn.Linear(10, 1)
 
@@ -35,8 +38,8 @@ class Model(nn.Module):
         return self.head(self.sparse(kjt).values()).square().mean()
 
 
-def build():
-    model = Model()
+def build(tables: list[EmbeddingBagConfig] = TABLES):
+    model = Model(tables)
     sparse = embcache.SparseAdam([model.sparse], lr=0.01)
     dense = torch.optim.Adam(model.head.parameters(), lr=0.01)
     return model, sparse, dense
@@ -65,6 +68,15 @@ def weights(model, sparse) -> dict[str, torch.Tensor]:
     return out
 
 
+def full_state(model, sparse, dense) -> dict:
+    """`weights` and both optimizers' state: all that a load sets."""
+    return {
+        "weights": weights(model, sparse),
+        "dense_opt": copy.deepcopy(dense.state_dict()),
+        "sparse_opt": sparse.hyper_state_dict(),
+    }
+
+
 def main(argv: list[str]) -> None:
     mode, ckpt = argv[0], argv[1]
     model, sparse, dense = build()
@@ -90,6 +102,17 @@ def main(argv: list[str]) -> None:
         print("saving B", flush=True)
         embcache.save(ckpt, model, [sparse, dense], chunk_rows=16)
         print("saved B", flush=True)
+    elif mode == "race":
+        out = argv[2]
+        train(model, sparse, dense, start=0, steps=3)
+        other = build()
+        train(*other, start=0, steps=6)
+        torch.save({"a": full_state(model, sparse, dense), "b": full_state(*other)}, out)
+        embcache.save(ckpt, model, [sparse, dense], chunk_rows=16)
+        print("ready", flush=True)
+        while True:
+            for job in (other, (model, sparse, dense)):
+                embcache.save(ckpt, job[0], list(job[1:]), chunk_rows=16)
 
 
 if __name__ == "__main__":

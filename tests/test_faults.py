@@ -132,11 +132,13 @@ def test_restart_from_an_older_snapshot_is_data_loss(tmp_path: Path) -> None:
 
 def test_pause_within_the_retry_budget_is_exact(tmp_path: Path, reference) -> None:
     with running_server(tmp_path) as server:
-        store = RedisKV(server.url, namespace="f", retry_timeout_s=10, socket_timeout_s=0.2)
+        # A pause several socket timeouts long, well inside the retry budget; neither number is
+        # near what a busy machine takes to answer a normal call.
+        store = RedisKV(server.url, namespace="f", retry_timeout_s=60, socket_timeout_s=1.0)
 
         def pause_briefly() -> None:
             server.pause()
-            threading.Timer(0.6, server.resume).start()
+            threading.Timer(3.0, server.resume).start()
 
         assert_exact(run_with_fault(store, pause_briefly), reference)
 
@@ -145,13 +147,15 @@ def test_pause_beyond_the_retry_budget_fails_then_retries_exactly(
     tmp_path: Path, reference
 ) -> None:
     with running_server(tmp_path) as server:
-        store = RedisKV(server.url, namespace="f", retry_timeout_s=0.3, socket_timeout_s=0.1)
+        # The pause outlasts the retry budget by far; the budget and the socket timeout are far
+        # beyond what a loaded machine takes for a normal call (the steps before the pause).
+        store = RedisKV(server.url, namespace="f", retry_timeout_s=2.0, socket_timeout_s=1.0)
         ebc, opt = build(store)
         data = batches(STEPS)
         for kjt in data[:FAULT_AT]:
             step(ebc, opt, kjt)
         server.pause()
-        resume = threading.Timer(1.0, server.resume)
+        resume = threading.Timer(8.0, server.resume)
         resume.start()
         with pytest.raises(embcache.TierUnavailableError, match="unavailable"):
             ebc.flush()  # dirty rows to write: the tier is needed
@@ -164,7 +168,7 @@ def test_pause_beyond_the_retry_budget_fails_then_retries_exactly(
 
 
 def _cluster_store(cluster) -> RedisKV:
-    return RedisKV(cluster.url, namespace="f", retry_timeout_s=3, socket_timeout_s=0.5)
+    return RedisKV(cluster.url, namespace="f", retry_timeout_s=5, socket_timeout_s=2.0)
 
 
 def test_cluster_node_restarted_empty_is_data_loss(tmp_path: Path) -> None:
@@ -210,7 +214,9 @@ def test_a_tier_error_inside_step_is_retriable(tmp_path: Path) -> None:
 
     aof = ("--appendonly", "yes", "--appendfsync", "always")
     with running_server(tmp_path, extra_args=aof) as server:
-        store = RedisKV(server.url, namespace="f", retry_timeout_s=0.3, socket_timeout_s=0.2)
+        # The server is stopped, not paused: calls fail at once (connection refused), so the
+        # budget only bounds the retries; a normal call under load never comes near either.
+        store = RedisKV(server.url, namespace="f", retry_timeout_s=2.0, socket_timeout_s=10.0)
         ebc, opt = small(store)
         data = batches(STEPS)
         for kjt in data[:FAULT_AT]:

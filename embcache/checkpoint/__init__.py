@@ -20,9 +20,12 @@ Layout of a checkpoint directory (format 2)::
         optim-0.safetensors ...   optimizer state: tensors, and its structure as JSON metadata
         tables/<m>-<t>-<k>.safetensors   (ids, rows[, scores]) chunks of at most ``chunk_rows``
                                   rows of table t of module m (a cached collection, or a
-                                  DistEmbedding: its tensor in its KV client), rows as the tier
-                                  stores them (half-precision weights stay half), with a bounded
-                                  table's eviction scores
+                                  DistEmbedding: its tensor in its KV client; or the tensors
+                                  of the ``kv_client`` given), rows as the tier stores them
+                                  (half-precision weights stay half), with a bounded table's
+                                  eviction scores
+        inits/<m>-<t>-<k>.safetensors    the initial weights of a table drawn whole (torchrec's
+                                  draws from torch's generator), in chunks of ``chunk_rows``
         caches/<m>-<c>.safetensors       cache c of module m: which row each slot holds, its
                                   scores, LFU/admission counts (and the sightings since the
                                   admission sketch was halved) and clocks (`HotCache.
@@ -31,29 +34,43 @@ Layout of a checkpoint directory (format 2)::
 Every file holds data only (safetensors and JSON; `embcache.checkpoint.files`). `save` flushes
 the caches, streams each table from its tier chunk by chunk (so a table larger than free memory
 can be saved), fsyncs every file and the snapshot directory, then points CURRENT at the new
-snapshot with an atomic rename and removes older snapshots. A crash at any point leaves CURRENT
-naming a complete snapshot.
+snapshot with an atomic rename and removes older snapshots (not one a load is reading). A crash
+at any point leaves CURRENT naming a complete snapshot; a save that fails (a full disk) removes
+what it wrote and says so, and what a killed save left is removed by the next one.
 
-`load` first reads and verifies everything (checksums, shapes, ids, that the checkpoint fits
-the model and optimizers), keeping only what it needs; any problem is a `CheckpointError`
-naming the file, with the model, optimizers and tier untouched. Only then does it apply: table
-rows into the tier (re-reading each chunk and checking its checksum again), then the dense state
-and optimizers. A tier that fails while rows are being written leaves the tables partly loaded:
-load again once it is back (a load is idempotent).
+`load` opens the one snapshot CURRENT names (share-locked, so a concurrent save leaves it in
+place) and first reads and verifies everything: only regular files inside it (no link, FIFO or
+device; sizes checked before reading), checksums, ids, shapes and dtypes, finite values, the
+types of hyper-parameters, cache states, and that the checkpoint fits the model (tables matched
+by name) and optimizers. Any problem is a `CheckpointError` naming the file (or a ValueError
+saying what does not fit), with the model, optimizers and tier untouched. Only then does it
+apply: table rows into the tier (re-reading each chunk and checking its checksum again), then
+the caches, optimizers and dense state. A tier that fails while rows are being written leaves
+the tables partly loaded: load again once it is back (a load is idempotent).
 
-Rows never touched are not stored (their value is their initialiser's, a function of the id).
-`load` therefore also resets rows that the live tier holds but the checkpoint does not (and
-removes them from a bounded table, so it holds exactly the rows saved). With the tier's scores
+Rows never touched are not stored: their value is their initialiser's, a function of the id,
+and the manifest records that initialiser per table (``"init"``): a hashed one by its recipe
+(seed, distribution and parameters: `kv.base.HashedInit`), one drawn whole by its draws
+(`engine.row_init.DrawnInit`, in ``inits/``). `load` makes the model's tables adopt the
+checkpoint's initialiser before it applies the rows, so every row, touched or not, is the
+saved model's, whatever seed the loading model was built with (a checkpoint without the record,
+from an older embcache, or of a table whose initialiser has no recipe, leaves the model's own).
+`load` also resets rows that the live tier holds but the checkpoint does not (and removes them
+from a bounded table, so it holds exactly the rows saved). With the tier's scores
 and the caches' states restored, training resumed from a checkpoint is bit-exact with training
-that went on, bounded tiers included (a cache of another size starts empty instead).
+that went on, bounded tiers included (a cache of another size, or of a collection declaring its
+tables in another order, starts empty instead).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import errno
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,20 +84,36 @@ from embcache.checkpoint.files import (
     FORMAT_VERSION,
     SNAPSHOT_RE,
     CheckpointError,
-    decode_tree,
+    Snapshot,
     encode_tree,
     fsync_dir,
-    read_tensors,
+    remove_snapshot,
     sha256_of,
     write_bytes,
     write_tensors,
 )
+from embcache.checkpoint.verify import (
+    check_finite,
+    dense_state,
+    verify_caches,
+    verify_dense,
+    verify_optimizers,
+)
 from embcache.engine.interface import CachedCollectionInterface
-from embcache.kv.base import Store
+from embcache.engine.row_init import DrawnInit
+from embcache.kv.base import HashedInit, RowInit, Store, TableSpec
 from embcache.optim.sparse import SparseOptimizer
 from embcache.recstore.dist_embedding import DistEmbedding
+from embcache.recstore.kv_client import KVClient
 
-__all__ = ["CheckpointError", "latest_snapshot", "load", "read_extra", "save"]
+__all__ = [
+    "CheckpointError",
+    "check_checkpoint_dir",
+    "latest_snapshot",
+    "load",
+    "read_extra",
+    "save",
+]
 
 
 @dataclass
@@ -94,36 +127,43 @@ class _Rows:
     reset: Callable[[], None]  # before writing the tier: drop what the module holds of it
     caches: Callable[[], list]  # its device caches (their policy state is saved too)
     fusion_k: int | None = None  # a collection's: raw ids of unbounded tables fold to it
+    specs: dict[str, TableSpec] | None = None  # a collection's own specs (init kept in step)
 
 
-def _row_modules(model: nn.Module) -> list[tuple[str, _Rows]]:
-    found = []
+KV_CLIENT_MODULE = "<kv_client>"
+"""The module name under which the tensors of `save`'s ``kv_client`` are recorded."""
+
+
+def _row_modules(model: nn.Module, kv_client: KVClient | None = None) -> list[tuple[str, _Rows]]:
+    found, dist_names = [], set()
     for name, m in model.named_modules():
         if isinstance(m, CachedCollectionInterface):
             tables = [t.name for t in m.tables]
-            rows = _Rows(m.store, tables, m.flush, m.invalidate_caches, m.caches, m.fusion_k)
+            rows = _Rows(
+                m.store, tables, m.flush, m.invalidate_caches, m.caches, m.fusion_k, m.specs
+            )
             found.append((name, rows))
         elif isinstance(m, DistEmbedding):
             client = m.weight.client
             rows = _Rows(client.store, [m.name], client.flush, client.flush, list)
             found.append((name, rows))
+            if client is kv_client:
+                dist_names.add(m.name)
+    if kv_client is not None:
+        # Its own tensors (`init_data`, DistTensor) that no DistEmbedding above holds; a
+        # collection's tables registered on it are saved with the collection.
+        names = [n for n in kv_client.tier_names() if n not in dist_names]
+        found.append(
+            (
+                KV_CLIENT_MODULE,
+                _Rows(kv_client.store, names, kv_client.flush, kv_client.flush, list),
+            )
+        )
     return found
 
 
 def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and persistent buffers outside the cached collections (whose
-    tables are saved row by row, never materialised whole)."""
-    state = {}
-    for module_name, module in model.named_modules():
-        if isinstance(module, CachedCollectionInterface):
-            continue  # (a DistEmbedding has no parameters: its rows live in its KV client)
-        prefix = f"{module_name}." if module_name else ""
-        for k, v in module.named_parameters(recurse=False):
-            state[prefix + k] = v.detach().cpu().clone()
-        for k, v in module.named_buffers(recurse=False):
-            if k not in module._non_persistent_buffers_set:
-                state[prefix + k] = v.detach().cpu().clone()
-    return state
+    return dense_state(model, CachedCollectionInterface)
 
 
 def save(
@@ -132,6 +172,7 @@ def save(
     optimizers: Sequence[Any] = (),
     chunk_rows: int = 1 << 16,
     extra: dict[str, Any] | None = None,
+    kv_client: KVClient | None = None,
 ) -> Path:
     """Write a checkpoint of ``model`` (and ``optimizers``) into directory ``path``.
 
@@ -143,12 +184,17 @@ def save(
         chunk_rows: rows per table chunk file (bounds the memory a save needs).
         extra: JSON-serialisable facts to keep with the checkpoint (e.g. steps done); `load`
             and `read_extra` return them.
+        kv_client: a RecStore KV client (`embcache.get_kv_client()`) whose tensors
+            (`init_data`, `DistTensor`: rows and their backend optimizer's state) are saved
+            too; `load` must then be given a client declaring the same tensors.
 
     Returns:
         The snapshot directory written.
     """
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
+    if kv_client is not None and not isinstance(kv_client, KVClient):
+        raise TypeError(f"kv_client must be a KVClient, got {type(kv_client).__name__}")
     extra = dict(extra or {})
     try:
         json.dumps(extra, allow_nan=False)
@@ -164,23 +210,64 @@ def save(
             raise TypeError(f"optimizers[{i}]: cannot checkpoint a {type(opt).__name__}")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root)
     number = 1 + max(
         (int(p.name[5:]) for p in root.glob("snap-*") if SNAPSHOT_RE.fullmatch(p.name)), default=0
     )
     snap = root / f"snap-{number:06d}"
     tmp = root / f".tmp-{snap.name}-{os.getpid()}"
+    pointer = root / f".{CURRENT}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    (tmp / "tables").mkdir(parents=True)
-    (tmp / "caches").mkdir()
+    written = None  # the snapshot directory once renamed, until CURRENT names it
+    try:
+        (tmp / "tables").mkdir(parents=True)
+        (tmp / "caches").mkdir()
+        (tmp / "inits").mkdir()
+        text = _write_snapshot(tmp, model, kinds, optimizers, chunk_rows, extra, kv_client)
+        os.rename(tmp, snap)
+        written = snap
+        fsync_dir(root)
+        write_bytes(pointer, f"{snap.name}\nsha256 {sha256_of(text)}\n".encode())
+        os.replace(pointer, root / CURRENT)
+    except BaseException as err:
+        # Nothing of a failed save stays behind (a full disk must not stay full): the
+        # previous snapshot, which CURRENT still names, is the checkpoint.
+        shutil.rmtree(written or tmp, ignore_errors=True)
+        pointer.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(
+                err.errno,
+                f"no space left on the device of {root} (writing {err.filename or root}): "
+                f"the checkpoint was not saved and its partial files were removed; the "
+                f"previous checkpoint there is intact",
+                err.filename,
+            ) from err
+        raise
+    fsync_dir(root)
+    for old in root.iterdir():
+        if old != snap and SNAPSHOT_RE.fullmatch(old.name):
+            remove_snapshot(old)  # one a concurrent load is reading stays for the next save
+    return snap
 
+
+def _write_snapshot(
+    tmp: Path,
+    model: nn.Module,
+    kinds: list[str],
+    optimizers: Sequence[Any],
+    chunk_rows: int,
+    extra: dict[str, Any],
+    kv_client: KVClient | None,
+) -> bytes:
+    """Write every file of a snapshot into ``tmp`` (fsynced); returns the manifest's bytes."""
     manifest: dict[str, Any] = {
         "version": FORMAT_VERSION,
         "tables": [],
         "optimizers": [],
         "caches": [],
     }
-    for m_index, (m_name, holder) in enumerate(_row_modules(model)):
+    for m_index, (m_name, holder) in enumerate(_row_modules(model, kv_client)):
         holder.settle()
         for t_index, table in enumerate(holder.tables):
             spec = holder.store.table_spec(table)
@@ -193,20 +280,22 @@ def save(
                 entry = write_tensors(tmp, name, tensors)
                 files.append({**entry, "rows": chunk[0].numel()})
                 rows_total += chunk[0].numel()
-            manifest["tables"].append(
-                {
-                    "module": m_name,
-                    "table": table,
-                    "dim": spec.dim,
-                    "num_embeddings": spec.num_embeddings,
-                    "state_dim": spec.state_dim,
-                    "dtype": str(spec.dtype).removeprefix("torch."),
-                    "fusion_k": holder.fusion_k,
-                    "scores": scored,
-                    "rows": rows_total,
-                    "files": files,
-                }
-            )
+            entry = {
+                "module": m_name,
+                "table": table,
+                "dim": spec.dim,
+                "num_embeddings": spec.num_embeddings,
+                "state_dim": spec.state_dim,
+                "dtype": str(spec.dtype).removeprefix("torch."),
+                "fusion_k": holder.fusion_k,
+                "scores": scored,
+                "rows": rows_total,
+                "files": files,
+            }
+            recipe = _write_init(tmp, f"inits/{m_index}-{t_index}", spec, chunk_rows)
+            if recipe is not None:
+                entry["init"] = recipe
+            manifest["tables"].append(entry)
         for c_index, cache in enumerate(holder.caches()):
             tensors, meta = cache.policy_state()
             name = f"caches/{m_index}-{c_index}.safetensors"
@@ -224,68 +313,100 @@ def save(
     write_bytes(tmp / "manifest.json", text)
     fsync_dir(tmp / "tables")
     fsync_dir(tmp / "caches")
+    fsync_dir(tmp / "inits")
     fsync_dir(tmp)
-    os.rename(tmp, snap)
-    fsync_dir(root)
+    return text
 
-    pointer = root / f".{CURRENT}.tmp"
-    write_bytes(pointer, f"{snap.name}\nsha256 {sha256_of(text)}\n".encode())
-    os.replace(pointer, root / CURRENT)
-    fsync_dir(root)
-    for old in root.iterdir():
-        if old != snap and (old.name.startswith("snap-") or old.name.startswith(".tmp-snap-")):
-            shutil.rmtree(old, ignore_errors=True)
-    return snap
+
+def _write_init(tmp: Path, stem: str, spec: TableSpec, chunk_rows: int) -> dict[str, Any] | None:
+    """Record how a table's rows start: a hashed initialiser's recipe, or the weights of one
+    drawn whole as chunk files ``{stem}-<k>.safetensors``. None for an initialiser with no
+    record (a caller's own `RowInit`): its untouched rows are then the loading model's."""
+    init = spec.init
+    if isinstance(init, HashedInit):
+        return init.recipe()
+    if isinstance(init, DrawnInit):
+        files = []
+        for k, lo in enumerate(range(0, init.weights.shape[0], chunk_rows)):
+            part = init.weights[lo : lo + chunk_rows]
+            entry = write_tensors(tmp, f"{stem}-{k:06d}.safetensors", {"weights": part})
+            files.append({**entry, "rows": part.shape[0]})
+        return {"kind": "drawn", "files": files}
+    return None
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Remove what saves killed mid-way left (``.tmp-snap-N-PID`` of a process that is gone):
+    on a disk they filled, later saves would fail too."""
+    for old in root.glob(".tmp-snap-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            remove_snapshot(old)
+        except OSError:
+            pass  # alive (another user's): maybe a save under way
 
 
 def latest_snapshot(path: str | os.PathLike) -> Path:
     """The complete snapshot a checkpoint directory's CURRENT names (a directory inside it)."""
-    return _pointer(Path(path))[0]
+    with Snapshot(Path(path)) as snap:
+        return snap.path
 
 
 def read_extra(path: str | os.PathLike) -> dict[str, Any]:
     """The ``extra`` dict saved with the checkpoint in ``path`` (manifest verified), without
     loading anything: e.g. to reopen a tier as the job that saved it before `load`."""
-    return dict(_manifest(Path(path))[1]["extra"])
+    with Snapshot(Path(path)) as snap:
+        return dict(_manifest(snap)["extra"])
 
 
-def _pointer(root: Path) -> tuple[Path, str | None]:
-    """The snapshot CURRENT names and the manifest checksum it records (None: format 1)."""
-    current = root / CURRENT
-    if not current.exists():
-        raise FileNotFoundError(f"{root} holds no complete checkpoint (no {CURRENT} file)")
-    try:
-        lines = current.read_text().split("\n")
-    except (OSError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{current} cannot be read: {err}") from None
-    name = lines[0].strip()
-    if not SNAPSHOT_RE.fullmatch(name):
-        raise CheckpointError(
-            f"{current} names {name[:80]!r}, not a snapshot of this directory (snap-NNNNNN)"
-        )
-    snap = root / name
-    if snap.is_symlink() or not snap.resolve().parent == root.resolve():
-        raise CheckpointError(f"{current}: snapshot {snap} lies outside {root}")
-    if not (snap / "manifest.json").exists():
-        raise FileNotFoundError(f"checkpoint {snap} is incomplete (no manifest.json)")
-    digest = lines[1].strip() if len(lines) > 1 and lines[1].strip() else None
-    if digest is not None:
-        if not digest.startswith("sha256 ") or len(digest) != 7 + 64:
-            raise CheckpointError(f"{current}: malformed checksum line {digest[:80]!r}")
-        digest = digest[7:]
-    return snap, digest
+def check_checkpoint_dir(path: str | os.PathLike, for_resume: bool) -> None:
+    """Find a checkpoint path that cannot work before a job spends time training: cheap (no
+    table file is read), for a command line to call on ``--checkpoint`` (``for_resume``
+    False: `save` must be able to write there) and ``--resume`` (True: a complete checkpoint
+    must be there, CURRENT and manifest intact).
 
-
-def _manifest(root: Path) -> tuple[Path, dict[str, Any]]:
-    """The snapshot and its manifest, checked against CURRENT's checksum and for shape."""
-    snap, digest = _pointer(root)
-    where = snap / "manifest.json"
-    try:
-        text = where.read_bytes()
+    Raises:
+        CheckpointError: one line saying what is wrong with ``path``.
+    """
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint path {root} is a file, not a directory")
+    if for_resume:
+        if not root.exists():
+            raise CheckpointError(f"checkpoint path {root} does not exist: nothing to resume")
+        try:
+            with Snapshot(root) as snap:
+                _manifest(snap)
+        except (FileNotFoundError, CheckpointError) as err:
+            raise CheckpointError(" ".join(str(err).split())) from None
+        return
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CheckpointError(f"checkpoint path {root}: {existing} is a file, not a directory")
+    try:  # os.access says yes to root on a read-only mount: try a file
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as err:
-        raise CheckpointError(f"{where} cannot be read: {err.strerror or err}") from None
-    if digest is not None and sha256_of(text) != digest:
-        raise CheckpointError(f"{where} does not match the sha256 that {root / CURRENT} records")
+        raise CheckpointError(
+            f"checkpoint path {root} is not writable ({existing}: {err.strerror or err})"
+        ) from None
+
+
+def _manifest(snap: Snapshot) -> dict[str, Any]:
+    """The snapshot's manifest, checked against CURRENT's checksum and for shape."""
+    where = snap.path / "manifest.json"
+    text = snap.manifest_bytes()
+    if snap.digest is not None and sha256_of(text) != snap.digest:
+        raise CheckpointError(
+            f"{where} does not match the sha256 that {snap.root / CURRENT} records"
+        )
     try:
         manifest = json.loads(text)
     except ValueError as err:
@@ -299,10 +420,10 @@ def _manifest(root: Path) -> tuple[Path, dict[str, Any]]:
             f"refused: save a new checkpoint from a model restored with the embcache that "
             f"wrote it, if you trust its files"
         )
-    if digest is None:
-        raise CheckpointError(f"{root / CURRENT} lacks the sha256 of {where}")
+    if snap.digest is None:
+        raise CheckpointError(f"{snap.root / CURRENT} lacks the sha256 of {where}")
     _check_manifest(manifest, where)
-    return snap, manifest
+    return manifest
 
 
 def _check_manifest(manifest: dict[str, Any], where: Path) -> None:
@@ -333,6 +454,15 @@ def _check_manifest(manifest: dict[str, Any], where: Path) -> None:
                 f"table {entry['table']!r} has {entry['rows']} rows but its files list "
                 f"{counted} (a file entry missing or damaged)"
             )
+        init = entry.get("init")
+        if init is not None and not (
+            isinstance(init, dict)
+            and (
+                init.get("kind") == "hashed"
+                or (init.get("kind") == "drawn" and isinstance(init.get("files"), list))
+            )
+        ):
+            fail(f"table {entry['table']!r} has an invalid 'init' record {init!r}")
     if not isinstance(manifest.get("optimizers"), list) or not all(
         isinstance(o, dict) and o.get("kind") in ("sparse", "torch") for o in manifest["optimizers"]
     ):
@@ -346,39 +476,71 @@ def _check_manifest(manifest: dict[str, Any], where: Path) -> None:
 
 
 def load(
-    path: str | os.PathLike, model: nn.Module, optimizers: Sequence[Any] = ()
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizers: Sequence[Any] = (),
+    allow_nonfinite: bool = False,
+    kv_client: KVClient | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint written by `save` into ``model`` and ``optimizers``; returns the
     ``extra`` dict given to `save`.
 
     The optimizers must be constructed (attached to the model) before loading, in the order
-    given to `save`. Tables are matched by module path and name and must have the same dims.
-    Everything is read and verified before anything changes.
+    given to `save`. Tables are matched by module path and name (not position) and must have
+    the same dims. Everything is read and verified before anything changes: every file's size
+    and checksum, table ids, rows, dense and optimizer tensors (shapes, dtypes, finite values),
+    hyper-parameters (types) and cache states. Only regular files inside the one snapshot that
+    CURRENT named when the load began are read, while a concurrent `save` keeps it in place.
+
+    Args:
+        path: the checkpoint directory given to `save`.
+        model: the model to restore (the same tables and dense parameters).
+        optimizers: the optimizers given to `save`, in the same order.
+        allow_nonfinite: accept NaN or Inf in rows, dense tensors, optimizer state and
+            hyper-parameters (refused by default: such a checkpoint would fail the first step).
+        kv_client: the KV client whose tensors the checkpoint holds (the one given to `save`,
+            or a fresh one declaring the same tensors with the same shapes and optimizers).
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint.
-        CheckpointError: a file is missing, damaged, malformed, of format 1, or outside the
-            checkpoint; the message names it. Nothing was changed.
+        CheckpointError: a file is missing, damaged, malformed, not a regular file, holds
+            NaN/Inf, is of format 1, or lies outside the checkpoint; the message names it.
+            Nothing was changed.
         ValueError: the checkpoint does not fit this model or these optimizers. Nothing was
             changed.
     """
-    snap, manifest = _manifest(Path(path))
+    with Snapshot(Path(path)) as snap:
+        return _load(snap, model, optimizers, allow_nonfinite, kv_client)
+
+
+def _load(
+    snap: Snapshot,
+    model: nn.Module,
+    optimizers: Sequence[Any],
+    allow_nonfinite: bool,
+    kv_client: KVClient | None,
+) -> dict[str, Any]:
+    manifest = _manifest(snap)
     if len(manifest["optimizers"]) != len(optimizers):
         raise ValueError(
             f"checkpoint holds {len(manifest['optimizers'])} optimizers, "
             f"{len(optimizers)} were given"
         )
-    holders = dict(_row_modules(model))
-    tables = _verify_tables(snap, manifest, holders)
-    dense = _verify_dense(snap, manifest, model)
-    states = _verify_optimizers(snap, manifest, optimizers)
-    caches = _verify_caches(snap, manifest, holders)
+    if kv_client is not None and not isinstance(kv_client, KVClient):
+        raise TypeError(f"kv_client must be a KVClient, got {type(kv_client).__name__}")
+    holders = dict(_row_modules(model, kv_client))
+    tables = _verify_tables(snap, manifest, holders, allow_nonfinite)
+    dense = verify_dense(snap, manifest["dense"], _dense_state(model), allow_nonfinite)
+    states = verify_optimizers(snap, manifest["optimizers"], optimizers, allow_nonfinite)
+    caches = verify_caches(snap, manifest, holders)
 
     # Everything checked: apply. Only the tier can fail from here on (then load again).
     for holder in holders.values():
         holder.reset()
-    for holder, entry, saved in tables:
+    for holder, entry, saved, init in tables:
         table, store = entry["table"], holder.store
+        if init is not None:  # before the stale rows are reset: they too start from it
+            _adopt_init(holder, table, init)
         spec = store.table_spec(table)
         bounded = store.keeps_scores(table)
         for chunk in list(store.export_rows(table)):
@@ -388,7 +550,7 @@ def load(
             elif stale.numel():
                 store.put(table, stale, spec.initial_rows(stale))
         for k, f in enumerate(entry["files"]):
-            chunk, _ = read_tensors(snap, f, f"table {table!r} chunk {k}")
+            chunk, _ = snap.tensors(f, f"table {table!r} chunk {k}")  # checksum checked again
             scores = chunk.get("scores") if bounded else None
             store.import_rows(table, chunk["ids"], chunk["rows"], scores)
     for cache, tensors, meta in caches:
@@ -412,15 +574,70 @@ def load(
     return dict(manifest["extra"])
 
 
+def _adopt_init(holder: _Rows, table: str, init: RowInit) -> None:
+    """Make ``table`` create its rows with ``init`` from now on, in the tier (re-declared with
+    it) and in the collection's own spec."""
+    holder.store.init_table(dataclasses.replace(holder.store.table_spec(table), init=init))
+    if holder.specs is not None and table in holder.specs:
+        holder.specs[table].init = init
+
+
+def _verify_init(
+    snap: Snapshot, entry: dict[str, Any], spec: TableSpec, allow_nonfinite: bool
+) -> RowInit | None:
+    """The initialiser a table entry records (None: no record), checked: a recipe that
+    `HashedInit.from_recipe` takes, or drawn weights ``[num_embeddings, dim]`` float32."""
+    recipe, table = entry.get("init"), entry["table"]
+    if recipe is None:
+        return None
+    where = f"{snap.path / 'manifest.json'}: table {table!r}"
+    if recipe["kind"] == "hashed":
+        try:
+            return HashedInit.from_recipe(table, recipe)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{where}: invalid init recipe: {err}") from None
+    parts = []
+    for k, f in enumerate(recipe["files"]):
+        what = f"table {table!r} initial weights {k}"
+        chunk, _ = snap.tensors(f, what)
+        weights = chunk.get("weights")
+        if (
+            set(chunk) != {"weights"}
+            or weights.dtype != torch.float32
+            or weights.dim() != 2
+            or weights.shape[1] != spec.dim
+            or not isinstance(f, dict)
+            or weights.shape[0] != f.get("rows")
+        ):
+            raise CheckpointError(
+                f"{snap.path / str(f['name'])} ({what}): expected float32 'weights' of "
+                f"{f.get('rows') if isinstance(f, dict) else '?'} rows x {spec.dim}"
+            )
+        check_finite(weights, f"{snap.path / str(f['name'])} ({what})", allow_nonfinite)
+        parts.append(weights)
+    total = sum(p.shape[0] for p in parts)
+    if spec.num_embeddings is None or total != spec.num_embeddings:
+        raise CheckpointError(
+            f"{where}: {total} initial rows recorded, the table has {spec.num_embeddings}"
+        )
+    return DrawnInit(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+
 def _verify_tables(
-    snap: Path, manifest: dict[str, Any], holders: dict[str, _Rows]
-) -> list[tuple[_Rows, dict[str, Any], torch.Tensor]]:
-    """Check every table entry against the model and every chunk file (checksum, ids, shapes);
-    returns ``(module's rows, entry, ids saved)`` per table."""
+    snap: Snapshot, manifest: dict[str, Any], holders: dict[str, _Rows], allow_nonfinite: bool
+) -> list[tuple[_Rows, dict[str, Any], torch.Tensor, RowInit | None]]:
+    """Check every table entry against the model (by module and table name), every chunk
+    file (checksum, ids, shapes, finite rows) and the initialiser recorded; returns
+    ``(module's rows, entry, ids saved, initialiser or None)`` per table."""
     out, seen = [], set()
     for entry in manifest["tables"]:
         table, module = entry["table"], entry["module"]
         holder = holders.get(module)
+        if holder is None and module == KV_CLIENT_MODULE:
+            raise ValueError(
+                f"checkpoint table {table!r} is a tensor of the KV client given to save: "
+                "load it with kv_client= a client declaring the same tensors"
+            )
         if holder is None:
             raise ValueError(
                 f"checkpoint table {table!r} belongs to module {module!r}, which this model lacks"
@@ -455,8 +672,8 @@ def _verify_tables(
         saved, last = [], -1
         for k, f in enumerate(entry["files"]):
             what = f"table {table!r} chunk {k}"
-            chunk, _ = read_tensors(snap, f, what)
-            where = f"{snap / str(f['name'])} ({what})"
+            chunk, _ = snap.tensors(f, what)
+            where = f"{snap.path / str(f['name'])} ({what})"
             ids, rows = chunk.get("ids"), chunk.get("rows")
             if set(chunk) != keys or ids.dtype != torch.int64 or ids.dim() != 1:
                 raise CheckpointError(f"{where}: expected {sorted(keys)}, got {list(chunk)}")
@@ -479,96 +696,11 @@ def _verify_tables(
                         f"{where}: ids must be ascending, distinct and in [0, {limit})"
                     )
                 last = int(ids[-1])
+            check_finite(rows, f"{where}: rows", allow_nonfinite)
             saved.append(ids)
         ids = torch.cat(saved) if saved else torch.empty(0, dtype=torch.int64)
-        out.append((holder, entry, ids))
+        out.append((holder, entry, ids, _verify_init(snap, entry, spec, allow_nonfinite)))
     missing = [(m, t) for m, h in holders.items() for t in h.tables if (m, t) not in seen]
     if missing:
         raise ValueError(f"the checkpoint holds no rows for tables {missing} of this model")
     return out
-
-
-def _verify_caches(
-    snap: Path, manifest: dict[str, Any], holders: dict[str, _Rows]
-) -> list[tuple[Any, dict[str, torch.Tensor], dict[str, Any]]]:
-    """The caches' saved states, checked, with the caches they belong to (a checkpoint of a
-    model whose collections differ, or written before caches were saved, restores none)."""
-    out = []
-    for k, entry in enumerate(manifest.get("caches", [])):
-        if not isinstance(entry, dict) or not isinstance(entry.get("cache"), int):
-            raise CheckpointError(f"{snap / 'manifest.json'}: malformed cache entry {k}")
-        holder = holders.get(entry.get("module"))  # type: ignore[arg-type]
-        caches = holder.caches() if holder is not None else []
-        if not 0 <= entry["cache"] < len(caches):
-            continue
-        tensors, meta = read_tensors(snap, entry, f"cache {k}")
-        if not isinstance(meta, dict) or not all(
-            isinstance(meta.get(key), int) for key in ("tick", "lookups", "batch_seq")
-        ):
-            raise CheckpointError(f"{snap / str(entry['name'])}: malformed cache state")
-        out.append((caches[entry["cache"]], tensors, meta))
-    return out
-
-
-def _verify_dense(
-    snap: Path, manifest: dict[str, Any], model: nn.Module
-) -> dict[str, torch.Tensor]:
-    dense, _ = read_tensors(snap, manifest["dense"], "dense state")
-    own = _dense_state(model)
-    missing, unexpected = sorted(set(own) - set(dense)), sorted(set(dense) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"dense state mismatch: missing {missing}, unexpected {unexpected}")
-    for k, v in dense.items():
-        if v.shape != own[k].shape or v.dtype != own[k].dtype:
-            raise CheckpointError(
-                f"{snap / manifest['dense']['name']}: {k} is {tuple(v.shape)} {v.dtype}, the "
-                f"model's {tuple(own[k].shape)} {own[k].dtype}"
-            )
-    return dense
-
-
-def _verify_optimizers(
-    snap: Path, manifest: dict[str, Any], optimizers: Sequence[Any]
-) -> list[Any]:
-    states = []
-    for i, (entry, opt) in enumerate(zip(manifest["optimizers"], optimizers, strict=True)):
-        kind = entry["kind"]
-        if (kind == "sparse") != isinstance(opt, SparseOptimizer):
-            raise ValueError(f"optimizers[{i}]: checkpoint holds a {kind} optimizer")
-        tensors, tree = read_tensors(snap, entry, f"optimizers[{i}]")
-        where = f"{snap / str(entry['name'])} (optimizers[{i}])"
-        state = decode_tree(tree, tensors, where)
-        try:
-            if kind == "sparse":
-                _check_sparse_state(opt, state)
-            else:
-                _check_torch_state(opt, state)
-        except (ValueError, TypeError, KeyError) as err:
-            raise CheckpointError(f"{where}: {err}") from None
-        states.append(state)
-    return states
-
-
-def _check_sparse_state(opt: SparseOptimizer, state: Any) -> None:
-    if not isinstance(state, dict) or not isinstance(state.get("steps"), list):
-        raise ValueError("not the state of a sparse optimizer")
-    opt.check_hyper_state_dict(state)
-    for steps in state["steps"]:
-        if not isinstance(steps, dict) or not all(
-            isinstance(t, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
-            for t, n in steps.items()
-        ):
-            raise ValueError(f"step counts {steps!r} are not table -> count")
-
-
-def _check_torch_state(opt: torch.optim.Optimizer, state: Any) -> None:
-    if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
-        raise ValueError("not a torch optimizer state_dict")
-    groups = state["param_groups"]
-    if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
-        raise ValueError(
-            f"{len(groups)} parameter groups, the optimizer has {len(opt.param_groups)}"
-        )
-    for saved, own in zip(groups, opt.param_groups, strict=True):
-        if not isinstance(saved, dict) or len(saved.get("params", ())) != len(own["params"]):
-            raise ValueError("a parameter group holds another number of parameters")

@@ -1,29 +1,43 @@
 """One training job of ``embcache train``, the same flow for one process, each of ``--nproc N``
 local ranks and each rank torchrun started (`run_job`): the tier opened, a DLRM built (tables
 sharded by row over the ranks, MLPs under DistributedDataParallel, when there are several),
-trained on the data, evaluated on its held-out split, flushed, saved, summarised."""
+trained on the data, evaluated on its held-out split, flushed, saved, summarised.
+
+A job stops early and cleanly on SIGTERM or SIGINT (`GracefulStop`): the step in flight (and
+one already prefetched) finishes, the ranks agree on the step to stop after, the rows are
+flushed, the checkpoint written, the tier closed (its leases released); the exit status is
+128 + the signal's number. A second signal exits at once. ``--checkpoint-every`` also saves
+every N steps and keeps the last ``--keep-checkpoints`` of them under ``DIR/steps/``."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
+import signal
+import sys
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
+from embcache.checkpoint import CheckpointError, check_checkpoint_dir, read_extra
 from embcache.checkpoint import load as embcache_load
-from embcache.checkpoint import read_extra
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
-from embcache.cli.settings import eval_batches, open_data, run_settings
+from embcache.cli.settings import default_cache, eval_batches, open_data, run_settings
+from embcache.cli.tier_record import TierRecord
 from embcache.data import Batch, ClickDataset, SyntheticCriteo
+from embcache.devices import resolve_device
 from embcache.engine.interface import FUSION_K
 from embcache.kv.base import Store
-from embcache.kv.errors import TierError
+from embcache.kv.errors import TierDataLossError, TierError
 from embcache.kv.redact import redact_text, redact_url
+from embcache.kv.tier_state import TierState
 from embcache.kv.url import open_store
 from embcache.models.dlrm import DLRM
 from embcache.train.loop import (
@@ -37,6 +51,85 @@ from embcache.train.loop import (
 
 class DataError(ValueError):
     """The data stream failed (a bad line, a truncated file) during the run."""
+
+
+# What a reader raises on a damaged file: a bad line (ValueError), a number too wide for int64
+# (OverflowError), a truncated or corrupt gzip stream (EOFError, zlib.error, OSError).
+DATA_ERRORS = (ValueError, OverflowError, EOFError, zlib.error, OSError)
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT during a job, as a context manager that installs the handlers (in the
+    main thread only) and restores the previous ones.
+
+    The first signal sets `signum` (the training loop asks `requested` before each batch and
+    stops after the steps begun); a second exits at once with status 128 + its number, without
+    flushing (the tier's leases then lapse after their TTL).
+
+    Args:
+        signals: the signals handled.
+        announce: print one line on stderr when the first signal comes (rank 0).
+    """
+
+    def __init__(
+        self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT), announce: bool = True
+    ) -> None:
+        self.signals = tuple(signals)
+        self.announce = announce
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            os.write(2, f"embcache train: {name} again: exiting at once, unflushed\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        if self.announce:
+            os.write(
+                2,
+                f"embcache train: {name}: stopping after the step in flight, then flushing "
+                f"and checkpointing ({name} again exits at once)\n".encode(),
+            )
+
+
+def agreed_stop(stopper: GracefulStop, world: int, device: torch.device) -> Callable[[], bool]:
+    """``stop()`` for the training loop: the local flag, or with several ranks the flag of any
+    rank (an all-reduce per batch taken, so that every rank stops after the same step)."""
+    if world == 1:
+        return lambda: stopper.requested
+
+    import torch.distributed as dist
+
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def stop() -> bool:
+        flag = torch.tensor([1 if stopper.requested else 0], device=where)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    return stop
 
 
 def one_line(err: BaseException) -> str:
@@ -86,6 +179,20 @@ def _tier_owner(args: argparse.Namespace, rank: int, world: int) -> str | None:
     return str(shared[0])
 
 
+def _tier_record(args: argparse.Namespace, rank: int, world: int) -> TierRecord:
+    """The run record of this job's tier (`embcache.cli.tier_record`): the state the last run
+    on it left, to check unless ``--resume`` restores the rows or ``--fresh-tier`` starts over.
+
+    Raises:
+        ValueError: the run record is damaged.
+    """
+    resume_extra = None
+    if args.resume is not None:
+        resume_extra = read_extra(rank_dir(args.resume, rank, world))
+    fresh = bool(getattr(args, "fresh_tier", False))
+    return TierRecord.for_job(args.store, rank, world, resume_extra, fresh)
+
+
 def _rank_batches(batches: Iterator[Batch], rank: int, world: int) -> Iterator[Batch]:
     """Rank r of W trains on samples ``[r*B/W, (r+1)*B/W)`` of every global batch of B; a
     reader's error, or a stream without a single batch, is a `DataError`."""
@@ -97,8 +204,15 @@ def _rank_batches(batches: Iterator[Batch], rank: int, world: int) -> Iterator[B
             if not count:
                 raise DataError("--data: the held-out split is empty") from None
             return
-        except ValueError as err:
-            raise DataError(f"--data: {err}") from None
+        except DATA_ERRORS as err:
+            kind = (
+                ""
+                if type(err) is ValueError or isinstance(err, DataError)
+                else f"{type(err).__name__}: "
+            )
+            if isinstance(err, OverflowError):
+                kind = "a number wider than 64 bits: "
+            raise DataError(f"--data: {kind}{err}") from None
         count += 1
         if world > 1:
             per_rank = batch.batch_size // world
@@ -112,23 +226,36 @@ def run_job(
     world: int = 1,
     parser: argparse.ArgumentParser | None = None,
     data: ClickDataset | None = None,
+    stopper: GracefulStop | None = None,
 ) -> int:
     """One training job as rank ``rank`` of ``world`` (one process: 0 of 1): the tier opened,
     a DLRM built (tables sharded by row over the ranks and the MLPs under
     DistributedDataParallel when ``world > 1``), trained, evaluated, flushed, saved; rank 0
     writes the plot and prints the summary. With ``parser`` (one process) a bad checkpoint or
-    a tier error ends the process with a one-line message; ranks raise them."""
+    a tier error ends the process with a one-line message; ranks raise them.
+
+    Returns:
+        The exit status: 0, or 128 + the signal's number when ``stopper`` saw SIGTERM/SIGINT
+        (the run stopped after the step in flight, flushed and checkpointed).
+    """
     t_start = time.perf_counter()
+    stopper = stopper or GracefulStop(signals=())
     local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun sets it on every node
     device = torch.device(args.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    device = resolve_device(device)  # `--device cuda`: the current device, with its index
     lr, dense_lr, cache = run_settings(args)
     if data is None:
         data = open_data(args, progress=rank == 0 and not args.no_progress)
+    owner = _tier_owner(args, rank, world)  # (the checkpoint was checked before: its error)
     try:
-        store = open_store(args.store, owner=_tier_owner(args, rank, world))
+        record = _tier_record(args, rank, world)
+    except ValueError as err:
+        _fail(parser, 2, err)
+    try:
+        store = open_store(args.store, owner=owner)
     except ValueError as err:
         first = redact_text(str(err).splitlines()[0])
         if parser is None:
@@ -143,12 +270,21 @@ def run_job(
             2, f"{parser.prog}: error: {message if shown in message else shown + ': ' + message}\n"
         )
     try:
+        record.expect(store)  # before the tables are declared: each is checked as it is
         model, sparse_opt, dense_opt = _build(args, data, cache, store, device, lr, dense_lr, world)
+        record.started(store)
+    except TierDataLossError as err:
+        close_store(store, parser, failed=True)
+        _fail(parser, 1, record.refusal(err))
     except (ConnectionError, OSError, TierError) as err:
         close_store(store, parser, failed=True)  # leases taken before the refusal go back
         _fail(parser, 2, err)
+    except (MemoryError, RuntimeError) as err:
+        close_store(store, parser, failed=True)
+        _fail(parser, 1, _resource_error(err))
     extra: dict[str, Any] = {}
     failed = True
+    first_step = 0
     try:
         wrapper = None
         if world > 1:
@@ -156,22 +292,10 @@ def run_job(
 
             ids = [local_rank] if device.type == "cuda" else None
             wrapper = DistributedDataParallel(model, device_ids=ids)
-        first_step = 0
         if args.resume is not None:
             where = rank_dir(args.resume, rank, world)
             try:
-                saved_k = read_extra(where).get("fusion_k", FUSION_K)
-                if saved_k != args.fusion_k:  # its rows are keyed by ids folded to saved_k bits
-                    raise ValueError(
-                        f"written with --fusion-k {saved_k}, this run has {args.fusion_k}: the "
-                        f"ids of its rows are folded to {saved_k} bits"
-                    )
                 extra = embcache_load(where, model, [sparse_opt, dense_opt])
-                if extra.get("world_size", 1) != world:
-                    raise ValueError(
-                        f"written by {extra.get('world_size', 1)} rank(s), this run has {world}: "
-                        "each rank holds the rows it owns"
-                    )
             except (FileNotFoundError, ValueError) as err:
                 _fail(parser, 2, ValueError(f"--resume {args.resume}: {one_line(err)}"))
             first_step = int(extra.get("steps_done", 0))
@@ -180,50 +304,225 @@ def run_job(
         def held_out() -> Iterator[Batch]:  # every rank evaluates the same batches (collective)
             return _rank_batches(data.eval_batches(limit), 0, 1)
 
-        result = train(
-            model,
-            _rank_batches(data.train_batches(first_step), rank, world),
-            sparse_opt,
-            dense_opt,
-            args.steps,
-            args.prefetch,
-            rank == 0 and not args.no_progress,
-            wrapper=wrapper,
-            evaluate_every=args.eval_every if limit != 0 else 0,
-            held_out=held_out,
-        )
+        def save(steps_done: int) -> None:
+            where = rank_dir(args.checkpoint, rank, world)
+            model.sparse_arch.flush()  # the tier's state is recorded with the rows on it
+            state = record.save(store, steps_done)
+            save_checkpoint(
+                where, model, dense_opt, sparse_opt, steps_done, world, args.store, state
+            )
+            if args.checkpoint_every:
+                keep_history(args.checkpoint, rank, world, steps_done, args.keep_checkpoints)
+
+        def periodic(step_in_run: int) -> None:
+            save(first_step + step_in_run)
+            if rank == 0:
+                from tqdm import tqdm
+
+                tqdm.write(
+                    f"embcache train: checkpoint at step {first_step + step_in_run} "
+                    f"in {args.checkpoint}",
+                    file=sys.stderr,
+                )
+
+        try:
+            result = train(
+                model,
+                _rank_batches(data.train_batches(first_step), rank, world),
+                sparse_opt,
+                dense_opt,
+                args.steps,
+                args.prefetch,
+                rank == 0 and not args.no_progress,
+                wrapper=wrapper,
+                evaluate_every=args.eval_every if limit != 0 else 0,
+                held_out=held_out,
+                early_stop=args.early_stop if limit != 0 else 0,
+                stop=agreed_stop(stopper, world, device),
+                checkpoint_every=args.checkpoint_every if args.checkpoint is not None else 0,
+                on_checkpoint=periodic,
+            )
+        except (MemoryError, RuntimeError) as err:
+            if isinstance(err, RuntimeError) and not _out_of_memory(err):
+                raise
+            raise _resource_error(err) from None
+        except ValueError as err:
+            if isinstance(err, DataError) or not _non_finite(err):
+                raise
+            raise DivergedError(
+                f"training diverged (a NaN or Inf gradient): {one_line(err)}; "
+                "try a lower --lr / --dense-lr"
+            ) from None
         result.samples *= world
-        if limit != 0:
+        if limit != 0 and not result.interrupted:
             result.eval = evaluate(model, held_out())
             if isinstance(data, SyntheticCriteo):  # the ceiling: the labels' own model
                 hidden = binary_metrics(*_hidden(data, limit))
                 result.eval["hidden_auc"] = hidden["auc"]
         model.sparse_arch.flush()
         if args.checkpoint is not None:
-            save_checkpoint(
-                rank_dir(args.checkpoint, rank, world),
-                model,
-                dense_opt,
-                sparse_opt,
-                first_step + args.steps,
-                world,
-            )
+            save(first_step + len(result.losses))  # fewer than --steps after an early stop
+        else:
+            record.save(store, first_step + len(result.losses))
         if args.plot is not None and rank == 0:
             write_plot(result, args.plot)
         failed = False
-    except (ConnectionError, TierError, DataError) as err:
-        # The tier went away, lost writes or was taken over mid-run, or the data stream broke:
-        # its own one-line message (the tier's names the URL, table and what to do).
+    except (ConnectionError, TierError, DataError, DivergedError, ResourceError) as err:
+        # The tier went away, lost writes or was taken over mid-run, the data stream broke,
+        # the loss diverged or memory ran out: its own one-line message (the tier's names the
+        # URL, table and what to do).
         _fail(parser, 1, err)
     finally:
         close_store(store, parser, failed)
+    steps_done = first_step + len(result.losses)
     if rank == 0:
         shown_store = args.store if world == 1 else f"{args.store} (per rank), {world} ranks"
+        notes = []
+        if args.resume is not None:
+            tier = getattr(args, "store_source", "--store")
+            notes.append(
+                (
+                    "resumed",
+                    f"from {args.resume} at step {first_step} (this run: steps "
+                    f"{first_step + 1}-{steps_done}), tier {redact_url(args.store)} ({tier})",
+                )
+            )
+        tier_line = record.summary(args.resume)
+        if tier_line is not None:
+            notes.append(("tier rows", tier_line))
+        if result.interrupted:
+            notes.append(("stopped", f"by {stopper.name} after step {steps_done}"))
         print_summary(
             args, data, model, result, lr, dense_lr, time.perf_counter() - t_start,
-            store=shown_store, prefetch=args.prefetch,
+            store=shown_store, prefetch=args.prefetch, notes=notes,
         )  # fmt: skip
-    return 0
+    if not stopper.requested:
+        return 0
+    if rank == 0:
+        saved = (
+            f"checkpoint in {args.checkpoint} (continue with --resume {args.checkpoint})"
+            if args.checkpoint is not None
+            else "no --checkpoint given"
+        )
+        print(
+            f"embcache train: stopped by {stopper.name} after step {steps_done}: rows flushed "
+            f"to the tier, {saved}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 128 + int(stopper.signum or 0)
+
+
+class DivergedError(ValueError):
+    """The loss or a gradient became NaN or Inf."""
+
+
+class ResourceError(RuntimeError):
+    """Memory ran out: the options ask for more than the machine has."""
+
+
+def _non_finite(err: ValueError) -> bool:
+    text = str(err).lower()
+    return any(word in text for word in ("nan", "inf", "non-finite", "not finite"))
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, MemoryError) or any(
+        m in text
+        for m in ("out of memory", "can't allocate", "cannot allocate", "not enough memory")
+    )
+
+
+def _resource_error(err: BaseException) -> BaseException:
+    """An out-of-memory error as one line that says what to change; anything else as it is."""
+    if not _out_of_memory(err):
+        return err
+    return ResourceError(
+        f"out of memory ({one_line(err)[:200]}): lower --batch-size, --dim or the cache's size"
+    )
+
+
+def keep_history(root: Path, rank: int, world: int, steps_done: int, keep: int) -> None:
+    """Keep the checkpoint just saved as ``root/steps/step-<steps_done>`` (hard links to the
+    snapshot's files: no copy) and remove all but the ``keep`` newest such directories. Each
+    is a checkpoint directory that ``--resume`` takes (with its ``rank-<r>`` inside for
+    several ranks)."""
+    from embcache.checkpoint import latest_snapshot
+
+    source = rank_dir(root, rank, world)
+    history = Path(root) / "steps"
+    target = rank_dir(history / f"step-{steps_done:09d}", rank, world)
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)
+    snap = latest_snapshot(source)
+    tmp.mkdir(parents=True)
+    try:
+        shutil.copytree(snap, tmp / snap.name, copy_function=os.link)
+    except OSError:  # a file system without hard links
+        shutil.rmtree(tmp / snap.name, ignore_errors=True)
+        shutil.copytree(snap, tmp / snap.name)
+    shutil.copy2(source / "CURRENT", tmp / "CURRENT")
+    os.rename(tmp, target)
+    steps = sorted(p for p in history.glob("step-*") if p.name[5:].isdigit())
+    for old in steps[: max(0, len(steps) - keep)]:
+        shutil.rmtree(rank_dir(old, rank, world), ignore_errors=True)
+        if world > 1:
+            with contextlib.suppress(OSError):
+                old.rmdir()  # the last rank to prune it removes it
+
+
+def check_resume(path: Path, world: int, fusion_k: int) -> dict[str, Any]:
+    """What ``--resume path`` recorded (rank 0's ``extra``), each rank's checkpoint checked
+    first (its CURRENT and manifest, the ranks that wrote it, the ids' width).
+
+    Raises:
+        ValueError: one line that says what is wrong.
+    """
+    if not path.is_dir():
+        raise ValueError(f"--resume {path}: not a directory")
+    extras = []
+    for rank in range(world):
+        where = rank_dir(path, rank, world)
+        try:
+            check_checkpoint_dir(where, for_resume=True)
+            extras.append(read_extra(where))
+        except (FileNotFoundError, CheckpointError, OSError, ValueError) as err:
+            written = sorted(p.name for p in path.glob("rank-*"))
+            hint = ""
+            if world == 1 and written:
+                hint = f" (it holds {len(written)} ranks' checkpoints: give --nproc {len(written)})"
+            elif world > 1 and not written and (path / "CURRENT").exists():
+                hint = " (written by one process: resume without --nproc)"
+            raise ValueError(f"--resume {path}: {one_line(err)}{hint}") from None
+    first = extras[0]
+    saved_world = first.get("world_size", 1)
+    if saved_world != world:
+        raise ValueError(
+            f"--resume {path}: written by {saved_world} rank(s), this run has {world}: each "
+            "rank holds the rows it owns"
+        )
+    saved_k = first.get("fusion_k", FUSION_K)
+    if saved_k != fusion_k:  # its rows are keyed by ids folded to saved_k bits
+        raise ValueError(
+            f"--resume {path}: written with --fusion-k {saved_k}, this run has {fusion_k}: "
+            f"the ids of its rows are folded to {saved_k} bits"
+        )
+    return first
+
+
+def check_checkpoint_path(path: Path) -> None:
+    """That ``--checkpoint path`` can be written, before training (`embcache.checkpoint.
+    check_checkpoint_dir`: a directory, or missing under a writable one).
+
+    Raises:
+        ValueError: one line that says what is wrong.
+    """
+    try:
+        check_checkpoint_dir(path, for_resume=False)
+    except (CheckpointError, OSError) as err:
+        raise ValueError(f"--checkpoint {path}: {one_line(err)}") from None
 
 
 def _build(args, data, cache, store, device, lr, dense_lr, world) -> tuple:
@@ -235,7 +534,7 @@ def _build(args, data, cache, store, device, lr, dense_lr, world) -> tuple:
         kwargs["collection_cls"] = ShardedEmbeddingBagCollection
     model = DLRM(
         data.tables(args.dim),
-        cache=cache,
+        cache=default_cache(args, data, cache),
         store=store,
         device=device,
         dense_in_features=data.num_dense,
@@ -265,18 +564,25 @@ def save_checkpoint(
     sparse_opt: Any,
     steps_done: int,
     world: int = 1,
+    store: str | None = None,
+    tier_state: TierState | None = None,
 ) -> None:
     """`embcache.save` of the model with both optimizers (sparse first), the number of
     training batches consumed, so `--resume` continues with the next one, the number of ranks
-    that wrote it, the ids' ``fusion_k`` (a resumed run must fold raw ids alike), and the
-    tier's owner token, so that a resumed run may reopen the tables its
-    lease still holds."""
+    that wrote it, the ids' ``fusion_k`` (a resumed run must fold raw ids alike), the tier's
+    URL without its password (a resumed run keeps the tier unless told otherwise) and the
+    tier's owner token, so that a resumed run may reopen the tables its lease still holds, and
+    the tier's state (`embcache.kv.tier_state`) the rows were saved from."""
     extra: dict[str, Any] = {
         "steps_done": steps_done,
         "world_size": world,
         "fusion_k": model.sparse_arch.fusion_k,
     }
+    if store is not None:
+        extra["store"] = redact_url(store)
     owner = model.sparse_arch.store.lease_owner
     if owner is not None:
         extra["tier_owner"] = owner
+    if tier_state is not None:
+        extra["tier_state"] = tier_state.to_dict()
     embcache_save(path, model, [sparse_opt, dense_opt], extra=extra)

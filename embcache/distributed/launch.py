@@ -23,18 +23,28 @@ rank that hangs fail after ``timeout``. As soon as one rank fails the parent giv
 ``grace`` seconds (default: ``timeout``) to finish or fail, terminates the rest, and raises
 `SpawnError` naming the rank that failed first with its traceback (ranks that only failed because
 a peer did are listed after it). `SpawnError.elapsed_s` says how long after that first failure
-the parent raised.
+the parent raised; `SpawnError.headline` is that rank's exception as one line ("Type: message").
+
+Signals. A rank gets SIGTERM when the process it was forked from dies (Linux), so none
+outlives a launcher that was killed. With ``on_signal``, the parent handles SIGTERM and SIGINT
+while it waits: the first is sent on to every rank (each in its own process group, so a
+terminal's Ctrl-C reaches them only this way), ``on_signal(signum)`` is called, and the parent
+keeps waiting for the ranks (which are expected to stop soon, cleanly); a second kills them
+at once and raises `SpawnInterruptedError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing.util
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -46,6 +56,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _POLL_S = 0.05
+_EXIT_WAIT_S = 10.0  # how long ranks that all succeeded get to exit by themselves
 _PRELOAD = ["torch", "torch.distributed", "embcache.distributed.sharded"]
 
 # Error texts of a collective that failed because of a peer, not because of this rank's code.
@@ -67,6 +78,7 @@ class RankFailure:
     error: str  # the traceback, or what the parent saw (an exit code, a signal)
     at: float  # time.time() of the failure (or of its detection by the parent)
     secondary: bool  # a collective failed because of a peer (probably not the root cause)
+    headline: str = ""  # the exception as one line, "Type: message" (or ``error``'s first line)
 
 
 class SpawnError(RuntimeError):
@@ -85,12 +97,27 @@ class SpawnError(RuntimeError):
         self.rank = first.rank
         self.failures = failures
         self.elapsed_s = elapsed_s
+        lines = first.error.strip().splitlines()
+        self.headline = first.headline or (lines[0] if lines else "no error text")
         others = [f for r, f in sorted(failures.items()) if r != first.rank]
         text = f"rank {first.rank} of the spawned job failed:\n{first.error.rstrip()}"
         for f in others:
             head = f.error.strip().splitlines()[0] if f.error.strip() else f.error
             text += f"\n(then rank {f.rank} failed too: {head})"
         super().__init__(text)
+
+
+class SpawnInterruptedError(RuntimeError):
+    """A second SIGTERM/SIGINT reached the parent of `spawn` (given ``on_signal``): the ranks
+    were killed at once.
+
+    Attributes:
+        signum: the signal.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} again: the ranks were killed")
 
 
 def free_port() -> int:
@@ -109,6 +136,7 @@ def spawn(
     grace: float | None = None,
     threads_per_rank: int | None = None,
     start_method: str = "forkserver",
+    on_signal: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nproc`` local ranks joined in one process group.
 
@@ -125,12 +153,16 @@ def spawn(
         threads_per_rank: torch intra-op threads of each rank (default: the CPU count divided
             by ``nproc``, at least 1), so ranks do not oversubscribe the cores.
         start_method: ``"forkserver"`` (default, see the module docstring) or ``"spawn"``.
+        on_signal: handle SIGTERM/SIGINT while the ranks run (from the main thread): the first
+            is forwarded to the ranks and passed to ``on_signal``, a second kills them (see
+            the module docstring).
 
     Returns:
         The return values of ``fn``, by rank.
 
     Raises:
         SpawnError: a rank raised, exited without reporting, or was killed.
+        SpawnInterruptedError: a second signal (with ``on_signal``).
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
@@ -157,17 +189,60 @@ def spawn(
     procs = [
         ctx.Process(
             target=_run_rank,
-            args=(rank, nproc, backend, port, timeout, threads, env, fn, tuple(args), reports),
+            args=(
+                rank,
+                nproc,
+                backend,
+                port,
+                timeout,
+                threads,
+                env,
+                fn,
+                tuple(args),
+                reports,
+                on_signal is not None,
+            ),
             name=f"embcache-rank-{rank}",
         )
         for rank in range(nproc)
     ]
-    for p in procs:
-        p.start()
-    try:
-        return _supervise(procs, reports, grace)
-    finally:
+    import threading
+
+    handled = on_signal is not None and threading.current_thread() is threading.main_thread()
+    previous: dict[int, Any] = {}
+    got: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if got:  # the second: no more waiting
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError, TypeError):
+                    os.kill(p.pid, signal.SIGKILL)
+            raise SpawnInterruptedError(signum)
+        got.append(signum)
         for p in procs:
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                if p.is_alive():
+                    os.kill(p.pid, signum)
+        on_signal(signum)  # type: ignore[misc]
+
+    succeeded = False
+    try:
+        if handled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, forward)
+        for p in procs:
+            p.start()
+        results = _supervise(procs, reports, grace)
+        succeeded = True
+        return results
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        # Ranks that all reported success are on their way out (`_run_rank`): let them finish,
+        # or a rank stopped before its finalizers leaves its semaphores to the resource tracker.
+        deadline = time.monotonic() + (_EXIT_WAIT_S if succeeded else 0.0)
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.terminate()
         for p in procs:
@@ -229,8 +304,8 @@ def _take_report(reports, results: dict, failures: dict, timeout: float) -> bool
     if kind == "ok":
         results[rank] = pickle.loads(payload)
     else:
-        text, secondary = payload
-        failures[rank] = RankFailure(rank, text, at, secondary)
+        text, secondary, headline = payload
+        failures[rank] = RankFailure(rank, text, at, secondary, headline)
     return True
 
 
@@ -260,8 +335,13 @@ def _run_rank(
     fn: Callable[..., Any],
     args: tuple,
     reports,
+    own_group: bool = False,
 ) -> None:
     """One rank: join the group, run ``fn``, report, and exit without waiting on peers."""
+    _die_with_parent()
+    if own_group:  # signals reach it from the parent alone, not from a terminal's Ctrl-C
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -272,6 +352,7 @@ def _run_rank(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(threads)
+    _thread_lock_for_progress_bars()
     code = 0
     try:
         if backend == "nccl":
@@ -289,7 +370,8 @@ def _run_rank(
         reports.put(("ok", rank, pickle.dumps(result), time.time()))
     except BaseException as e:
         text = f"{type(e).__name__} on rank {rank}: {e}\n\n{traceback.format_exc()}"
-        reports.put(("error", rank, (text, _is_peer_failure(e)), time.time()))
+        headline = f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(": ")
+        reports.put(("error", rank, (text, _is_peer_failure(e), headline), time.time()))
         code = 1
     reports.close()
     reports.join_thread()
@@ -299,5 +381,37 @@ def _run_rank(
         # A clean shutdown; a peer that failed meanwhile must not turn success into a hang.
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    # os._exit skips what a returning target gets from multiprocessing on its way out: its
+    # finalizers, which unlink the semaphores this rank created (tqdm's write lock is one) and
+    # tell the resource tracker so; without them it warns of "leaked semaphore objects" when the
+    # command ends.
+    multiprocessing.util._run_finalizers(0)
     # os._exit: the process group's destructors may abort (or wait) when a peer is gone.
     os._exit(code)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """Give tqdm a thread lock in this rank. Its default is a multiprocessing lock, a named
+    semaphore: a rank that the launcher kills (a peer failed first) cannot unlink it, and the
+    resource tracker then warns of "leaked semaphore objects" as the command ends. A rank's bars
+    are written by its own threads only, so a thread lock is all they need."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send this process SIGTERM when the process that started it (the fork
+    server, or the launcher) dies, so that no rank outlives its job; elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)

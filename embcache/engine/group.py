@@ -15,6 +15,10 @@ error unless the collection accumulates gradients.
 A batch prefetched ahead of its forward (`issue`) is resolved on the `Prefetcher`'s worker
 thread; its forward takes what it resolved (`take_prefetch`). The rules that release a
 prefetch that will not be used are in `embcache.engine.prefetch`.
+
+The step belongs to one thread at a time (``claim``, `embcache.engine.claim`): a training
+forward claims it, the step (`apply_trace`) or `zero_grad` ends the claim, and another thread's
+training calls raise before they change anything.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 
 from embcache.cache.config import CacheConfig
-from embcache.cache.hot_cache import HotCache
+from embcache.cache.hot_cache import HotCache, resolve_together, unlock_together
 from embcache.engine.batch_state import (
     FusedPrefetchHandle,
     InFlight,
@@ -33,13 +37,16 @@ from embcache.engine.batch_state import (
     Prepared,
     TraceEntry,
 )
-from embcache.engine.engine import CacheEngine
+from embcache.engine.claim import StepClaim
+from embcache.engine.engine import CacheEngine, dedup_together
 from embcache.engine.fused_cpu import FusedCpuStep, PendingUpdate
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout
 from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
+from embcache.kernels.ids import fuse_ids
 from embcache.kv.base import Store, TableSpec
+from embcache.profiling import profiled
 
 
 class EngineGroup:
@@ -84,6 +91,7 @@ class EngineGroup:
             self.engines.append(
                 CacheEngine(CacheLayout.of_tables(dim, mine), cache, fusion_k, device)
             )
+        self._joined: dict[tuple, tuple] = {}  # `_fuse_tables`, by engines and device
         self._entries: list[TraceEntry] = []
         self._pending: list[PendingUpdate] = []  # fused CPU updates not yet applied
         self.inflight: list[InFlight] = []
@@ -91,6 +99,23 @@ class EngineGroup:
         self.generation = 0  # bumped when caches are emptied: older handles become stale
         self.optimizer: Any = None
         self.owner: object = self  # the step counts' key at the optimizer (the collection)
+        self.claim = StepClaim("collection")  # the collection names itself (`set_owner`)
+
+    def set_owner(self, owner: object) -> None:
+        """The collection these engines serve: the optimizer's key for its step counts, and
+        the name the step's claim gives it in messages."""
+        self.owner = owner
+        self.claim.name = type(owner).__name__
+
+    def release_claim_if_idle(self) -> None:
+        """End the step's claim when nothing of a step is left: no gradient awaits a step,
+        every forward in flight was backpropagated (and, without a trace, applied) and no
+        prefetch awaits its forward (a prefetch issued during a step is the next step's)."""
+        if self.has_gradients or not all(b.backward_done for b in self.inflight):
+            return
+        self.prefetches.collect_dropped()
+        if not self.prefetches.issued:
+            self.claim.release()
 
     @property
     def trace(self) -> list[TraceEntry]:
@@ -166,18 +191,96 @@ class EngineGroup:
         (`CacheEngine.direct_share`); for a cache on that step that indexes its rows, the
         share checked and deduplicated in one pass (`CacheEngine.unique_share`). A bad id
         raises here, before any cache changes."""
-        shares: list[Prepared | tuple] = []
+        shares: list[Prepared | tuple | None] = []
         for engine in self.engines:
             share = engine.direct_share(batch) if lock else None
             if share is None:  # checked and deduplicated at once where that applies
                 share = engine.unique_share(batch)
-            shares.append(engine.fuse(batch) if share is None else share)
-        return shares
+            shares.append(share)
+        todo = [i for i, share in enumerate(shares) if share is None]
+        if todo:  # one engine or several: the same host reads (and the bags' cut points)
+            for i, share in zip(todo, self._fuse_together(todo, batch), strict=True):
+                shares[i] = share
+        return shares  # type: ignore[return-value]  (every None was filled)
+
+    @profiled("engine.fuse")
+    def _fuse_together(
+        self, todo: list[int], batch: JaggedBatch
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int] | None]]:
+        """What `CacheEngine.fuse` gives each engine of ``todo``, and its `Prepared.cuts`,
+        made in one pass over their features together: one `fuse_ids` (its checks' host read
+        made once, not once per cache) and one host read of the values per key, which groups
+        the features in the engines' order and says where each engine's values end and
+        where its lookups start."""
+        engines = [self.engines[i] for i in todo]
+        features = [f for e in engines for f in e.layout.features]
+        keys, b = batch.keys(), batch.stride()
+        per_key = batch.length_per_key()
+        starts = [0]
+        for n in per_key:
+            starts.append(starts[-1] + n)
+        pos = {k: i for i, k in enumerate(keys)}
+        order = [pos[f] for f in features]
+        values, lengths = batch.values(), batch.lengths()
+        weights = batch.weights_or_none()
+        if keys != features:  # as `group_inputs` does, from the counts read above
+            values = torch.cat([values[starts[i] : starts[i + 1]] for i in order])
+            lengths = torch.cat([lengths[i * b : (i + 1) * b] for i in order])
+            if weights is not None:
+                weights = torch.cat([weights[starts[i] : starts[i + 1]] for i in order])
+        table_index, table_rows, names = self._fuse_tables(todo, values.device)
+        per_feature = lengths.view(len(features), -1).sum(dim=1)
+        fused = fuse_ids(
+            values, per_feature, table_index, table_rows, self.fusion_k, features, names
+        )
+        cut = [0]
+        f = 0
+        for e in engines:
+            nf = len(e.layout.features)
+            cut.append(cut[-1] + sum(per_key[i] for i in order[f : f + nf]))
+            f += nf
+        fused = fused.to(self.device)
+        lengths = lengths.to(self.device)
+        if weights is not None:
+            weights = weights.to(self.device, torch.float32)
+        out = []
+        f = 0
+        for e, lo, hi in zip(engines, cut, cut[1:], strict=False):
+            nf = len(e.layout.features)
+            out.append(
+                (
+                    fused[lo:hi],
+                    lengths[f * b : (f + nf) * b],
+                    None if weights is None else weights[lo:hi],
+                    e.layout.value_cuts([per_key[i] for i in order[f : f + nf]]),
+                )
+            )
+            f += nf
+        return out
+
+    def _fuse_tables(
+        self, todo: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """The engines' `CacheLayout.indexes` joined and their table names: made once per set
+        of engines and device."""
+        key = (tuple(todo), device)
+        found = self._joined.get(key)
+        if found is None:
+            layouts = [self.engines[i].layout for i in todo]
+            pairs = [layout.indexes(device) for layout in layouts]
+            found = (
+                torch.cat([p[0] for p in pairs]),
+                torch.cat([p[1] for p in pairs]),
+                [n for layout in layouts for n in layout.table_names],
+            )
+            self._joined[key] = found
+        return found
 
     def start(self, prepared: list[Prepared]) -> InFlight:
-        """Record a training forward's shares as a batch in flight."""
+        """Record a training forward's shares as a batch in flight (of the claimed step)."""
         batch = InFlight(prepared)
         self.inflight.append(batch)
+        self.claim.record(batch)
         return batch
 
     def finish_untracked(self, prepared: list[Prepared]) -> None:
@@ -193,6 +296,7 @@ class EngineGroup:
         an engine on the fused CPU path hands a `PendingUpdate` instead of rows."""
         if batch is None:
             return
+        self.claim.check_backward(batch)
         batch.backward_done = True
         entries, pending = [], []
         for i, (engine, p, grads) in enumerate(
@@ -218,27 +322,35 @@ class EngineGroup:
                 self._entries, self._pending = [], []
                 self.release(batch)
                 raise
+            finally:  # the step ran inside this backward
+                self.release_claim_if_idle()
 
     # -- the optimizer's side ----------------------------------------------------------------
 
     def attach(self, optimizer: Any) -> None:
-        """Give every row the state columns of ``optimizer`` (fresh state, weights kept)."""
-        if self.has_gradients:
-            raise RuntimeError(
-                "attach the optimizer before training: gradients of a backward are pending"
-            )
-        self.release_all()  # forwards that were never backpropagated
-        self.prefetches.release_all()
-        for engine in self.engines:
-            engine.cache.set_state(optimizer.state_dim(engine.dim), optimizer.state_init)
-            # Several backwards summed per id before one step need the per-id rows.
-            engine.fused = (
-                None if self.accumulate_grads else FusedCpuStep.for_engine(engine, optimizer)
-            )
-        for name in self.specs:
-            self.specs[name] = self.store.table_spec(name)
-        self.generation += 1
-        self.optimizer = optimizer
+        """Give every row the state columns of ``optimizer`` (fresh state, weights kept).
+        Gradients of a backward still pending stay in the trace for the next step, which
+        locates their rows again (their forwards' slots are released here)."""
+        fresh = self.claim.take("attaching an optimizer")
+        try:
+            pending = list(self.trace)  # fused CPU updates become entries while their batch holds
+            self._entries, self._pending = [], []
+            self.release_all()  # forwards that were never (or already) backpropagated
+            self.prefetches.release_all()
+            for engine in self.engines:
+                engine.cache.set_state(optimizer.state_dim(engine.dim), optimizer.state_init)
+                # Several backwards summed per id before one step need the per-id rows.
+                engine.fused = (
+                    None if self.accumulate_grads else FusedCpuStep.for_engine(engine, optimizer)
+                )
+            for name in self.specs:
+                self.specs[name] = self.store.table_spec(name)
+            self.generation += 1
+            self.optimizer = optimizer
+            self._entries = pending
+        finally:
+            if fresh:
+                self.release_claim_if_idle()
 
     def apply(self, entries: list[TraceEntry], optimizer: Any) -> None:
         """Apply ``optimizer``'s rule to trace entries, engine by engine, all or nothing: every
@@ -256,8 +368,14 @@ class EngineGroup:
                 engine.abandon(loc)
             raise
         steps = optimizer.advance_steps(self.owner, [e.table_name for e in entries])
-        for engine, loc in located:
-            engine.apply(loc, optimizer.update, steps)
+        try:
+            for engine, loc in located:
+                engine.update(loc, optimizer.update, steps)
+        finally:  # every engine's locks checked with one host read, then dropped
+            unlock_together([(engine.cache, loc.slots) for engine, loc in located])
+            for _, loc in located:
+                if loc.prepared is not None:
+                    loc.prepared.locked = False
 
     def apply_trace(self, optimizer: Any, release: bool = True) -> None:
         """Apply the recorded gradients, then clear them and (``release``) every batch in
@@ -267,25 +385,33 @@ class EngineGroup:
         Fused CPU updates run the TBE's backward (no tier call, so nothing to retry); one the
         TBE cannot apply (the optimizer changed, the cache storage moved) becomes entries.
         """
-        if any(not self._fusable(u, optimizer) for u in self._pending):
-            self.trace  # noqa: B018 (materialises every pending update as entries)
-        if self._entries:
-            self.apply(self._entries, optimizer)
-        if self._pending:
-            names = [t.name for u in self._pending for t in self.engines[u.engine].layout.tables]
-            optimizer.advance_steps(self.owner, names)
-            for u in self._pending:
-                engine = self.engines[u.engine]
-                p = u.batch.prepared[u.engine]
-                # The update writes only this batch's rows, which its locks keep in their
-                # slots: it holds the storage lock, not the cache's, so that a prefetch's
-                # resolve of the next batch runs beside it (`HotCache.storage_lock`).
-                engine.fused.apply(u, p)
-                with engine.cache.lock:
-                    engine.mark_dirty(p, release=True)
-        self._entries, self._pending = [], []
         if release:
-            self.release_all()
+            self.claim.take("optimizer step")
+        try:
+            if any(not self._fusable(u, optimizer) for u in self._pending):
+                self.trace  # noqa: B018 (materialises every pending update as entries)
+            if self._entries:
+                self.apply(self._entries, optimizer)
+            if self._pending:
+                names = [
+                    t.name for u in self._pending for t in self.engines[u.engine].layout.tables
+                ]
+                optimizer.advance_steps(self.owner, names)
+                for u in self._pending:
+                    engine = self.engines[u.engine]
+                    p = u.batch.prepared[u.engine]
+                    # The update writes only this batch's rows, which its locks keep in their
+                    # slots: it holds the storage lock, not the cache's, so that a prefetch's
+                    # resolve of the next batch runs beside it (`HotCache.storage_lock`).
+                    engine.fused.apply(u, p)
+                    with engine.cache.lock:
+                        engine.mark_dirty(p, release=True)
+            self._entries, self._pending = [], []
+            if release:
+                self.release_all()
+        finally:
+            if release:  # the step completed (or left its trace to retry: the claim stays)
+                self.release_claim_if_idle()
 
     def _fusable(self, u: PendingUpdate, optimizer: Any) -> bool:
         fused = self.engines[u.engine].fused
@@ -293,10 +419,12 @@ class EngineGroup:
 
     def zero_grad(self) -> None:
         """Drop the recorded gradients and the locks of every forward in flight, prefetched
-        ones included."""
+        ones included; ends the step's claim."""
+        self.claim.take("zero_grad")
         self._entries, self._pending = [], []
         self.release_all()
         self.prefetches.release_all()
+        self.claim.release()
 
     def release(self, batch: InFlight) -> None:
         for engine, p in zip(self.engines, batch.prepared, strict=True):
@@ -316,19 +444,44 @@ class EngineGroup:
         share, or serve a direct one; a failing resolve leaves nothing locked.
         ``defer_writeback``: each cache's victims are written by `write_deferred` (or the
         cache's next tier access), not before this returns (`HotCache.resolve`)."""
-        prepared: list[Prepared] = []
+        # Plain dedups of several engines at once: one host read for all (`dedup_together`).
+        plain = [
+            i
+            for i, (engine, share) in enumerate(zip(self.engines, shares, strict=True))
+            if not isinstance(share, Prepared) and engine.plain_dedup(share[0], share[2])
+        ]
+        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if len(plain) > 1:
+            found = dict(zip(plain, dedup_together([shares[i][0] for i in plain]), strict=True))
+        # The caches resolve together (`resolve_together`: each phase's host reads made once
+        # for all of them); direct shares are served first.
+        out: list[Prepared | None] = [None] * len(self.engines)
+        todo: list[tuple[int, Prepared, bool]] = []
         try:
-            for engine, share in zip(self.engines, shares, strict=True):
+            for i, (engine, share) in enumerate(zip(self.engines, shares, strict=True)):
                 if isinstance(share, Prepared) and share.direct is not None:
-                    prepared.append(engine.serve_direct(share))
+                    out[i] = engine.serve_direct(share)
                 elif isinstance(share, Prepared):
-                    prepared.append(engine.resolve_share(share, lock, defer_writeback))
+                    todo.append((i, share, defer_writeback))
                 else:
-                    prepared.append(engine.prepare(*share, lock=lock))
+                    fused, lengths, weights, *cuts = share
+                    p = engine.dedup(fused, lengths, weights, *cuts, found=found.get(i))
+                    todo.append((i, p, False))  # as `CacheEngine.prepare`
+            if todo:
+                slots = resolve_together(
+                    [self.engines[i].cache for i, _, _ in todo],
+                    [p.unique for _, p, _ in todo],
+                    lock,
+                    defer_writeback=[d for _, _, d in todo],
+                    checked=True,
+                )
+                for (i, p, _), s in zip(todo, slots, strict=True):
+                    p.slots, p.locked = s, lock
+                    out[i] = p
         except BaseException:
-            self.release_shares(prepared)
+            self.release_shares(out)
             raise
-        return prepared
+        return out  # type: ignore[return-value]  (every engine's share was filled)
 
     def release_shares(self, prepared: list[Prepared | None]) -> None:
         """Unlock the shares of a batch that will not run (a prefetch released unused)."""
@@ -349,6 +502,7 @@ class EngineGroup:
         the worker makes it next (`write_deferred`), after the handle is ready and before
         any later prefetch. ``source``: the features object ``batch`` was checked from
         (`checked_prefetch`)."""
+        self.claim.take("prefetch")  # part of the step its forward starts
         handle = self.prefetches.issue(owner_id, self.generation, batch, job, source)
         if then_write_back:
             self.prefetches.worker.submit(self.write_deferred)
@@ -381,14 +535,17 @@ class EngineGroup:
 
     def set_prefetch(self, handle: FusedPrefetchHandle | None, owner_id: int) -> None:
         """Make the next forward use ``handle`` (None: no handle)."""
+        self.claim.check("choosing the prefetch handle")
         if handle is not None:
             self.check_handle(handle, owner_id)
         self.prefetches.record(handle, explicit=True)
 
     def cancel(self, handle: FusedPrefetchHandle, owner_id: int) -> None:
         """Release a handle that will not be used."""
+        self.claim.take("cancelling a prefetch")
         if handle.module_id == owner_id:
             self.prefetches.release(handle.state)
+        self.release_claim_if_idle()
 
     def take_prefetch(self, batch: JaggedBatch) -> Prefetched | None:
         """What the handle recorded for this forward resolved (None: read synchronously), after

@@ -7,7 +7,7 @@ collection whose caches hold every row (the default, ``cache=None``) repeats exa
 its device, when it is built without a ``seed``: after the same ``torch.manual_seed`` its
 initial rows equal torchrec's bit for bit, and torch's generator is left where torchrec leaves
 it, so every later random draw of the program matches a torchrec run. The weights drawn are
-kept on the host and read when a row is first touched.
+kept on the host (`DrawnInit`) and read when a row is first touched.
 
 Tables too large for that (a cache holding part of them), and collections given a ``seed``,
 draw each row from a counter-based hash of (seed, table, id, column) (`kv.base.hashed_init`), so
@@ -114,9 +114,22 @@ def _as_torchrec(tables: Sequence[Table], device: torch.device) -> dict[str, Row
     with torch.no_grad():
         for t, w in zip(tables, weights, strict=True):  # then every table's init_fn
             (t.init_fn or default_init_fn(t))(w)
-            inits[t.name] = _lookup(w.to("cpu", torch.float32))
+            inits[t.name] = DrawnInit(w.to("cpu", torch.float32))
     return inits
 
 
-def _lookup(source: torch.Tensor) -> RowInit:
-    return lambda ids, dim: source.index_select(0, ids.to(torch.int64))
+class DrawnInit:
+    """Initial rows drawn whole (torchrec's draws, `table_inits`), kept on the host and read
+    on first touch. They come from torch's generator, not from a recipe, so a checkpoint
+    keeps the draws themselves (`embcache.checkpoint`) to give back the rows never touched.
+
+    Args:
+        weights: CPU float32 ``[num_embeddings, dim]``.
+    """
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        self.weights = weights
+
+    def __call__(self, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        del dim
+        return self.weights.index_select(0, ids.to(torch.int64))

@@ -18,6 +18,7 @@ from embcache.kv.errors import (
     TierUnavailableError,
 )
 from embcache.kv.host import HostKV
+from embcache.kv.tier_state import TableState, TierState, expect_tier_state, tier_state
 from embcache.kv.url import open_store, redis_kv_class
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "ScorePolicy",
     "Store",
     "TableSpec",
+    "TableState",
     "TierAuthError",
     "TierCapacityError",
     "TierCommandError",
@@ -34,9 +36,12 @@ __all__ = [
     "TierError",
     "TierFullError",
     "TierOwnershipError",
+    "TierState",
     "TierUnavailableError",
     "default_init",
+    "expect_tier_state",
     "open_store",
+    "tier_state",
 ]
 
 

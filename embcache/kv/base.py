@@ -25,6 +25,7 @@ import os
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -226,9 +227,60 @@ HASHED_DISTRIBUTIONS = {
 _ANGLE_SALT = 0x5851F42D4C957F2D  # a second, independent stream for Box-Muller's angle
 
 
-def hashed_init(name: str, seed: int, distribution: str, **params: float) -> RowInit:
+@dataclass(frozen=True, eq=False)
+class HashedInit:
+    """A `hashed_init` initialiser: callable as a `RowInit`, and its recipe, which is all a
+    checkpoint needs to give back every row never touched (`recipe`, `from_recipe`).
+
+    Attributes:
+        name: the table's name (salts the hash).
+        seed: the seed.
+        distribution: ``"uniform"``, ``"normal"`` or ``"constant"``.
+        params: the distribution's parameters (`HASHED_DISTRIBUTIONS`).
+    """
+
+    name: str
+    seed: int
+    distribution: str
+    params: dict[str, float]
+    draw: RowInit
+
+    def __call__(self, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.draw(ids, dim)
+
+    def recipe(self) -> dict[str, Any]:
+        """JSON: ``{"kind": "hashed", "seed", "distribution", "params"}``."""
+        return {
+            "kind": "hashed",
+            "seed": self.seed,
+            "distribution": self.distribution,
+            "params": dict(self.params),
+        }
+
+    @staticmethod
+    def from_recipe(name: str, recipe: Any) -> HashedInit:
+        """The initialiser `recipe` describes, for table ``name``.
+
+        Raises:
+            ValueError: not a valid recipe (what is wrong is said).
+        """
+        if not isinstance(recipe, dict) or recipe.get("kind") != "hashed":
+            raise ValueError(f"table {name!r}: not a hashed init recipe: {recipe!r}")
+        seed, params = recipe.get("seed"), recipe.get("params")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"table {name!r}: init recipe seed {seed!r} is not an int >= 0")
+        if not isinstance(params, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in params.values()
+        ):
+            raise ValueError(f"table {name!r}: init recipe params {params!r} are not numbers")
+        return hashed_init(name, seed, str(recipe.get("distribution")), **params)
+
+
+def hashed_init(name: str, seed: int, distribution: str, **params: float) -> HashedInit:
     """Weights drawn per id from a counter-based hash of ``(seed, table name, id, column)``:
-    any order of first touches gives the same rows, on any tier.
+    any order of first touches gives the same rows, on any tier. The result is a `RowInit`
+    that also knows its recipe (`HashedInit`).
 
     Args:
         name: the table's name (salts the hash, so tables differ).
@@ -245,6 +297,13 @@ def hashed_init(name: str, seed: int, distribution: str, **params: float) -> Row
             f"table {name!r}: unknown init {distribution}({sorted(params)}); known: "
             f"{HASHED_DISTRIBUTIONS}"
         )
+    params = {k: float(v) for k, v in params.items()}
+    return HashedInit(
+        name, int(seed), distribution, params, _hashed_draw(name, seed, distribution, params)
+    )
+
+
+def _hashed_draw(name: str, seed: int, distribution: str, params: dict[str, float]) -> RowInit:
     salt = (seed * 1_000_003 + table_hash(name)) & 0x7FFFFFFFFFFF
     if distribution == "constant":
         value = float(params["value"])
@@ -525,6 +584,18 @@ class Store(abc.ABC):
     def lease_owner(self) -> str | None:
         """The token under which this client holds its tables; None without leases."""
         return None
+
+    def tier_state(self, count_rows: bool = True) -> Any:
+        """What this tier holds now for the tables declared through it, as a
+        `embcache.kv.tier_state.TierState` to record beside a run or checkpoint; None (the
+        default) for a tier that keeps nothing between processes."""
+        del count_rows
+        return None
+
+    def expect_state(self, state: Any) -> None:  # noqa: B027 (nothing kept: nothing to check)
+        """Continue from ``state`` (an earlier run's `tier_state`): a tier that lost what it
+        recorded raises `TierDataLossError` (see `embcache.kv.tier_state`). The default keeps
+        nothing between processes, so there is nothing to check."""
 
 
 class IOStats(dict):

@@ -11,7 +11,10 @@ Three table layouts behind one `Store` interface (`embcache.kv.host_tables`):
 
 Either way a row is created on first touch by ``spec.initial_rows`` (one vectorised call per
 batch of missing ids), so its initial value is a function of its id alone, never of the order
-of access. Every operation is vectorised over the ids of a call: no Python loop over ids, no
+of access. A dense table chooses its row moves when declared (`DenseTable.compiled`); a
+grouped call over tables that all chose the compiled passes takes them, rows to create
+included, and any other takes the tables one by one: no call tries one implementation and
+then another. Every operation is vectorised over the ids of a call: no Python loop over ids, no
 ``.item()`` per id.
 """
 
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 import embcache.native as native
+from embcache.indexing import copy_rows, true_at
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
 from embcache.kv.host_tables import BoundedTable, DenseTable, Table, make_table
 
@@ -180,31 +184,67 @@ class HostKV(Store):
         counts: Sequence[int],
         pins: Sequence[bool] | None = None,
     ) -> torch.Tensor:
-        """`Store.get_grouped`: dense float32 tables whose rows all exist are read in one
-        compiled pass (`native.gather_tables`), which checks every id; any other call (a
-        table of another layout, rows to create, pins, a bad id) goes table by table through
-        `get`, which creates rows and raises as it says."""
+        """`Store.get_grouped`: dense tables that chose the compiled passes are read in one
+        (`native.gather_tables`, which checks every id first), the rows never created then
+        created table by table; any other call (a table of another layout or not yet
+        allocated, pins) goes table by table through `get`."""
         if not (pins is not None and any(pins)):
             with self._lock:
+                # Not allocated here: a table's first read allocates it through `get` (after
+                # its init ran, so that an init that raises changes nothing).
                 arrays = self._dense_arrays(tables, ids, counts)
                 if arrays is not None:
                     rows, created, limits, bounds, spec = arrays
                     out = self._empty(spec, ids.numel())
-                    found = native.gather_tables(
-                        rows, created, limits, ids.numpy(), bounds, out.numpy()
-                    )
-                    if found == 0:  # every row exists, every id is in range
-                        for table, n in zip(tables, counts, strict=True):
-                            self._count("read", n, self._tables[table].spec)
-                        return out
+                    try:
+                        absent = native.gather_tables(
+                            tables=rows, created=created, limits=limits, ids=ids.numpy(),
+                            bounds=bounds, out=out.numpy(),
+                        )  # fmt: skip
+                    except native.OutOfRangeError:
+                        self._check_ids(tables, ids, counts)  # the error naming the table
+                        raise
+                    if absent:
+                        self._create_missing(tables, ids, bounds, out)
+                    for table, n in zip(tables, counts, strict=True):
+                        self._count("read", n, self._tables[table].spec)
+                    return out
         return super().get_grouped(tables, ids, counts, pins)
+
+    def _create_missing(
+        self, tables: Sequence[str], ids: torch.Tensor, bounds: np.ndarray, out: torch.Tensor
+    ) -> None:
+        """The rows of a grouped read never created, created and written into ``out`` (the
+        others gathered there already): every table's fresh rows made before any is stored,
+        so that an init that raises changes nothing."""
+        missing = []
+        for k, name in enumerate(tables):
+            t = self._tables[name]
+            assert isinstance(t, DenseTable) and t.created is not None
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            at = true_at(~t.created.index_select(0, ids[lo:hi]))
+            if at.numel():
+                fresh_ids = ids[lo:hi].index_select(0, at)
+                missing.append((t, at + lo, fresh_ids, t.spec.initial_rows(fresh_ids)))
+        for t, at, fresh_ids, fresh in missing:
+            t.put(fresh_ids, fresh.contiguous())
+            copy_rows(out, at, fresh)
+            self._stats["rows_created"] += fresh_ids.numel()
+
+    def _check_ids(self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int]) -> None:
+        """`checked_ids` of each table's part of a grouped call: the error `get` and `put`
+        give for a bad id."""
+        start = 0
+        for table, n in zip(tables, counts, strict=True):
+            checked_ids(self._tables[table].spec, ids[start : start + n])
+            start += n
 
     def put_grouped(
         self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int], rows: torch.Tensor
     ) -> None:
-        """`Store.put_grouped`: dense float32 tables take stored float32 rows in one compiled
-        pass (`native.scatter_tables`, which checks every id before writing any); any other
-        call goes table by table through `put`."""
+        """`Store.put_grouped`: dense tables that chose the compiled passes take stored
+        float32 rows in one (`native.scatter_tables`, which checks every id before writing
+        any); any other call goes table by table through `put`."""
         with self._lock:
             arrays = self._dense_arrays(tables, ids, counts, allocate=True)
             if (
@@ -216,11 +256,17 @@ class HostKV(Store):
             ):
                 tables_rows, created, limits, bounds, _ = arrays
                 src = rows.detach().numpy()
-                bad = native.scatter_tables(tables_rows, created, limits, ids.numpy(), bounds, src)
-                if bad < 0:  # every id in range: every row written
-                    for table, n in zip(tables, counts, strict=True):
-                        self._count("written", n, self._tables[table].spec)
-                    return
+                try:
+                    native.scatter_tables(
+                        tables=tables_rows, created=created, limits=limits, ids=ids.numpy(),
+                        bounds=bounds, src=src,
+                    )  # fmt: skip
+                except native.OutOfRangeError:
+                    self._check_ids(tables, ids, counts)  # the error naming the table
+                    raise
+                for table, n in zip(tables, counts, strict=True):
+                    self._count("written", n, self._tables[table].spec)
+                return
         super().put_grouped(tables, ids, counts, rows)
 
     def get_grouped_into(
@@ -232,10 +278,10 @@ class HostKV(Store):
         state: torch.Tensor,
         slots: torch.Tensor,
     ) -> bool:
-        """`Store.get_grouped_into`: dense float32 tables whose rows all exist go to the
-        slots in one compiled pass (`native.gather_tables_into`), which checks every id and
-        slot and that every row exists before moving any; anything else (rows to create, a
-        bad id, another layout) is left to `get_grouped` (False)."""
+        """`Store.get_grouped_into`: dense tables that chose the compiled passes, whose rows
+        all exist, go to the slots in one (`native.gather_tables_into`), which checks every id
+        and slot and that every row exists before moving any; anything else (rows to create,
+        a bad id, another layout) is left to `get_grouped` (False)."""
         return self._straight("read", tables, ids, counts, weights, state, slots)
 
     def put_grouped_from(
@@ -247,8 +293,8 @@ class HostKV(Store):
         state: torch.Tensor,
         slots: torch.Tensor,
     ) -> bool:
-        """`Store.put_grouped_from`: dense float32 tables take their rows from the slots in
-        one compiled pass (`native.scatter_tables_from`, which checks every id and slot before
+        """`Store.put_grouped_from`: dense tables that chose the compiled passes take their rows
+        from the slots in one (`native.scatter_tables_from`, which checks every id and slot before
         writing any); anything else is left to `put_grouped` (False)."""
         return self._straight("written", tables, ids, counts, weights, state, slots)
 
@@ -270,13 +316,16 @@ class HostKV(Store):
             if arrays is None:
                 return False
             rows, created, limits, bounds, _ = arrays
-            args = (rows, created, limits, ids.numpy(), bounds,
-                    weights.numpy(), state.numpy(), slots.numpy())  # fmt: skip
-            # The read returns 0 when it moved every row, the write -1 (as their kin do).
-            if reading and native.gather_tables_into(*args) != 0:
-                return False
-            if not reading and native.scatter_tables_from(*args) != -1:
-                return False
+            move = native.gather_tables_into if reading else native.scatter_tables_from
+            try:
+                absent = move(
+                    tables=rows, created=created, limits=limits, ids=ids.numpy(), bounds=bounds,
+                    weights=weights.numpy(), state=state.numpy(), slots=slots.numpy(),
+                )  # fmt: skip
+            except native.OutOfRangeError:
+                return False  # nothing moved: `get_grouped` / `put_grouped` raise as they say
+            if absent:
+                return False  # rows to create: nothing moved, `get_grouped` creates them
             for table, n in zip(tables, counts, strict=True):
                 self._count(direction, n, self._tables[table].spec)
             return True
@@ -320,11 +369,12 @@ class HostKV(Store):
     ) -> tuple | None:
         """``(rows, created, limits, bounds, spec)`` for `native.gather_tables` /
         `scatter_tables` over ``tables``, or None when a grouped call cannot take the compiled
-        pass: numba absent, ids that are not contiguous CPU int64 matching ``counts``, a table
-        that is not dense, not float32 or (unless ``allocate``) not yet allocated, tables
-        of different row widths, or a subclass that overrides `get` or `put` (which then sees
-        every call). The typed lists are kept while the arrays live."""
-        if not native.available() or not tables:
+        pass: a table that is not dense or did not choose the compiled passes when declared
+        (`DenseTable.compiled`), ids that are not contiguous CPU int64 matching ``counts``, a
+        table (unless ``allocate``) not yet allocated, tables of different row widths, or a
+        subclass that overrides `get` or `put` (which then sees every call). The typed lists
+        are kept while the arrays live."""
+        if not tables:
             return None
         if type(self).get is not HostKV.get or type(self).put is not HostKV.put:
             return None
@@ -334,7 +384,7 @@ class HostKV(Store):
             return None
         self._check_open()
         found = [self._tables.get(name) for name in tables]
-        if not all(isinstance(t, DenseTable) and t.spec.dtype == torch.float32 for t in found):
+        if not all(isinstance(t, DenseTable) and t.compiled for t in found):
             return None
         if len({t.spec.stored_width for t in found}) != 1:
             return None

@@ -12,6 +12,11 @@
 Every layout creates a row on first touch with ``spec.initial_rows`` (one vectorised call per
 batch of missing ids, run before anything changes, so an init that raises changes nothing).
 The `HostKV` lock is held around every call.
+
+A dense table chooses its row moves once, when declared (`DenseTable.compiled`): the compiled
+passes of `embcache.native` (float32 rows, the ``auto`` backend, numba present), or torch ops.
+A read that finds rows never created creates them within the same implementation; it does
+not try another.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 
 import embcache.native as native
 from embcache.hostmem import host_zeros
-from embcache.indexing import copy_rows, fill_at, select
+from embcache.indexing import copy_rows, fill_at, select, true_at
 from embcache.kv.base import TableSpec, host_memory_bytes
 from embcache.kv.bounded import BoundedIndex
 from embcache.kv.hash_index import HashIndex, next_pow2
@@ -60,17 +65,18 @@ def _widened(
     return rows
 
 
-def _compiled(rows: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether a dense table's rows move to or from ``other`` through a compiled pass
-    (`embcache.native`; numba has no half-precision type, so float32 tables only)."""
-    return native.available() and rows.dtype == other.dtype == torch.float32
-
-
 class DenseTable:
-    """A table of ``num_embeddings`` rows: row ``i`` of a dense array holds id ``i``."""
+    """A table of ``num_embeddings`` rows: row ``i`` of a dense array holds id ``i``.
+
+    ``compiled``: its rows move through the compiled passes (`native.gather_created`,
+    `scatter_created`, and `HostKV`'s grouped passes over several tables), chosen at
+    declaration: float32 rows (numba has no half-precision type) under a backend that runs
+    them (`native.available()`, which raises on a backend name that is none of the choices).
+    """
 
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
+        self.compiled = spec.dtype == torch.float32 and native.available()
         self.rows: torch.Tensor | None = None  # [N, stored_width], allocated on first touch
         self.created: torch.Tensor | None = None  # [N] bool
 
@@ -88,13 +94,15 @@ class DenseTable:
     def get(self, ids: torch.Tensor, out: torch.Tensor, pin: bool) -> int:
         """Gather rows of ``ids`` into ``out``, creating missing ones; returns rows created."""
         del pin  # nothing is evicted here
-        if self.rows is not None and self.created is not None and _compiled(self.rows, out):
+        if self.compiled:
             # One pass gathers the rows and counts those never created: at steady state none.
-            absent = native.gather_created(
-                self.rows.numpy(), self.created.numpy(), ids.numpy(), out.numpy()
-            )
-            if not absent:
-                return 0
+            if self.rows is not None and self.created is not None:
+                absent = native.gather_created(
+                    self.rows.numpy(), self.created.numpy(), ids.numpy(), out.numpy()
+                )
+                if not absent:
+                    return 0
+            return self.create_missing(ids, out)
         missing = ids if self.created is None else select(ids, ~self.created.index_select(0, ids))
         fresh = self.spec.initial_rows(missing) if missing.numel() else None
         rows, created = self.allocate()
@@ -102,6 +110,24 @@ class DenseTable:
             copy_rows(rows, missing, fresh)
             fill_at(created, missing, True)
         torch.index_select(rows, 0, ids, out=out)
+        return missing.numel()
+
+    def create_missing(self, ids: torch.Tensor, out: torch.Tensor) -> int:
+        """Create the rows of ``ids`` never created and write them into ``out`` (``[n,
+        stored_width]``, the rows of the others gathered already, as a compiled read leaves
+        it); returns how many were created (a repeated id counted each time)."""
+        if self.created is None:  # nothing allocated yet: every row is new
+            fresh = self.spec.initial_rows(ids)  # before anything changes: it may raise
+            self.put(ids, fresh.contiguous())
+            out.copy_(fresh)
+            return ids.numel()
+        at = true_at(~self.created.index_select(0, ids))
+        if not at.numel():
+            return 0
+        missing = ids.index_select(0, at)
+        fresh = self.spec.initial_rows(missing)
+        self.put(missing, fresh.contiguous())
+        copy_rows(out, at, fresh)
         return missing.numel()
 
     def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -116,7 +142,7 @@ class DenseTable:
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         rows, created = self.allocate()
-        if _compiled(rows, values):
+        if self.compiled:
             native.scatter_created(rows.numpy(), created.numpy(), ids.numpy(), values.numpy())
             return
         copy_rows(rows, ids, values)

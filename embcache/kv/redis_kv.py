@@ -20,63 +20,47 @@ Two guards make a shared, restartable server safe to train on: write marks
 (`embcache.kv.write_marks`) turn a server that lost acknowledged writes into
 `TierDataLossError` instead of silently re-created rows, and owner leases
 (`embcache.kv.redis_lease`) refuse a second job that opens the tables of a live one.
+
+The class reads top to bottom as its public calls; the retries and checks around each round
+trip are in `embcache.kv.redis_calls` (`RedisCalls`), the chunked row I/O under them in
+`embcache.kv.redis_rows` (`RedisRowIO`), both base classes of `RedisKV` only.
 """
 
 from __future__ import annotations
 
-import array
-import contextlib
 import dataclasses
 import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
-import numpy as np
-import redis
-import redis.cluster
 import torch
 
-from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
-from embcache.kv.errors import (
-    TierAuthError,
-    TierCommandError,
-    TierConfigError,
-    TierFullError,
-    TierUnavailableError,
-)
+from embcache.kv.base import IOStats, Store, TableSpec, checked_ids
+from embcache.kv.errors import TierUnavailableError
 from embcache.kv.redact import redact_url
+from embcache.kv.redis_calls import check_options
+from embcache.kv.redis_identity import TierIdentity
 from embcache.kv.redis_lease import TableLeases
+from embcache.kv.redis_rows import RedisRowIO
 from embcache.kv.redis_wire import (
     DEFAULT_BUCKETS,
-    NAMESPACE_RE,
-    ROW_DTYPE,
     TRANSIENT,
     TableLayout,
-    auth_message,
     connect,
-    error_text,
-    from_blobs,
     key_batch,
     meta_key,
-    parse_spec_record,
-    set_nx,
     spec_record,
     table_layout,
-    to_blobs,
 )
+from embcache.kv.tier_state import TableState, TierState, WrittenIds
 from embcache.kv.write_marks import MarkGuard
 
 __all__ = ["RedisKV", "TierUnavailableError"]
 
-_SCAN_COUNT = 1000
-_T = TypeVar("_T")
-_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
-
-class RedisKV(Store):
+class RedisKV(RedisRowIO, Store):
     """A `Store` on a Redis server (``redis://``) or a Redis Cluster (``redis+cluster://``).
 
     Args:
@@ -93,7 +77,11 @@ class RedisKV(Store):
         max_backoff_s: longest pause between retries.
         buckets: hash-tag buckets of tables this client creates (an existing table keeps the
             count recorded on the server).
-        shared: open tables shared with other jobs (each must say so) instead of exclusively.
+        shared: open tables read-only, beside the job that trains them: no lease is taken,
+            rows missing on the server read as their initial values without being created,
+            and every write (`put`, `import_rows`, `remove`, a state-layout change) raises
+            `TierOwnershipError`. Two jobs writing one table would each overwrite the other's
+            updates with whole rows; ranks of one job share the ``owner`` token instead.
         owner: this job's token for exclusive leases (None: a new random one, `owner`). Give
             the token of an earlier run to reopen its tables at once (a resumed job), or the
             same token to every rank of one distributed job.
@@ -106,8 +94,13 @@ class RedisKV(Store):
         TierUnavailableError: the server does not answer PING at start (no retry: a server that
             is not there at start is a configuration error, reported at once).
         TierAuthError: the server wants a password that was not given, or refused it.
-        TierOwnershipError: (`init_table`) another live job holds the table.
-        TierDataLossError: (any call) the server lost writes this client had acknowledged.
+        TierOwnershipError: (`init_table`) another live job holds the table; (a write) the
+            tables were opened shared (read-only).
+        TierDataLossError: (any call) the server lost writes this client had acknowledged,
+            rows it wrote are missing, or (`init_table`, after `expect_state`) the tier is not
+            the one an earlier run left.
+        TierConfigError: (`init_table`, and every ``verify_interval_s`` while the job runs)
+            the server may evict keys.
 
     Thread-safe: redis-py's clients pool their connections, each call builds its own pipelines,
     and the table registry and counters sit behind a lock. ``init_table`` must not race with
@@ -140,34 +133,21 @@ class RedisKV(Store):
         lease_ttl_s: float = 30.0,
         verify_interval_s: float = 5.0,
     ) -> None:
-        if not isinstance(url, str) or not url.startswith(_SCHEMES):
-            shown = redact_url(url) if isinstance(url, str) else url
-            raise ValueError(f"RedisKV url must start with one of {_SCHEMES}, got {shown!r}")
-        if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace):
-            raise ValueError(
-                f"namespace must be letters, digits and '_.-/' (no ':' or braces, which would "
-                f"change the key layout), got {namespace!r}"
-            )
-        for name, value in (("chunk_rows", chunk_rows), ("buckets", buckets)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (
-            ("retry_timeout_s", retry_timeout_s),
-            ("socket_timeout_s", socket_timeout_s),
-            ("backoff_s", backoff_s),
-            ("max_backoff_s", max_backoff_s),
-            ("verify_interval_s", verify_interval_s),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if isinstance(lease_ttl_s, bool) or not isinstance(lease_ttl_s, int | float):
-            raise ValueError(f"lease_ttl_s must be a number > 0, got {lease_ttl_s!r}")
-        if not lease_ttl_s > 0:
-            raise ValueError(f"lease_ttl_s must be a number > 0, got {lease_ttl_s!r}")
-        if not isinstance(shared, bool):
-            raise TypeError(f"shared must be a bool, got {shared!r}")
-        if owner is not None and (not isinstance(owner, str) or not owner or "\n" in owner):
-            raise ValueError(f"owner must be a non-empty one-line string or None, got {owner!r}")
+        check_options(
+            url,
+            namespace,
+            owner,
+            shared,
+            lease_ttl_s,
+            {"chunk_rows": chunk_rows, "buckets": buckets},
+            {
+                "retry_timeout_s": retry_timeout_s,
+                "socket_timeout_s": socket_timeout_s,
+                "backoff_s": backoff_s,
+                "max_backoff_s": max_backoff_s,
+                "verify_interval_s": verify_interval_s,
+            },
+        )
         self.url = redact_url(url)
         self.namespace = namespace
         self.chunk_rows = chunk_rows
@@ -188,6 +168,9 @@ class RedisKV(Store):
         self._reconnected = threading.Event()
         self._client = connect(url, self.cluster, socket_timeout_s, self.url, self._reconnected.set)
         self._marks = MarkGuard(self._client, self.url, namespace, self.cluster)
+        self._written: dict[str, WrittenIds] = {}  # rows whose writes were acknowledged
+        self._identity = TierIdentity(self._client, self._ns, self._describe, self._marks, shared)
+        self._config_error: str | None = None  # the server may evict keys: why
         self._leases = TableLeases(
             self._client,
             self._describe,
@@ -207,14 +190,6 @@ class RedisKV(Store):
     @property
     def lease_owner(self) -> str | None:
         return self.owner
-
-    @property
-    def shared(self) -> bool:
-        """True when tables are opened shared with other jobs."""
-        return self._leases.shared
-
-    def _describe(self) -> str:
-        return f"Redis tier {self.url} (namespace {self.namespace!r})"
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -245,7 +220,10 @@ class RedisKV(Store):
                 self._check_compatible(spec, spec_record(known.spec, known.buckets), "here")
             self._call("init_table", spec.name, lambda: self._check_eviction_policy(spec.name))
             # The lease first: a job refused here has changed nothing on the server.
-            self._call("init_table", spec.name, lambda: self._leases.take(spec.name))
+            if not self.shared:
+                self._call("init_table", spec.name, lambda: self._leases.take(spec.name))
+            if self._identity.tier_id is None:
+                self._call("init_table", spec.name, self._identity.check_record)
             key = meta_key(self._ns, spec.name)
             record = spec_record(spec, self.default_buckets)
             payload = json.dumps(record, sort_keys=True).encode()
@@ -259,8 +237,11 @@ class RedisKV(Store):
                     spec.state_dim,
                     spec.state_init,
                 ):
+                    self._check_writable("init_table (a new optimizer state layout)", spec.name)
                     self._reset_state(table)
-                if any(stored[k] != record[k] for k in ("state_dim", "state_init", "seed")):
+                if self.shared:
+                    pass  # a reader records nothing
+                elif any(stored[k] != record[k] for k in ("state_dim", "state_init", "seed")):
                     record["buckets"] = table.buckets
                     payload = json.dumps(record, sort_keys=True).encode()
                     self._call("init_table", spec.name, lambda: self._client.set(key, payload))
@@ -268,6 +249,7 @@ class RedisKV(Store):
                 table = self._layout(spec, self.default_buckets)
             with self._lock:
                 self._tables[spec.name] = table
+            self._call("init_table", spec.name, lambda: self._check_expected(table))
 
     def _layout(self, spec: TableSpec, buckets: int) -> TableLayout:
         """The table's key layout; its mark book is created on first declaration and kept
@@ -309,7 +291,10 @@ class RedisKV(Store):
         created = 0
         for start in range(0, ids.numel(), self.chunk_rows):
             chunk = ids[start : start + self.chunk_rows]
-            rows, made = self._call("get", table, lambda c=chunk: self._get_chunk(t, c))
+            if self.shared:  # read-only: nothing is created
+                rows, made = self._call("get", table, lambda c=chunk: self._read_chunk(t, c)), 0
+            else:
+                rows, made = self._call("get", table, lambda c=chunk: self._get_chunk(t, c))
             out[start : start + chunk.numel()] = rows
             created += made
         self._count("read", ids.numel(), t, created=created)
@@ -357,7 +342,10 @@ class RedisKV(Store):
         """Delete the rows of ``ids`` (DEL, with the write marks incremented like any write)."""
         with self._lock:
             t = self._table(table)
+        self._check_writable("remove", table)
         ids = checked_ids(t.spec, ids)
+        # Forgotten before the DEL: a read racing it must not take the row for lost.
+        self._written_ids(t).discard(ids)
         for part in ids.split(self.chunk_rows):
             batch = key_batch(t, part, self.cluster)
             self._call("remove", table, lambda b=batch: self._marks.write(t, b, None))
@@ -384,23 +372,13 @@ class RedisKV(Store):
         # during the export must not end up in a checkpoint.
         self._call("export_rows", table, lambda: self._marks.verify([t]))
         ids = self._call("export_rows", table, lambda: self._scan_ids(t))
+        written = self._written_ids(t).ids()
+        absent = written[~torch.isin(written, ids)]
+        if absent.numel():
+            self._call(
+                "export_rows", table, lambda: self._check_not_lost(t, absent, "a checkpoint export")
+            )
         return self._export_chunks(t, ids, chunk_rows)
-
-    def _export_chunks(
-        self, t: TableLayout, ids: torch.Tensor, chunk_rows: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for start in range(0, ids.numel(), chunk_rows):
-            part = ids[start : start + chunk_rows]
-            kept, rows = [], []
-            for sub in part.split(self.chunk_rows):
-                found, values = self._call(
-                    "export_rows", t.spec.name, lambda s=sub: self._fetch_existing(t, s)
-                )
-                kept.append(found)
-                rows.append(values)
-            if start + chunk_rows >= ids.numel():
-                self._call("export_rows", t.spec.name, lambda: self._marks.verify([t]))
-            yield torch.cat(kept), torch.cat(rows)
 
     def import_rows(
         self, table: str, ids: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None
@@ -413,6 +391,67 @@ class RedisKV(Store):
         self._write(t, "import_rows", ids, rows)
 
     # -- accounting and life cycle ---------------------------------------------------------
+
+    def flush(self) -> None:
+        """Nothing is buffered here; a flush re-checks the tier: every write mark this client
+        wrote and the eviction policy (`TierDataLossError`, `TierConfigError`)."""
+        with self._lock:
+            names = list(self._tables)
+        if names:
+            self._call("flush", names[0], self._verify_tables)
+
+    # -- the tier's identity ---------------------------------------------------------------
+
+    def tier_state(self, count_rows: bool = True) -> TierState:
+        """What the tier holds now for the tables declared through this client: the
+        namespace record's id, each table's write marks and (``count_rows``: a SCAN of its
+        keys) its rows. Record it beside a run or checkpoint, after a flush, and hand it to the
+        next run's `expect_state`. Checks the marks first (`TierDataLossError`)."""
+        with self._lock:
+            self._check_open()
+            tables = list(self._tables.values())
+        name = tables[0].spec.name if tables else "(none)"
+        if self._identity.tier_id is None:
+            self._call("tier_state", name, self._identity.check_record)
+        states = {}
+        for t in tables:
+            self._call("tier_state", t.spec.name, lambda t=t: self._marks.verify([t], False))
+            marks = self._call("tier_state", t.spec.name, lambda t=t: self._identity.marks(t))
+            rows = None
+            if count_rows:
+                rows = self._call("tier_state", t.spec.name, lambda t=t: self._scan_ids(t)).numel()
+            states[t.spec.name] = TableState(tuple(marks), rows)
+        return TierState(self.url, self.namespace, self._identity.tier_id, states)
+
+    def expect_state(self, state: TierState) -> None:
+        """Continue from ``state`` (an earlier run's `tier_state`): the namespace record must
+        be the same one, and each table declared through this client, now or later, must
+        have at least the write marks and rows recorded; otherwise `TierDataLossError` names
+        what was lost, and the rows found count as written from then on (one of them missing
+        later is a loss too).
+
+        Raises:
+            ValueError: ``state`` is of another namespace.
+            TierDataLossError: the tier lost what ``state`` recorded.
+        """
+        if not isinstance(state, TierState):
+            raise TypeError(f"expect_state takes a TierState, got {type(state).__name__}")
+        if state.namespace != self.namespace:
+            raise ValueError(
+                f"{self._describe()}: the expected tier state is of namespace "
+                f"{state.namespace!r}; open the store with ?namespace={state.namespace}"
+            )
+        with self._lock:
+            self._check_open()
+            self._identity.expected = state
+            tables = list(self._tables.values())
+        name = tables[0].spec.name if tables else "(none)"
+        self._call("expect_state", name, self._identity.check_record)
+        for t in tables:
+            self._call("expect_state", t.spec.name, lambda t=t: self._check_expected(t))
+
+    def _check_expected(self, t: TableLayout) -> None:
+        self._identity.check_table(t, self._scan_ids, self._written_ids(t))
 
     def io_stats(self) -> dict[str, int]:
         """Traffic through `get`/`read`/`put` since creation or the last `reset_io_stats`.
@@ -450,259 +489,7 @@ class RedisKV(Store):
         mode = ", shared" if self.shared else ""
         return f"RedisKV({self.url!r}, namespace={self.namespace!r}, {kind}{mode})"
 
-    # -- retries and checks ------------------------------------------------------------------
-
-    def _call(self, op: str, table: str, fn: Callable[[], _T]) -> _T:
-        """``fn()``, retried on connection errors with exponential backoff for up to
-        ``retry_timeout_s``; then `TierUnavailableError` naming URL, table and operation.
-
-        Before each try the table must still be ours (lease) and not known to be lost; after a
-        try that needed retries (a reconnect), and every ``verify_interval_s``, every write
-        mark this client wrote is read back.
-        """
-        start = time.monotonic()
-        deadline = start + self.retry_timeout_s
-        pause = self.backoff_s
-        attempts = 0
-        while True:
-            self._check_open()
-            self._check_usable(table)
-            attempts += 1
-            try:
-                result = fn()
-            except redis.exceptions.AuthenticationError as err:
-                raise TierAuthError(auth_message(self.url, err)) from None
-            except TRANSIENT as err:
-                now = time.monotonic()
-                if now >= deadline:
-                    raise TierUnavailableError(
-                        f"{self._describe()} unavailable: {op} on table {table!r} failed "
-                        f"{attempts} time(s) over {now - start:.2f}s "
-                        f"(retry_timeout_s={self.retry_timeout_s:g}): {error_text(err)}"
-                    ) from None
-                time.sleep(min(pause, deadline - now))
-                pause = min(pause * 2, self.max_backoff_s)
-                self._refresh_topology()
-                continue
-            except redis.exceptions.ResponseError as err:
-                if isinstance(err, redis.exceptions.OutOfMemoryError):
-                    raise TierFullError(
-                        f"{self._describe()} is full: {op} on table {table!r} was refused "
-                        f"({type(err).__name__}): {error_text(err)} Nothing was lost (the rows "
-                        f"stay in the cache); "
-                        f"raise the server's maxmemory, or bound the tables in front of it "
-                        f"(a tier capacity), then repeat the call"
-                    ) from None
-                raise TierCommandError(
-                    f"{self._describe()}: {op} on table {table!r} was refused by the server "
-                    f"({type(err).__name__}): {error_text(err)}"
-                ) from None
-            overdue = time.monotonic() - self._verified_at > self.verify_interval_s
-            if attempts > 1 or overdue or self._reconnected.is_set():
-                self._reconnected.clear()
-                self._verify_tables()
-            return result
-
-    def _check_usable(self, table: str) -> None:
-        self._marks.check_usable(table)
-        self._leases.check(table)
-
-    def _refresh_topology(self) -> None:
-        """On a cluster, re-read the slot map (a node failed over, a slot moved)."""
-        if not isinstance(self._client, redis.cluster.RedisCluster):
-            return
-        # When the cluster is still down this fails too; the next retry tries again.
-        with contextlib.suppress(
-            redis.exceptions.RedisError, redis.exceptions.RedisClusterException
-        ):
-            self._client.nodes_manager.initialize()
-
-    def _verify_tables(self) -> None:
-        """`MarkGuard.verify` of every table; a server down again is left to the next call."""
-        self._verified_at = time.monotonic()
-        with self._lock:
-            tables = list(self._tables.values())
-        with contextlib.suppress(*TRANSIENT):
-            self._marks.verify(tables)
-
-    # -- row I/O (called without the lock; each call builds its own pipelines) --------------
-
-    def _claim_meta(self, key: bytes, payload: bytes, table: str) -> dict[str, Any] | None:
-        """Record a spec unless one is there; returns the one there (None when ours won)."""
-        if self._client.set(key, payload, nx=True):
-            return None
-        stored = self._client.get(key)
-        if stored is None:  # deleted between the two commands: claim again
-            return self._claim_meta(key, payload, table)
-        try:
-            return parse_spec_record(stored, table)
-        except ValueError as err:
-            raise ValueError(
-                f"{self._describe()}: the record {key.decode(errors='replace')} of table "
-                f"{table!r} is damaged or was not written by embcache ({err}); delete it and "
-                f"the table's rows, or use another namespace"
-            ) from None
-
-    def _check_eviction_policy(self, table: str) -> None:
-        """Refuse a server that may evict keys once full: any ``maxmemory-policy`` but
-        ``noeviction`` under a ``maxmemory``. ``allkeys-*`` would drop rows, re-created from
-        their initial values, silently when their bucket's write mark survived; ``volatile-*``
-        evicts the keys with a TTL, which are the owner leases: a lease dropped while its job
-        runs lets a second job take the table and both write it. ``noeviction`` refuses writes
-        instead (`TierFullError`), and nothing is lost."""
-        if isinstance(self._client, redis.cluster.RedisCluster):
-            info = self._client.info("memory", target_nodes=redis.cluster.RedisCluster.PRIMARIES)
-            nodes = [v for v in info.values() if isinstance(v, dict)] or [info]
-        else:
-            nodes = [self._client.info("memory")]
-        for node in nodes:
-            policy = str(node.get("maxmemory_policy", "noeviction"))
-            if int(node.get("maxmemory", 0) or 0) > 0 and policy != "noeviction":
-                dropped = "rows of the model" if policy.startswith("allkeys") else (
-                    "the tables' owner leases (keys with a TTL), letting another job take a "
-                    "table in use")  # fmt: skip
-                raise TierConfigError(
-                    f"{self._describe()}: table {table!r}: the server evicts keys once full "
-                    f"(maxmemory {node.get('maxmemory')}, maxmemory-policy {policy}), which "
-                    f"would drop {dropped}; set maxmemory-policy noeviction (a full server "
-                    f"then refuses writes, and nothing is lost) and bound the tables with a "
-                    f"tier capacity in front of it if they must stay under maxmemory"
-                )
-
-    def _check_compatible(self, spec: TableSpec, stored: dict[str, Any], where: str) -> None:
-        dtype = str(spec.dtype).removeprefix("torch.")
-        if stored.get("dtype", "float32") != dtype:
-            raise ValueError(
-                f"table {spec.name!r} is declared with dtype {stored.get('dtype')} {where} "
-                f"(Redis tier {self.url}, namespace {self.namespace!r}); cannot declare it "
-                f"with dtype {dtype}"
-            )
-        for field in ("dim", "num_embeddings"):
-            if stored[field] != getattr(spec, field):
-                raise ValueError(
-                    f"table {spec.name!r} is declared with {field}={stored[field]} {where} "
-                    f"(Redis tier {self.url}, namespace {self.namespace!r}); cannot declare it "
-                    f"with {field}={getattr(spec, field)}. Another model using this namespace? "
-                    f"Give each model its own namespace."
-                )
-
-    def _mget_in_order(self, t: TableLayout, ids: torch.Tensor) -> list[bytes | None]:
-        """Values of the rows of ``ids`` (None where absent), in the order of ``ids``."""
-        batch = key_batch(t, ids, self.cluster)
-        values = self._marks.read(t, batch)
-        if batch.order is None:
-            return values
-        ordered: list[bytes | None] = [None] * len(values)
-        for position, value in zip(batch.order.tolist(), values, strict=True):
-            ordered[position] = value
-        return ordered
-
-    def _put_blobs(self, t: TableLayout, ids: torch.Tensor, blobs: list[bytes]) -> None:
-        batch = key_batch(t, ids, self.cluster)
-        if batch.order is not None:
-            blobs = [blobs[k] for k in batch.order.tolist()]
-        self._marks.write(t, batch, blobs)
-
-    def _get_chunk(self, t: TableLayout, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Rows of one chunk of ids (creating the missing ones), and how many were created."""
-        batch = key_batch(t, ids, self.cluster)
-        values = self._marks.read(t, batch)
-        if batch.order is not None:
-            ids = ids[batch.order]  # work in key order, restore the caller's at the end
-        missing = [k for k, value in enumerate(values) if value is None]
-        created = 0
-        if missing:
-            fresh = to_blobs(t.spec.initial_rows(ids[torch.tensor(missing)]))
-            won = set_nx(self._client, batch, missing, fresh)
-            lost = []
-            for k, blob, ok in zip(missing, fresh, won, strict=True):
-                if ok:
-                    values[k] = blob
-                    created += 1
-                else:
-                    lost.append(k)
-            if lost:  # another writer created (or put) these first: theirs is the value
-                again = self._mget_in_order(t, ids[torch.tensor(lost)])
-                for k, value in zip(lost, again, strict=True):
-                    if value is None:
-                        raise RuntimeError(
-                            f"table {t.spec.name!r}: row {int(ids[k])} was deleted on the "
-                            f"server while being created"
-                        )
-                    values[k] = value
-        rows = from_blobs(values, t)
-        if batch.order is None:
-            return rows, created
-        out = torch.empty_like(rows)
-        out[batch.order] = rows
-        return out, created
-
-    def _read_chunk(self, t: TableLayout, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of one chunk of ids, initial values where the server has none."""
-        found, rows = self._fetch_existing(t, ids)
-        if found.numel() == ids.numel():
-            return rows
-        present = torch.isin(ids, found)  # found and rows keep the order of ``ids``
-        out = torch.empty(ids.numel(), t.spec.stored_width, dtype=t.spec.dtype)
-        out[present] = rows
-        out[~present] = t.spec.initial_rows(ids[~present])
-        return out
-
-    def _fetch_existing(
-        self, t: TableLayout, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids found, their rows)`` of ``ids``, in their order, skipping rows not there."""
-        values = self._mget_in_order(t, ids)
-        present = [k for k, value in enumerate(values) if value is not None]
-        rows = from_blobs([values[k] for k in present], t)
-        return ids[torch.tensor(present, dtype=torch.int64)], rows
-
-    def _write(self, t: TableLayout, op: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        ids = checked_ids(t.spec, ids)
-        rows = checked_rows(t.spec, ids, rows)
-        for start in range(0, ids.numel(), self.chunk_rows):
-            part = slice(start, start + self.chunk_rows)
-            blobs = to_blobs(rows[part])
-            self._call(op, t.spec.name, lambda i=ids[part], b=blobs: self._put_blobs(t, i, b))
-
-    def _scan_ids(self, t: TableLayout) -> torch.Tensor:
-        """Ids of every row of the table on the server, ascending (SCAN over all primaries)."""
-        found = array.array("q")
-        for key in self._client.scan_iter(match=t.scan_match, count=_SCAN_COUNT):
-            match = t.id_re.fullmatch(key)
-            if match is not None:  # the pattern also admits tables named like "T:x"
-                found.append(int(match.group(1)))
-        ids = torch.from_numpy(np.frombuffer(found, dtype=np.int64).copy())
-        # A cluster SCAN may list a key twice when a slot migrates while it runs.
-        return torch.unique(ids)
-
-    def _reset_state(self, t: TableLayout) -> None:
-        """Rewrite every row of ``t`` on the server as its first ``dim`` weights + fresh state.
-
-        Idempotent (the weights are always the leading ``dim`` columns), so a rewrite cut short
-        by a fault is finished by declaring the table again.
-        """
-        ids = self._call("init_table", t.spec.name, lambda: self._scan_ids(t))
-        weight_bytes = t.spec.dim * t.spec.dtype.itemsize
-        state = np.full(t.spec.state_dim, t.spec.state_init, dtype=ROW_DTYPE).tobytes()
-
-        def rewrite(part: torch.Tensor) -> None:
-            values = self._mget_in_order(t, part)
-            present = [k for k, value in enumerate(values) if value is not None]
-            blobs = [values[k][:weight_bytes] + state for k in present]  # type: ignore[index]
-            if any(len(blob) != t.row_bytes for blob in blobs):
-                raise RuntimeError(f"table {t.spec.name!r}: a row on the server is too short")
-            if blobs:
-                self._put_blobs(t, part[torch.tensor(present, dtype=torch.int64)], blobs)
-
-        for part in ids.split(self.chunk_rows):
-            self._call("init_table", t.spec.name, lambda p=part: rewrite(p))
-
     # -- bookkeeping -----------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"RedisKV({self.url}) is closed")
 
     def _table(self, name: str) -> TableLayout:
         self._check_open()

@@ -18,16 +18,22 @@ later. Taking or renewing is one Lua script, so the check and the write are atom
 * anything else is refused with `TierOwnershipError`, naming the namespace and sharing options.
 
 `close` deletes exclusive leases still held (shared ones expire by themselves: other clients
-may still hold them).
+may still hold them), and so does the interpreter's exit for leases never closed: a job that
+ends normally frees its tables at once, not ``lease_ttl_s`` later. Collections register their
+own exit write-back after the store was opened, so it runs first (atexit runs last-registered
+first).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +70,12 @@ return 0
 def lease_key(namespace: bytes, table: str) -> bytes:
     """Key of the lease of ``table``: ``ns:lease:T``."""
     return namespace + b":lease:" + table.encode()
+
+
+def _close_at_exit(leases: weakref.ref[TableLeases]) -> None:
+    held = leases()
+    if held is not None:
+        held.close()
 
 
 class TableLeases:
@@ -108,6 +120,8 @@ class TableLeases:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._exit_hook = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
 
     # -- taking and checking ----------------------------------------------------------------
 
@@ -139,6 +153,7 @@ class TableLeases:
     def close(self) -> None:
         """Stop renewing and delete the exclusive leases still held (best effort: a server
         that is down lets them expire)."""
+        atexit.unregister(self._exit_hook)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

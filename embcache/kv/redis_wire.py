@@ -9,6 +9,7 @@ Key layout, for namespace ``ns``, table ``T``, row id ``i``:
     ns:seq:T              write mark of the table (single server), see `embcache.kv.write_marks`
     ns:seq:{h.b}:T        write mark of bucket b (cluster: in the slot of the bucket's rows)
     ns:lease:T            the owner lease of the table, see `embcache.kv.redis_lease`
+    ns:tier               the namespace record (the tier's id), see `embcache.kv.tier_state`
 
 with ``h = table_hash(T)`` (a CRC of the name) and ``b = i % B`` (B = 256 unless the server's
 record says otherwise). The braces are Redis Cluster's hash tag: the rows of one bucket share a
@@ -65,6 +66,24 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.AskError,  # and MovedError: a slot moved; the slot map is refreshed
     ConnectionResetError,
 )
+
+
+def redis_url_params() -> frozenset[str]:
+    """Query parameter names redis-py takes from a URL: its parsed ones and the keyword
+    arguments of its connections, pools and cluster client."""
+    import inspect
+
+    names = set(redis.connection.URL_QUERY_ARGUMENT_PARSERS)
+    for cls in (
+        redis.connection.AbstractConnection,
+        redis.connection.Connection,
+        redis.connection.SSLConnection,
+        redis.connection.UnixDomainSocketConnection,
+        redis.connection.ConnectionPool,
+        redis.cluster.RedisCluster,
+    ):
+        names |= set(inspect.signature(cls.__init__).parameters)
+    return frozenset(names - {"self", "kwargs", "connection_kwargs"})
 
 
 def error_text(err: BaseException) -> str:
@@ -169,6 +188,11 @@ class KeyBatch:
 def meta_key(namespace: bytes, table: str) -> bytes:
     """Key of the spec record of ``table``: ``ns:meta:T``."""
     return namespace + b":meta:" + table.encode()
+
+
+def tier_key(namespace: bytes) -> bytes:
+    """Key of the namespace record (the tier's id), see `embcache.kv.tier_state`: ``ns:tier``."""
+    return namespace + b":tier"
 
 
 def table_layout(namespace: bytes, spec: TableSpec, buckets: int, cluster: bool) -> TableLayout:

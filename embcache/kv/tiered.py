@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -392,6 +393,13 @@ class TieredKV(Store):
     @property
     def lease_owner(self) -> str | None:
         return self.back.lease_owner
+
+    def tier_state(self, count_rows: bool = True) -> Any:
+        """``back``'s (flush first: dirty rows here are not in it yet)."""
+        return self.back.tier_state(count_rows)
+
+    def expect_state(self, state: Any) -> None:
+        self.back.expect_state(state)
 
     # -- checkpoints -----------------------------------------------------------------------
 

@@ -11,13 +11,17 @@ Accepted forms:
 
 Options go in the query string and are taken out before the rest reaches redis-py:
 ``namespace`` (default "embcache"), ``chunk_rows`` (4096), ``retry_timeout_s`` (10),
-``shared`` (0/1, default 0: tables are leased to this job alone), ``owner`` (the job's lease
+``shared`` (0/1, default 0: tables are leased to this job alone; 1: read-only, beside the
+job that trains them), ``owner`` (the job's lease
 token), ``lease_ttl_s`` (30), ``verify_interval_s`` (5) and, for the tiered forms,
 ``capacity_rows`` (default 1_000_000); see `RedisKV`. Any other query parameter is a redis-py
 connection option (``password`` among them). Example:
 ``tiered+redis://127.0.0.1:6379/0?namespace=dlrm&capacity_rows=200000``.
 
-Messages never show a password given in the URL (`embcache.kv.redact`).
+Messages never show a password given in the URL (`embcache.kv.redact`). URLs are parsed as
+URLs: a password holding a reserved character (``# ? / @ & % +``) must be percent-encoded
+(``urllib.parse.quote(password, safe='')``); a URL that such a password would cut in the wrong
+place is refused with a message that shows no part of it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import urllib.parse
 from typing import Any
 
 from embcache.kv.base import Store
-from embcache.kv.redact import redact_url
+from embcache.kv.redact import check_url, redact_url
 
 DEFAULT_TIERED_CAPACITY_ROWS = 1_000_000
 
@@ -89,6 +93,10 @@ def open_store(spec: str | Store | None, *, owner: str | None = None) -> Store:
         scheme = scheme.removeprefix("tiered+")
     if not sep or scheme not in _REDIS_SCHEMES:
         raise ValueError(_unaccepted(spec))
+    redis_kv_class()  # a clear ImportError when redis-py is missing
+    from embcache.kv.redis_wire import redis_url_params
+
+    check_url(spec, redis_url_params() | set(_STORE_OPTIONS) | {"capacity_rows"})
     url, options = _split_options(f"{scheme}://{spec.partition('://')[2]}", spec)
     capacity = options.pop("capacity_rows", None)
     if capacity is not None and not tiered:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from redis.crc import key_slot
 
@@ -69,6 +69,12 @@ class MarkBook:
         so that writes acknowledged to other threads meanwhile do not count against it."""
         with self._lock:
             return list(self.acked)
+
+    def expect(self, values: list[int]) -> None:
+        """Count ``values`` (marks an earlier run recorded) as acknowledged: a mark found below
+        one of them from now on is a loss, as if this client had written it."""
+        with self._lock:
+            self.acked = [max(a, v) for a, v in zip(self.acked, values, strict=True)]
 
     def written(self) -> list[int]:
         """Marks this client has written (acknowledged value above 0)."""
@@ -166,6 +172,17 @@ class MarkGuard:
         if book is not None and book.lost is not None:
             raise TierDataLossError(book.lost)
 
+    def book(self, table: str) -> MarkBook:
+        """The mark book of a registered table."""
+        with self._lock:
+            return self._books[table]
+
+    def fail(self, table: str, message: str) -> NoReturn:
+        """Record a loss found by other means (rows missing, a tier that is not the expected
+        one): the table stays unusable, as after a mark that went back."""
+        self.book(table).lost = message
+        raise TierDataLossError(message)
+
     def read(self, t: TableLayout, batch: KeyBatch) -> list[bytes | None]:
         """Values of ``batch.keys`` (None where absent), after checking the marks of their
         buckets, read in the same round trip just before them."""
@@ -184,11 +201,12 @@ class MarkGuard:
         units, replies = write_marked(self._client, t, batch, blobs)
         self._check(t, book, units, expected, replies, wrote=True)
 
-    def verify(self, tables: list[TableLayout]) -> None:
+    def verify(self, tables: list[TableLayout], restore: bool = True) -> None:
         """Read back every mark written through this client and the tables' spec records: a
         mark gone back is `TierDataLossError`; a record gone while no write of ours was lost
-        (a restarted server we had only read from) is recorded again. Connection errors
-        propagate (the caller retries or leaves it to the next call)."""
+        (a restarted server we had only read from) is recorded again unless ``restore`` is
+        False (a read-only client). Connection errors propagate (the caller retries or leaves
+        it to the next call)."""
         commands: list[tuple[int, tuple[Any, ...]]] = []
         plan: list[tuple[TableLayout, MarkBook, list[int], list[int]]] = []
         for t in tables:
@@ -203,7 +221,7 @@ class MarkGuard:
             meta, marks = replies[k], replies[k + 1 : k + 1 + len(units)]
             k += 1 + len(units)
             self._check(t, book, units, expected, marks)
-            if meta is None:
+            if meta is None and restore:
                 payload = json.dumps(spec_record(t.spec, t.buckets), sort_keys=True).encode()
                 self._client.set(t.meta_key, payload, nx=True)
 

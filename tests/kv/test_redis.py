@@ -184,9 +184,9 @@ def test_namespaces_are_isolated(url: str, namespace: str) -> None:
 
 
 def test_dim_mismatch_across_clients_is_a_clear_error(url: str, namespace: str) -> None:
-    first = RedisKV(url, namespace=namespace, shared=True)
+    first = RedisKV(url, namespace=namespace, owner="one-job")
     first.init_table(TableSpec("t0", dim=8, num_embeddings=100))
-    second = RedisKV(url, namespace=namespace, shared=True)
+    second = RedisKV(url, namespace=namespace, owner="one-job")
     with pytest.raises(ValueError, match=r"dim=8 on the server.*dim=16.*namespace"):
         second.init_table(TableSpec("t0", dim=16, num_embeddings=100))
     with pytest.raises(ValueError, match="num_embeddings=100 on the server"):
@@ -283,7 +283,7 @@ def test_chunking_bounds_each_round_trip(server: RedisServer) -> None:
     assert "cmdstat_set" not in stats  # no race, so no key-by-key creation
     assert stats["cmdstat_incr"]["calls"] == 5  # each written chunk bumps the write mark
     assert stats["cmdstat_get"]["calls"] == 2 * 5  # each read chunk checks it first
-    assert raw.dbsize() == 23 + 3  # the rows, the table's spec, write mark and lease
+    assert raw.dbsize() == 23 + 4  # the rows, the table's spec, write mark, lease, tier id
 
 
 def test_key_layout(server: RedisServer) -> None:
@@ -291,7 +291,8 @@ def test_key_layout(server: RedisServer) -> None:
     kv.init_table(TableSpec("t0", dim=2, num_embeddings=1000, seed=7))
     kv.put("t0", torch.tensor([300]), torch.tensor([[1.5, -2.0]]))
     keys = sorted(server.client().keys("*"))
-    assert keys[:3] == [b"m1:lease:t0", b"m1:meta:t0", b"m1:seq:t0"]
+    assert keys[:4] == [b"m1:lease:t0", b"m1:meta:t0", b"m1:seq:t0", b"m1:tier"]
+    keys = keys[1:]
     assert keys[3].startswith(b"m1:{") and keys[3].endswith(b".44}:t0:300")  # 300 % 256
     assert server.client().get(keys[3]) == torch.tensor([1.5, -2.0]).numpy().tobytes()
     assert server.client().get(b"m1:seq:t0") == b"1"  # one write acknowledged
@@ -304,7 +305,7 @@ def test_racing_creators_keep_one_value(url: str, namespace: str) -> None:
     results: dict[float, torch.Tensor] = {}
 
     def create(fill: float) -> None:
-        kv = RedisKV(url, namespace=namespace, chunk_rows=100, shared=True)
+        kv = RedisKV(url, namespace=namespace, chunk_rows=100, owner="one-job")
         kv.init_table(
             TableSpec(
                 "t0", dim=2, num_embeddings=2000, init=lambda i, d: torch.full((i.numel(), d), fill)
@@ -324,10 +325,10 @@ def test_racing_creators_keep_one_value(url: str, namespace: str) -> None:
 def test_creation_keeps_rows_another_client_made(url: str, namespace: str) -> None:
     """Rows that exist are never overwritten by creation: when part of a batch exists, the
     rest is created key by key and the existing rows keep their values."""
-    first = RedisKV(url, namespace=namespace, shared=True)
+    first = RedisKV(url, namespace=namespace, owner="one-job")
     first.init_table(TableSpec("t0", dim=2, num_embeddings=100))
     made = first.get("t0", torch.arange(10))
-    second = RedisKV(url, namespace=namespace, shared=True)
+    second = RedisKV(url, namespace=namespace, owner="one-job")
     second.init_table(
         TableSpec(
             "t0", dim=2, num_embeddings=100, init=lambda i, d: torch.full((i.numel(), d), 7.0)
@@ -389,8 +390,8 @@ def test_cluster_matches_single_server_and_spreads_keys(
     assert all(n > 0 for n in added), added  # keys on every node, not one hash tag
     marks = sum(len(node.client().keys(f"{namespace}:seq:*")) for node in cluster.nodes)
     assert 200 < marks <= 256  # a write mark per bucket written, beside its rows
-    # + the spec record and the lease
-    assert sum(added) == _export(spread, "t0")[0].numel() + marks + 2
+    # + the spec record, the lease and the namespace record
+    assert sum(added) == _export(spread, "t0")[0].numel() + marks + 3
 
 
 # -- open_store --------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_a_cluster_node_that_lost_its_rows_is_data_loss(
 def test_a_damaged_table_record_is_a_clear_error(
     server: RedisServer, record: bytes | dict, field: str
 ) -> None:
-    RedisKV(server.url, namespace="d", shared=True).init_table(SPEC)
+    RedisKV(server.url, namespace="d", owner="one-job").init_table(SPEC)
     raw = server.client()
     if isinstance(record, dict):
         stored = json.loads(raw.get("d:meta:t0"))
@@ -117,7 +117,7 @@ def test_a_damaged_table_record_is_a_clear_error(
         record = json.dumps(stored).encode()
     raw.set("d:meta:t0", record)
     with pytest.raises(ValueError, match=field) as caught:
-        RedisKV(server.url, namespace="d", shared=True).init_table(SPEC)
+        RedisKV(server.url, namespace="d", owner="one-job").init_table(SPEC)
     assert "d:meta:t0" in str(caught.value)
 
 

@@ -1,0 +1,273 @@
+"""The machinery under every `RedisKV` call: the constructor's option checks, retries with
+backoff (`RedisCalls._call`), the checks made before and after each try (the table still
+leased to us, not known lost, the server not evicting keys, the write marks read back), and
+the table's spec record on the server (claimed, compared).
+
+`RedisCalls` is a base class of `RedisKV` only: it works on the client, the guards and the
+table registry that `RedisKV.__init__` sets up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+import redis.cluster
+
+from embcache.kv.base import TableSpec
+from embcache.kv.errors import (
+    TierAuthError,
+    TierCommandError,
+    TierConfigError,
+    TierFullError,
+    TierOwnershipError,
+    TierUnavailableError,
+)
+from embcache.kv.redact import check_url, redact_url
+from embcache.kv.redis_identity import TierIdentity, eviction_problem
+from embcache.kv.redis_lease import TableLeases
+from embcache.kv.redis_wire import (
+    NAMESPACE_RE,
+    TRANSIENT,
+    TableLayout,
+    auth_message,
+    error_text,
+    parse_spec_record,
+    redis_url_params,
+)
+from embcache.kv.write_marks import MarkGuard
+
+_T = TypeVar("_T")
+SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
+
+def check_options(
+    url: object,
+    namespace: object,
+    owner: object,
+    shared: object,
+    lease_ttl_s: object,
+    counts: dict[str, object],
+    durations: dict[str, object],
+) -> None:
+    """`RedisKV`'s constructor arguments, checked before anything connects.
+
+    Args:
+        counts: name -> a value that must be a positive int.
+        durations: name -> a value that must be a number >= 0.
+
+    Raises:
+        ValueError, TypeError: the first bad one, named (a URL without its password).
+    """
+    if not isinstance(url, str) or not url.startswith(SCHEMES):
+        shown = redact_url(url) if isinstance(url, str) else url
+        raise ValueError(f"RedisKV url must start with one of {SCHEMES}, got {shown!r}")
+    check_url(url, redis_url_params())
+    if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace):
+        raise ValueError(
+            f"namespace must be letters, digits and '_.-/' (no ':' or braces, which would "
+            f"change the key layout), got {namespace!r}"
+        )
+    for name, value in counts.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, value in durations.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if isinstance(lease_ttl_s, bool) or not isinstance(lease_ttl_s, int | float):
+        raise ValueError(f"lease_ttl_s must be a number > 0, got {lease_ttl_s!r}")
+    if not lease_ttl_s > 0:
+        raise ValueError(f"lease_ttl_s must be a number > 0, got {lease_ttl_s!r}")
+    if not isinstance(shared, bool):
+        raise TypeError(f"shared must be a bool, got {shared!r}")
+    if owner is not None and (not isinstance(owner, str) or not owner or "\n" in owner):
+        raise ValueError(f"owner must be a non-empty one-line string or None, got {owner!r}")
+
+
+class RedisCalls:
+    """Retries and checks around each network call of `RedisKV` (its base class)."""
+
+    # Set by `RedisKV.__init__`.
+    url: str
+    namespace: str
+    retry_timeout_s: float
+    backoff_s: float
+    max_backoff_s: float
+    verify_interval_s: float
+    _client: Any
+    _marks: MarkGuard
+    _identity: TierIdentity
+    _leases: TableLeases
+    _tables: dict[str, TableLayout]
+    _lock: threading.Lock
+    _closed: bool
+    _config_error: str | None
+    _verified_at: float
+    _reconnected: threading.Event
+
+    @property
+    def shared(self) -> bool:
+        """True when tables are opened shared, that is read-only (see `RedisKV`)."""
+        return self._leases.shared
+
+    def _describe(self) -> str:
+        return f"Redis tier {self.url} (namespace {self.namespace!r})"
+
+    def _check_writable(self, op: str, table: str) -> None:
+        if self.shared:
+            raise TierOwnershipError(
+                f"{self._describe()}: {op} on table {table!r} refused: this client opened the "
+                f"tables shared (?shared=1, RedisKV(shared=True)), which is read-only. Two "
+                f"jobs writing one table overwrite each other's updates (each write-back is "
+                f"a whole row). Train from one job (the default: its tables are leased to "
+                f"it), give every rank of one distributed job the same ?owner=TOKEN, or give "
+                f"each job its own ?namespace=NAME."
+            )
+
+    def _call(self, op: str, table: str, fn: Callable[[], _T]) -> _T:
+        """``fn()``, retried on connection errors with exponential backoff for up to
+        ``retry_timeout_s``; then `TierUnavailableError` naming URL, table and operation.
+
+        Before each try the table must still be ours (lease) and not known to be lost; after a
+        try that needed retries (a reconnect), and every ``verify_interval_s``, every write
+        mark this client wrote is read back.
+        """
+        start = time.monotonic()
+        deadline = start + self.retry_timeout_s
+        pause = self.backoff_s
+        attempts = 0
+        while True:
+            self._check_open()
+            self._check_usable(table)
+            attempts += 1
+            try:
+                if self._config_error is not None:
+                    self._recheck_config(table)
+                result = fn()
+            except redis.exceptions.AuthenticationError as err:
+                raise TierAuthError(auth_message(self.url, err)) from None
+            except TRANSIENT as err:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TierUnavailableError(
+                        f"{self._describe()} unavailable: {op} on table {table!r} failed "
+                        f"{attempts} time(s) over {now - start:.2f}s "
+                        f"(retry_timeout_s={self.retry_timeout_s:g}): {error_text(err)}"
+                    ) from None
+                time.sleep(min(pause, deadline - now))
+                pause = min(pause * 2, self.max_backoff_s)
+                self._refresh_topology()
+                continue
+            except redis.exceptions.ResponseError as err:
+                if isinstance(err, redis.exceptions.OutOfMemoryError):
+                    raise TierFullError(
+                        f"{self._describe()} is full: {op} on table {table!r} was refused "
+                        f"({type(err).__name__}): {error_text(err)} Nothing was lost (the rows "
+                        f"stay in the cache); "
+                        f"raise the server's maxmemory, or bound the tables in front of it "
+                        f"(a tier capacity), then repeat the call"
+                    ) from None
+                raise TierCommandError(
+                    f"{self._describe()}: {op} on table {table!r} was refused by the server "
+                    f"({type(err).__name__}): {error_text(err)}"
+                ) from None
+            overdue = time.monotonic() - self._verified_at > self.verify_interval_s
+            if attempts > 1 or overdue or self._reconnected.is_set():
+                self._reconnected.clear()
+                self._verify_tables()
+            return result
+
+    def _check_usable(self, table: str) -> None:
+        self._identity.check_usable()
+        self._marks.check_usable(table)
+        self._leases.check(table)
+
+    def _refresh_topology(self) -> None:
+        """On a cluster, re-read the slot map (a node failed over, a slot moved)."""
+        if not isinstance(self._client, redis.cluster.RedisCluster):
+            return
+        # When the cluster is still down this fails too; the next retry tries again.
+        with contextlib.suppress(
+            redis.exceptions.RedisError, redis.exceptions.RedisClusterException
+        ):
+            self._client.nodes_manager.initialize()
+
+    def _verify_tables(self) -> None:
+        """`MarkGuard.verify` of every table; a server down again is left to the next call."""
+        self._verified_at = time.monotonic()
+        with self._lock:
+            tables = list(self._tables.values())
+        problem = None
+        with contextlib.suppress(*TRANSIENT):
+            self._marks.verify(tables, restore=not self.shared)
+            if tables:
+                problem = eviction_problem(
+                    self._client, self._describe(), tables[0].spec.name, running=True
+                )
+        if problem is not None:
+            self._config_error = problem
+            raise TierConfigError(problem)
+
+    def _recheck_config(self, table: str) -> None:
+        """While the server may evict keys, every call asks again (one INFO) and is refused
+        until the policy is back to noeviction."""
+        problem = eviction_problem(self._client, self._describe(), table, running=True)
+        self._config_error = problem
+        if problem is not None:
+            raise TierConfigError(problem)
+
+    def _check_eviction_policy(self, table: str) -> None:
+        """Refuse a server that may evict keys once full: any ``maxmemory-policy`` but
+        ``noeviction`` under a ``maxmemory``. ``allkeys-*`` would drop rows, re-created from
+        their initial values, silently when their bucket's write mark survived; ``volatile-*``
+        evicts the keys with a TTL, which are the owner leases: a lease dropped while its job
+        runs lets a second job take the table and both write it. ``noeviction`` refuses writes
+        instead (`TierFullError`), and nothing is lost. Checked again every
+        ``verify_interval_s`` and on `flush` while the job runs."""
+        problem = eviction_problem(self._client, self._describe(), table)
+        if problem is not None:
+            raise TierConfigError(problem)
+
+    def _claim_meta(self, key: bytes, payload: bytes, table: str) -> dict[str, Any] | None:
+        """Record a spec unless one is there; returns the one there (None when ours won, or
+        when a read-only client found none)."""
+        if not self.shared and self._client.set(key, payload, nx=True):
+            return None
+        stored = self._client.get(key)
+        if stored is None and self.shared:
+            return None
+        if stored is None:  # deleted between the two commands: claim again
+            return self._claim_meta(key, payload, table)
+        try:
+            return parse_spec_record(stored, table)
+        except ValueError as err:
+            raise ValueError(
+                f"{self._describe()}: the record {key.decode(errors='replace')} of table "
+                f"{table!r} is damaged or was not written by embcache ({err}); delete it and "
+                f"the table's rows, or use another namespace"
+            ) from None
+
+    def _check_compatible(self, spec: TableSpec, stored: dict[str, Any], where: str) -> None:
+        dtype = str(spec.dtype).removeprefix("torch.")
+        if stored.get("dtype", "float32") != dtype:
+            raise ValueError(
+                f"table {spec.name!r} is declared with dtype {stored.get('dtype')} {where} "
+                f"(Redis tier {self.url}, namespace {self.namespace!r}); cannot declare it "
+                f"with dtype {dtype}"
+            )
+        for field in ("dim", "num_embeddings"):
+            if stored[field] != getattr(spec, field):
+                raise ValueError(
+                    f"table {spec.name!r} is declared with {field}={stored[field]} {where} "
+                    f"(Redis tier {self.url}, namespace {self.namespace!r}); cannot declare it "
+                    f"with {field}={getattr(spec, field)}. Another model using this namespace? "
+                    f"Give each model its own namespace."
+                )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"RedisKV({self.url}) is closed")

@@ -1,0 +1,197 @@
+"""Row I/O of `RedisKV` in chunks of at most ``chunk_rows`` ids, each chunk one round trip
+run under `RedisCalls._call`: reads that create missing rows (``SET NX``, another client's
+value kept), reads that create nothing, whole-row writes, the SCAN of a table's ids, the
+export's fetches and the rewrite of a table's state columns. Every read and write goes
+through the write marks (`MarkGuard`), and rows this client wrote are remembered
+(`WrittenIds`) so that one found missing is a loss, never a row re-created.
+
+`RedisRowIO` is a base class of `RedisKV` only (after `RedisCalls`).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from embcache.kv.base import checked_ids, checked_rows
+from embcache.kv.redis_calls import RedisCalls
+from embcache.kv.redis_wire import (
+    ROW_DTYPE,
+    TableLayout,
+    from_blobs,
+    key_batch,
+    set_nx,
+    to_blobs,
+)
+from embcache.kv.tier_state import WrittenIds, missing_rows_message
+
+_SCAN_COUNT = 1000
+
+
+class RedisRowIO(RedisCalls):
+    """Chunked row reads and writes of `RedisKV` (its base class)."""
+
+    # Set by `RedisKV.__init__`.
+    chunk_rows: int
+    cluster: bool
+    _written: dict[str, WrittenIds]
+
+    def _export_chunks(
+        self, t: TableLayout, ids: torch.Tensor, chunk_rows: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, ids.numel(), chunk_rows):
+            part = ids[start : start + chunk_rows]
+            kept, rows = [], []
+            for sub in part.split(self.chunk_rows):
+                found, values = self._call(
+                    "export_rows", t.spec.name, lambda s=sub: self._fetch_existing(t, s)
+                )
+                kept.append(found)
+                rows.append(values)
+            if start + chunk_rows >= ids.numel():
+                self._call("export_rows", t.spec.name, lambda: self._marks.verify([t]))
+            yield torch.cat(kept), torch.cat(rows)
+
+    def _written_ids(self, t: TableLayout) -> WrittenIds:
+        with self._lock:
+            written = self._written.get(t.spec.name)
+            if written is None:
+                written = self._written[t.spec.name] = WrittenIds(t.spec.num_embeddings)
+            return written
+
+    def _check_not_lost(self, t: TableLayout, absent: torch.Tensor, how: str) -> None:
+        """``absent`` ids were found missing: a loss when any of them was written (read
+        again first: a write acknowledged meanwhile is not a loss)."""
+        if absent.numel() == 0:
+            return
+        with self._lock:
+            written = self._written.get(t.spec.name)
+        if written is None:
+            return
+        suspects = absent[written.contains(absent)]
+        if suspects.numel() == 0:
+            return
+        again = self._mget_in_order(t, suspects)
+        lost = suspects[torch.tensor([v is None for v in again], dtype=torch.bool)]
+        if lost.numel():
+            message = missing_rows_message(self._describe(), t.spec.name, lost, how)
+            self._marks.fail(t.spec.name, message)
+
+    def _mget_in_order(self, t: TableLayout, ids: torch.Tensor) -> list[bytes | None]:
+        """Values of the rows of ``ids`` (None where absent), in the order of ``ids``."""
+        batch = key_batch(t, ids, self.cluster)
+        values = self._marks.read(t, batch)
+        if batch.order is None:
+            return values
+        ordered: list[bytes | None] = [None] * len(values)
+        for position, value in zip(batch.order.tolist(), values, strict=True):
+            ordered[position] = value
+        return ordered
+
+    def _put_blobs(self, t: TableLayout, ids: torch.Tensor, blobs: list[bytes]) -> None:
+        batch = key_batch(t, ids, self.cluster)
+        if batch.order is not None:
+            blobs = [blobs[k] for k in batch.order.tolist()]
+        self._marks.write(t, batch, blobs)
+        self._written_ids(t).add(ids)
+
+    def _get_chunk(self, t: TableLayout, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rows of one chunk of ids (creating the missing ones), and how many were created."""
+        batch = key_batch(t, ids, self.cluster)
+        values = self._marks.read(t, batch)
+        if batch.order is not None:
+            ids = ids[batch.order]  # work in key order, restore the caller's at the end
+        missing = [k for k, value in enumerate(values) if value is None]
+        created = 0
+        if missing:
+            self._check_not_lost(t, ids[torch.tensor(missing)], "a read")
+            fresh = to_blobs(t.spec.initial_rows(ids[torch.tensor(missing)]))
+            won = set_nx(self._client, batch, missing, fresh)
+            lost = []
+            for k, blob, ok in zip(missing, fresh, won, strict=True):
+                if ok:
+                    values[k] = blob
+                    created += 1
+                else:
+                    lost.append(k)
+            if lost:  # another writer created (or put) these first: theirs is the value
+                again = self._mget_in_order(t, ids[torch.tensor(lost)])
+                for k, value in zip(lost, again, strict=True):
+                    if value is None:
+                        raise RuntimeError(
+                            f"table {t.spec.name!r}: row {int(ids[k])} was deleted on the "
+                            f"server while being created"
+                        )
+                    values[k] = value
+        rows = from_blobs(values, t)
+        if batch.order is None:
+            return rows, created
+        out = torch.empty_like(rows)
+        out[batch.order] = rows
+        return out, created
+
+    def _read_chunk(self, t: TableLayout, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of one chunk of ids, initial values where the server has none."""
+        found, rows = self._fetch_existing(t, ids)
+        if found.numel() == ids.numel():
+            return rows
+        present = torch.isin(ids, found)  # found and rows keep the order of ``ids``
+        self._check_not_lost(t, ids[~present], "a read")
+        out = torch.empty(ids.numel(), t.spec.stored_width, dtype=t.spec.dtype)
+        out[present] = rows
+        out[~present] = t.spec.initial_rows(ids[~present])
+        return out
+
+    def _fetch_existing(
+        self, t: TableLayout, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids found, their rows)`` of ``ids``, in their order, skipping rows not there."""
+        values = self._mget_in_order(t, ids)
+        present = [k for k, value in enumerate(values) if value is not None]
+        rows = from_blobs([values[k] for k in present], t)
+        return ids[torch.tensor(present, dtype=torch.int64)], rows
+
+    def _write(self, t: TableLayout, op: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self._check_writable(op, t.spec.name)
+        ids = checked_ids(t.spec, ids)
+        rows = checked_rows(t.spec, ids, rows)
+        for start in range(0, ids.numel(), self.chunk_rows):
+            part = slice(start, start + self.chunk_rows)
+            blobs = to_blobs(rows[part])
+            self._call(op, t.spec.name, lambda i=ids[part], b=blobs: self._put_blobs(t, i, b))
+
+    def _scan_ids(self, t: TableLayout) -> torch.Tensor:
+        """Ids of every row of the table on the server, ascending (SCAN over all primaries)."""
+        found = array.array("q")
+        for key in self._client.scan_iter(match=t.scan_match, count=_SCAN_COUNT):
+            match = t.id_re.fullmatch(key)
+            if match is not None:  # the pattern also admits tables named like "T:x"
+                found.append(int(match.group(1)))
+        ids = torch.from_numpy(np.frombuffer(found, dtype=np.int64).copy())
+        # A cluster SCAN may list a key twice when a slot migrates while it runs.
+        return torch.unique(ids)
+
+    def _reset_state(self, t: TableLayout) -> None:
+        """Rewrite every row of ``t`` on the server as its first ``dim`` weights + fresh state.
+
+        Idempotent (the weights are always the leading ``dim`` columns), so a rewrite cut short
+        by a fault is finished by declaring the table again.
+        """
+        ids = self._call("init_table", t.spec.name, lambda: self._scan_ids(t))
+        weight_bytes = t.spec.dim * t.spec.dtype.itemsize
+        state = np.full(t.spec.state_dim, t.spec.state_init, dtype=ROW_DTYPE).tobytes()
+
+        def rewrite(part: torch.Tensor) -> None:
+            values = self._mget_in_order(t, part)
+            present = [k for k, value in enumerate(values) if value is not None]
+            blobs = [values[k][:weight_bytes] + state for k in present]  # type: ignore[index]
+            if any(len(blob) != t.row_bytes for blob in blobs):
+                raise RuntimeError(f"table {t.spec.name!r}: a row on the server is too short")
+            if blobs:
+                self._put_blobs(t, part[torch.tensor(present, dtype=torch.int64)], blobs)
+
+        for part in ids.split(self.chunk_rows):
+            self._call("init_table", t.spec.name, lambda p=part: rewrite(p))
