@@ -4,14 +4,17 @@ repository.
 
 Layers, lowest first (a module may import its own package and lower layers only):
 
+    backend                          which implementation runs (``EMBCACHE_BACKEND``)
     hashing, profiling, native,      the id hash; named phases for torch.profiler; compiled
-    hostmem                          CPU loops (numba); host arrays in huge pages
+    hostmem, devices                 CPU loops (numba); host arrays in huge pages; CUDA
+                                     devices with their index
     indexing                         writes at positions, mask positions, flag counts
     kernels, kv                     the Triton kernels with their twins; the tiers
     cache, optim                    the device cache and its transfers; the optimizer rules
     engine                          one step's data path per cache, inputs, tables
     models, data                    the collection and DLRM; training data
     recstore                        RecStore's names over the above
+    torchrec_kv                     RecStore's torchrec_kv module path over recstore
     distributed                     several processes
     train, checkpoint               the training loop and pipeline; checkpoints
     cli                             the command line
@@ -29,13 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "embcache"
 
 LAYERS = [
-    ["hashing", "profiling", "native", "hostmem"],
+    ["backend"],
+    ["hashing", "profiling", "native", "hostmem", "devices"],
     ["indexing"],
     ["kernels", "kv"],
     ["cache", "optim"],
     ["engine"],
     ["models", "data"],
     ["recstore"],
+    ["torchrec_kv"],
     ["distributed"],
     ["train", "checkpoint"],
     ["cli"],
@@ -173,3 +178,33 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     assert ("embcache.engine.group", ["_hidden"], 1) in found
     assert ("embcache.kv", ["host"], 2) in found
     assert RANK[_layer("embcache.engine.group")] > RANK[_layer("embcache.kv.bad")]
+
+
+def _strings_outside_docstrings(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of the string literals of a module that are code, not docstrings."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        and id(node) not in docstrings
+    ]  # fmt: skip
+
+
+def test_the_backend_is_read_in_one_module() -> None:
+    """``EMBCACHE_BACKEND`` is read by `embcache.backend` alone: every other module asks
+    `backend_name` (or `native.available`, `kernels.backend.use_triton`), so a name that is none
+    of the choices is a ValueError wherever the choice is made."""
+    readers = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for name, path in _modules().items()
+        for line, text in _strings_outside_docstrings(path)
+        if "EMBCACHE_BACKEND" in text
+    ]
+    assert readers and all(r.startswith("embcache/backend.py:") for r in readers), readers

@@ -177,8 +177,9 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         store: this rank's tier: a `Store`, a URL, None (an in-process `HostKV`), or a callable
             ``store(rank) -> Store | URL``. A shared store (one Redis) also works: each rank
             writes only the rows it owns; give every rank the same lease owner
-            (``open_store(url, owner=token)``, as ``embcache train --nproc`` does) or open the
-            tables shared (``?shared=1``), since a table is otherwise leased to one job.
+            (``open_store(url, owner=token)``, as ``embcache train --nproc`` does), since a
+            table is otherwise leased to one job. Not ``?shared=1``: that opens the tables
+            read-only (no lease, every write refused), for a reader beside the job.
         device: where this rank's caches and outputs live (``cuda`` with NCCL or gloo).
         process_group: the ranks sharing the tables (None: the default group).
     """
@@ -524,7 +525,15 @@ class _ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, module, features):
-        out, ctx.step = module._lookup(features, training=True)
+        # The step is this thread's from here (`embcache.engine.claim`): another thread's
+        # forward raises before its handshake, so the peers meet this thread's collectives.
+        fresh = module.engines.claim.take("training forward")
+        try:
+            out, ctx.step = module._lookup(features, training=True)
+        except BaseException:
+            if fresh:
+                module.engines.release_claim_if_idle()
+            raise
         ctx.module = module
         return out
 

@@ -9,11 +9,23 @@ torchrec's ``EmbeddingBagCollectionInterface`` (`embedding_bag_configs`, `is_wei
 ``device``). Each collection holds an `EngineGroup` (``self.engines``) and its own data path;
 neither subclasses the other, as torchrec's sharded modules implement its module interfaces
 rather than extend the unsharded ones.
+
+Threads: a collection trains from one thread at a time. Its first training forward claims it
+for the calling thread until that thread's step (or `zero_grad` / `reset_trace`) completes;
+another thread's training forward, backward, step, `zero_grad` or prefetch meanwhile raises a
+`RuntimeError` naming both threads, before anything changes (`embcache.engine.claim`). Reading
+works from any thread as before: inference under ``torch.no_grad()``, `flush`,
+``embcache.save``, ``state_dict``, `table_rows`.
 """
 
 from __future__ import annotations
 
 import abc
+import atexit
+import functools
+import gc
+import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,12 +34,14 @@ from torch import nn
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
+from embcache.devices import resolve_device
 from embcache.engine.batch_state import FusedPrefetchHandle, TraceEntry
 from embcache.engine.group import EngineGroup
 from embcache.engine.inputs import JaggedBatch, as_jagged, checked_batch
 from embcache.engine.row_init import table_inits
 from embcache.engine.tables import Table, TableConfig, normalize_tables
 from embcache.kv.base import Store, TableSpec
+from embcache.kv.host import HostKV
 from embcache.kv.url import open_store
 
 UNFUSED_K = 48  # enable_fusion=False: internal fusion with room for ids below 2**48
@@ -114,6 +128,27 @@ def _as_config(table: Table, cfg: Any) -> Any:
     return cfg
 
 
+class _CloseAtExit:
+    """The exit hook of one collection: `CachedCollectionInterface.close` if the collection is
+    still alive (a weak reference: a collection garbage-collected before is skipped)."""
+
+    def __init__(self, collection: CachedCollectionInterface) -> None:
+        self._collection = weakref.ref(collection)
+
+    def __call__(self) -> None:
+        _collect_garbage_once()
+        collection = self._collection()
+        if collection is not None:
+            collection._close_at_exit()
+
+
+@functools.cache
+def _collect_garbage_once() -> None:
+    """Collect unreachable reference cycles (a collection is one) before the first exit hook,
+    so collections the program dropped are skipped rather than written back."""
+    gc.collect()
+
+
 class CachedCollectionInterface(nn.Module, abc.ABC):
     """Pooled embedding lookups over device caches with a write-back tier behind them.
 
@@ -155,10 +190,13 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self.fusion_k = checked_fusion_k(fusion_k, enable_fusion, self.tables)
         self.enable_fusion = enable_fusion
         self._is_weighted = bool(is_weighted)
-        self.device = torch.device(device) if device is not None else torch.get_default_device()
+        # Resolved here, on the caller's thread: ``cuda`` means its current device.
+        self.device = resolve_device(torch.get_default_device() if device is None else device)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
         self.cache_config = cache or CacheConfig()
+        # A store the collection opened (a URL, None) is its own: `close` closes it.
+        self._owns_store = not isinstance(store, Store)
         self.store = open_store(store)
         self.update_in_backward = update_in_backward
         self.accumulate_grads = accumulate_grads
@@ -194,9 +232,40 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
             update_in_backward,
             accumulate_grads,
         )
-        self.engines.owner = self
+        self.engines.set_owner(self)
         # Requires grad, so the pooling op is recorded although the rows are no leaves.
         self.grad_anchor = torch.empty(0, requires_grad=True)
+        # Registered after the store was opened (and its own exit hook, a Redis tier's lease
+        # release), so it runs before it: atexit runs last-registered first.
+        self._closed = False
+        self._exit_hook = _CloseAtExit(self)
+        atexit.register(self._exit_hook)
+
+    # -- copies: refused, with what to do instead ------------------------------------------
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """Refused: the rows live in the caches and the tier, not in the module (a copy would
+        have to duplicate a tier that may be far larger than memory, or share it and break
+        the one-writer-per-row rule)."""
+        raise TypeError(
+            f"copy.deepcopy of a {type(self).__name__} is not supported: its rows live in a "
+            "device cache and a tier, not in the module. To copy it, build a new collection "
+            "with the same tables and call new.load_state_dict(old.state_dict()) (the "
+            "weights), or embcache.save(path, old_model, optimizers) then "
+            "embcache.load(path, new_model, optimizers) (weights and optimizer state)"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused (``pickle``, ``torch.save(module)``, ``copy.copy``): checkpoints hold data,
+        never pickled modules."""
+        raise TypeError(
+            f"a {type(self).__name__} cannot be pickled (pickle, torch.save(module), "
+            "copy.copy): its rows live in a device cache and a tier, not in the module. Save "
+            "the data instead: embcache.save(path, model, optimizers) (weights and optimizer "
+            "state, checksummed) or torch.save(model.state_dict()) (torchrec's keys); rebuild "
+            "the model and load it with embcache.load(path, model, optimizers) or "
+            "model.load_state_dict(...)"
+        )
 
     def checked_input(self, features: object) -> JaggedBatch:
         """``features`` (a KJT or a `JaggedBatch`) as a checked `JaggedBatch` holding what this
@@ -266,7 +335,13 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
     def sparse_gradients(self) -> list[tuple[str, Any, torch.Tensor]]:
         """The gradients the next step applies, as the optimizer checks them for NaN/Inf:
         ``(table_name, ids, grads)`` trace entries, and for a cache on the fused CPU path its
-        pooled gradient (``ids`` None). ``_trace`` gives the per-id rows of every table."""
+        pooled gradient (``ids`` None). ``_trace`` gives the per-id rows of every table.
+
+        Raises:
+            RuntimeError: another thread is training the collection (an optimizer's ``step()``
+                asks every module before it applies any, so nothing has changed).
+        """
+        self.engines.claim.check("optimizer step")
         return self.engines.gradients_to_check()
 
     def apply_sparse_gradients(self, optimizer: Any) -> None:
@@ -278,7 +353,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the recorded gradients and the locks of every forward in flight, and release
-        every prefetch handle."""
+        every prefetch handle (from the thread training the collection, or when none is)."""
         del set_to_none  # nothing of ours is an nn.Parameter gradient
         self.engines.zero_grad()
 
@@ -292,6 +367,64 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
     def flush(self) -> None:
         """Write every dirty cached row back to the tier."""
         self.engines.flush()
+
+    # -- the end of a run ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End training: drop pending gradients (and prefetch handles), write every dirty
+        cached row back, then close the store if the collection opened it (a URL or None; a
+        Redis tier releases its owner leases, so the next job opens the tables at once) or
+        flush it if it was given (`Store.flush`: a tiered store writes its host rows through)
+        and left open for its owner. Leaving ``with collection:`` calls it, and so does the
+        interpreter's exit for a collection still alive then.
+
+        Idempotent. If the write-back fails nothing is closed, the rows stay dirty in the
+        cache, and the call (or the exit) may try again. Later lookups on a closed store fail.
+        """
+        if self._closed:
+            return
+        if self.device.type != "meta":
+            self.engines.zero_grad()  # waits for an in-flight prefetch before the write-back
+            self.engines.flush()
+        if self._owns_store:
+            self.store.close()
+        else:
+            self.store.flush()
+        self._closed = True
+        atexit.unregister(self._exit_hook)
+
+    def __enter__(self) -> CachedCollectionInterface:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_at_exit(self) -> None:
+        """`close` at interpreter exit; a failure is one line on stderr (the collection, the
+        error, the dirty rows left unwritten), never a traceback."""
+        if self._closed:
+            return
+        if isinstance(self.store, HostKV):
+            return  # in-process rows end with the process: nothing to write back
+        # concurrent.futures refuses new work once the interpreter is shutting down, so the
+        # caches make their tier calls in turn (an instance attribute over the class's).
+        self.store.parallel_io = False
+        try:
+            self.close()
+        except Exception as e:
+            print(
+                f"embcache: {type(self).__name__} of tables {[t.name for t in self.tables]} "
+                f"on {self.store!r} could not write back its cache at exit "
+                f"({type(e).__name__}: {' '.join(str(e).split())}); {self._dirty_rows()} "
+                "dirty rows not written",
+                file=sys.stderr,
+            )
+
+    def _dirty_rows(self) -> int | str:
+        try:
+            return sum(int(cache.dirty.sum()) for cache in self.caches())
+        except Exception:
+            return "an unknown number of"
 
     def invalidate_caches(self) -> None:
         """Drop pending gradients, write back and empty every cache (the next batch reads

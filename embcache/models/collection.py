@@ -30,6 +30,12 @@ One training step, top to bottom (`embcache.engine` holds each piece):
 A forward whose output is never backpropagated holds its locks only until the next forward; a
 forward while an un-stepped trace exists is an error unless ``accumulate_grads=True``.
 
+A collection trains from one thread at a time: the first training forward (or prefetch) claims
+it for its thread until that thread's step (or ``zero_grad``) completes, and another thread's
+training calls meanwhile raise, naming both threads, before anything changes
+(`embcache.engine.claim`); inference under ``torch.no_grad()``, ``flush``, ``state_dict`` and
+``table_rows`` work from any thread.
+
 The torchrec way works too (see `models.torch_optim`): a torch optimizer over
 ``model.parameters()`` (the collection's ``grad_anchor`` stands for its tables), or
 ``optimizer_type=``/``optimizer_kwargs=`` as torchrec's ``FusedEmbeddingBagCollection`` takes
@@ -95,6 +101,15 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         optimizer_kwargs: its hyper-parameters (``{"lr": 0.02}``), by the torch names.
         location: accepted for ``FusedEmbeddingBagCollection``'s signature; the cache decides
             what lives on the device.
+        allow_unsharded_replicas: let a process group of several ranks train one independent
+            copy of the tables per rank. Without it, a forward on more than one rank raises
+            (`check_not_replicated`): torchrec's ``DistributedModelParallel`` has no plan for
+            this collection and ``DistributedDataParallel`` averages only the dense
+            parameters, so each rank's tables would silently diverge. Shard the rows with
+            `embcache.distributed.ShardedEmbeddingBagCollection` instead.
+
+    Copies: ``copy.deepcopy``, ``pickle`` and ``torch.save(module)`` raise `TypeError` (the
+    rows live in a cache and a tier, not in the module; `CachedCollectionInterface`).
     """
 
     def __init__(
@@ -113,6 +128,7 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         optimizer_type: type | None = None,
         optimizer_kwargs: Mapping[str, Any] | None = None,
         location: Any = None,
+        allow_unsharded_replicas: bool = False,
     ) -> None:
         super().__init__()
         if optimizer_type is None and optimizer_kwargs:
@@ -136,6 +152,7 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
             seed,
         )
         del location  # the cache decides placement
+        self.allow_unsharded_replicas = bool(allow_unsharded_replicas)
         # The tables' stand-in in model.parameters(): a torch optimizer holding it trains them.
         # Zero rows of a 2-D "table", as optimizers written for embedding weights expect.
         self.grad_anchor = nn.Parameter(torch.empty(0, 1, device=self.device))
@@ -181,11 +198,20 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
 
     # -- the data path -----------------------------------------------------------------------
 
+    # Opaque to dynamo: the input checks and the cache resolve read host values (a graph break
+    # each), so ``torch.compile`` of a model breaks its graph once, at this call, and runs the
+    # lookup eagerly (its autograd function included) between the compiled parts.
+    @torch.compiler.disable
     def forward(self, features: JaggedBatch | Any) -> Any:
         """Pooled embeddings of every feature ``[B, sum of dims]``, keyed by the tables' feature
         names in table order (as torchrec orders them): a torchrec `KeyedTensor` for a KJT
         input, a `PooledEmbeddings` for a `JaggedBatch`. Under ``torch.fx`` tracing the call is
-        one leaf node."""
+        one leaf node; under ``torch.compile`` it runs eagerly, one graph break.
+
+        Raises:
+            RuntimeError: in a process group of several ranks without
+                ``allow_unsharded_replicas=True`` (`check_not_replicated`).
+        """
         if isinstance(features, torch.fx.Proxy):
             tracer = features.tracer
             path = tracer.path_of_module(self)
@@ -200,6 +226,7 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         if self.device.type == "meta":  # shapes only, as torchrec's meta weights give
             values = torch.empty(features.stride(), sum(self.output_dims), device="meta")
             return pooled_output(features, self.output_keys, self.output_dims, values)
+        self.check_not_replicated()
         # Features a prefetch was issued for were checked then (the handle keeps the batch).
         batch = self.engines.checked_prefetch(features)
         if batch is None:
@@ -209,6 +236,28 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
             return pooled_output(features, self.output_keys, self.output_dims, values)
         engines = self.engines
         training = torch.is_grad_enabled()
+        # A training forward claims the step for this thread (another thread's raises here,
+        # before anything changes); a claim this forward made ends if the forward fails idle.
+        fresh = engines.claim.take("training forward") if training else False
+        try:
+            outs = self._lookup(batch, training)
+        except BaseException:
+            if fresh:
+                engines.release_claim_if_idle()
+            raise
+        if len(outs) == 1 and engines.engines[0].layout.keys == self.output_keys:
+            values = outs[0]
+        else:
+            blocks: dict[str, torch.Tensor] = {}
+            for engine, out in zip(engines.engines, outs, strict=True):
+                for i, k in enumerate(engine.layout.keys):
+                    blocks[k] = out[:, i * engine.dim : (i + 1) * engine.dim]
+            values = torch.cat([blocks[k] for k in self.output_keys], dim=1)
+        return pooled_output(features, self.output_keys, self.output_dims, values)
+
+    def _lookup(self, batch: JaggedBatch, training: bool) -> tuple[torch.Tensor, ...]:
+        """`forward`'s lookup: one ``[B, F_e * dim_e]`` output per engine."""
+        engines = self.engines
         if training:
             try:
                 if (
@@ -227,23 +276,49 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
             except RuntimeError:
                 engines.prefetches.release_all()  # its locks would belong to no batch
                 raise
-        prefetched = engines.take_prefetch(batch)
+        # The recorded prefetch is the training thread's next batch: an inference from
+        # another thread meanwhile reads synchronously and leaves it alone.
+        use_prefetch = training or not engines.claim.held_elsewhere()
+        prefetched = engines.take_prefetch(batch) if use_prefetch else None
         prepared = prefetched.prepared if prefetched else engines.prepare(batch, lock=training)
         inflight = engines.start(prepared) if training else None
         try:
-            outs = PooledLookup.apply(self.grad_anchor, engines, prepared, inflight, batch.stride())
+            return PooledLookup.apply(self.grad_anchor, engines, prepared, inflight, batch.stride())
         finally:
             if not training:
                 engines.finish_untracked(prepared)
-        if len(outs) == 1 and engines.engines[0].layout.keys == self.output_keys:
-            values = outs[0]
-        else:
-            blocks: dict[str, torch.Tensor] = {}
-            for engine, out in zip(engines.engines, outs, strict=True):
-                for i, k in enumerate(engine.layout.keys):
-                    blocks[k] = out[:, i * engine.dim : (i + 1) * engine.dim]
-            values = torch.cat([blocks[k] for k in self.output_keys], dim=1)
-        return pooled_output(features, self.output_keys, self.output_dims, values)
+
+    def check_not_replicated(self) -> None:
+        """Refuse to run as one unsharded replica per rank (unless the collection was built
+        with ``allow_unsharded_replicas=True``): in an initialised process group of more than
+        one rank, each rank's copy of the tables would train on its own batches only. A
+        process group of one rank is fine.
+
+        This is how a ``DistributedModelParallel`` or ``DistributedDataParallel`` wrapping
+        the collection is caught: neither shards it (torchrec's planner has no sharder for it,
+        DDP reduces only parameters, of which the collection has one zero-size anchor), and
+        neither tells the module it wraps.
+
+        Raises:
+            RuntimeError: naming `embcache.distributed.ShardedEmbeddingBagCollection`.
+        """
+        if self.allow_unsharded_replicas:
+            return
+        dist = torch.distributed
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        world = dist.get_world_size()
+        if world > 1:
+            raise RuntimeError(
+                f"{type(self).__name__} is not sharded, but the process group has {world} "
+                "ranks: each rank would train its own copy of the tables and they would "
+                "silently diverge (DistributedModelParallel has no sharding plan for it, and "
+                "DistributedDataParallel averages only dense parameters). Shard the rows over "
+                "the ranks with embcache.distributed.ShardedEmbeddingBagCollection (same "
+                "arguments; DLRM(..., collection_cls=ShardedEmbeddingBagCollection)), or run "
+                "`embcache train --nproc N`, which does. To keep one independent replica per "
+                "rank on purpose, build the collection with allow_unsharded_replicas=True."
+            )
 
     def _exported_forward(self, features: Any) -> Any:
         """The forward as ``torch.export`` records it: one ``embcache::pooled_lookup`` op that
@@ -274,10 +349,18 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         ``_fused_prefetch_handle``); its slots stay locked until that forward's step, and a
         handle that will not be used is released (`embcache.engine.prefetch`).
         """
-        batch = self.checked_input(features)
-        shares = self.engines.check(batch, lock=True)
-        job = functools.partial(self._prefetch, shares)
-        return self.engines.issue(id(self), batch, job, then_write_back=True, source=features)
+        self.check_not_replicated()
+        engines = self.engines
+        fresh = engines.claim.take("prefetch")  # part of the step its forward starts
+        try:
+            batch = self.checked_input(features)
+            shares = engines.check(batch, lock=True)
+            job = functools.partial(self._prefetch, shares)
+            return engines.issue(id(self), batch, job, then_write_back=True, source=features)
+        except BaseException:
+            if fresh:
+                engines.release_claim_if_idle()
+            raise
 
     def _prefetch(self, shares: list, seq: int) -> Prefetched:
         """Worker-thread body of `issue_fused_prefetch`: the batch's rows resolved, the

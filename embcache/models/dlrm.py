@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn import functional
 
 from embcache.cache.config import CacheConfig
+from embcache.devices import resolve_device
 from embcache.engine.tables import normalize_tables
 from embcache.kv.base import Store
 from embcache.models.collection import CachedEmbeddingBagCollection
@@ -164,7 +165,7 @@ class DLRM(nn.Module):
         **collection_kwargs: Any,
     ) -> None:
         super().__init__()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = resolve_device(device) if device is not None else torch.device("cpu")
         _check_dense(dense_in_features, bottom_mlp)
         built = isinstance(tables, nn.Module)
         if built:

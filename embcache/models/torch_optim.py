@@ -23,7 +23,11 @@ the anchor its optimizer.
 
 A fused collection applies its rule inside backward (`FusedRowOptimizer`); there FBGEMM's
 semantics hold, as in torchrec's fused modules: weight decay is applied to the touched rows and
-``torch.optim.Adam`` is FBGEMM's row-sparse Adam (`SparseAdam`'s rule).
+``torch.optim.Adam`` is FBGEMM's row-sparse Adam (`SparseAdam`'s rule), ``torch.optim.AdamW``
+the same with AdamW's decoupled decay on the touched rows (the ADAMW rule, lazy AdamW).
+
+Which torch class is which rule is the rules' table (`kernels.optim_rules.RULES`:
+``torch_class``, ``torch_lazy``, ``fused_aliases``).
 """
 
 from __future__ import annotations
@@ -38,10 +42,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from embcache.kernels.optim import OptimRule, RowUpdate
+from embcache.kernels.optim import RowUpdate
+from embcache.kernels.optim_rules import RULES, by_torch_class
 from embcache.optim.sparse import SparseOptimizer
 
-_ROWWISE_ADAGRAD = "torchrec.optim.rowwise_adagrad.RowWiseAdagrad"
 _HELP = (
     "train the tables with torch.optim.SGD (no momentum), Adagrad, SparseAdam or torchrec's "
     "RowWiseAdagrad over the collection's parameters, build it with optimizer_type=... "
@@ -51,18 +55,37 @@ _HELP = (
 )
 
 
-def _name(optimizer_type: type) -> str:
-    return f"{optimizer_type.__module__}.{optimizer_type.__qualname__}"
+# The defaults of FBGEMM's fused optimizers (``SplitTableBatchedEmbeddingBagsCodegen``'s
+# ``learning_rate``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``), which torchrec's
+# FusedEmbeddingBagCollection takes for whatever ``optimizer_kwargs`` leaves out, whatever the
+# torch class's own defaults (torch.optim.Adagrad's eps is 1e-10, SGD's lr 1e-3).
+FBGEMM_DEFAULTS: dict[str, Any] = {
+    "lr": 0.01,
+    "eps": 1e-8,
+    "betas": (0.9, 0.999),
+    "weight_decay": 0.0,
+}
 
 
-def _hyper(optimizer_type: type, given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` over the defaults of ``optimizer_type``'s constructor."""
+def _hyper(optimizer_type: type, given: Mapping[str, Any], fused: bool = False) -> dict[str, Any]:
+    """``given`` over the defaults of ``optimizer_type``'s constructor, or with ``fused``
+    over FBGEMM's (`FBGEMM_DEFAULTS`, where the class has the option) and with FBGEMM's names
+    ``learning_rate``, ``beta1``, ``beta2`` taken as torch's ``lr`` and ``betas``."""
     params = inspect.signature(optimizer_type.__init__).parameters
     defaults = {
         k: p.default
         for k, p in params.items()
         if k not in ("self", "params") and p.default is not inspect.Parameter.empty
     }
+    if not fused:
+        return {**defaults, **given}
+    defaults.update((k, v) for k, v in FBGEMM_DEFAULTS.items() if k in defaults)
+    given = dict(given)
+    if "learning_rate" in given:
+        given.setdefault("lr", given.pop("learning_rate"))
+    if "beta1" in given or "beta2" in given:
+        beta1, beta2 = given.get("betas", defaults.get("betas", FBGEMM_DEFAULTS["betas"]))
+        given["betas"] = (given.pop("beta1", beta1), given.pop("beta2", beta2))
     return {**defaults, **given}
 
 
@@ -75,63 +98,56 @@ def row_update(
     Args:
         optimizer_type: a torch optimizer class (or torchrec's ``RowWiseAdagrad``).
         hyper: its hyper-parameters (a param group, or the kwargs of a fused collection);
-            missing ones take the class's defaults.
-        fused: FBGEMM's semantics (weight decay on the touched rows, Adam row-sparse) rather
-            than a torch optimizer's on dense gradients.
+            missing ones take the class's defaults (FBGEMM's when ``fused``).
+        fused: FBGEMM's semantics (its defaults, weight decay on the touched rows, Adam
+            row-sparse) rather than a torch optimizer's on dense gradients.
 
     Raises:
         TypeError: an optimizer with no row-wise equivalent.
         ValueError: an option with none (momentum, dense weight decay, amsgrad, maximize).
     """
-    name = _name(optimizer_type)
-    h = _hyper(optimizer_type, hyper)
+    h = _hyper(optimizer_type, hyper, fused)
     where = f"{optimizer_type.__name__}({', '.join(f'{k}={v!r}' for k, v in hyper.items())})"
 
     def refuse(option: str, why: str) -> None:
         raise ValueError(f"{where}: {option} {why}, which cached tables cannot do; {_HELP}")
 
+    spec = by_torch_class(optimizer_type, fused=True)
+    if spec is None:
+        raise TypeError(f"{where} has no row-wise rule for cached tables; {_HELP}")
+    if not fused and not (spec.torch_lazy and spec.equals_class(optimizer_type, fused=False)):
+        instead = (
+            f"use {spec.torch_class} for the collection's parameters (the same rule on the "
+            "rows a batch touched)"
+            if spec.torch_lazy
+            else f"use embcache.{spec.sparse_class}([collection], ...) (the same rule on the "
+            f"rows a batch touched), optimizer_type={spec.torch_class} (fused)"
+        )
+        raise TypeError(
+            f"{where} moves every row at every step (its moments decay even where the gradient "
+            f"is zero), which cached tables cannot do: {instead}, or {_HELP}"
+        )
     if h.get("maximize"):
         refuse("maximize=True", "is not supported")
     decay = float(h.get("weight_decay", 0.0))
     if decay and not fused:
         refuse("weight_decay", "moves every row of a dense gradient, even rows never looked up")
-    if optimizer_type is torch.optim.SGD:
-        if h.get("momentum") or h.get("nesterov"):
-            refuse("momentum", "moves rows after their last lookup")
-        rule = RowUpdate(OptimRule.SGD, lr=h["lr"], weight_decay=decay)
-        return rule, 0.0
-    if optimizer_type is torch.optim.Adagrad or name == _ROWWISE_ADAGRAD:
-        rowwise = name == _ROWWISE_ADAGRAD
-        if rowwise and h.get("lr_decay"):
-            refuse("lr_decay", "is not supported by the row-wise rule")
-        rule = RowUpdate(
-            OptimRule.ROWWISE_ADAGRAD if rowwise else OptimRule.ADAGRAD,
-            lr=h["lr"],
-            eps=h["eps"],
-            lr_decay=0.0 if rowwise else h["lr_decay"],
-            weight_decay=decay,
-        )
-        return rule, float(h["initial_accumulator_value"])
-    if optimizer_type is torch.optim.SparseAdam or (
-        fused and optimizer_type in (torch.optim.Adam, torch.optim.AdamW)
-    ):
-        if h.get("amsgrad"):
-            refuse("amsgrad", "is not supported")
-        beta1, beta2 = h["betas"]
-        return RowUpdate(
-            OptimRule.ADAM, lr=h["lr"], eps=h["eps"], beta1=beta1, beta2=beta2, weight_decay=decay
-        ), 0.0
-    if optimizer_type in (torch.optim.Adam, torch.optim.AdamW):
-        raise TypeError(
-            f"{where} moves every row at every step (its moments decay even where the gradient "
-            "is zero), which cached tables cannot do: use torch.optim.SparseAdam for the "
-            f"collection's parameters (the same rule on the rows a batch touched), or {_HELP}"
-        )
-    raise TypeError(f"{where} has no row-wise rule for cached tables; {_HELP}")
+    if h.get("momentum") or h.get("nesterov"):
+        refuse("momentum", "moves rows after their last lookup")
+    if h.get("amsgrad"):
+        refuse("amsgrad", "is not supported")
+    if h.get("lr_decay") and "lr_decay" not in spec.hyper:
+        refuse("lr_decay", f"is not supported by the {spec.rule.name.lower()} rule")
+    group = {**spec.hyper, **{k: v for k, v in h.items() if k in spec.hyper}, "lr": h["lr"]}
+    group["weight_decay"] = decay
+    state_init = float(h.get(spec.state_init, 0.0)) if spec.state_init else 0.0
+    return RowUpdate(spec.rule, **spec.update_fields(group)), state_init
 
 
 class FusedRowOptimizer(SparseOptimizer):
-    """The optimizer of a fused collection: ``optimizer_type`` applied inside backward.
+    """The optimizer of a fused collection: ``optimizer_type`` applied inside backward, with
+    FBGEMM's defaults for what ``optimizer_kwargs`` leaves out (`FBGEMM_DEFAULTS`: eps 1e-8
+    for the AdaGrad family, lr 0.01), as torchrec's ``FusedEmbeddingBagCollection`` has them.
 
     ``param_group`` holds the hyper-parameters as a torch param group (the one the collection's
     ``fused_optimizer()`` exposes); its ``"lr"`` is read at every update, so an LR scheduler
@@ -143,7 +159,7 @@ class FusedRowOptimizer(SparseOptimizer):
     ) -> None:
         update, state_init = row_update(optimizer_type, optimizer_kwargs, fused=True)
         self.optimizer_type = optimizer_type
-        self.param_group: dict[str, Any] = _hyper(optimizer_type, optimizer_kwargs)
+        self.param_group: dict[str, Any] = _hyper(optimizer_type, optimizer_kwargs, fused=True)
         super().__init__([module], update, state_init=state_init)
 
     @property
@@ -224,38 +240,34 @@ def torch_step(
 
 
 def keyed_optimizer(collection: Any, fused: FusedRowOptimizer) -> Any:
-    """A torchrec ``KeyedOptimizer`` over a fused collection's tables: ``param_groups`` (one,
-    the fused optimizer's, which an LR scheduler can drive), ``state`` per table (the state
-    columns beside its rows, read and written through ``state_dict()`` /
-    ``load_state_dict()``), and ``params`` keyed ``embedding_bags.<table>.weight`` (zero-size
-    stand-ins: the rows are not in memory as one tensor). Needs torchrec."""
+    """A torchrec ``KeyedOptimizer`` over a fused collection's tables, keyed as torchrec's
+    ``FusedEmbeddingBagCollection.fused_optimizer()`` keys its own, so checkpoints load either
+    way: ``param_groups`` (one, the fused optimizer's, which an LR scheduler can drive),
+    ``params`` keyed ``<table>.weight`` (zero-size stand-ins: the rows are not in memory as one
+    tensor), and ``state`` per table, FBGEMM's state tensors by FBGEMM's names
+    (``<table>.weight.momentum_1``: Adagrad's ``[num_embeddings, dim]`` sum of squares, the
+    row-wise one's ``[num_embeddings]``; Adam's moments ``momentum_1`` and ``momentum_2``; SGD
+    none), read and written through ``state_dict()`` / ``load_state_dict()``. Needs torchrec."""
     cls = _keyed_optimizer_class()
     params: dict[str, torch.Tensor] = {}
     state: dict[torch.Tensor, dict[str, Any]] = {}
-    parts = _STATE_PARTS[fused.update.rule]
+    parts = len(RULES[fused.update.rule].state)
     for t in collection.tables:
-        key = f"embedding_bags.{t.name}.weight"
+        key = f"{t.name}.weight"
         params[key] = stand_in = torch.empty(0)
-        state[stand_in] = {  # FBGEMM's names, as torchrec's fused optimizers give them
-            f"{key}.momentum_{i + 1}": TableState(collection, t, i, parts) for i in range(parts)
-        }
+        if parts:  # a stateless rule has no entry, as torchrec's fused SGD
+            state[stand_in] = {
+                f"{key}.momentum_{i + 1}": TableState(collection, t, i, parts) for i in range(parts)
+            }
     group = fused.param_group
     group["params"] = list(params.values())
     return cls(params, state, [group])
 
 
-# State tensors per rule (Adam's two moments side by side in the state columns).
-_STATE_PARTS = {
-    OptimRule.SGD: 0,
-    OptimRule.ADAGRAD: 1,
-    OptimRule.ROWWISE_ADAGRAD: 1,
-    OptimRule.ADAM: 2,
-}
-
-
 class TableState:
     """One state tensor of one table (``part`` of ``parts`` equal blocks of its state
-    columns), with the stateful protocol a torchrec ``KeyedOptimizer`` reads and writes."""
+    columns), with the stateful protocol a torchrec ``KeyedOptimizer`` reads and writes; a
+    one-column block (row-wise AdaGrad's) is the 1-D ``[num_embeddings]`` tensor FBGEMM has."""
 
     def __init__(self, collection: Any, table: Any, part: int, parts: int) -> None:
         self.collection, self.table, self.part, self.parts = collection, table, part, parts
@@ -267,16 +279,22 @@ class TableState:
         return slice(lo, lo + width)
 
     def state_dict(self) -> torch.Tensor:
-        """``[num_embeddings, width]`` float32, read from the tier after a flush."""
-        return self.collection.table_rows(self.table.name)[:, self._columns()].clone()
+        """``[num_embeddings, width]`` (``[num_embeddings]`` for one column) float32, read from
+        the tier after a flush."""
+        value = self.collection.table_rows(self.table.name)[:, self._columns()]
+        return (value.squeeze(1) if value.shape[1] == 1 else value).clone()
 
     def load_state_dict(self, value: torch.Tensor) -> None:
         columns = self._columns()
-        expected = (self.table.num_embeddings, columns.stop - columns.start)
+        width = columns.stop - columns.start
+        expected = (self.table.num_embeddings, width)
+        if width == 1 and value.dim() == 1:
+            value = value.unsqueeze(1)
         if tuple(value.shape) != expected:
+            shown = (self.table.num_embeddings,) if width == 1 else expected
             raise ValueError(
                 f"optimizer state of table {self.table.name!r}: shape {tuple(value.shape)}, "
-                f"expected {expected}"
+                f"expected {shown}"
             )
         self.collection.write_table_rows(self.table.name, value, columns)
 

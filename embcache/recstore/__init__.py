@@ -11,8 +11,17 @@
 * `DistTensor` (``__getitem__`` pulls, ``__setitem__`` pushes) and `DistEmbedding`, the
   single-table module updated in Python by `SparseSGD`, saved in ``state_dict()`` and
   checkpoints.
+
+RecStore's module paths are here too (``embcache.recstore.DistEmb``, ``.DistTensor``,
+``.KVClient``, ``.optimizer``; ``embcache.torchrec_kv.EmbeddingBag``), so RecStore code changes
+only its import prefix. They are imported below, before the classes are bound: a submodule
+imported later would replace the package's ``KVClient`` / ``DistTensor`` class with itself.
 """
 
+import embcache.recstore.DistEmb
+import embcache.recstore.DistTensor
+import embcache.recstore.KVClient
+import embcache.recstore.optimizer  # noqa: F401
 from embcache.recstore.collection import RecStoreEmbeddingBagCollection
 from embcache.recstore.dist_embedding import DistEmbedding
 from embcache.recstore.dist_tensor import DistTensor

@@ -1,4 +1,16 @@
-"""RecStore's name and signature for the cached collection, with its tables in the KV client."""
+"""RecStore's name and signature for the cached collection, with its tables in the KV client.
+
+Whose optimizer updates the rows. RecStore's ``SparseSGD.step()`` aggregates the collection's
+``_trace`` and calls ``kv_client.update_async(name, ids, grads)``; "the learning rate and the
+optimizer formula are handled by the backend". So on a KV client with a backend optimizer
+(``get_kv_client(optimizer={"type": "AdaGrad", "learning_rate": 0.05})``) the collection's rows
+get that optimizer (rule, lr, eps, weight decay; its state beside each row from construction),
+whatever ``SparseSGD(lr=...)`` says; another sparse optimizer must match it (as RecStore's
+``SparseRowWiseAdagrad`` checks the server's), else ValueError. On a client without one
+(``get_kv_client()`` never given an optimizer, or a client of the collection's own store) the
+attached sparse optimizer applies its own rule and hyper-parameters, as for any
+`CachedEmbeddingBagCollection`. `DistEmbedding` keeps its Python-side SGD either way.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +25,7 @@ from embcache.engine.batch_state import TraceEntry
 from embcache.engine.tables import Table, TableConfig
 from embcache.kernels.optim import OptimRule, RowUpdate, aggregate_grads
 from embcache.models.collection import CachedEmbeddingBagCollection
-from embcache.recstore.kv_client import KVClient, get_kv_client
+from embcache.recstore.kv_client import KVClient, KVOptimizer, get_kv_client
 
 
 class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
@@ -31,10 +43,15 @@ class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
             no store is given, else a client of its own over ``store``).
         initialize_tables: accepted either way: declaring a table never overwrites rows a
             store already holds, and new rows are created on first touch.
+        optimizer_type: refused on a client with a backend optimizer (that one applies).
         fast_path_mode: ``"auto"`` only (RecStore's shared-memory fast path has no equivalent:
             every lookup goes through the device cache).
         **kwargs: any other `CachedEmbeddingBagCollection` argument (``store``, ``cache``,
             ``device``, ...).
+
+    Attributes:
+        backend_optimizer: the `BackendOptimizer` that updates the rows when the client has a
+            backend optimizer (see the module's docstring), else None.
 
     Raises:
         ValueError: a table's name is already a tensor of the client, or a table of another
@@ -80,8 +97,75 @@ class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
             **kwargs,
         )
         self.kv_client = kv_client
+        self.backend_optimizer = None
+        if kv_client.backend_optimizer is not None:
+            if kwargs.get("optimizer_type") is not None:
+                raise ValueError(
+                    "optimizer_type: this KV client has a backend optimizer "
+                    f"({kv_client.backend_optimizer}), which updates the collection's rows"
+                )
+            self.backend_optimizer = BackendOptimizer(kv_client.backend_optimizer)
+            super().attach_sparse_optimizer(self.backend_optimizer)
         for table in self.tables:
             _register(kv_client, table.name, CollectionTable(self, table), self)
+
+    def attach_sparse_optimizer(self, optimizer: Any) -> None:
+        """Attach a sparse optimizer. With a backend optimizer, SparseSGD only drives the
+        steps (the backend's rule applies); any other must have the backend's rule and
+        hyper-parameters.
+
+        Raises:
+            ValueError: a non-SGD optimizer that differs from the backend optimizer.
+        """
+        backend = self.backend_optimizer
+        if backend is None:
+            super().attach_sparse_optimizer(optimizer)
+            return
+        mine = (optimizer.update, float(optimizer.state_init))
+        if optimizer.rule is not OptimRule.SGD and mine != (backend.update, backend.state_init):
+            raise ValueError(
+                f"{type(optimizer).__name__} {optimizer.update} differs from the KV client's "
+                f"backend optimizer {backend.update}, which updates this collection's rows; "
+                "use SparseSGD (it hands the gradients to the backend) or the same settings"
+            )
+
+    def apply_sparse_gradients(self, optimizer: Any) -> None:
+        """Apply the trace with the backend optimizer when the client has one, else with
+        ``optimizer``."""
+        self.engines.apply_trace(self.backend_optimizer or optimizer)
+
+
+class BackendOptimizer:
+    """What `EngineGroup` needs of an optimizer, for a KV client's backend optimizer: its rule
+    and hyper-parameters (``update``), its state's shape and start, step counts per table.
+
+    Args:
+        config: the client's `KVOptimizer`.
+    """
+
+    def __init__(self, config: KVOptimizer) -> None:
+        self.config = config
+        self.update = config.update
+        self.state_init = float(config.initial_accumulator_value)
+        self._steps: dict[str, int] = {}
+
+    def state_dim(self, dim: int) -> int:
+        return self.update.state_dim(dim)
+
+    def advance_steps(self, module: Any, tables: Sequence[str]) -> dict[str, int]:
+        steps = {}
+        for name in dict.fromkeys(tables):
+            self._steps[name] = steps[name] = self._steps.get(name, 0) + 1
+        return steps
+
+    def check_gradients(self, entries: Sequence[tuple[str, Any, torch.Tensor]]) -> None:
+        """Refuse NaN/Inf gradients (``update_in_backward``), naming the table."""
+        for table, _, grads in entries:
+            if grads.numel() and not bool(torch.isfinite(grads).all()):
+                raise ValueError(
+                    f"backend optimizer: gradient of table {table!r} holds NaN or Inf; "
+                    "nothing was updated"
+                )
 
 
 def _register(client: KVClient, name: str, view: CollectionTable, owner: Any) -> None:
@@ -144,7 +228,8 @@ class CollectionTable:
             engine.cache.write_weights(self._fused(ids), rows)
 
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """One step of the collection's sparse optimizer (else SGD at its lr) on these rows:
+        """One step of the backend optimizer, else the collection's sparse optimizer, else
+        SGD at its lr, on these rows:
         the gradients of duplicate ids summed, the rows and their state updated in the cache,
         as `optimizer.step()` updates a trace."""
         module, group, index, engine = self._parts()

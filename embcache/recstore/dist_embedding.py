@@ -25,7 +25,7 @@ class DistEmbedding(nn.Module):
     num_embeddings: rows.
     embedding_dim: columns.
     name: the table's name in the KV tier.
-    init_func: ``init_func(shape, dtype)``; None: default per-id initialiser.
+    init_func: ``init_func(shape, dtype)``; None: zeros (as in RecStore).
     lr: the learning rate `SparseSGD` uses when given none.
     """
 

@@ -15,8 +15,8 @@ class DistTensor:
         dtype: element type of pulled rows (stored as float32).
         name: the tensor's name in the KV tier; the same name with another shape or dtype is
             a ValueError, the same name with the same ones attaches to the same rows.
-        init_func: ``init_func(shape, dtype)`` giving the initial tensor; None: the default
-            per-id initialiser.
+        init_func: ``init_func(shape, dtype)`` giving the initial tensor; None: zeros (as
+            in RecStore).
     """
 
     def __init__(
@@ -29,7 +29,7 @@ class DistTensor:
         if name is None:
             raise ValueError("DistTensor needs a name (its key in the KV tier)")
         self.client = get_kv_client()
-        self.client.init_data(name, tuple(shape), dtype, init_func)
+        self.client.init_data(name, tuple(shape), dtype, init_func=init_func)
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype

@@ -2,7 +2,7 @@
 and a backend optimizer that `update_async` hands gradients to.
 
     kv = get_kv_client()
-    kv.init_data("user", (1000, 16), torch.float32)          # backend optimizer: SGD, lr 0.01
+    kv.init_data("user", (1000, 16), torch.float32)          # zeros; backend SGD, lr 0.01
     kv.init_data("item", (500, 16), optimizer=KVOptimizer("AdaGrad", lr=0.05))
     rows = kv.pull("user", ids)                               # [n, 16]
     handle = kv.update_async("user", ids, grads)              # SGD steps the rows (background)
@@ -10,13 +10,27 @@ and a backend optimizer that `update_async` hands gradients to.
     kv.push("user", ids, rows)                                # overwrite (optimizer state kept)
     kv.add_async("user", ids, deltas)                         # raw: rows += deltas
 
+RecStore's call shapes are accepted beside embcache's, so RecStore code runs unchanged:
+``init_data(name, shape, dtype, part_policy, init_func, is_gdata, base_offset,
+initialize_values)`` (embcache's positional ``init_data(name, shape, dtype, init_func)`` still
+works: a callable fourth argument is the init_func), ``prefetch(ids, name=None)`` beside
+``prefetch(name, ids)``, ``wait_and_get(handle, embedding_dim, device=)``, ``push(name, ids,
+data=)`` (``rows=`` too), ``update(name, ids, grads)`` (synchronous), ``data_name_list()``,
+``get_data_meta(name) -> (dtype, shape)``, ``flush_async_updates()``, and
+``save_checkpoint(path, metadata)`` / ``load_checkpoint(path, metadata)``. Handles are
+`KVHandle` objects (RecStore's are ints); pass them back as they are.
+
 Backend optimizer. As RecStore's parameter server does, `update_async(name, ids, grads)` sums the
-gradients of duplicate ids, then applies the tensor's optimizer — SGD, AdaGrad or RowWiseAdaGrad
-(`KVOptimizer`, the same rules and formulas as `SparseSGD`, `SparseAdaGrad` and
-`SparseRowWiseAdaGrad`) — whose state lives beside each row in the tier (``[dim | state]``, as
-the caches keep it). A tensor's optimizer is given at `init_data`, else it is the client's
-(``KVClient(optimizer=...)``: a `KVOptimizer`, or a mapping with RecStore's configuration keys
-``type``, ``learning_rate``, ``epsilon``, ``weight_decay``); the default is SGD at lr 0.01.
+gradients of duplicate ids, then applies the tensor's optimizer — SGD, AdaGrad, RowWiseAdaGrad,
+Adam or AdamW (`KVOptimizer`: every rule of `kernels.optim_rules.RULES` by its RecStore name,
+the same rules and formulas as the sparse optimizers) — whose state lives beside each row in
+the tier (``[dim | state]``, as the caches keep it). A tensor's optimizer is given at
+`init_data`, else it is the client's (``KVClient(optimizer=...)``: a `KVOptimizer`, or a mapping
+with RecStore's configuration keys ``type``, ``learning_rate``, ``epsilon``, ``weight_decay``,
+``beta1``, ``beta2``); the default is SGD at lr 0.01.
+A client given an optimizer has a *backend optimizer* (`KVClient.backend_optimizer`): the
+collections on it are updated by it too, whatever sparse optimizer steps them (see
+`RecStoreEmbeddingBagCollection`).
 `push` overwrites the weights; `add_async` is the raw additive update.
 
 Ordering. Operations on tier tensors run on one worker thread in submission order, so updates
@@ -28,7 +42,8 @@ A collection's tables. A `RecStoreEmbeddingBagCollection` registers its tables w
 collection's caches, so they see and keep the rows the training has: `pull` returns the newest
 copy (a dirty cached row included), `push` writes a cached row in its slot and others in the
 tier, and `update_async` applies the collection's sparse optimizer to the rows and the state in
-its cache (without one attached, SGD at the collection's ``lr``). These calls run on the calling
+its cache (the backend optimizer when the client has one; else the attached sparse
+optimizer, or without one SGD at the collection's ``lr``). These calls run on the calling
 thread, between training steps, because the training thread reads the cache slots without a
 lock; their handles are complete when returned.
 """
@@ -36,6 +51,7 @@ lock; their handles are complete when returned.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -47,17 +63,14 @@ import torch
 
 from embcache.kernels.ids import dedup
 from embcache.kernels.optim import OptimRule, RowUpdate, aggregate_grads, apply_row_update
-from embcache.kv.base import Store, TableSpec
+from embcache.kernels.optim_rules import RULES, by_recstore
+from embcache.kv.base import Store, TableSpec, hashed_init
 from embcache.kv.url import open_store
+from embcache.recstore.kv_checkpoint import load_tensors, save_tensors
 
 InitFunc = Callable[[tuple[int, int], torch.dtype], torch.Tensor]
 """DGL/RecStore style: ``init_func(shape, dtype) -> tensor of that shape``."""
 
-_RULES = {
-    "sgd": OptimRule.SGD,
-    "adagrad": OptimRule.ADAGRAD,
-    "rowwiseadagrad": OptimRule.ROWWISE_ADAGRAD,
-}
 # RecStore configuration keys, and the KVOptimizer field each one sets.
 _CONFIG_KEYS = {
     "type": "type",
@@ -67,9 +80,9 @@ _CONFIG_KEYS = {
     "eps": "eps",
     "weight_decay": "weight_decay",
     "initial_accumulator_value": "initial_accumulator_value",
+    "beta1": "beta1",
+    "beta2": "beta2",
 }
-# Adam-family keys of RecStore's configuration: they configure no optimizer the backend has.
-_ADAM_KEYS = ("beta1", "beta2")
 
 
 @dataclass(frozen=True)
@@ -77,25 +90,34 @@ class KVOptimizer:
     """The optimizer `KVClient.update_async` applies to a tensor (RecStore's backend optimizer).
 
     Attributes:
-        type: ``"SGD"``, ``"AdaGrad"`` or ``"RowWiseAdaGrad"`` (case, ``_`` and ``-`` ignored).
+        type: a rule's RecStore name: ``"SGD"``, ``"AdaGrad"``, ``"RowWiseAdaGrad"``,
+            ``"Adam"`` or ``"AdamW"`` (case, ``_`` and ``-`` ignored).
         lr: learning rate.
-        eps: added to the root in AdaGrad's denominators.
-        weight_decay: L2 coefficient added to the gradient of the updated rows.
+        eps: added to the root in the denominators (None: the rule's default, 1e-10 for the
+            AdaGrads, 1e-8 for Adam and AdamW).
+        weight_decay: L2 coefficient added to the gradient of the updated rows (AdamW: its
+            decoupled decay); None: the rule's default (AdamW 1e-2, others 0).
         initial_accumulator_value: AdaGrad's accumulator of a fresh row.
+        beta1, beta2: Adam's and AdamW's moment decays.
     """
 
     type: str = "SGD"
     lr: float = 0.01
-    eps: float = 1e-10
-    weight_decay: float = 0.0
+    eps: float | None = None
+    weight_decay: float | None = None
     initial_accumulator_value: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
 
     def __post_init__(self) -> None:
-        key = str(self.type).lower().replace("_", "").replace("-", "")
-        if key not in _RULES:
-            raise ValueError(
-                f"KVOptimizer.type={self.type!r}: the backend has SGD, AdaGrad and RowWiseAdaGrad"
-            )
+        spec = by_recstore(self.type)
+        if spec is None:
+            names = ", ".join(s.recstore for s in RULES.values())
+            raise ValueError(f"KVOptimizer.type={self.type!r}: the backend has {names}")
+        for name in ("eps", "weight_decay"):  # None: the rule's default
+            if getattr(self, name) is None:
+                default = spec.hyper.get(name, 1e-10 if name == "eps" else 0.0)
+                object.__setattr__(self, name, default)
         value = self.initial_accumulator_value
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ValueError(f"KVOptimizer.initial_accumulator_value must be >= 0, got {value!r}")
@@ -106,26 +128,37 @@ class KVOptimizer:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> KVOptimizer:
         """From RecStore's optimizer configuration (``{"type": "AdaGrad", "learning_rate":
-        0.05, "epsilon": 1e-10}``). Adam's ``beta1``/``beta2`` are accepted and unused (the
-        backend has no Adam); any other key is a ValueError."""
+        0.05, "epsilon": 1e-10}``; Adam's and AdamW's ``beta1``, ``beta2`` too, accepted and
+        unused by the other rules); any other key is a ValueError."""
+        spec = by_recstore(config.get("type", cls.type))
         fields = {}
         for key, value in config.items():
-            if key in _ADAM_KEYS:
-                continue
             if key not in _CONFIG_KEYS:
                 raise ValueError(
                     f"unknown backend optimizer setting {key!r}; known: {sorted(_CONFIG_KEYS)}"
                 )
+            if key in ("beta1", "beta2") and spec is not None and "betas" not in spec.hyper:
+                continue
             fields[_CONFIG_KEYS[key]] = value
         return cls(**fields)
 
     @property
     def rule(self) -> OptimRule:
-        return _RULES[str(self.type).lower().replace("_", "").replace("-", "")]
+        spec = by_recstore(self.type)
+        assert spec is not None  # checked at construction
+        return spec.rule
 
     @property
     def update(self) -> RowUpdate:
-        return RowUpdate(self.rule, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+        spec = RULES[self.rule]
+        group = {
+            "lr": self.lr,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "lr_decay": 0.0,
+            "betas": (self.beta1, self.beta2),
+        }
+        return RowUpdate(self.rule, **spec.update_fields(group))
 
     def state_dim(self, dim: int) -> int:
         """State columns beside a row of ``dim`` weights."""
@@ -167,6 +200,8 @@ class _Tensor:
     shape: tuple[int, int]
     dtype: torch.dtype
     optimizer: KVOptimizer
+    base_offset: int = 0  # the id of row 0 (RecStore's base_offset)
+    part_policy: Any = None  # RecStore's partition policy: kept, unused (one partition)
     steps: int = 0  # update_async calls applied (AdaGrad's step count)
 
 
@@ -191,7 +226,9 @@ class KVClient:
 
     Args:
         store: the tier (a `Store`, a URL, or None for an in-process HostKV).
-        optimizer: the backend optimizer of tensors declared without one (default SGD, lr 0.01).
+        optimizer: the backend optimizer (`backend_optimizer`): of tensors declared without one,
+            and of the collections on this client. None: tensors get SGD at lr 0.01 and
+            collections keep their sparse optimizer's rule.
     """
 
     def __init__(
@@ -200,7 +237,9 @@ class KVClient:
         optimizer: KVOptimizer | Mapping[str, Any] | None = None,
     ) -> None:
         self.store = open_store(store)
-        self.optimizer = as_kv_optimizer(optimizer)
+        self.backend_optimizer = None if optimizer is None else as_kv_optimizer(optimizer)
+        self.optimizer = self.backend_optimizer or KVOptimizer()
+        self._prefetch_table_name: str | None = None
         self._tensors: dict[str, _Tensor] = {}
         # name -> (its collection, weakly: the entry goes with it; the table's view)
         self._views: dict[str, tuple[weakref.ReferenceType, TableView]] = {}
@@ -215,17 +254,46 @@ class KVClient:
         name: str,
         shape: tuple[int, int],
         dtype: torch.dtype = torch.float32,
+        part_policy: Any = None,
         init_func: InitFunc | None = None,
+        is_gdata: bool = True,
+        base_offset: int = 0,
+        initialize_values: bool = True,
+        *,
         optimizer: KVOptimizer | Mapping[str, Any] | None = None,
     ) -> None:
-        """Declare a tensor. Declaring the same name again with the same shape, dtype and
-        optimizer is a no-op (several modules may share a tensor); anything else different is
-        a ValueError.
+        """Declare a tensor (RecStore's signature). Declaring the same name again with the same
+        shape, dtype, optimizer and base_offset is a no-op (several modules may share a
+        tensor); anything else different is a ValueError.
 
-        Rows start at ``init_func(shape, dtype)`` when given (materialised once, here), else at
-        the default per-id initialiser (uniform in ±sqrt(1/rows), independent of access order).
-        ``optimizer``: what `update_async` applies (None: the client's).
+        Args:
+            name: the tensor's name.
+            shape: ``(rows, dim)``.
+            dtype: the dtype rows are pulled in (stored as float32).
+            part_policy: RecStore's partition policy: kept, unused (a tier is one partition).
+                A callable here is embcache's older positional ``init_func`` (and a fifth
+                positional argument its ``optimizer``).
+            init_func: ``init_func(shape, dtype)``: the initial rows, materialised once, here.
+                None: rows start at zeros, as in RecStore (made on first touch, so a large
+                tensor costs nothing up front; rows a persistent tier already holds are kept).
+            is_gdata: accepted (RecStore's graph-data flag); no effect.
+            base_offset: the id of row 0: the tensor's ids are ``[base_offset, base_offset +
+                rows)`` in every call.
+            initialize_values: False skips ``init_func`` (rows start at zeros).
+            optimizer: what `update_async` applies (None: the client's).
         """
+        del is_gdata
+        if callable(part_policy) and not isinstance(part_policy, type):
+            # embcache's positional order: (name, shape, dtype, init_func, optimizer).
+            if init_func is not None and callable(init_func):
+                raise TypeError(
+                    f"tensor {name!r}: two init functions given (part_policy and init_func)"
+                )
+            if init_func is not None:
+                if optimizer is not None:
+                    raise TypeError(f"tensor {name!r}: optimizer given twice")
+                optimizer = init_func
+            part_policy, init_func = None, part_policy
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
         if len(shape) != 2 or any(
@@ -236,8 +304,14 @@ class KVClient:
             )
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise TypeError(f"tensor {name!r}: dtype must be a floating dtype, got {dtype}")
+        if isinstance(base_offset, bool) or not isinstance(base_offset, int) or base_offset < 0:
+            raise ValueError(
+                f"tensor {name!r}: base_offset must be an int >= 0, got {base_offset!r}"
+            )
+        if not initialize_values:
+            init_func = None
         opt = self.optimizer if optimizer is None else as_kv_optimizer(optimizer)
-        meta = _Tensor((int(shape[0]), int(shape[1])), dtype, opt)
+        meta = _Tensor((int(shape[0]), int(shape[1])), dtype, opt, base_offset, part_policy)
         with self._lock:
             if self._view(name) is not None:
                 raise ValueError(
@@ -246,11 +320,12 @@ class KVClient:
                 )
             known = self._tensors.get(name)
             if known is not None:
-                if (known.shape, known.dtype, known.optimizer) != (meta.shape, dtype, opt):
+                declared = (known.shape, known.dtype, known.optimizer, known.base_offset)
+                if declared != (meta.shape, dtype, opt, base_offset):
                     raise ValueError(
-                        f"tensor {name!r} exists with shape {known.shape}, dtype {known.dtype} "
-                        f"and optimizer {known.optimizer}; cannot redeclare it as {meta.shape}, "
-                        f"{dtype}, {opt}"
+                        f"tensor {name!r} exists with shape {known.shape}, dtype {known.dtype}, "
+                        f"optimizer {known.optimizer} and base_offset {known.base_offset}; "
+                        f"cannot redeclare it as {meta.shape}, {dtype}, {opt}, {base_offset}"
                     )
                 return
             initial = None
@@ -265,6 +340,7 @@ class KVClient:
             spec = TableSpec(
                 name, dim, rows, state_dim=opt.state_dim(dim),
                 state_init=float(opt.initial_accumulator_value),
+                init=hashed_init(name, 0, "constant", value=0.0),
             )  # fmt: skip
             self.store.init_table(spec)
             if initial is not None:
@@ -312,8 +388,9 @@ class KVClient:
         return view.shape if view is not None else self._meta(name).shape
 
     def dtype(self, name: str) -> torch.dtype:
-        """The dtype tensor ``name`` was declared with (rows are pulled in it)."""
-        return self._meta(name).dtype
+        """The dtype tensor ``name`` was declared with (rows are pulled in it); float32 for a
+        collection's table."""
+        return torch.float32 if self._view(name) is not None else self._meta(name).dtype
 
     def optimizer_of(self, name: str) -> KVOptimizer:
         """The backend optimizer of a tier tensor."""
@@ -324,25 +401,35 @@ class KVClient:
         live = [n for n in self._views if self._view(n) is not None]
         return sorted({*self._tensors, *live})
 
+    def tier_names(self) -> list[str]:
+        """The tensors this client keeps in its tier (`init_data`, `DistTensor`,
+        `DistEmbedding`), without the collections' registered tables: what
+        ``embcache.save(..., kv_client=client)`` saves."""
+        with self._lock:
+            return sorted(self._tensors)
+
     def _meta(self, name: str) -> _Tensor:
         if name not in self._tensors:
             raise KeyError(f"unknown tensor {name!r}; declared: {self.names()}")
         return self._tensors[name]
 
     def checked_ids(self, name: str, ids) -> torch.Tensor:
-        """``ids`` of tensor ``name`` as int64 on the CPU; `TypeError`/`ValueError` when they are
-        not integers or out of its rows."""
+        """``ids`` of tensor ``name`` as int64 row numbers on the CPU (its ``base_offset``
+        taken off); `TypeError`/`ValueError` when they are not integers or out of its rows."""
         rows = self.shape(name)[0]
+        offset = 0 if self._view(name) is not None else self._meta(name).base_offset
         ids = torch.as_tensor(ids)
         if ids.is_floating_point() or ids.dtype == torch.bool:
             raise TypeError(f"tensor {name!r}: ids must be integers, got dtype {ids.dtype}")
         ids = ids.reshape(-1).to(torch.int64).cpu()
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= rows:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"tensor {name!r}: id {bad} out of range [0, {rows})")
-        return ids
+            if lo < offset or hi >= offset + rows:
+                bad = lo if lo < offset else hi
+                raise ValueError(
+                    f"tensor {name!r}: id {bad} out of range [{offset}, {offset + rows})"
+                )
+        return ids - offset if offset else ids
 
     def checked_rows(
         self, name: str, ids: torch.Tensor, rows: torch.Tensor, what: str
@@ -362,6 +449,25 @@ class KVClient:
                 f"{(ids.numel(), dim)}"
             )
         return rows.detach().to(torch.float32).cpu()
+
+    def export_rows(self, name: str) -> torch.Tensor:
+        """Every row of tensor ``name``, float32: ``[rows, dim + state]`` for a tier tensor
+        (weights, then its backend optimizer's state), ``[rows, dim]`` for a collection's
+        table (its optimizer state is the collection's, saved by `embcache.save`)."""
+        view = self._view(name)
+        every = torch.arange(self.shape(name)[0])
+        if view is not None:
+            return view.read(every)
+        return self._worker.submit(self.store.read, name, every).result().float()
+
+    def import_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Overwrite every row of tensor ``name`` with what `export_rows` gave."""
+        view = self._view(name)
+        every = torch.arange(self.shape(name)[0])
+        if view is not None:
+            view.write(every, rows)
+        else:
+            self._worker.submit(self.store.put, name, every, rows).result()
 
     def _finite(self, name: str, rows: torch.Tensor, call: str) -> None:
         if not bool(torch.isfinite(rows).all()):
@@ -407,25 +513,68 @@ class KVClient:
     # ------------------------------------------------------------------------------------------
     # RecStore's calls
 
-    def prefetch(self, name: str, ids) -> KVHandle:
-        """Start reading rows; `wait_and_get` returns them. Sees every earlier write."""
+    def prefetch(self, *args: Any, name: str | None = None, ids: Any = None) -> KVHandle:
+        """Start reading rows; `wait_and_get` returns them. Sees every earlier write.
+
+        Two call shapes: embcache's ``prefetch(name, ids)`` and RecStore's ``prefetch(ids,
+        name=None)``, whose ``name`` None means the tensor `set_prefetch_table_name` chose.
+        """
+        if len(args) > 2:
+            raise TypeError(f"prefetch takes (name, ids) or (ids, name), got {len(args)} values")
+        if args and isinstance(args[0], str):
+            if name is not None or (len(args) > 1 and ids is not None):
+                raise TypeError("prefetch: the tensor name or the ids given twice")
+            name, ids = args[0], args[1] if len(args) > 1 else ids
+        elif args:
+            if ids is not None or (len(args) > 1 and name is not None):
+                raise TypeError("prefetch: the tensor name or the ids given twice")
+            ids, name = args[0], args[1] if len(args) > 1 else name
+        if name is None:
+            name = self._prefetch_table_name
+            if name is None:
+                raise ValueError("prefetch: no tensor name given and none set by "
+                                 "set_prefetch_table_name")  # fmt: skip
+        if ids is None:
+            raise TypeError(f"prefetch of tensor {name!r}: no ids given")
         ids = self.checked_ids(name, ids)
         view = self._view(name)
         if view is not None:
             return _done(view.read(ids))
         return KVHandle(self._worker.submit(self._get, name, ids))
 
-    def wait_and_get(self, handle: KVHandle) -> torch.Tensor:
-        """The rows a `prefetch` read."""
-        return handle._future.result()
+    def set_prefetch_table_name(self, name: str) -> None:
+        """The tensor a RecStore-style ``prefetch(ids)`` without a name reads."""
+        self.shape(name)  # KeyError for an unknown tensor
+        self._prefetch_table_name = name
+
+    def wait_and_get(
+        self,
+        handle: KVHandle,
+        embedding_dim: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """The rows ``[n, dim]`` a `prefetch` read. RecStore's arguments: ``embedding_dim``
+        (checked against the rows: a mismatch is a ValueError) and ``device`` (the rows are
+        returned there; default: the CPU)."""
+        rows = handle._future.result()
+        if embedding_dim is not None and int(embedding_dim) != rows.shape[1]:
+            raise ValueError(
+                f"wait_and_get: embedding_dim={embedding_dim}, but the prefetched rows have "
+                f"dim {rows.shape[1]}"
+            )
+        return rows if device is None else rows.to(device)
 
     def pull(self, name: str, ids) -> torch.Tensor:
         """Rows ``[n, dim]`` of ``ids`` (any shape, flattened; duplicates allowed)."""
         return self.wait_and_get(self.prefetch(name, ids))
 
-    def push(self, name: str, ids, rows) -> None:
-        """Overwrite the weights of rows (their optimizer state is kept). Ids must be distinct
-        (which of two values would win is undefined)."""
+    def push(self, name: str, ids, data=None, *, rows=None) -> None:
+        """Overwrite the weights of rows with ``data`` (RecStore's name; ``rows=`` is
+        embcache's), keeping their optimizer state. Ids must be distinct (which of two values
+        would win is undefined). Applied when it returns."""
+        if (data is None) == (rows is None):
+            raise TypeError(f"push to tensor {name!r}: give the rows once, as data (or rows=)")
+        rows = data if rows is None else rows
         ids = self.checked_ids(name, ids)
         rows = self.checked_rows(name, ids, rows, "rows")
         if torch.unique(ids).numel() != ids.numel():
@@ -461,6 +610,10 @@ class KVClient:
             return _done()
         return KVHandle(self._worker.submit(self._add, name, ids, deltas))
 
+    def update(self, name: str, ids, grads) -> None:
+        """`update_async`, then `wait` (RecStore's synchronous update)."""
+        self.wait(self.update_async(name, ids, grads))
+
     def wait(self, handle: KVHandle) -> None:
         """Block until an `update_async` / `add_async` has been applied (re-raises its error)."""
         handle._future.result()
@@ -468,6 +621,34 @@ class KVClient:
     def flush(self) -> None:
         """Block until every operation submitted so far has been applied."""
         self._worker.submit(lambda: None).result()
+
+    def flush_async_updates(self) -> None:
+        """RecStore's name for `flush`: every queued update applied."""
+        self.flush()
+
+    def data_name_list(self) -> list[str]:
+        """RecStore's name for `names`: every tensor, collection tables included."""
+        return self.names()
+
+    def get_data_meta(self, name: str) -> tuple[torch.dtype, tuple[int, int]]:
+        """``(dtype, shape)`` of a tensor, as RecStore returns it."""
+        return self.dtype(name), self.shape(name)
+
+    def save_checkpoint(self, path: str | os.PathLike, metadata: Mapping[str, Any] | str) -> None:
+        """Write every tensor (rows and their backend optimizer state; a collection's tables'
+        rows) into directory ``path``, after every queued update (RecStore's call).
+        ``metadata``: JSON (a dict or a string) with ``identity`` (a dict) and a non-empty
+        ``checkpoint_id``; `load_checkpoint` must be given the same. See
+        `embcache.recstore.kv_checkpoint`."""
+        self.flush()
+        save_tensors(self, path, metadata)
+
+    def load_checkpoint(self, path: str | os.PathLike, metadata: Mapping[str, Any] | str) -> None:
+        """Restore what `save_checkpoint` wrote with the same ``metadata``, into tensors
+        declared with the same shapes: everything is verified (checksums, names, shapes)
+        before any row is written."""
+        self.flush()
+        load_tensors(self, path, metadata)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

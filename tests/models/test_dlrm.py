@@ -24,6 +24,7 @@ FAST_LR = {
     "adagrad": (0.05, 0.01),
     "rowwise_adagrad": (0.05, 0.01),
     "adam": (0.02, 0.01),
+    "adamw": (0.02, 0.01),
 }
 
 

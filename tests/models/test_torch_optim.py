@@ -268,7 +268,7 @@ def test_fused_optimizer_is_a_keyed_optimizer_whose_state_round_trips() -> None:
     fused = ours.fused_optimizer()
     assert isinstance(fused, torchrec.optim.KeyedOptimizer)
     state = fused.state_dict()["state"]
-    key = "embedding_bags.t0.weight"
+    key = "t0.weight"  # torchrec FusedEmbeddingBagCollection's key
     acc = state[key][f"{key}.momentum_1"]
     assert acc.shape == (12, 4) and bool((acc > 0).any())  # Adagrad's sum of squares
     assert torch.equal(acc, ours.table_rows("t0")[:, 4:])

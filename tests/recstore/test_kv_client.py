@@ -122,13 +122,13 @@ def test_optimizer_from_recstore_configuration_and_per_tensor() -> None:
 @pytest.mark.parametrize(
     ("config", "error", "match"),
     [
-        ({"type": "Adam"}, ValueError, "SGD, AdaGrad and RowWiseAdaGrad"),
+        ({"type": "Lamb"}, ValueError, "SGD, AdaGrad, RowWiseAdaGrad, Adam, AdamW"),
         ({"type": "SGD", "momentum": 0.9}, ValueError, "momentum"),
         ({"type": "SGD", "learning_rate": -1.0}, ValueError, "lr"),
         ({"type": "AdaGrad", "initial_accumulator_value": -0.1}, ValueError, "initial_acc"),
         ("sgd", TypeError, "KVOptimizer or a configuration mapping"),
     ],
-    ids=["adam", "unknown-key", "negative-lr", "negative-accumulator", "a-string"],
+    ids=["unknown-type", "unknown-key", "negative-lr", "negative-accumulator", "a-string"],
 )
 def test_bad_optimizer_configurations_are_refused(config, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
