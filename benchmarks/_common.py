@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmark scripts: threads, skewed ids, timing, CSV, run header, and a
-tier with per-call latency (`SlowStore`).
+"""Helpers shared by the benchmark scripts: where results go (`add_output_options`,
+`parse_args`), threads, skewed ids, timing, CSV, run header, and a tier with per-call latency
+(`SlowStore`).
 
 Imported as ``_common`` by scripts run from anywhere (``python benchmarks/bench_x.py``): Python
 puts the script's folder first on ``sys.path``.
@@ -30,9 +31,8 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from embcache.cli.bench import RESULTS_DIR, default_out_dir, update_refusal  # noqa: E402
 from embcache.kv.base import Store, TableSpec  # noqa: E402 (after the path is set)
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def set_threads(threads: int | None) -> int:
@@ -60,19 +60,81 @@ def keep_freed_memory() -> str:
     return "malloc keeps freed memory" if ok else "malloc defaults (no glibc mallopt)"
 
 
+# ----------------------------------------------------------------------------------------------
+# where results go
+# ----------------------------------------------------------------------------------------------
+
+
+def add_output_options(parser: argparse.ArgumentParser, csv_name: str) -> None:
+    """Add ``--out PATH`` and ``--update-results``; `parse_args` turns them into ``args.out``,
+    the CSV to write (its PNG goes beside it, ``args.out.with_suffix(".png")``)."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"a folder to write {csv_name} into, or a path ending .csv for the CSV itself; "
+        "a plot goes beside the CSV (default: ./embcache-bench/<timestamp>/ in the current "
+        "directory)",
+    )
+    where.add_argument(
+        "--update-results",
+        action="store_true",
+        help="overwrite the committed results in benchmarks/results/ (only from inside the "
+        "checkout)",
+    )
+    parser.set_defaults(results_name=csv_name)
+
+
+def parse_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with ``args.out`` resolved by `output_csv` (a refused
+    ``--update-results`` exits 2 with one line)."""
+    args = parser.parse_args(argv)
+    try:
+        args.out = output_csv(args.out, args.update_results, args.results_name)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def output_csv(out: Path | None, update_results: bool, csv_name: str) -> Path:
+    """The CSV a benchmark writes: ``out`` itself when it ends ``.csv``, else ``out/csv_name``;
+    without ``out``, under ``./embcache-bench/<timestamp>/``; with ``update_results``, the
+    committed ``benchmarks/results/csv_name``, refused (``ValueError``) unless the current
+    directory is inside this git checkout. ``embcache bench`` follows the same rules (its
+    `default_out_dir` and `update_refusal` are these)."""
+    if update_results:
+        refused = update_refusal()
+        if refused:
+            raise ValueError(refused)
+        return RESULTS_DIR / csv_name
+    if out is None:
+        out = default_out_dir()
+    return out if out.suffix == ".csv" else out / csv_name
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU benchmarks
+# ----------------------------------------------------------------------------------------------
+
+
 def cpu_bench_parser(doc: str, out_name: str) -> argparse.ArgumentParser:
-    """The options of a CPU benchmark: ``--quick``, ``--threads`` (1) and ``--out`` (the CSV,
-    ``results/<out_name>`` by default); a script adds its own before `start_cpu_bench`."""
+    """The options of a CPU benchmark: ``--quick``, ``--threads`` (1) and the output options
+    (`add_output_options`, writing ``out_name``); a script adds its own before
+    `start_cpu_bench`."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS / out_name)
+    add_output_options(parser, out_name)
     return parser
 
 
 def start_cpu_bench(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Parse the options, set torch's threads and print the run header."""
-    args = parser.parse_args()
+    args = parse_args(parser)
     set_threads(args.threads)
     print(run_header(torch.device("cpu")))
     return args

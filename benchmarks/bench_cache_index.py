@@ -10,7 +10,7 @@ kernels, each as a ratio against a named baseline measured in the same run:
   (not only the touched ones), then the k-th miss of a set gathers the k-th way.
 
 Both baselines give the same answers as the ops; the script checks that before timing. Prints a
-table and writes ``benchmarks/results/cache_index.csv`` and ``cache_index.png``.
+table and writes ``cache_index.csv`` and ``cache_index.png``.
 
     python benchmarks/bench_cache_index.py [--quick | --tiny] [--device cpu|cuda] [--threads N]
 """
@@ -20,23 +20,17 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-try:
-    import embcache  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import add_output_options, parse_args
 
 from embcache.kernels.cache_index import assign_ways_triton, cache_lookup_triton
 from embcache.kernels.cache_index_ref import assign_ways_ref, cache_lookup_ref, set_index_ref
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WAYS = 32
 
 
@@ -272,8 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "cache_index.csv")
-    args = parser.parse_args(argv)
+    add_output_options(parser, "cache_index.csv")
+    args = parse_args(parser, argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -14,7 +14,7 @@ Then, side by side in this process:
   state), the torchrec way to share or keep weights.
 
 "all rows" is what a checkpoint of every row with its state would hold. Prints a table; writes
-benchmarks/results/checkpoint.csv and checkpoint.png (bytes and seconds against ``f``).
+checkpoint.csv and checkpoint.png (bytes and seconds against ``f``).
 
     .venv/bin/python benchmarks/bench_checkpoint.py            # full (about a minute)
     .venv/bin/python benchmarks/bench_checkpoint.py --quick    # 4 tables, seconds
@@ -160,8 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 tables instead of 26")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1)")
-    parser.add_argument("--out", type=Path, default=_common.RESULTS / "checkpoint.csv")
-    args = parser.parse_args()
+    _common.add_output_options(parser, "checkpoint.csv")
+    args = _common.parse_args(parser)
     _common.set_threads(args.threads)
     n_tables = 4 if args.quick else 26
     header = _common.run_header(torch.device("cpu"))

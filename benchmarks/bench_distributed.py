@@ -23,7 +23,7 @@ so a neighbour's load on a shared machine falls on all of them alike. Bytes are 
 all_to_alls send per step (header, ids, rows, gradients:
 `ShardedEmbeddingBagCollection.comm_stats`), in total and the part that leaves the rank. Ids
 are Zipf(1.0) per table, scattered over the rows. Prints a table; writes
-benchmarks/results/distributed.csv and distributed.png.
+distributed.csv and distributed.png.
 
     .venv/bin/python benchmarks/bench_distributed.py                    # full
     .venv/bin/python benchmarks/bench_distributed.py --quick            # < 1 min
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import RESULTS, SlowStore, ZipfIds, pyplot, write_csv
+from _common import SlowStore, ZipfIds, add_output_options, parse_args, pyplot, write_csv
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import embcache
@@ -239,8 +239,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default 3, quick 2)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="tier latency per call")
-    parser.add_argument("--out", type=Path, default=RESULTS / "distributed.csv")
-    args = parser.parse_args()
+    add_output_options(parser, "distributed.csv")
+    args = parse_args(parser)
     if args.quick:
         w = Workload(tables=4, rows=20_000, dim=32, bag=4, batch=1024, steps=5, warmup=2,
                      load_factor=0.25, threads=args.threads, repeats=args.repeats or 2,

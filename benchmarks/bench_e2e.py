@@ -50,7 +50,7 @@ medians would mix rounds run at different speeds). The quartiles of those per-ro
 glibc's malloc is told to keep freed memory for the next step (`_common.keep_freed_memory`, as
 a CPU training job does with jemalloc or tcmalloc), for every impl alike.
 
-Prints a table; writes ``benchmarks/results/e2e.csv`` and ``e2e.png``.
+Prints a table; writes ``e2e.csv`` and ``e2e.png``.
 
     python benchmarks/bench_e2e.py [--quick] [--threads N] [--workloads a,b] [--out PATH]
 """
@@ -67,9 +67,10 @@ from pathlib import Path
 
 import torch
 from _common import (
-    RESULTS,
     ZipfIds,
+    add_output_options,
     keep_freed_memory,
+    parse_args,
     pyplot,
     run_header,
     set_threads,
@@ -470,8 +471,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workloads", default="long_bags,batch256,criteo", help="comma-separated subset"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "e2e.csv")
-    args = parser.parse_args(argv)
+    add_output_options(parser, "e2e.csv")
+    args = parse_args(parser, argv)
     set_threads(args.threads)
     # torch.optim.Adagrad builds its sparse updates without invariant checks and says so once.
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")

@@ -56,7 +56,7 @@ of the measured batches: near zero for LRU once warm; positive for LFU while its
 still learning the popularity order (at the larger sizes the rows near rank ``C`` are asked
 for once in tens to hundreds of batches, so no count ranks them quickly, while the static
 optimum is handed the order).
-Prints a table and writes ``benchmarks/results/hit_rate.csv`` and ``hit_rate.png``.
+Prints a table and writes ``hit_rate.csv`` and ``hit_rate.png``.
 
     python benchmarks/bench_hit_rate.py [--quick] [--threads N] [--seed S]
 
@@ -69,24 +69,18 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-try:
-    import embcache  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import add_output_options, parse_args
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DIM = 4
 FUSION_K = 32  # one table (index 0): a fused id is the raw id
 TARGET_LRU_CHE = 0.03
@@ -428,8 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the traffic")
-    parser.add_argument("--out", type=Path, default=RESULTS / "hit_rate.csv")
-    args = parser.parse_args(argv)
+    add_output_options(parser, "hit_rate.csv")
+    args = parse_args(parser, argv)
 
     torch.set_num_threads(args.threads)
     setup = QUICK if args.quick else FULL

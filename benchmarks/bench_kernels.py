@@ -26,7 +26,7 @@ cache rows are the dense table). On CPU, Triton is not timed: its interpreter ru
 in Python, a correctness path, not a speed path. On CUDA the script also reports the achieved
 bandwidth of ``pool_forward`` (row bytes read + output bytes written, per second) against a
 measured device-to-device copy (``torch.empty(N).copy_``), and keys/s of ``dedup`` and of
-``cache_lookup``. Prints a table; writes ``benchmarks/results/kernels.csv`` and ``kernels.png``.
+``cache_lookup``. Prints a table; writes ``kernels.csv`` and ``kernels.png``.
 
     python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda] [--threads N]
 """
@@ -42,10 +42,11 @@ from pathlib import Path
 
 import torch
 from _common import (
-    RESULTS,
     ZipfIds,
+    add_output_options,
     backend,
     interleaved_seconds,
+    parse_args,
     pick_device,
     pyplot,
     run_header,
@@ -590,8 +591,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pooling", type=int, default=4, help="mean bag length")
     parser.add_argument("--dims", type=int, nargs="+", default=None)
     parser.add_argument("--reps", type=int, default=None, help="timed calls per median (CPU)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "kernels.csv")
-    args = parser.parse_args(argv)
+    add_output_options(parser, "kernels.csv")
+    args = parse_args(parser, argv)
 
     set_threads(args.threads)
     device = pick_device(args.device)

@@ -26,7 +26,7 @@ refused again, so they may exceed the distinct ids) and the cache hit rate (hits
 lookups). "Flat after warm-up": the growth of resident memory from the step where a bounded
 tier first filled up to the end, against the baseline's growth over the same steps.
 
-Prints a table and writes ``benchmarks/results/memory.csv`` and ``memory.png``.
+Prints a table and writes ``memory.csv`` and ``memory.png``.
 
     python benchmarks/bench_memory.py [--quick] [--steps N] [--threads N]
 """

@@ -18,7 +18,7 @@ than the rest of the step can hide only behind that rest). The two modes run ``-
 times, alternated, and each mode's median-time run is reported, so a shared machine's load
 falls on both alike. The final weights and optimizer
 state of both runs must be bit-identical (invariant I5 of docs/design.md): the script asserts it and
-prints ``identical: True``. Prints a table; writes ``benchmarks/results/pipeline.csv`` and
+prints ``identical: True``. Prints a table; writes ``pipeline.csv`` and
 ``pipeline.png``.
 
     python benchmarks/bench_pipeline.py [--quick] [--device cpu|cuda] [--threads N]
@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 from _common import (
-    RESULTS,
     SlowStore,
     ZipfIds,
+    add_output_options,
+    parse_args,
     pick_device,
     pyplot,
     run_header,
@@ -359,8 +360,8 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="runs of each mode, alternated (default 3; quick 1)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "pipeline.csv")
-    args = parser.parse_args(argv)
+    add_output_options(parser, "pipeline.csv")
+    args = parse_args(parser, argv)
 
     set_threads(args.threads)
     device = pick_device(args.device)

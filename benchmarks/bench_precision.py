@@ -20,7 +20,7 @@ the final flush). A bf16 row is 16 weights of 2 bytes and the row-wise state of 
 bytes, against 68 in fp32); the same ids miss in both runs, so the bytes moved fall by that
 ratio (0.53; the weights' bytes alone by 0.50).
 
-Prints a table and writes ``benchmarks/results/precision.csv``.
+Prints a table and writes ``precision.csv``.
 
     python benchmarks/bench_precision.py [--quick] [--threads N]
 """

@@ -35,9 +35,9 @@ forward (``engine.pool``) and fused update, its wait for the worker (``pipeline.
 ``other``; the worker's resolve (plan, tier reads, copy-in, rest), its deferred write-back of
 the victims (``cache.deferred_write``) and ``idle``. Each thread's phases add up to the step.
 
-Prints a table; writes ``benchmarks/results/step_profile.csv`` and ``step_profile.png``.
+Prints a table; writes ``step_profile.csv`` and ``step_profile.png``.
 
-    python benchmarks/bench_step_profile.py [--quick] [--steps N] [--out results/step_profile.csv]
+    python benchmarks/bench_step_profile.py [--quick] [--steps N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,7 +50,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import RESULTS, ZipfIds, pyplot, run_header, set_threads, write_csv
+from _common import (
+    ZipfIds,
+    add_output_options,
+    parse_args,
+    pyplot,
+    run_header,
+    set_threads,
+    write_csv,
+)
 
 import embcache
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
@@ -271,8 +279,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, few steps")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per case")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS / "step_profile.csv")
-    args = parser.parse_args()
+    add_output_options(parser, "step_profile.csv")
+    args = parse_args(parser)
     set_threads(args.threads)
     steps = args.steps or (4 if args.quick else 10)
     # At least `warm` warm-up batches, up to `fill` more until the caches are full (`profile`).

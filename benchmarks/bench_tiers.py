@@ -10,8 +10,8 @@ For embedding dims 16/64/128, batches of distinct ids drawn from Zipf(1.0) traff
 Every row the run touches is created first (untimed); TieredKV's cache is then warmed by one set
 of batches and timed on another, fresh draws of the same traffic. Reads are timed, then writes
 of the rows read; "write+flush" adds TieredKV's final `flush`, so every row has reached Redis
-when its clock stops (the ratio to HostKV uses it). Prints a table; writes
-benchmarks/results/tiers.csv and tiers.png (rows/s relative to HostKV).
+when its clock stops (the ratio to HostKV uses it). Prints a table; writes tiers.csv and
+tiers.png (rows/s relative to HostKV) where ``--out`` says (default ./embcache-bench/<timestamp>/).
 
     .venv/bin/python benchmarks/bench_tiers.py            # full
     .venv/bin/python benchmarks/bench_tiers.py --quick    # < 20 s
@@ -33,13 +33,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from _common import add_output_options, parse_args
 
 from embcache.kv.base import Store, TableSpec
 from embcache.kv.host import HostKV
 from embcache.kv.redis_kv import RedisKV
 from embcache.kv.tiered import TieredKV
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DIMS = (16, 64, 128)
 BASELINE = "host"
 
@@ -208,16 +208,16 @@ def report(results: list[Row], args: argparse.Namespace) -> None:
             f"{r.write_flushed_rows_per_s:12.4g} {r.read_vs_host:10.4f} "
             f"{r.write_vs_host:11.4f} {hit}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "tiers.csv", "w", newline="") as f:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
         writer.writeheader()
         writer.writerows(asdict(r) for r in results)
-    plot(results)
-    print(f"wrote {RESULTS / 'tiers.csv'} and {RESULTS / 'tiers.png'}")
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
-def plot(results: list[Row]) -> None:
+def plot(results: list[Row], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,7 +240,7 @@ def plot(results: list[Row]) -> None:
         ax.set_title(f"{title} rows/s relative to HostKV")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "tiers.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
@@ -255,7 +255,8 @@ def main() -> None:
     # A tier call is a few small gathers around a round trip: intra-op threads buy nothing
     # there, and on a small shared CPU their spinning slows every store (HostKV most) manyfold.
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args()
+    add_output_options(parser, "tiers.csv")
+    args = parse_args(parser)
     torch.set_num_threads(args.threads)
     if args.num_embeddings is None:
         args.num_embeddings = 50_000 if args.quick else 1_000_000

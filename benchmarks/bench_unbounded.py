@@ -18,7 +18,7 @@ Two measurements, each on its own data:
    trace is the baseline. Hit rates over 200 batches after 300 warm-up batches
    (``--quick``: 100,000 rows, 2,048 slots, batches of 2,048 draws, 100 + 60 batches).
 
-Prints both tables and writes ``benchmarks/results/unbounded.csv``.
+Prints both tables and writes ``unbounded.csv``.
 
     python benchmarks/bench_unbounded.py [--quick] [--threads N]
 """

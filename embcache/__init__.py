@@ -6,83 +6,95 @@ kernels dedup ids, pool bags and apply the optimizer in place. Dirty rows are wr
 eviction or flush.
 """
 
-from embcache.cache import CacheConfig, CacheOverflowWarning, CachePolicy, HotCache
-from embcache.checkpoint import load, save
-from embcache.data import Batch, SyntheticConfig, SyntheticCriteo
-from embcache.distributed import ShardedEmbeddingBagCollection
-from embcache.engine import JaggedBatch, PooledEmbeddings, TableConfig
-from embcache.kernels.pooling import PoolingMode
-from embcache.kv import (
-    HostKV,
-    Store,
-    TableSpec,
-    TierDataLossError,
-    TierError,
-    TierOwnershipError,
-    TierUnavailableError,
-    open_store,
-)
-from embcache.models import DLRM, CachedEmbeddingBagCollection, FusedPrefetchHandle
-from embcache.optim import (
-    SparseAdaGrad,
-    SparseAdam,
-    SparseOptimizer,
-    SparseRowWiseAdaGrad,
-    SparseRowWiseAdagrad,
-    SparseSGD,
-)
-from embcache.recstore import (
-    DistEmbedding,
-    DistTensor,
-    KVClient,
-    KVOptimizer,
-    RecStoreEmbeddingBagCollection,
-    get_kv_client,
-    reset_kv_client,
-)
-from embcache.train.pipeline import PrefetchFallbackWarning, TrainPipeline
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DLRM",
-    "Batch",
-    "CacheConfig",
-    "CacheOverflowWarning",
-    "CachePolicy",
-    "CachedEmbeddingBagCollection",
-    "DistEmbedding",
-    "DistTensor",
-    "FusedPrefetchHandle",
-    "HostKV",
-    "HotCache",
-    "JaggedBatch",
-    "KVClient",
-    "KVOptimizer",
-    "PooledEmbeddings",
-    "PoolingMode",
-    "PrefetchFallbackWarning",
-    "RecStoreEmbeddingBagCollection",
-    "ShardedEmbeddingBagCollection",
-    "SparseAdaGrad",
-    "SparseAdam",
-    "SparseOptimizer",
-    "SparseRowWiseAdaGrad",
-    "SparseRowWiseAdagrad",
-    "SparseSGD",
-    "Store",
-    "SyntheticConfig",
-    "SyntheticCriteo",
-    "TableConfig",
-    "TableSpec",
-    "TierDataLossError",
-    "TierError",
-    "TierOwnershipError",
-    "TierUnavailableError",
-    "TrainPipeline",
-    "get_kv_client",
-    "load",
-    "open_store",
-    "reset_kv_client",
-    "save",
-]
+# Where each public name lives. They are imported on first use (PEP 562), so that `import
+# embcache` and the `embcache` command's parsing and --help do not import torch and triton
+# (seconds, tens of seconds on a busy machine).
+_HOMES = {
+    "CacheConfig": "embcache.cache",
+    "CacheOverflowWarning": "embcache.cache",
+    "CachePolicy": "embcache.cache",
+    "HotCache": "embcache.cache",
+    "load": "embcache.checkpoint",
+    "save": "embcache.checkpoint",
+    "Batch": "embcache.data",
+    "SyntheticConfig": "embcache.data",
+    "SyntheticCriteo": "embcache.data",
+    "ShardedEmbeddingBagCollection": "embcache.distributed",
+    "JaggedBatch": "embcache.engine",
+    "PooledEmbeddings": "embcache.engine",
+    "TableConfig": "embcache.engine",
+    "PoolingMode": "embcache.kernels.pooling",
+    "HostKV": "embcache.kv",
+    "Store": "embcache.kv",
+    "TableSpec": "embcache.kv",
+    "TierDataLossError": "embcache.kv",
+    "TierError": "embcache.kv",
+    "TierOwnershipError": "embcache.kv",
+    "TierUnavailableError": "embcache.kv",
+    "open_store": "embcache.kv",
+    "DLRM": "embcache.models",
+    "CachedEmbeddingBagCollection": "embcache.models",
+    "FusedPrefetchHandle": "embcache.models",
+    "SparseAdaGrad": "embcache.optim",
+    "SparseAdam": "embcache.optim",
+    "SparseAdamW": "embcache.optim",
+    "SparseOptimizer": "embcache.optim",
+    "SparseRowWiseAdaGrad": "embcache.optim",
+    "SparseRowWiseAdagrad": "embcache.optim",
+    "SparseSGD": "embcache.optim",
+    "DistEmbedding": "embcache.recstore",
+    "DistTensor": "embcache.recstore",
+    "KVClient": "embcache.recstore",
+    "KVOptimizer": "embcache.recstore",
+    "RecStoreEmbeddingBagCollection": "embcache.recstore",
+    "get_kv_client": "embcache.recstore",
+    "reset_kv_client": "embcache.recstore",
+    "PrefetchFallbackWarning": "embcache.train.pipeline",
+    "TrainPipeline": "embcache.train.pipeline",
+}
+
+__all__ = sorted(_HOMES, key=str.lower)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (imported from its home now), or a subpackage (``embcache.kv``)."""
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
+
+class _DropMessage(logging.Filter):
+    """Drops the log records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+# torch's own metaclass of torchrec's KeyedJaggedTensor calls the deprecated
+# torch.fx.is_fx_tracing on every construction, which logs this once per process: a warning
+# neither we nor the user can act on, printed on the first KJT a run builds.
+logging.getLogger("torch.fx._symbolic_trace").addFilter(
+    _DropMessage("is_fx_tracing will return true for both fx.symbolic_trace and torch.export")
+)

@@ -170,7 +170,8 @@ def test_help_mentions_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         "--scale", "--dim", "--cache-capacity", "--load-factor", "--policy", "--optimizer",
         "--lr", "--dense-lr", "--store", "--steps", "--batch-size", "--zipf", "--seed",
         "--checkpoint", "--device", "--plot", "--prefetch", "--eval-batches", "--threads",
-        "--data", "--buckets", "--eval-fraction", "--eval-every", "--fusion-k",
+        "--data", "--buckets", "--eval-fraction", "--eval-every", "--fusion-k", "--epochs",
+        "--early-stop",
     ):  # fmt: skip
         assert flag in out, flag
 
@@ -178,7 +179,7 @@ def test_help_mentions_every_option(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--list"]) == 0
     out = capsys.readouterr().out
-    names = [line.split()[0] for line in out.strip().splitlines()]
+    names = [line.split()[0] for line in out.strip().splitlines() if not line[0].isspace()]
     assert names == sorted(available_benchmarks())
     assert {"cache_index", "e2e"} <= set(names)
 

@@ -17,27 +17,50 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from embcache.cli.bench import available_benchmarks, cmd_bench
-from embcache.cli.job import save_checkpoint
-from embcache.cli.report import write_plot
-from embcache.cli.settings import (
-    DEFAULT_BATCH,
-    DEFAULT_DENSE_LR,
-    DEFAULT_DIM,
-    DEFAULT_EVAL_BATCHES,
-    DEFAULT_LOAD_FACTOR,
-    DEFAULT_LR,
-    DEFAULT_SCALE,
-    DEFAULT_STEPS,
-    DEFAULT_ZIPF,
-)
-from embcache.cli.train import cmd_train
-from embcache.data import DEFAULT_BUCKETS, KINDS
-from embcache.engine.interface import FUSION_K, MAX_FUSION_K
-from embcache.train.loop import SPARSE_OPTIMIZERS
+from embcache.kernels.optim_rules import CLI_NAMES as SPARSE_OPTIMIZERS
+from embcache.kernels.optim_rules import DEFAULT_DENSE_LR, DEFAULT_LR, RULES
 
 __all__ = ["available_benchmarks", "build_parser", "main", "save_checkpoint", "write_plot"]
+
+# The facts the parser shows, copied from their homes, which import torch and triton (seconds,
+# tens of seconds on a busy machine): parsing and --help import neither, a command imports them
+# when it runs. tests/test_cli_help.py checks each copy against its home.
+DEFAULT_SCALE = 0.01  # embcache.cli.settings, as the six below
+DEFAULT_ZIPF = 1.05
+DEFAULT_DIM = 16
+DEFAULT_STEPS = 800
+DEFAULT_BATCH = 1024
+DEFAULT_LOAD_FACTOR = 0.1
+DEFAULT_EVAL_BATCHES = 20
+DEFAULT_BUCKETS = 100_000  # embcache.data
+KINDS = ("criteo", "criteo-npy", "movielens")  # embcache.data
+FUSION_K = 30  # embcache.engine.interface
+MAX_FUSION_K = 56  # embcache.engine.interface
+# SPARSE_OPTIMIZERS, DEFAULT_LR, DEFAULT_DENSE_LR: from the optimizer rules' specs
+# (`embcache.kernels.optim_rules`, which imports neither torch nor triton).
+
+
+def __getattr__(name: str) -> Any:
+    # Re-exported on first use: both import torch.
+    if name == "save_checkpoint":
+        from embcache.cli.job import save_checkpoint
+
+        return save_checkpoint
+    if name == "write_plot":
+        from embcache.cli.report import write_plot
+
+        return write_plot
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``embcache train``: torch, triton and the package are imported here, after parsing."""
+    from embcache.cli.train import cmd_train
+
+    return cmd_train(args, parser)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,8 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--steps",
         type=int,
-        default=DEFAULT_STEPS,
-        help="training steps (files are read again from the start when they end)",
+        default=None,
+        help=f"training steps (default {DEFAULT_STEPS}; files are read again from the start when "
+        "they end)",
+    )
+    data.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--data: train N passes over the training split instead of --steps (its full "
+        "batches; not with --steps)",
     )
     data.add_argument(
         "--eval-batches",
@@ -152,7 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="also evaluate every N steps during training (0: only at the end); shown in the "
-        "summary and the plot",
+        "summary (with the best step) and the plot",
+    )
+    data.add_argument(
+        "--early-stop",
+        type=int,
+        default=0,
+        metavar="PATIENCE",
+        help="with --eval-every: stop after PATIENCE evaluations in a row without a better "
+        "held-out AUC (0: never)",
     )
     data.add_argument("--seed", type=int, default=0, help="seeds the data, the MLPs and the rows")
 
@@ -164,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer",
         choices=list(SPARSE_OPTIMIZERS),
         default="adagrad",
-        help="sparse rule for the embedding rows; the MLPs get the matching torch.optim "
-        "(SGD, Adagrad, Adagrad, Adam)",
+        help="sparse rule for the embedding rows; the MLPs get the matching torch.optim ("
+        + ", ".join(s.dense_class.rpartition(".")[2] for s in RULES.values())
+        + ")",
     )
     model.add_argument(
         "--lr",
@@ -230,13 +271,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cache.add_argument(
         "--store",
-        default="host",
-        help="the tier: 'host' (in-process memory), a Redis URL such as "
-        "redis://127.0.0.1:6379/0, or tiered+redis://... (a host row cache in front of Redis) "
-        "(rows persist there under ?namespace=..., default 'embcache', "
-        "and a later run with the same namespace continues from them; while this run lives its "
-        "tables are leased to it, so another run on the same namespace is refused unless both "
-        "give ?shared=1). Passwords are never printed",
+        default=None,
+        help="the tier (default: 'host', or with --resume the tier of the checkpoint's run, "
+        "given again when its URL holds a password): 'host' (in-process memory), a Redis URL "
+        "such as redis://127.0.0.1:6379/0, or tiered+redis://... (a host row cache in front "
+        "of Redis). Rows persist there under ?namespace=... (default 'embcache'), and a later "
+        "run with the same namespace continues from them, checked against the run record "
+        "this run leaves in ./.embcache/tiers/ (see --fresh-tier). While this run lives its "
+        "tables are leased to it: another job on the same namespace is refused. ?shared=1 "
+        "opens the tables read-only (no lease taken, every write refused), to read beside "
+        "the job that trains them; it is not a way for two jobs to train one namespace. "
+        "Passwords are never printed",
+    )
+    cache.add_argument(
+        "--fresh-tier",
+        action="store_true",
+        help="a Redis tier: start over on what the namespace holds now. Without it, a run on "
+        "a namespace an earlier run left (recorded after its flush and at each checkpoint in "
+        "./.embcache/tiers/<key>.json under the current directory, or in $EMBCACHE_TIER_RECORDS, "
+        "and in the checkpoint) is "
+        "refused when the tier lost rows since (restarted empty, an older snapshot, rows "
+        "deleted): resume from a checkpoint (--resume DIR), use a new ?namespace=NAME, or "
+        "give this flag, and the lost rows start from their initial values",
     )
     cache.add_argument(
         "--prefetch",
@@ -271,7 +327,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="before training, load a checkpoint written by --checkpoint with the same model "
-        "options (tables, dim, optimizer, --weight-dtype)",
+        "options (tables, dim, optimizer, --weight-dtype) and continue from its step, on its "
+        "run's tier unless --store is given; DIR/steps/step-N (--checkpoint-every) works too. "
+        "Its rows are written back into the tier, so a tier that lost rows since is not "
+        "refused (the summary says what it held)",
+    )
+    run.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --checkpoint: also save every STEPS steps of this run (0: only at the end); "
+        "each is kept as DIR/steps/step-N (hard links, no copy), a directory --resume takes",
+    )
+    run.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        metavar="K",
+        help="with --checkpoint-every: how many of the newest DIR/steps/step-N to keep",
     )
     run.add_argument(
         "--nproc",
@@ -297,26 +371,35 @@ def build_parser() -> argparse.ArgumentParser:
         "give (several times slower measured on 2 shared cores)",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.set_defaults(func=cmd_train, parser=train)
+    train.set_defaults(func=_train, parser=train)
 
     bench = sub.add_parser(
         "bench",
-        help="run the benchmark scripts in benchmarks/",
+        help="run the benchmark scripts in a checkout's benchmarks/",
         description=(
-            "Run benchmarks/bench_NAME.py scripts, each in its own process. Each prints a table "
-            "and writes a CSV and a PNG (to benchmarks/results/ unless --out is given)."
+            "Run a checkout's benchmarks/bench_NAME.py scripts, each in its own process. Each "
+            "prints a table and writes NAME.csv and a PNG into --out DIR, by default "
+            "./embcache-bench/<timestamp>/ under the current directory. The committed results "
+            "in benchmarks/results/ change only with --update-results."
         ),
     )
     bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.add_argument("--quick", action="store_true", help="pass --quick: small sizes, seconds")
-    bench.add_argument(
+    where = bench.add_mutually_exclusive_group()
+    where.add_argument(
         "--out",
         type=Path,
         default=None,
         metavar="DIR",
-        help="write each benchmark's results to DIR/NAME.csv (and .png), for the scripts that "
-        "take an --out option",
+        help="write each benchmark's NAME.csv and PNG into DIR (default: "
+        "./embcache-bench/<timestamp>/)",
+    )
+    where.add_argument(
+        "--update-results",
+        action="store_true",
+        help="overwrite the committed results in benchmarks/results/; only from inside the "
+        "checkout",
     )
     bench.set_defaults(func=cmd_bench, parser=bench)
     return parser

@@ -6,6 +6,7 @@ import math
 from argparse import Namespace
 from pathlib import Path
 
+from embcache.cli.settings import batch_rows
 from embcache.data import ClickDataset
 from embcache.kv.redact import redact_url
 from embcache.models.dlrm import DLRM
@@ -31,12 +32,19 @@ def write_plot(result: TrainResult, path: Path) -> None:
         (axes[1], result.hit_rates, "cache hit rate"),  # steps that looked rows up
     ):
         steps = range(1, len(values) + 1)
-        ax.plot(steps, values, alpha=0.3, linewidth=0.8, label="per step")
-        ax.plot(steps, _moving_average(values, window), linewidth=1.5, label=f"mean of {window}")
+        smoothed = window > 1  # under 100 steps the raw curve is the only one, drawn solid
+        ax.plot(steps, values, alpha=0.3 if smoothed else 1.0, linewidth=0.8, label="per step")
+        if smoothed:
+            ax.plot(
+                steps,
+                _moving_average(values, window),
+                linewidth=1.5,
+                label=f"mean of {window} steps",
+            )
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
-    axes[1].set_ylim(0, 1)
+    axes[1].set_ylim(0, 1.05)  # room above 1.0, where a warm cache's curve runs along the frame
     if evals:
         steps = [e["step"] for e in evals]
         ax_auc = axes[2]
@@ -74,9 +82,11 @@ def print_summary(
     total_s: float,
     store: str,
     prefetch: bool,
+    notes: list[tuple[str, str]] | None = None,
 ) -> None:
     """The end-of-run table: data, model, cache, optimizer, speed, loss, held-out AUC and log
-    loss, cache counters (defined in the README) and tier traffic."""
+    loss, cache counters (defined in the README) and tier traffic, then ``notes`` (rows such
+    as where a resumed run started and why it stopped)."""
     ebc = model.sparse_arch
     unbounded = None in data.rows
     total_rows = 0 if unbounded else sum(data.rows)  # type: ignore[arg-type]
@@ -90,6 +100,14 @@ def print_summary(
         memory += f", tier {args.tier_capacity:,} rows/table ({args.tier_policy.upper()})"
     if args.admit_after is not None:
         memory += f", admit after {args.admit_after}"
+    if batch_rows(args, data) is not None:
+        share += ", default sized to hold one batch's unique ids"
+    training = f"{len(result.losses)} steps"
+    if args.epochs is not None:
+        training += f" ({args.epochs} epochs of {args.steps // args.epochs:,} batches)"
+    training += f" in {result.seconds:.1f} s"
+    if result.compile_seconds is not None:
+        training += f" (the first {result.compile_seconds:.1f} s compiling CPU kernels, once)"
     rows: list[tuple[str, str]] = [
         ("data", data.describe()),
         (
@@ -106,9 +124,8 @@ def print_summary(
         ("optimizer", f"{args.optimizer}, lr {lr:g} (sparse), {dense_lr:g} (dense)"),
         (
             "training",
-            f"{len(result.losses)} steps in {result.seconds:.1f} s: "
-            f"{result.samples / result.seconds:,.0f} samples/s ({total_s:.1f} s with set-up, "
-            "evaluation and saving)",
+            f"{training}: {result.samples / result.seconds:,.0f} samples/s ({total_s:.1f} s "
+            "with set-up, evaluation and saving)",
         ),
         (
             "loss",
@@ -116,6 +133,15 @@ def print_summary(
             f"{result.loss_window(last=True):.4f} (last 10%)",
         ),
     ]
+    if data.batch_size != args.batch_size:
+        rows.insert(
+            1,
+            (
+                "batch",
+                f"{data.batch_size} samples, shrunk from --batch-size {args.batch_size} to fit "
+                f"the training split ({data.train_samples():,} samples)",
+            ),
+        )
     if result.eval:
         e = result.eval
         auc = "AUC n/a (torchmetrics missing)" if math.isnan(e["auc"]) else f"AUC {e['auc']:.4f}"
@@ -124,15 +150,16 @@ def print_summary(
         rows.append(
             ("held-out", f"{auc}, logloss {e['logloss']:.4f} on {int(e['samples']):,} samples")
         )
-    if result.evals:
-        best = max(result.evals, key=lambda e: e["auc"] if not math.isnan(e["auc"]) else -1.0)
-        rows.append(
-            (
-                "during run",
-                f"{len(result.evals)} evaluations (every {args.eval_every} steps); best AUC "
-                f"{best['auc']:.4f} at step {int(best['step'])}",
-            )
+    best = result.best_eval()
+    if result.evals and best is not None:
+        at = int(best["step"])
+        during = (
+            f"{len(result.evals)} evaluations (every {args.eval_every} steps); best AUC "
+            f"{best['auc']:.4f} at step {at}{' (the last)' if at == len(result.losses) else ''}"
         )
+        if result.stopped_early:
+            during += f"; stopped early: {args.early_stop} evaluations without a better AUC"
+        rows.append(("during run", during))
     rows.append(
         (
             "hit rate",
@@ -166,8 +193,13 @@ def print_summary(
                 f"cache -> tier {_mib(io['bytes_written'])} ({io['rows_written']:,} rows)",
             )
         )
+    rows += notes or []
     if args.checkpoint is not None:
-        rows.append(("checkpoint", str(args.checkpoint)))
+        every = getattr(args, "checkpoint_every", 0)
+        kept = (
+            f" (every {every} steps, the last {args.keep_checkpoints} in steps/)" if every else ""
+        )
+        rows.append(("checkpoint", f"{args.checkpoint}{kept}"))
     if args.plot is not None:
         rows.append(("plot", str(args.plot)))
     width = max(len(k) for k, _ in rows)

@@ -4,12 +4,16 @@ defaults, learning rates, the cache config and the data set."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import os
 from typing import Any
 
 import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.data import ClickDataset, SyntheticConfig, SyntheticCriteo, open_dataset
+from embcache.kernels.optim_rules import DEFAULT_DENSE_LR, DEFAULT_LR
 
 # Defaults sized so that `embcache train` (what `make demo` runs) ends in about a minute on a
 # 2-core CPU, start-up included, with a cache that has to evict.
@@ -20,8 +24,7 @@ DEFAULT_STEPS = 800
 DEFAULT_BATCH = 1024
 DEFAULT_LOAD_FACTOR = 0.1
 DEFAULT_EVAL_BATCHES = 20  # synthetic data: held-out batches (files: the whole held-out split)
-DEFAULT_LR = {"sgd": 5.0, "adagrad": 0.05, "rowwise_adagrad": 0.05, "adam": 0.005}
-DEFAULT_DENSE_LR = {"sgd": 0.1, "adagrad": 0.01, "rowwise_adagrad": 0.01, "adam": 0.001}
+# DEFAULT_LR, DEFAULT_DENSE_LR: each optimizer's learning rates, from its rule's spec.
 
 
 def run_settings(args: argparse.Namespace) -> tuple[float, float, CacheConfig]:
@@ -44,8 +47,31 @@ def run_settings(args: argparse.Namespace) -> tuple[float, float, CacheConfig]:
     return lr, dense_lr, cache
 
 
+def default_cache(args: argparse.Namespace, data: ClickDataset, cache: CacheConfig) -> CacheConfig:
+    """``cache`` (from `run_settings`), its capacity raised to `batch_rows` when neither
+    --cache-capacity nor --load-factor was given and the default load factor holds fewer."""
+    rows = batch_rows(args, data)
+    if rows is None:
+        return cache
+    return dataclasses.replace(cache, capacity=rows, load_factor=None)
+
+
+def batch_rows(args: argparse.Namespace, data: ClickDataset) -> int | None:
+    """The default cache's rows when the default load factor would hold fewer than one batch's
+    unique rows at most (each table's rows, or one id per sample, whichever is fewer; a
+    multi-hot feature's table here is small), capped at all the rows: None when the load
+    factor's rows suffice, or when the user chose the size (or the tables are unbounded)."""
+    if args.cache_capacity is not None or args.load_factor is not None or None in data.rows:
+        return None
+    total = sum(data.rows)  # type: ignore[arg-type]
+    one_batch = min(total, sum(min(n, data.batch_size) for n in data.rows))  # type: ignore[type-var]
+    return one_batch if one_batch > math.ceil(DEFAULT_LOAD_FACTOR * total) else None
+
+
 def open_data(args: argparse.Namespace, progress: bool = False) -> ClickDataset:
-    """The run's data: ``--data KIND:PATH``, or the synthetic Criteo-like stream.
+    """The run's data: ``--data KIND:PATH``, or the synthetic Criteo-like stream. A training
+    split smaller than one batch gets a batch shrunk to fit it (`ClickDataset.batch_size`, a
+    multiple of the ranks; `print_summary` says so).
 
     Raises:
         ValueError, FileNotFoundError: a bad ``--data`` (the message says what and where).
@@ -58,7 +84,29 @@ def open_data(args: argparse.Namespace, progress: bool = False) -> ClickDataset:
             seed=args.seed,
         )
         return SyntheticCriteo(config)
-    return open_dataset(args.data, args.batch_size, args.buckets, args.eval_fraction, progress)
+    data = open_dataset(args.data, args.batch_size, args.buckets, args.eval_fraction, progress)
+    samples = data.train_samples()
+    world = max(args.nproc, int(os.environ.get("WORLD_SIZE", "1")))
+    if samples is not None and world <= samples < data.batch_size:
+        data.batch_size = samples - samples % world
+    return data
+
+
+def resolve_steps(args: argparse.Namespace, data: ClickDataset) -> int:
+    """Training steps: --steps, or --epochs passes over the training split (its full batches),
+    or `DEFAULT_STEPS`.
+
+    Raises:
+        ValueError: --epochs on endless (synthetic) data.
+    """
+    if args.steps is not None:
+        return args.steps
+    if args.epochs is None:
+        return DEFAULT_STEPS
+    samples = data.train_samples(count=True)
+    if samples is None:
+        raise ValueError("--epochs needs --data (the synthetic stream has no end; give --steps)")
+    return args.epochs * max(1, samples // data.batch_size)
 
 
 def eval_batches(args: argparse.Namespace) -> int | None:
@@ -71,3 +119,48 @@ def eval_batches(args: argparse.Namespace) -> int | None:
 def plain_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options without the parser objects, to send to other processes."""
     return {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
+
+
+def check_memory(args: argparse.Namespace, data: ClickDataset) -> None:
+    """Refuse, before anything is allocated, options whose device cache and per-batch tensors
+    alone need more memory than the device (or the host) has free: a rough lower bound (the
+    cache's rows with two optimizer states; a batch's pooled rows and their gradients many
+    times over, and the feature interactions), so a run it passes may still need more.
+
+    Raises:
+        ValueError: what is asked for, what is free, and what to lower.
+    """
+    features = len(data.rows) + (1 if data.num_dense else 0)
+    batch = data.batch_size * (features * args.dim * 4 * 8 + features * features * 4 * 4)
+    known = [rows for rows in data.rows if rows is not None]
+    if args.cache_capacity is not None:
+        cached = args.cache_capacity
+    else:
+        cached = math.ceil((args.load_factor or DEFAULT_LOAD_FACTOR) * sum(known))
+        cached = max(cached, batch_rows(args, data) or 0)
+    need = batch + cached * args.dim * 4 * 3
+    free = _free_bytes(args.device)
+    if free is not None and need > free:
+        raise ValueError(
+            f"--batch-size {args.batch_size}, --dim {args.dim} and a cache of {cached:,} rows "
+            f"need at least {need / 2**30:,.1f} GiB, and {args.device} memory has "
+            f"{free / 2**30:,.1f} GiB free: lower them"
+        )
+
+
+def _free_bytes(device: str) -> int | None:
+    """Free memory of the device (``cuda``: the current GPU's) or of the host; None when
+    unknown."""
+    if device == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None

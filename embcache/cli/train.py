@@ -6,17 +6,28 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import warnings
 
 import torch
 
-from embcache.cli.job import one_line, run_job
+from embcache.cli.job import (
+    DATA_ERRORS,
+    GracefulStop,
+    check_checkpoint_path,
+    check_resume,
+    one_line,
+    run_job,
+)
 from embcache.cli.ranks import spawn_ranks
-from embcache.cli.settings import open_data
+from embcache.cli.settings import check_memory, open_data, resolve_steps
 from embcache.engine.interface import MAX_FUSION_K
+
+MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
 
 
 def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     fail = parser.error
+    _resolve_store(args, parser)
     if args.data is not None:
         for flag, value in (("--scale", args.scale), ("--zipf", args.zipf)):
             if value is not None:
@@ -31,7 +42,8 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         fail(f"--load-factor must be in (0, 1], got {args.load_factor}")
     for flag, value in (
         ("--dim", args.dim),
-        ("--steps", args.steps),
+        ("--steps", 1 if args.steps is None else args.steps),
+        ("--epochs", 1 if args.epochs is None else args.epochs),
         ("--batch-size", args.batch_size),
         ("--tier-capacity", args.tier_capacity or 1),
         ("--admit-after", args.admit_after or 1),
@@ -59,9 +71,25 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         ("--seed", args.seed),
         ("--eval-every", args.eval_every),
         ("--eval-batches", args.eval_batches or 0),
+        ("--early-stop", args.early_stop),
     ):
         if value < 0:
             fail(f"{flag} must be >= 0, got {value}")
+    if args.threads > MAX_THREADS:
+        fail(f"--threads must be at most {MAX_THREADS} (4 per CPU), got {args.threads}")
+    if args.checkpoint_every < 0:
+        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and args.checkpoint is None:
+        fail("--checkpoint-every needs --checkpoint DIR (where the checkpoints go)")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
+    if args.steps is not None and args.epochs is not None:
+        fail("--steps and --epochs: give one (--epochs N trains N passes over the training split)")
+    if args.early_stop and (not args.eval_every or args.eval_batches == 0):
+        fail(
+            f"--early-stop {args.early_stop} counts evaluations during the run: give "
+            "--eval-every STEPS (and not --eval-batches 0)"
+        )
     if not 0.0 < args.eval_fraction < 1.0:
         fail(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
     if args.nproc < 1:
@@ -74,34 +102,96 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             fail(f"{flag} must be > 0, got {value}")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: torch sees no CUDA device here; use --device cpu")
-    for flag, path in (("--checkpoint", args.checkpoint), ("--plot", args.plot)):
-        # --checkpoint is a directory created if missing; its parent must exist.
-        if path is not None and not path.resolve().parent.is_dir():
-            fail(f"{flag} {path}: directory {path.resolve().parent} does not exist")
+    if args.plot is not None and not args.plot.resolve().parent.is_dir():
+        fail(f"--plot {args.plot}: directory {args.plot.resolve().parent} does not exist")
+    if args.resume is not None:
+        try:
+            check_resume(args.resume, world, args.fusion_k)
+        except ValueError as err:
+            fail(one_line(err))
+    if args.checkpoint is not None:
+        try:
+            check_checkpoint_path(args.checkpoint)
+        except ValueError as err:
+            fail(one_line(err))
+
+
+def _resolve_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``args.store``: as given, else the tier of ``--resume``'s run (recorded without its
+    password, so one that had a password must be given again), else 'host';
+    ``args.store_source`` says which, for the summary."""
+    if args.store is not None:
+        args.store_source = "--store"
+        return
+    args.store, args.store_source = "host", "the default"
+    if args.resume is None:
+        return
+    from embcache.checkpoint import read_extra
+
+    world = max(args.nproc, int(os.environ.get("WORLD_SIZE", "1")))
+    where = args.resume if world == 1 else args.resume / "rank-0"
+    try:
+        saved = read_extra(where).get("store")
+    except (OSError, ValueError):
+        return  # check_resume says what is wrong with it
+    if not isinstance(saved, str):
+        return  # written before checkpoints recorded their tier: the default
+    if "***" in saved:
+        parser.error(
+            f"--resume {args.resume}: its run's tier {saved} needs a password: give --store with it"
+        )
+    args.store, args.store_source = saved, "the checkpoint's run's; --store changes it"
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as the CLI prints it: its kind and text, without the library line that
+    raised it (the CLI's user wrote none of the code on the stack)."""
+    return f"warning: {category.__name__}: {message}\n"
 
 
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``embcache train``; returns the exit status (128 + a signal's number when SIGTERM or
+    SIGINT stopped it: see `embcache.cli.job.GracefulStop`)."""
+    shown = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning
+    try:
+        return _train(args, parser)
+    finally:
+        warnings.formatwarning = shown
+
+
+def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_train_args(args, parser)
     try:
         data = open_data(args, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as err:
+    except DATA_ERRORS as err:
         parser.error(f"--data {args.data}: {one_line(err)}")
+    try:
+        args.steps = resolve_steps(args, data)  # the ranks are sent the number
+    except ValueError as err:
+        parser.error(one_line(err))
     widest = max((rows for rows in data.rows if rows is not None), default=1)
     if widest > 1 << args.fusion_k:
         parser.error(
             f"--fusion-k {args.fusion_k}: a table of {widest:,} rows needs at least "
             f"{(widest - 1).bit_length()} bits"
         )
+    try:
+        check_memory(args, data)
+    except ValueError as err:
+        parser.error(one_line(err))
     if args.nproc > 1:
-        return spawn_ranks(args, parser)
+        return spawn_ranks(args, parser)  # the parent forwards SIGTERM/SIGINT to the ranks
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # started by torchrun
         import torch.distributed as dist
 
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        rank = dist.get_rank()
         try:
-            run_job(args, dist.get_rank(), world, data=data)
+            with GracefulStop(announce=rank == 0) as stopper:
+                return run_job(args, rank, world, data=data, stopper=stopper)
         finally:
             dist.destroy_process_group()
-        return 0
-    return run_job(args, parser=parser, data=data)
+    with GracefulStop() as stopper:
+        return run_job(args, parser=parser, data=data, stopper=stopper)

@@ -55,6 +55,11 @@ class ClickDataset(abc.ABC):
             for f, n in zip(self.feature_names, self.rows, strict=True)
         ]
 
+    def train_samples(self, count: bool = False) -> int | None:
+        """Samples in the training split: None when endless, or unknown without reading the
+        files through (and ``count`` is False; with it, a reader counts them)."""
+        return None
+
     @abc.abstractmethod
     def train_batches(self, start: int = 0) -> Iterator[Batch]:
         """Training batches from number ``start`` on, without end (the training split over and

@@ -42,6 +42,7 @@ FEATURE_NAMES = [f"cat_{i}" for i in range(NUM_CAT)]  # torchrec's DEFAULT_CAT_N
 DEFAULT_BUCKETS = 100_000
 _DAY_RE = re.compile(r"day_(\d+)(\.[A-Za-z0-9]+)*")
 _MAX_HEX = 15  # hex digits that fit an int64
+_SMALL = 4 << 20  # bytes of training files whose lines are counted without being asked
 
 _HEX_VALUE = np.full(256, -1, dtype=np.int64)  # ASCII code -> hex digit (-1: not one)
 for _digit, _chars in enumerate(zip(b"0123456789abcdef", b"0123456789ABCDEF", strict=True)):
@@ -132,6 +133,25 @@ class _Segment:
         if self.byte_range and self.byte_range[0]:
             return f"{self.path} (from byte {self.byte_range[0]})"
         return str(self.path)
+
+    def count(self) -> int:
+        """Lines of the segment (those `lines` yields), counted in large chunks."""
+        if self.line_range is not None and self.line_range[1] is not None:
+            return self.line_range[1] - self.line_range[0]
+        if self.byte_range is None:
+            return count_lines(self.path)
+        # The lines that start in [start, stop): the first byte, and each byte after a newline.
+        start, stop = self.byte_range
+        lines, position = int(start == 0 and stop > 0), max(start - 1, 0)
+        with open(self.path, "rb") as stream:
+            stream.seek(position)
+            while position < stop - 1:
+                chunk = stream.read(min(1 << 22, stop - 1 - position))
+                if not chunk:
+                    break
+                lines += chunk.count(b"\n")
+                position += len(chunk)
+        return lines
 
     def lines(self) -> Iterator[tuple[int, bytes]]:
         """``(1-based line number, line)`` of the segment's lines."""
@@ -233,6 +253,13 @@ class CriteoText(ClickDataset):
             f"Criteo text {self.path}: 13 dense, 26 categorical features "
             f"{describe_buckets(self.buckets)}, {self.split}, batch {self.batch_size}"
         )
+
+    def train_samples(self, count: bool = False) -> int | None:
+        """Lines of the training split: counted when ``count``, or when its files are small
+        (a few MiB); else None."""
+        if not count and sum(s.path.stat().st_size for s in self._train) > _SMALL:
+            return None
+        return sum(s.count() for s in self._train)
 
     def _chunks(self, segments: list[_Segment], drop_last: bool) -> Iterator[tuple]:
         """``(where, first line, lines)`` of batch_size lines; a batch may span files."""

@@ -196,6 +196,9 @@ class CriteoNpy(ClickDataset):
         ids = np.where(self.buckets > 0, ids % np.maximum(self.buckets, 1), ids)
         return make_batch(dense.astype(np.float32), ids, labels.reshape(-1).astype(np.float32))
 
+    def train_samples(self, count: bool = False) -> int | None:
+        return self.train_rows
+
     def train_batches(self, start: int = 0) -> Iterator[Batch]:
         full = self.train_rows // self.batch_size
         if not full:

@@ -224,6 +224,9 @@ class MovieLens(ClickDataset):
         labels = torch.from_numpy(self._label[lo:hi].astype(np.float32))
         return Batch(torch.zeros(b, 0), sparse, labels)
 
+    def train_samples(self, count: bool = False) -> int | None:
+        return self.cut
+
     def train_batches(self, start: int = 0) -> Iterator[Batch]:
         full = self.cut // self.batch_size
         if not full:

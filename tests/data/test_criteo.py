@@ -172,3 +172,23 @@ def test_a_gzip_file_counts_its_lines_once_with_a_progress_bar(
     data = CriteoText(path, batch_size=10, eval_fraction=0.2, progress=True)
     assert sum(b.labels.numel() for b in data.eval_batches()) == 10
     assert "counting lines of x.gz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 200, 1000])
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
+def test_train_samples_counts_the_split_lines(
+    tmp_path: Path, n: int, gz: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train_samples`: the lines the training split reads, counted in chunks (a byte range
+    of a plain file, a line range of a gzip one); None for a large file unless asked."""
+    from embcache.data import criteo
+
+    path = write_criteo(tmp_path / "x.txt", n, gz=gz)
+    for fraction in (0.1, 0.5):
+        data = CriteoText(path, 1024, 500, fraction)
+        for segment in data._train + data._eval:
+            assert segment.count() == sum(1 for _ in segment.lines())
+        assert data.train_samples() == sum(1 for s in data._train for _ in s.lines())
+    monkeypatch.setattr(criteo, "_SMALL", 0)
+    assert data.train_samples() is None
+    assert data.train_samples(count=True) == sum(1 for s in data._train for _ in s.lines())

@@ -1,0 +1,247 @@
+"""`embcache train` on small real data with its default options (issue 37): a file smaller than
+one batch trains with the batch shrunk to fit; the default cache holds one batch's unique rows;
+warnings print above the progress bar as one line, attributed to the user's code in a library
+call; --epochs, --eval-every's best step and --early-stop; the first step says when it compiles
+the CPU kernels and the bar's rate leaves it out."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+import embcache
+from embcache.cache import CacheOverflowWarning
+from embcache.cli import main
+from tests.data import formats
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """`embcache train` sets torch's thread count (--threads); restore it for other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def criteo_200(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real-format Criteo file of 200 lines: fewer than one default batch of 1024."""
+    return formats.write_criteo(tmp_path_factory.mktemp("criteo") / "small.txt", 200, seed=0)
+
+
+@pytest.fixture(scope="module")
+def ml_100k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An ml-100k-shaped directory: as many users and items as a batch of 1024 touches."""
+    root = tmp_path_factory.mktemp("ml") / "ml-100k"
+    return formats.write_ml_100k(root, n_users=900, n_items=1600, n_ratings=12_000)
+
+
+def _summary(out: str, key: str) -> str:
+    found = re.search(rf"^  {key}\s+(.*)$", out, re.MULTILINE)
+    assert found, out
+    return found[1]
+
+
+def test_a_file_smaller_than_one_batch_trains(
+    criteo_200: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """200 lines, default options (a few steps): the batch shrinks to the training split's
+    180-odd lines, the last 10% stays held out, and the summary says so once."""
+    assert main(["train", "--data", f"criteo:{criteo_200}", "--steps", "20", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    held_out = re.search(r"held-out\s+AUC ([\d.]+), logloss [\d.]+ on (\d+) samples", out)
+    assert held_out, out
+    assert 10 <= int(held_out[2]) <= 30, out  # about the last 10% of 200 lines
+    batch = _summary(out, "batch")
+    found = re.fullmatch(
+        r"(\d+) samples, shrunk from --batch-size 1024 to fit the training split \((\d+) "
+        r"samples\)",
+        batch,
+    )
+    assert found and found[1] == found[2] and int(found[1]) + int(held_out[2]) == 200, out
+    assert out.count("shrunk") == 1
+    assert f"batch {found[1]}" in _summary(out, "data")
+
+
+def test_a_file_too_small_to_hold_out_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line: nothing to hold out, a one-line error (exit 1)."""
+    path = formats.write_criteo(tmp_path / "one.txt", 1, seed=0)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--data", f"criteo:{path}", "--steps", "2", "--no-progress"])
+    assert info.value.code == 1
+    assert capsys.readouterr().err == "embcache train: error: --data: the held-out split is empty\n"
+
+
+def test_default_cache_holds_one_batch(ml_100k: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """MovieLens: the default load factor (10%) is under one batch's unique rows; the default
+    cache is raised to hold them, so no batch overflows it."""
+    argv = ["train", "--data", f"movielens:{ml_100k}", "--steps", "4", "--eval-batches", "0"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([*argv, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert not [w for w in caught if issubclass(w.category, CacheOverflowWarning)]
+    cache = _summary(out, "cache")
+    assert "default sized to hold one batch's unique ids" in cache, cache
+    rows = int(re.match(r"([\d,]+) rows", cache)[1].replace(",", ""))
+    assert rows >= 1024  # users and items alone: more than 1024 unique ids in a batch
+    # A size the user chose stays as given (and does overflow).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([*argv, "--no-progress", "--load-factor", "0.1"]) == 0
+    assert [w for w in caught if issubclass(w.category, CacheOverflowWarning)]
+    assert "default sized" not in capsys.readouterr().out
+
+
+def _bar_lines(err: str) -> list[str]:
+    """stderr as the terminal's lines: tqdm redraws with carriage returns."""
+    return [part for line in err.split("\n") for part in line.split("\r") if part.strip()]
+
+
+def test_warnings_print_above_the_bar(ml_100k: Path) -> None:
+    """A cache smaller than a batch, with the progress bar on: the overflow warning is one
+    line of its own (no source file, no stray source line), never inside a bar line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "embcache.cli", "train", "--data", f"movielens:{ml_100k}",
+         "--steps", "4", "--eval-batches", "0", "--cache-capacity", "64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = _bar_lines(done.stderr)
+    said = [line for line in lines if "CacheOverflowWarning" in line]
+    assert len(said) == 1, done.stderr
+    assert said[0].startswith("warning: CacheOverflowWarning: a batch has"), said[0]
+    assert "step/s" not in said[0] and "%|" not in said[0]
+    for stray in ("profiling.py", "warnings.warn", "sizing.py", "Warning:\n"):
+        assert stray not in done.stderr, done.stderr
+    assert "embcache train: summary" in done.stdout
+
+
+def test_overflow_warning_points_at_the_callers_line() -> None:
+    """In a library call, the warning names the user's line (the forward), not embcache's."""
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=[
+            embcache.TableConfig(name="t", embedding_dim=4, num_embeddings=100, feature_names=["f"])
+        ],
+        cache=embcache.CacheConfig(capacity=4),
+    )
+    batch = embcache.JaggedBatch.from_lengths(["f"], torch.arange(10), torch.ones(10, dtype=int))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        ebc(batch)
+    found = [w for w in caught if issubclass(w.category, CacheOverflowWarning)]
+    assert len(found) == 1
+    assert (found[0].filename, found[0].lineno) == (__file__, line)
+
+
+def test_epochs_and_the_best_step(ml_100k: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--epochs N: N passes over the training split's full batches; --eval-every: the best
+    held-out step in the summary."""
+    argv = ["train", "--data", f"movielens:{ml_100k}", "--batch-size", "1024", "--dim", "8",
+            "--no-progress"]  # fmt: skip
+    assert main([*argv, "--epochs", "2", "--eval-every", "5"]) == 0
+    out = capsys.readouterr().out
+    batches = 12_000 * 9 // 10 // 1024  # the training split's full batches
+    assert _summary(out, "training").startswith(
+        f"{2 * batches} steps (2 epochs of {batches} batches) in"
+    )
+    during = _summary(out, "during run")
+    assert re.match(r"3 evaluations \(every 5 steps\); best AUC 0\.\d+ at step \d+", during)
+
+
+def test_early_stop(ml_100k: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--early-stop 1: training ends at the first evaluation that is no better than the best
+    before it; the checkpoint records the steps done."""
+    argv = ["train", "--data", f"movielens:{ml_100k}", "--batch-size", "256", "--dim", "8",
+            "--lr", "0.5", "--steps", "300", "--eval-every", "3", "--early-stop", "1",
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    steps = int(re.match(r"(\d+) steps", _summary(out, "training"))[1])
+    assert steps < 300 and steps % 3 == 0, out
+    during = _summary(out, "during run")
+    assert during.endswith("; stopped early: 1 evaluations without a better AUC"), during
+    evaluations = int(re.match(r"(\d+) evaluations", during)[1])
+    assert evaluations == steps // 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--steps", "5", "--epochs", "1"], "--steps and --epochs: give one"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--early-stop", "2"], "--early-stop 2 counts evaluations during the run"),
+        (["--early-stop", "-1"], "--early-stop must be >= 0"),
+    ],
+)
+def test_bad_schedules_exit_2(
+    extra: list[str], message: str, ml_100k: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--data", f"movielens:{ml_100k}", *extra, "--no-progress"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_epochs_of_synthetic_data_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--epochs", "1", "--no-progress"])
+    assert info.value.code == 2
+    assert "--epochs needs --data" in capsys.readouterr().err
+
+
+def test_the_first_compilation_is_said(
+    ml_100k: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """When numba compiles in the first step, the bar's stream says so, then the first
+    step's time, and the bar's count starts after it; the summary gives that time."""
+    from embcache import native
+
+    @contextmanager
+    def compiles_now(callback):
+        callback()  # as numba's compile event at the first kernel call
+        yield
+
+    monkeypatch.setattr(native, "on_compile", compiles_now)
+    argv = ["train", "--data", f"movielens:{ml_100k}", "--steps", "3", "--eval-batches", "0"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    lines = _bar_lines(captured.err)
+    said = [k for k, line in enumerate(lines) if line == "compiling CPU kernels (once, cached)..."]
+    took = [k for k, line in enumerate(lines) if line.startswith("compiled CPU kernels: the ")]
+    assert len(said) == 1 and len(took) == 1 and said[0] < took[0], captured.err
+    assert re.search(r"the first step took [\d.]+ s$", lines[took[0]])
+    assert any(re.search(r"1/3 \[00:00<\?", line) for line in lines[took[0] :]), captured.err
+    assert "compiling CPU kernels, once)" in _summary(captured.out, "training")
+
+
+def test_on_compile_sees_a_compilation_not_a_cached_call() -> None:
+    from numba import njit
+
+    from embcache import native
+
+    seen: list[int] = []
+
+    @njit
+    def twice(x):
+        return 2 * x
+
+    with native.on_compile(lambda: seen.append(1)):
+        assert twice(3) == 6
+        assert seen == [1]
+        assert twice(4) == 8  # compiled already
+        assert seen == [1]
+    twice(5.0)  # outside the block: not reported
+    assert seen == [1]
