@@ -696,7 +696,11 @@ def _verify_tables(
                         f"{where}: ids must be ascending, distinct and in [0, {limit})"
                     )
                 last = int(ids[-1])
-            check_finite(rows, f"{where}: rows", allow_nonfinite)
+            # Weights and state apart: half-precision rows carry the float32 state as its bits,
+            # which read as 16-bit values may look like NaN or Inf.
+            weights, state = spec.unpack(rows)
+            check_finite(weights, f"{where}: weights", allow_nonfinite)
+            check_finite(state, f"{where}: optimizer state", allow_nonfinite)
             saved.append(ids)
         ids = torch.cat(saved) if saved else torch.empty(0, dtype=torch.int64)
         out.append((holder, entry, ids, _verify_init(snap, entry, spec, allow_nonfinite)))
