@@ -290,17 +290,18 @@ class BoundedTable:
         return self.rows
 
     def _locate(self, ids: torch.Tensor, init: bool) -> tuple[torch.Tensor, int]:
-        """Positions of ``ids`` (distinct), inserting the absent ones (filled by the
-        initialiser when ``init``, else left for the caller); returns (positions, created)."""
+        """Positions of ``ids``, inserting the absent ones once each (an id given twice gets
+        one row), filled by the initialiser when ``init``, else left for the caller; returns
+        (positions, created)."""
         positions = self.index.find(ids)
         absent = positions < 0
         if not bool(absent.any()):
             return positions, 0
-        new = ids[absent]
+        new, inverse = torch.unique(ids[absent], return_inverse=True)
         fresh = self.spec.initial_rows(new) if init else None
         new_positions, evicted = self.index.insert(new, positions[~absent])
         self.evictions += evicted.numel()
-        positions[absent] = new_positions
+        positions[absent] = new_positions[inverse]
         if fresh is not None:
             self._rows()[new_positions] = fresh
         return positions, new.numel()

@@ -257,12 +257,6 @@ def test_grouped_calls_equal_per_table_calls(tier_few: Tier, stores) -> None:
 
 def test_duplicate_ids_in_one_call_read_one_row(tier_few: Tier, stores) -> None:
     tier = tier_few
-    if tier.capacity is not None:
-        pytest.skip(
-            "bug: a bounded HostKV table given one new id twice in a call holds it twice "
-            "(BoundedTable.get / BoundedIndex.insert do not dedup): row_count counts it twice "
-            "and export_rows lists it twice"
-        )
     spec = tier.spec()
     store = _open(tier, stores, spec)
     ids = tier.ids(5, seed=10)
