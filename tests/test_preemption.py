@@ -41,14 +41,6 @@ def keep_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def tier_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run records of Redis tiers (`embcache.cli.tier_record`) in this test's directory: a
-    record left in the checkout by one test would refuse a later test's fresh server on the
-    same port (its processes inherit the variable)."""
-    monkeypatch.setenv("EMBCACHE_TIER_RECORDS", str(tmp_path / "tier-records"))
-
-
 def _command(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "embcache.cli", *argv],

@@ -447,6 +447,26 @@ class SparseRowWiseAdaGrad(SparseOptimizer):
         super().__init__(modules, update, **kw)
 
 
+def _adam_update(
+    rule: OptimRule,
+    modules: list,
+    lr: float | None,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float = 0.0,
+) -> RowUpdate:
+    """The row update of the Adam family (`SparseAdam`, `SparseAdamW`)."""
+    name = "SparseAdamW" if rule == OptimRule.ADAMW else "SparseAdam"
+    return RowUpdate(
+        rule,
+        lr=_lr(lr, modules, name),
+        eps=eps,
+        beta1=betas[0],
+        beta2=betas[1],
+        weight_decay=weight_decay,
+    )
+
+
 class SparseAdam(SparseOptimizer):
     """``torch.optim.SparseAdam`` on the touched rows (bias corrections from a per-table step
     count advanced on each step in which the table was looked up)."""
@@ -462,14 +482,7 @@ class SparseAdam(SparseOptimizer):
         **kw,
     ) -> None:
         modules = _modules(modules, params, "SparseAdam")
-        update = RowUpdate(
-            OptimRule.ADAM,
-            lr=_lr(lr, modules, "SparseAdam"),
-            eps=eps,
-            beta1=betas[0],
-            beta2=betas[1],
-        )
-        super().__init__(modules, update, **kw)
+        super().__init__(modules, _adam_update(OptimRule.ADAM, modules, lr, betas, eps), **kw)
 
 
 class SparseAdamW(SparseOptimizer):
@@ -489,14 +502,7 @@ class SparseAdamW(SparseOptimizer):
         **kw,
     ) -> None:
         modules = _modules(modules, params, "SparseAdamW")
-        update = RowUpdate(
-            OptimRule.ADAMW,
-            lr=_lr(lr, modules, "SparseAdamW"),
-            eps=eps,
-            beta1=betas[0],
-            beta2=betas[1],
-            weight_decay=weight_decay,
-        )
+        update = _adam_update(OptimRule.ADAMW, modules, lr, betas, eps, weight_decay)
         super().__init__(modules, update, **kw)
 
 
