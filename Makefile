@@ -11,6 +11,9 @@ TRITON_PIN := triton==3.8.0
 NODEPS_PINS := fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0
 # Every optional part, so that `make test` and `make demo` have everything (pyproject.toml).
 EXTRAS := dev,cpu,metrics,torchrec,redis,plots
+# The packages `make lint` type-checks (mypy, configured in pyproject.toml); one joins the list
+# once it is clean.
+TYPED := embcache/kv embcache/kernels embcache/cache embcache/checkpoint embcache/engine
 
 .PHONY: venv test test-fast demo bench lint format clean
 
@@ -42,13 +45,14 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy $(TYPED)
 
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache build *.egg-info
 
 # The GPU check rehearsed on this CPU: benchmarks/gpu_check.sh --rehearsal in a Python built like
 # the GPU image's, once, under ~/.cache/embcache/gpu-image-py3.12 (tests/gpu_image/build.sh:

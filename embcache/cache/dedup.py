@@ -80,12 +80,12 @@ class RowDedup:
             self._row_buffers(compiled)
             assert self._row_starts is not None and self._row_tables is not None
             if compiled:
-                unique, inverse = native.unique_rows(
+                unique_np, inverse_np = native.unique_rows(
                     ids.contiguous().numpy(), self.row_offset.numpy(), self.fusion_k,
                     self._bitmap(), self._word_ranks(), self._row_starts.numpy(),
                     self._row_tables.numpy(),
                 )  # fmt: skip
-                return torch.from_numpy(unique), torch.from_numpy(inverse)
+                return torch.from_numpy(unique_np), torch.from_numpy(inverse_np)
             assert self.row_map is not None and self.row_rank is not None
             rows = row_index(self.row_offset, ids, self.fusion_k)
             fill_at(self.row_map, rows, True)

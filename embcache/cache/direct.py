@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from embcache.cache.fields import CacheFields
 from embcache.cache.plan import Plan
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put
 from embcache.profiling import profiled
@@ -20,7 +21,7 @@ from embcache.profiling import profiled
 _VALUES_PER_MAP = 8
 
 
-class DirectMapping:
+class DirectMapping(CacheFields):
     """`HotCache`'s direct mapping: its methods read and set the cache's own slots and stats,
     so they run on a `HotCache` only."""
 
@@ -31,8 +32,10 @@ class DirectMapping:
         back dirty, so a checkpoint holds the rows trained, not the whole table."""
         for idx, spec in self._specs.items():
             base = int(self._row_offset[idx])
-            for lo in range(0, spec.num_embeddings, chunk_rows):
-                raw = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
+            n_rows = spec.num_embeddings
+            assert n_rows is not None  # a direct cache's tables are all bounded
+            for lo in range(0, n_rows, chunk_rows):
+                raw = torch.arange(lo, min(lo + chunk_rows, n_rows))
                 slots = (base + raw).to(self.device)
                 rows = self.store.read(spec.name, raw)
                 self.transfer.copy_in(self.weights, self.state, slots, rows)

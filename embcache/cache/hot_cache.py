@@ -61,7 +61,8 @@ This module is the coordinator (construction, the three phases of `resolve` and
 * `storage`: `SlotRows`, the slot storage, the row index, rows to and from the tier;
 * `locks`: `SlotLocks` and `unlock_together`;
 * `dedup`: `RowDedup` (the cache holds one as ``dedup``), a batch's dedup through its rows;
-* `snapshot`: `PolicyState`, the checkpointed policy state.
+* `snapshot`: `PolicyState`, the checkpointed policy state;
+* `fields`: `CacheFields`, the base of those parts: the state they share, declared once.
 
 `SetPlan`, `DirectMapping`, `ScratchArea`, `SlotLocks`, `SlotRows` and `PolicyState` are base
 classes of `HotCache`, not objects of their own: they share the cache's slot arrays, which
@@ -184,8 +185,8 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         self.rounding_seed = tables[0][1].seed
         self.stochastic_rounding = config.stochastic_rounding
 
-        bounded = all(spec.num_embeddings is not None for _, spec in tables)
-        total_rows = sum(spec.num_embeddings for _, spec in tables) if bounded else None
+        sizes = [spec.num_embeddings for _, spec in tables if spec.num_embeddings is not None]
+        total_rows = sum(sizes) if len(sizes) == len(tables) else None  # None: one unbounded
         capacity = cache_capacity(config, total_rows, self.dim, self.device, self._names())
         self.direct = total_rows is not None and capacity >= total_rows and not self.pins
         self.policy = CachePolicy(config.policy)
@@ -208,6 +209,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             self._key_limits[idx] = 1 << fusion_k if rows is None else min(rows, 1 << fusion_k)
 
         if self.direct:
+            assert total_rows is not None  # direct mapping needs every table bounded
             self.ways, self.num_sets = 1, total_rows
         else:
             self.ways = min(config.ways, capacity)
@@ -226,8 +228,8 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             row_offset, offset, thresholds, lfu, config.lfu_counters, EXACT_LFU_MAX_ROWS,
             config.sketch_width, config.sketch_depth, config.effective_admission_window,
         )  # fmt: skip
-        names = self._names()
-        check_fits(self.num_slots, self.width, counters.nbytes // 8, self.device, names, self.dim)
+        which = self._names()
+        check_fits(self.num_slots, self.width, counters.nbytes // 8, self.device, which, self.dim)
         self._counts, self._admission = counters.build(self.device, fusion_k)
         self.eviction = make_policy(self.policy, self._counts, config, self.device_path, fusion_k)
         self._overflow_warned = False
@@ -367,7 +369,9 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             warn_overflow(ids.numel(), self.num_slots, self._names(), self.dim)
         return ids
 
-    def _plan_steps(self, ids: torch.Tensor, count_sightings: bool, plans: list, at: int) -> Step:
+    def _plan_steps(
+        self, ids: torch.Tensor, count_sightings: bool, plans: list[Plan | None], at: int
+    ) -> Step:
         """Phase (1) of a resolve, under ``lock``, as a `lockstep` step: the plan, also kept
         at ``plans[at]`` once made (so that a caller can undo it when another cache fails)."""
         admitted = None
@@ -587,9 +591,13 @@ def _release_all(caches: Sequence[HotCache]) -> None:
 
 @profiled("cache.plan")
 def _plan_all(
-    caches: Sequence[HotCache], ids: list[torch.Tensor], count_sightings: bool, plans: list
-) -> None:
-    run_together(
+    caches: Sequence[HotCache],
+    ids: list[torch.Tensor],
+    count_sightings: bool,
+    plans: list[Plan | None],
+) -> list[Plan]:
+    """Every cache's plan (each also kept in ``plans`` once made, for the rollback)."""
+    return run_together(
         [c._plan_steps(i, count_sightings, plans, k)
          for k, (c, i) in enumerate(zip(caches, ids, strict=True))]
     )  # fmt: skip
@@ -632,12 +640,12 @@ def resolve_together(
             with _all_locked(caches):
                 # Scratch rows of finished batches first, so they do not crowd this one out.
                 _release_all(caches)
-                _plan_all(caches, ids, count_sightings, plans)
+                made = _plan_all(caches, ids, count_sightings, plans)
             # Outside the locks: the reserved slots are locked by this resolve and no other
             # resolve runs (mutex), so nobody else reads or writes them, and the storage is
             # only ever replaced by a resolve. The training thread keeps using its own slots.
             run_together(
-                [c._exchange_steps(p, d) for c, p, d in zip(caches, plans, defer, strict=True)]
+                [c._exchange_steps(p, d) for c, p, d in zip(caches, made, defer, strict=True)]
             )
         except BaseException:
             with _all_locked(caches):
@@ -650,6 +658,6 @@ def resolve_together(
                         cache._rollback(plan)
             raise
         with _all_locked(caches):
-            for cache, plan in zip(caches, plans, strict=True):
+            for cache, plan in zip(caches, made, strict=True):
                 cache._commit(plan, lock)
-    return [plan.slots for plan in plans]
+    return [plan.slots for plan in made]

@@ -14,11 +14,12 @@ from contextlib import ExitStack
 import torch
 
 import embcache.native as native
+from embcache.cache.fields import CacheFields
 from embcache.cache.lockstep import first_true
 from embcache.indexing import add_at, fill_at
 
 
-class SlotLocks:
+class SlotLocks(CacheFields):
     """`HotCache`'s lock methods: they read and set the cache's own locks and dirty flags
     under its ``lock``, so they run on a `HotCache` only."""
 

@@ -73,27 +73,34 @@ def _answer(waiting: dict[int, Counts | ToHost]) -> dict[int, Any]:
     replies: dict[int, Any] = {}
     by_device: dict[tuple[type, torch.device], list[int]] = {}
     for i, request in waiting.items():
-        parts = request.values if isinstance(request, Counts) else request.tensors
+        parts = _parts(request)
         if not parts:
             replies[i] = []
             continue
         by_device.setdefault((type(request), parts[0].device), []).append(i)
     for (kind, _), who in by_device.items():
         if kind is Counts:
-            flat = torch.cat([v.reshape(1).to(torch.int64) for i in who for v in waiting[i].values])
+            flat = torch.cat(
+                [v.reshape(1).to(torch.int64) for i in who for v in _parts(waiting[i])]
+            )
             values = flat.tolist()
             at = 0
             for i in who:
-                n = len(waiting[i].values)
+                n = len(_parts(waiting[i]))
                 replies[i], at = values[at : at + n], at + n
         else:
-            tensors = [t.reshape(-1).to(torch.int64) for i in who for t in waiting[i].tensors]
+            tensors = [t.reshape(-1).to(torch.int64) for i in who for t in _parts(waiting[i])]
             host = torch.cat(tensors).cpu().split([t.numel() for t in tensors])
             at = 0
             for i in who:
-                n = len(waiting[i].tensors)
+                n = len(_parts(waiting[i]))
                 replies[i], at = list(host[at : at + n]), at + n
     return replies
+
+
+def _parts(request: Counts | ToHost) -> list[torch.Tensor]:
+    """The tensors a request asks about: a `Counts`' values, a `ToHost`'s tensors."""
+    return request.values if isinstance(request, Counts) else request.tensors
 
 
 def numpy_reads(device: torch.device) -> bool:

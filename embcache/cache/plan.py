@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import embcache.native as native
+from embcache.cache.fields import CacheFields
 from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
 from embcache.cache.scratch import CacheCapacityError
 from embcache.hashing import mix64
@@ -47,7 +48,7 @@ class Plan:
     exchanged: bool = False  # the tier transfer is done (the rows are in their slots)
 
 
-class SetPlan:
+class SetPlan(CacheFields):
     """`HotCache`'s plan of a set-associative cache: its methods read and set the cache's own
     slots, clocks and policy, so they run on a `HotCache` only."""
 
@@ -170,16 +171,16 @@ class SetPlan:
         self._tick += 1  # both undone if the plan is refused
         self._lookups += 1
         rescore = self.eviction.rescores_compiled_plan
-        miss_pos, order, place = self.eviction.plan_compiled(
+        planned = self.eviction.plan_compiled(
             ids, self._where, self._row_offset, self.scores, self.locks, self.batch_of,
             (self.num_slots, self.num_sets, self.ways), self._tick, self._batch_seq, slots,
         )  # fmt: skip
-        if not miss_pos.size:  # every id hit: its slot is locked and touched
+        if not planned[0].size:  # every id hit: its slot is locked and touched
             if rescore:
                 self._touch(ids, slots)
             empty = self._empty_ids()
             return Plan(ids, slots, empty, empty, empty, empty)
-        miss_pos, order, place = map(torch.from_numpy, (miss_pos, order, place))
+        miss_pos, order, place = map(torch.from_numpy, planned)
         over = true_at(place < 0)  # misses whose set has no free way: scratch rows
         if over.numel():
             try:
@@ -301,13 +302,14 @@ class SetPlan:
     def _rollback(self, plan: Plan) -> None:
         """Undo `_plan_*` after a failed tier transfer (victims stay resident and dirty)."""
         if plan.reserved is not None:
+            assert plan.old_keys is not None  # recorded with reserved
             self.slot_keys[plan.reserved] = plan.old_keys
             self._reindex()
-        if plan.old_dirty is not None:  # set together with reserved
-            self.dirty[plan.reserved] = plan.old_dirty
-        if plan.old_scores is not None:  # of the reserved ways (scratch rows have none)
-            reserved = plan.reserved[: plan.old_scores.numel()]
-            ways = reserved < self.num_slots
-            self.scores[reserved[ways]] = plan.old_scores[ways]
+            if plan.old_dirty is not None:  # set together with reserved
+                self.dirty[plan.reserved] = plan.old_dirty
+            if plan.old_scores is not None:  # of the reserved ways (scratch rows have none)
+                reserved = plan.reserved[: plan.old_scores.numel()]
+                ways = reserved < self.num_slots
+                self.scores[reserved[ways]] = plan.old_scores[ways]
         self._scratch_used -= plan.n_scratch
         self.locks[self._live(plan.slots)] -= 1

@@ -173,6 +173,7 @@ class LfuPolicy(EvictionPolicy):
         self, assigned: torch.Tensor, set_scores: torch.Tensor, touched: torch.Tensor,
         owner: torch.Tensor, priority: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
+        assert priority is not None  # `order_misses` gives each miss's frequency
         # An empty way has score -1: any miss takes it.
         victim_score = set_scores[touched[owner], assigned.clamp(min=0)]
         admit = (assigned >= 0) & (victim_score < priority)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import embcache.native as native
+from embcache.cache.fields import CacheFields
 from embcache.cache.lockstep import Counts, Step, ToHost, first_true, run_together
 from embcache.indexing import fill_at
 from embcache.profiling import profiled
@@ -23,7 +24,7 @@ class CacheCapacityError(ValueError):
     """A batch's rows cannot all be held by the cache plus its scratch area."""
 
 
-class ScratchArea:
+class ScratchArea(CacheFields):
     """`HotCache`'s scratch area: its methods read and set the cache's own slots, so they run
     on a `HotCache` only."""
 
@@ -102,7 +103,11 @@ class ScratchArea:
         done_keys = None if compiled and not self.pins else (
             self.slot_keys.index_select(0, done_slots))  # fmt: skip
         if dirty.numel() or self.pins:
-            host = yield ToHost([dirty_keys, done_keys] if self.pins else [dirty_keys])
+            wanted = [dirty_keys]
+            if self.pins:
+                assert done_keys is not None  # read whenever rows are pinned
+                wanted.append(done_keys)
+            host = yield ToHost(wanted)
             if dirty.numel():
                 self._write_host(host[0], dirty)
             if self.pins:
@@ -114,6 +119,7 @@ class ScratchArea:
                 self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
             )  # fmt: skip
         else:
+            assert done_keys is not None  # read off the compiled path
             self._unindex(done_keys)
             fill_at(self.slot_keys, done_slots, -1)
             fill_at(self.dirty, done_slots, False)

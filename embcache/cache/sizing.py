@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import warnings
+from types import FrameType
 
 import torch
 
@@ -88,7 +89,8 @@ def _outside_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised here at the first caller outside the
     embcache package and torch (the user's forward); past the stack's end, which names no
     line, where every frame is theirs or the thread's start (a prefetch worker's)."""
-    frame, level = sys._getframe(1), 1  # warn_overflow's frame is level 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1  # warn_overflow's frame is level 1
     while frame is not None and (
         frame.f_code.co_filename.startswith(_LIBRARY) or frame.f_code.co_filename == _THREADING
     ):

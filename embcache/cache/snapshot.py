@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from embcache.cache.fields import CacheFields
 from embcache.kernels.cache_index_ref import set_index_ref
 
 
-class PolicyState:
+class PolicyState(CacheFields):
     """`HotCache`'s checkpoint methods: they read and set the cache's own slots, counters,
     clocks and lock, so they run on a `HotCache` only."""
 
@@ -84,7 +85,10 @@ class PolicyState:
                 self._admission.sightings = int(meta["admission_sightings"])
             held = (keys >= 0).nonzero().flatten()
             if held.numel():
-                loaded = self.transfer.exchange(keys[:0], self.rows_of, keys[held])
+                # Reads only: nothing is written, so no row is ever asked for.
+                loaded = self.transfer.exchange(
+                    keys[:0], lambda _: self.rows_of(self._empty_ids()), keys[held]
+                )
                 self.transfer.place(self.weights, self.state, held.to(self.device), loaded)
             return True
 

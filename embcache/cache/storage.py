@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 
 import embcache.native as native
+from embcache.cache.fields import CacheFields
 from embcache.cache.transfer import SlotStorage, packed_float32, take
 from embcache.hostmem import host_zeros
 from embcache.indexing import fill_at, put, true_at
 
 
-class SlotRows:
+class SlotRows(CacheFields):
     """`HotCache`'s storage methods: they read and set the cache's own arrays, so they run on
     a `HotCache` only."""
 

@@ -25,7 +25,7 @@ table), and this class splits them by table on the host, where that costs no syn
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -198,7 +198,7 @@ class TierTransfer:
         """Positions ``start : start + n`` of ``order`` (None: the identity)."""
         return slice(start, start + n) if order is None else order[start : start + n]
 
-    def _run(self, calls: list[Callable[[], object]]) -> list:
+    def _run(self, calls: Sequence[Callable[[], object]]) -> list:
         """Run tier calls: concurrently when there are several and the tier's calls overlap
         (``parallel_io``); in turn for in-process tiers."""
         if len(calls) <= 1 or not self.store.parallel_io:
@@ -248,7 +248,7 @@ class TierTransfer:
         """
         if self.device.type == "cpu" and not self.store.parallel_io:
             return self._exchange_grouped(write_ids, write_rows, read_ids, released, slots)
-        calls = []
+        calls: list[Callable[[], object]] = []
         if write_ids.numel():
             order, groups, _ = self._grouped(write_ids, ascending=False)
             rows = write_rows(slice(None) if order is None else order)

@@ -6,6 +6,8 @@ kind or dtype, ``ValueError`` for the wrong shape, device or value, each naming 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -43,7 +45,7 @@ def check_tensor(
 def as_index(name: str, t: object, device: torch.device | None = None) -> torch.Tensor:
     """A 1-D int64/int32 index tensor (on ``device``), as contiguous int64."""
     check_tensor(name, t, INDEX_DTYPES, 1, device)
-    return t.to(torch.int64).contiguous()
+    return cast(torch.Tensor, t).to(torch.int64).contiguous()  # a tensor: checked just above
 
 
 def check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:

@@ -383,18 +383,21 @@ class HostKV(Store):
         if sum(counts) != ids.numel() or len(counts) != len(tables):
             return None
         self._check_open()
-        found = [self._tables.get(name) for name in tables]
-        if not all(isinstance(t, DenseTable) and t.compiled for t in found):
+        looked_up = [self._tables.get(name) for name in tables]
+        found = [t for t in looked_up if isinstance(t, DenseTable) and t.compiled]
+        if len(found) != len(looked_up):
             return None
         if len({t.spec.stored_width for t in found}) != 1:
             return None
         if allocate:
             for t in found:
                 t.allocate()
-        if any(t.rows is None for t in found):
+        arrays = tuple(
+            (t.rows, t.created) for t in found if t.rows is not None and t.created is not None
+        )
+        if len(arrays) != len(found):  # a table not allocated yet
             return None
         key = tuple(tables)
-        arrays = tuple((t.rows, t.created) for t in found)
         kept = self._typed.get(key)
         if kept is None or any(
             a is not b or c is not d for (a, c), (b, d) in zip(kept[0], arrays, strict=True)

@@ -112,13 +112,15 @@ class TierIdentity:
         if stored is None:
             if self._read_only:
                 return
-            fresh = {"format": RECORD_FORMAT, "id": uuid.uuid4().hex, "created": time.time()}
+            new_id = uuid.uuid4().hex
+            fresh = {"format": RECORD_FORMAT, "id": new_id, "created": time.time()}
             if self._client.set(self._key, json.dumps(fresh).encode(), nx=True):
-                self.tier_id = fresh["id"]
+                self.tier_id = new_id
                 return
             stored = self._client.get(self._key)  # another writer created it first
         try:
-            tier_id = str(json.loads(stored)["id"])
+            record = json.loads(stored) if stored is not None else {}  # None: deleted again
+            tier_id = str(record["id"])
         except (TypeError, ValueError, KeyError):
             raise TierCommandError(
                 f"{self._describe()}: the namespace record {key} is damaged or was not written "

@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 
@@ -292,9 +293,9 @@ class RedisKV(RedisRowIO, Store):
         for start in range(0, ids.numel(), self.chunk_rows):
             chunk = ids[start : start + self.chunk_rows]
             if self.shared:  # read-only: nothing is created
-                rows, made = self._call("get", table, lambda c=chunk: self._read_chunk(t, c)), 0
+                rows, made = self._call("get", table, partial(self._read_chunk, t, chunk)), 0
             else:
-                rows, made = self._call("get", table, lambda c=chunk: self._get_chunk(t, c))
+                rows, made = self._call("get", table, partial(self._get_chunk, t, chunk))
             out[start : start + chunk.numel()] = rows
             created += made
         self._count("read", ids.numel(), t, created=created)
@@ -317,7 +318,7 @@ class RedisKV(RedisRowIO, Store):
         out = torch.empty(ids.numel(), t.spec.stored_width, dtype=t.spec.dtype)
         for start in range(0, ids.numel(), self.chunk_rows):
             chunk = ids[start : start + self.chunk_rows]
-            rows = self._call("read", table, lambda c=chunk: self._read_chunk(t, c))
+            rows = self._call("read", table, partial(self._read_chunk, t, chunk))
             out[start : start + chunk.numel()] = rows
         self._count("read", ids.numel(), t)
         return out
@@ -348,7 +349,7 @@ class RedisKV(RedisRowIO, Store):
         self._written_ids(t).discard(ids)
         for part in ids.split(self.chunk_rows):
             batch = key_batch(t, part, self.cluster)
-            self._call("remove", table, lambda b=batch: self._marks.write(t, b, None))
+            self._call("remove", table, partial(self._marks.write, t, batch, None))
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -415,11 +416,11 @@ class RedisKV(RedisRowIO, Store):
             self._call("tier_state", name, self._identity.check_record)
         states = {}
         for t in tables:
-            self._call("tier_state", t.spec.name, lambda t=t: self._marks.verify([t], False))
-            marks = self._call("tier_state", t.spec.name, lambda t=t: self._identity.marks(t))
+            self._call("tier_state", t.spec.name, partial(self._marks.verify, [t], False))
+            marks = self._call("tier_state", t.spec.name, partial(self._identity.marks, t))
             rows = None
             if count_rows:
-                rows = self._call("tier_state", t.spec.name, lambda t=t: self._scan_ids(t)).numel()
+                rows = self._call("tier_state", t.spec.name, partial(self._scan_ids, t)).numel()
             states[t.spec.name] = TableState(tuple(marks), rows)
         return TierState(self.url, self.namespace, self._identity.tier_id, states)
 
@@ -448,7 +449,7 @@ class RedisKV(RedisRowIO, Store):
         name = tables[0].spec.name if tables else "(none)"
         self._call("expect_state", name, self._identity.check_record)
         for t in tables:
-            self._call("expect_state", t.spec.name, lambda t=t: self._check_expected(t))
+            self._call("expect_state", t.spec.name, partial(self._check_expected, t))
 
     def _check_expected(self, t: TableLayout) -> None:
         self._identity.check_table(t, self._scan_ids, self._written_ids(t))

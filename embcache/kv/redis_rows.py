@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ class RedisRowIO(RedisCalls):
             kept, rows = [], []
             for sub in part.split(self.chunk_rows):
                 found, values = self._call(
-                    "export_rows", t.spec.name, lambda s=sub: self._fetch_existing(t, s)
+                    "export_rows", t.spec.name, partial(self._fetch_existing, t, sub)
                 )
                 kept.append(found)
                 rows.append(values)
@@ -161,7 +162,7 @@ class RedisRowIO(RedisCalls):
         for start in range(0, ids.numel(), self.chunk_rows):
             part = slice(start, start + self.chunk_rows)
             blobs = to_blobs(rows[part])
-            self._call(op, t.spec.name, lambda i=ids[part], b=blobs: self._put_blobs(t, i, b))
+            self._call(op, t.spec.name, partial(self._put_blobs, t, ids[part], blobs))
 
     def _scan_ids(self, t: TableLayout) -> torch.Tensor:
         """Ids of every row of the table on the server, ascending (SCAN over all primaries)."""
@@ -194,4 +195,4 @@ class RedisRowIO(RedisCalls):
                 self._put_blobs(t, part[torch.tensor(present, dtype=torch.int64)], blobs)
 
         for part in ids.split(self.chunk_rows):
-            self._call("init_table", t.spec.name, lambda p=part: rewrite(p))
+            self._call("init_table", t.spec.name, partial(rewrite, part))

@@ -66,6 +66,12 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.AskError,  # and MovedError: a slot moved; the slot map is refreshed
     ConnectionResetError,
 )
+# Errors of a first connection that mean nothing answers at the URL.
+_UNREACHABLE: tuple[type[BaseException], ...] = (
+    *TRANSIENT,
+    redis.exceptions.RedisClusterException,
+    OSError,
+)
 
 
 def redis_url_params() -> frozenset[str]:
@@ -149,7 +155,7 @@ def connect(
         if "NOAUTH" in str(err) or "WRONGPASS" in str(err):
             raise TierAuthError(auth_message(shown_url, err)) from None
         raise TierCommandError(f"Redis tier {shown_url}: {error_text(err)}") from None
-    except (*TRANSIENT, redis.exceptions.RedisClusterException, OSError) as err:
+    except _UNREACHABLE as err:
         raise TierUnavailableError(
             f"cannot reach the Redis tier at {shown_url}: {error_text(err)} "
             f"(is redis-server running and listening there?)"
@@ -299,7 +305,7 @@ def parse_spec_record(payload: bytes, table: str) -> dict[str, Any]:
 
 # Stored row dtype -> (integer dtype of the same width, its little-endian numpy dtype): rows go
 # over the wire as their bits, in a fixed byte order (numpy has no bfloat16).
-_STORED = {
+_STORED: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float32": (torch.int32, np.dtype("<i4")),
     "float16": (torch.int16, np.dtype("<i2")),
     "bfloat16": (torch.int16, np.dtype("<i2")),
@@ -386,7 +392,7 @@ def set_nx(client: Client, batch: KeyBatch, positions: list[int], blobs: list[by
         args[1::2] = [blobs[j] for j in members]
         commands.append((slot, ("MSETNX", *args)))
     created = [True] * len(positions)
-    retry = []
+    retry: list[tuple[int, int]] = []
     for (slot, members), reply in zip(groups.items(), run_commands(client, commands), strict=True):
         if not reply:
             retry.extend((slot, j) for j in members)

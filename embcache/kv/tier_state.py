@@ -78,8 +78,8 @@ class TierState:
     @property
     def rows(self) -> int | None:
         """Rows over all tables (None when some table was not counted)."""
-        counts = [t.rows for t in self.tables.values()]
-        return None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+        counts = [t.rows for t in self.tables.values() if t.rows is not None]
+        return sum(counts) if len(counts) == len(self.tables) else None
 
     def summary(self) -> str:
         """One line for a run's summary: "started on an empty namespace" or "continued

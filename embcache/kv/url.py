@@ -27,6 +27,7 @@ place is refused with a message that shows no part of it.
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from embcache.kv.base import Store
@@ -55,7 +56,7 @@ def _flag(value: str) -> bool:
     raise ValueError(value)
 
 
-_STORE_OPTIONS = {
+_STORE_OPTIONS: dict[str, Callable[[str], object]] = {
     "namespace": str,
     "chunk_rows": int,
     "retry_timeout_s": float,
@@ -142,7 +143,7 @@ def _split_options(url: str, original: str) -> tuple[str, dict[str, Any]]:
     """``url`` without our options in its query string, and those options, typed."""
     parts = urllib.parse.urlsplit(url)
     kept, options = [], {}
-    types = {**_STORE_OPTIONS, "capacity_rows": int}
+    types: dict[str, Callable[[str], object]] = {**_STORE_OPTIONS, "capacity_rows": int}
     for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
         if key not in types:
             kept.append((key, value))
