@@ -1,14 +1,18 @@
 """How fast is a whole embedding training step through the cache, against torchrec and FBGEMM?
 
 Question: time per training step (forward + backward + sparse step) on the same batches, side
-by side in one process, for three workloads (Zipf(1.05) ids):
+by side in one process, for four workloads (Zipf(1.05) ids):
 
 * ``long_bags``: 8 tables x 200,000 rows x dim 64, batch 2048, 20 ids per bag;
 * ``batch256``: the same tables at batch 256;
 * ``criteo``: 26 tables of the Criteo Kaggle sizes x 0.01 (337,641 rows), dim 16, batch 2048,
-  one id per bag (`embcache.data.synthetic`).
+  one id per bag (`embcache.data.synthetic`);
+* ``sequence``: unpooled lookups (one row per id, for sequence models): 4 tables x 50,000 rows
+  x dim 64, one history feature each, batch 256 users whose histories hold 0-50 ids (lengths
+  uniform; ~26k ids a batch).
 
-Two named baselines, one per optimizer family; every row is a ratio to both:
+The bag workloads have two named baselines, one per optimizer family; each of their rows is a
+ratio to both:
 
 * ``torchrec`` (baseline of AdaGrad): ``torchrec.EmbeddingBagCollection`` with each of its
   ``nn.EmbeddingBag``s switched to ``sparse=True`` and ``torch.optim.Adagrad`` on the sparse
@@ -31,15 +35,29 @@ Two named baselines, one per optimizer family; every row is a ratio to both:
   with LFU eviction (exact per-row counts, the compiled plan) instead of LRU, in the plain loop
   and through the pipeline: fewer misses, for a count per row read and written each step.
 
+The ``sequence`` workload has one baseline, and its rows' ``vs_torchrec`` is the ratio to it
+(``vs_fbgemm_rowwise`` stays empty):
+
+* ``torchrec_ec``: ``torchrec.EmbeddingCollection`` with its ``nn.Embedding``s switched to
+  ``sparse=True`` and ``torch.optim.Adagrad`` on the sparse gradients (as ``torchrec`` above);
+  ``torchrec_ec_dense``: as torchrec builds it, table-sized dense gradients, for scale.
+* ``embcache_ec_100`` / ``embcache_ec_10``: `CachedEmbeddingCollection` with every row cached
+  (``cache=None``) / 10% of them (LRU), `SparseAdaGrad`; ``embcache_ec_100_fused`` /
+  ``embcache_ec_10_fused``: the same with ``optimizer_type=torch.optim.Adagrad``, the update
+  made inside backward (no ``step()``).
+
+Every impl trains on the same loss: its output times a fixed random weight, summed (`loss_of`).
+
 All start from the same weights and use lr 0.05, eps 1e-10, so after the timed steps each family
 must hold the same weights: the script prints the largest relative difference of a probe batch's
-pooled output against its family's baseline, and exits with an error when one is past float32
-rounding (`PROBE_TOLERANCE`). The targets (docs/design.md, "Targets"): whole table
-``embcache_100_rowwise`` <= 1.2x ``fbgemm_rowwise`` and ``embcache_100`` <= 0.9x ``torchrec``;
-10% cached ``embcache_10`` and ``embcache_10_prefetch`` <= 1.3x ``torchrec`` (``long_bags``
-and ``batch256``) and the row-wise 10% caches (LRU or LFU, plain or prefetching) <= 2x
-``fbgemm_rowwise``. `bench_step_profile.py` shows where the time of embcache's step goes, per
-phase.
+output against its family's baseline, and exits with an error when one is past float32
+rounding (`PROBE_TOLERANCE`); on ``sequence`` it also compares every row of the tables with
+``torchrec_ec``'s (``rows_max_diff``: at most `ROWS_TOLERANCE`, 1e-5, absolute). The targets
+(docs/design.md, "Targets"): whole table ``embcache_100_rowwise`` <= 1.2x ``fbgemm_rowwise``
+and ``embcache_100`` <= 0.9x ``torchrec``; 10% cached ``embcache_10`` and
+``embcache_10_prefetch`` <= 1.3x ``torchrec`` (``long_bags`` and ``batch256``) and the row-wise
+10% caches (LRU or LFU, plain or prefetching) <= 2x ``fbgemm_rowwise``; ``sequence`` has none
+yet. `bench_step_profile.py` shows where the time of embcache's step goes, per phase.
 
 Impls take turns in rounds of steps; ``ms_per_step`` is an impl's median over the
 rounds, and a ratio is the median over rounds of the two impls' times in the same round (this
@@ -64,6 +82,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from _common import (
@@ -82,17 +101,25 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     EmbeddingLocation,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 
 import embcache
 from embcache.data.synthetic import SyntheticConfig, SyntheticCriteo
 
 LR, EPS = 0.05, 1e-10
-# Largest relative difference of a probe's pooled output from its family's baseline that is
-# float32 rounding (about 4e-7 here); past it an impl trained other weights, and its times
-# are no comparison: the script says so and exits with an error.
+# Largest relative difference of a probe's output from its family's baseline that is float32
+# rounding (about 4e-7 here); past it an impl trained other weights, and its times are no
+# comparison: the script says so and exits with an error.
 PROBE_TOLERANCE = 1e-4
-ADAGRAD_BASE, ROWWISE_BASE = "torchrec", "fbgemm_rowwise"
+# Largest absolute difference of any table row from torchrec_ec's (``sequence``), likewise.
+ROWS_TOLERANCE = 1e-5
+ADAGRAD_BASE, ROWWISE_BASE, SEQUENCE_BASE = "torchrec", "fbgemm_rowwise", "torchrec_ec"
 FAMILY = {
     "torchrec": ADAGRAD_BASE,
     "fbgemm_adagrad": ADAGRAD_BASE,
@@ -105,6 +132,12 @@ FAMILY = {
     "embcache_10_rowwise_prefetch": ROWWISE_BASE,
     "embcache_10_rowwise_lfu": ROWWISE_BASE,
     "embcache_10_rowwise_lfu_prefetch": ROWWISE_BASE,
+    "torchrec_ec": SEQUENCE_BASE,
+    "torchrec_ec_dense": SEQUENCE_BASE,
+    "embcache_ec_100": SEQUENCE_BASE,
+    "embcache_ec_10": SEQUENCE_BASE,
+    "embcache_ec_100_fused": SEQUENCE_BASE,
+    "embcache_ec_10_fused": SEQUENCE_BASE,
 }
 # (impl, baseline, at most, workloads it applies to; None: all): docs/design.md, "Targets", CPU.
 TARGETS = [
@@ -121,6 +154,11 @@ TARGETS = [
 
 @dataclass
 class Row:
+    """One impl on one workload. ``vs_torchrec`` is against the workload's torchrec baseline
+    (``torchrec_ec`` on ``sequence``); ``vs_fbgemm_rowwise`` and its quartiles are None on
+    ``sequence``, ``rows_max_diff`` on the bag workloads. ``ids_per_bag`` is a sequence's mean
+    history length."""
+
     workload: str
     rows: int
     dim: int
@@ -130,24 +168,26 @@ class Row:
     ms_per_step: float
     samples_per_s: float
     vs_torchrec: float
-    vs_fbgemm_rowwise: float
+    vs_fbgemm_rowwise: float | None
     hit_rate: float | None
     probe_rel_diff: float
     # The quartiles of the per-round ratios to each baseline: how far the rounds spread.
     vs_torchrec_q1: float
     vs_torchrec_q3: float
-    vs_fbgemm_rowwise_q1: float
-    vs_fbgemm_rowwise_q3: float
+    vs_fbgemm_rowwise_q1: float | None
+    vs_fbgemm_rowwise_q3: float | None
+    rows_max_diff: float | None = None
 
 
 @dataclass
 class Workload:
     name: str
-    tables: list[EmbeddingBagConfig]
+    tables: list[EmbeddingBagConfig] | list[EmbeddingConfig]
     batches: list[KeyedJaggedTensor]
     probe: KeyedJaggedTensor
     batch: int
     ids_per_bag: int
+    pooled: bool = True  # False: one row per id (`sequence`)
 
 
 def long_bags(name: str, batch: int, n: int, quick: bool) -> Workload:
@@ -185,10 +225,52 @@ def criteo(n: int, quick: bool) -> Workload:
     return Workload("criteo", tables, batches, probe, batch, 1)
 
 
+def sequence(n: int, quick: bool) -> Workload:
+    """``n`` batches (and a probe) of user histories, 0-50 Zipf(1.05) ids each (uniform
+    lengths), one feature per table."""
+    tables_n, rows, dim, batch, longest = (
+        (2, 20_000, 64, 64, 50) if quick else (4, 50_000, 64, 256, 50)
+    )
+    gen = torch.Generator().manual_seed(0)
+    zipf = [ZipfIds(rows, 1.05, gen) for _ in range(tables_n)]
+    keys = [f"f{i}" for i in range(tables_n)]
+
+    def one() -> KeyedJaggedTensor:
+        lengths = torch.randint(0, longest + 1, (tables_n * batch,), generator=gen)
+        counts = lengths.view(tables_n, batch).sum(1).tolist()
+        values = torch.cat([z.sample(c, gen) for z, c in zip(zipf, counts, strict=True)])
+        return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+
+    tables = [
+        EmbeddingConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[k])
+        for i, k in enumerate(keys)
+    ]
+    batches = [one() for _ in range(n)]
+    mean = sum(b.values().numel() for b in batches) / (n * tables_n * batch)
+    return Workload("sequence", tables, batches, one(), batch, round(mean), pooled=False)
+
+
+def loss_of(out: Any, coeff: torch.Tensor) -> torch.Tensor:
+    """The output times ``coeff``, summed. A bag collection's ``[B, width]`` output takes all
+    of ``coeff``; each key's ``[n, dim]`` rows of a sequence collection's output the first
+    ``n`` rows (not concatenated first, which would add a copy to every impl's step)."""
+    if isinstance(out, dict):
+        return sum((jt.values() * coeff[: jt.values().shape[0]]).sum() for jt in out.values())
+    return (out.values() * coeff).sum()
+
+
+def output_of(out: Any) -> torch.Tensor:
+    """The output as one tensor, for the probe: pooled ``[B, width]`` or every key's rows."""
+    if isinstance(out, dict):
+        return torch.cat([jt.values() for jt in out.values()])
+    return out.values()
+
+
 class Impl:
     """One way of training the tables: ``step(kjt, coeff)`` runs forward, backward and the
     update; ``run(kjts, coeff)`` a round of steps (``step`` on each, or ``run_steps``: a
-    pipeline over them); ``probe(kjt)`` returns the pooled output without training."""
+    pipeline over them); ``probe(kjt)`` returns the output without training (`output_of`);
+    ``weights()`` the tables' weights by state_dict key (compared on ``sequence``)."""
 
     def __init__(
         self,
@@ -198,8 +280,10 @@ class Impl:
         hit_rate: Callable[[], float] | None = None,
         filled: Callable[[], bool] | None = None,
         run_steps: Callable[[list[KeyedJaggedTensor], torch.Tensor], None] | None = None,
+        weights: Callable[[], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.name, self.step, self.probe, self.hit_rate = name, step, probe, hit_rate
+        self.weights = weights
         self.filled = filled  # whether its caches hold as many rows as they can (steady state)
         self._run_steps = run_steps
 
@@ -211,13 +295,21 @@ class Impl:
             self.step(kjt, coeff)
 
 
-def build_impls(tables: list[EmbeddingBagConfig]) -> list[Impl]:
+def initial_weights(collection: type, tables: list) -> dict[str, torch.Tensor]:
+    """The state_dict of a torchrec ``collection`` of ``tables`` built after seed 0, which
+    every impl of the workload loads."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(0)  # torchrec draws its initial weights from the global generator
-    reference = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    reference = collection(tables=tables, device=torch.device("cpu"))
     torch.random.set_rng_state(gen_state)
-    initial = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    del reference
+    return {k: v.detach().clone() for k, v in reference.state_dict().items()}
+
+
+def build_impls(w: Workload) -> list[Impl]:
+    if not w.pooled:
+        return build_sequence_impls(w.tables)
+    tables = w.tables
+    initial = initial_weights(EmbeddingBagCollection, tables)
     impls: list[Impl] = [_torchrec_impl(tables, initial)]
     for name, optim in (
         ("fbgemm_rowwise", EmbOptimType.EXACT_ROWWISE_ADAGRAD),
@@ -243,6 +335,44 @@ def build_impls(tables: list[EmbeddingBagConfig]) -> list[Impl]:
         opt = optim([cached], lr=LR, eps=EPS)
         impls.append(_embcache_impl(name, cached, opt, pipelined=name.endswith("_prefetch")))
     return impls
+
+
+def build_sequence_impls(tables: list[EmbeddingConfig]) -> list[Impl]:
+    initial = initial_weights(EmbeddingCollection, tables)
+    impls = [_torchrec_ec_impl(name, tables, initial, sparse=name == SEQUENCE_BASE)
+             for name in (SEQUENCE_BASE, "torchrec_ec_dense")]  # fmt: skip
+    fused = {"optimizer_type": torch.optim.Adagrad, "optimizer_kwargs": {"lr": LR, "eps": EPS}}
+    for name, cache in (
+        ("embcache_ec_100", None),
+        ("embcache_ec_10", embcache.CacheConfig(load_factor=0.1)),
+        ("embcache_ec_100_fused", None),
+        ("embcache_ec_10_fused", embcache.CacheConfig(load_factor=0.1)),
+    ):
+        kwargs = fused if name.endswith("_fused") else {}
+        ec = embcache.CachedEmbeddingCollection(tables, cache=cache, seed=0, **kwargs)
+        ec.load_state_dict(initial)
+        opt = None if kwargs else embcache.SparseAdaGrad([ec], lr=LR, eps=EPS)
+        impls.append(_embcache_impl(name, ec, opt))
+    return impls
+
+
+def _torchrec_ec_impl(name: str, tables: list[EmbeddingConfig], initial, sparse: bool) -> Impl:
+    ec = EmbeddingCollection(tables=tables, device=torch.device("cpu"))
+    ec.load_state_dict(initial)
+    for table in ec.embeddings.values():
+        table.sparse = sparse
+    opt = torch.optim.Adagrad(ec.parameters(), lr=LR, eps=EPS)
+
+    def step(kjt: KeyedJaggedTensor, coeff: torch.Tensor) -> None:
+        loss_of(ec(kjt), coeff).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def probe(kjt: KeyedJaggedTensor) -> torch.Tensor:
+        with torch.no_grad():
+            return output_of(ec(kjt))
+
+    return Impl(name, step, probe, weights=ec.state_dict)
 
 
 def _torchrec_impl(tables: list[EmbeddingBagConfig], initial) -> Impl:
@@ -290,16 +420,20 @@ def _tbe_impl(name: str, optim: EmbOptimType, tables, initial) -> Impl:
 
 
 def _embcache_impl(name: str, ebc, opt, pipelined: bool = False) -> Impl:
+    """A cached collection (bags or sequences) and its sparse optimizer (None: fused into
+    backward)."""
+
     def step(kjt: KeyedJaggedTensor, coeff: torch.Tensor) -> None:
-        (ebc(kjt).values() * coeff).sum().backward()
-        opt.step()
+        loss_of(ebc(kjt), coeff).backward()
+        if opt is not None:
+            opt.step()
 
     run_steps = None
     if pipelined:
         weighting: list[torch.Tensor] = []  # the round's coeff, for the pipeline's loss
         pipe = embcache.TrainPipeline(
             ebc, opt, None, features=lambda kjt: kjt, prefetch=True,
-            loss=lambda model, kjt: (model(kjt).values() * weighting[0]).sum(),
+            loss=lambda model, kjt: loss_of(model(kjt), weighting[0]),
         )  # fmt: skip
 
         def run_steps(kjts: list[KeyedJaggedTensor], coeff: torch.Tensor) -> None:
@@ -312,7 +446,7 @@ def _embcache_impl(name: str, ebc, opt, pipelined: bool = False) -> Impl:
 
     def probe(kjt: KeyedJaggedTensor) -> torch.Tensor:
         with torch.no_grad():
-            return ebc(kjt).values()
+            return output_of(ebc(kjt))
 
     def filled() -> bool:
         # Every slot holds a row: each miss now evicts (and writes back) one.
@@ -321,7 +455,7 @@ def _embcache_impl(name: str, ebc, opt, pipelined: bool = False) -> Impl:
     def hit_rate() -> float:
         return ebc.cache_stats()["hit_rate"]
 
-    return Impl(name, step, probe, hit_rate, filled, run_steps)
+    return Impl(name, step, probe, hit_rate, filled, run_steps, ebc.state_dict)
 
 
 def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
@@ -331,9 +465,13 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
     rounds leave."""
     for kjt in [*w.batches, w.probe]:
         kjt.offsets()  # computed once here, not inside anyone's timed step
-    width = sum(t.embedding_dim * len(t.feature_names) for t in w.tables)
-    coeff = torch.randn(w.batch, width, generator=torch.Generator().manual_seed(1)) / w.batch
-    impls = build_impls(w.tables)
+    if w.pooled:
+        shape = (w.batch, sum(t.embedding_dim * len(t.feature_names) for t in w.tables))
+    else:  # as many rows as the most values of a key in a batch (`loss_of`)
+        most_values = max(n for kjt in [*w.batches, w.probe] for n in kjt.length_per_key())
+        shape = (most_values, w.tables[0].embedding_dim)
+    coeff = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) / w.batch
+    impls = build_impls(w)
     for impl in impls:  # warm-up: caches fill, allocators settle
         for kjt in w.batches[:warmup]:
             impl.step(kjt, coeff)
@@ -357,20 +495,32 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
     probes = {impl.name: impl.probe(w.probe) for impl in impls}
     median = {name: statistics.median(t) for name, t in times.items()}
 
-    def ratio(name: str, base: str) -> tuple[float, float, float]:
+    def ratio(name: str, base: str) -> tuple[float, float, float] | tuple[None, None, None]:
         # Each round's ratio (the two ran within a second of each other, on the machine as it
         # was then; this machine's speed drifts between rounds): their median and quartiles.
+        if base not in times:
+            return None, None, None
         found = [t / b for t, b in zip(times[name], times[base], strict=True)]
         if len(found) < 2:
             return found[0], found[0], found[0]
         q1, mid, q3 = statistics.quantiles(found, n=4, method="inclusive")
         return mid, q1, q3
 
+    # A sequence's every row against the baseline's (its tables are small).
+    base_weights = {} if w.pooled else next(i for i in impls if i.name == SEQUENCE_BASE).weights()
+
+    def rows_max_diff(impl: Impl) -> float | None:
+        if w.pooled or impl.weights is None:
+            return None
+        ours = impl.weights()
+        return max(float((ours[k] - v).abs().max()) for k, v in base_weights.items())
+
     rows = []
     for impl in impls:
         s, ref = median[impl.name], probes[FAMILY[impl.name]]
         rel = (probes[impl.name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
-        vs_torchrec, torchrec_q1, torchrec_q3 = ratio(impl.name, ADAGRAD_BASE)
+        base = ADAGRAD_BASE if w.pooled else SEQUENCE_BASE
+        vs_torchrec, torchrec_q1, torchrec_q3 = ratio(impl.name, base)
         vs_fbgemm, fbgemm_q1, fbgemm_q3 = ratio(impl.name, ROWWISE_BASE)
         rows.append(
             Row(
@@ -390,31 +540,43 @@ def bench(w: Workload, warmup: int, rounds: int, per_round: int) -> list[Row]:
                 vs_torchrec_q3=torchrec_q3,
                 vs_fbgemm_rowwise_q1=fbgemm_q1,
                 vs_fbgemm_rowwise_q3=fbgemm_q3,
+                rows_max_diff=rows_max_diff(impl),
             )
         )
     return rows
 
 
+def differs(r: Row) -> bool:
+    """Whether the impl trained other weights than its family's baseline."""
+    return r.probe_rel_diff > PROBE_TOLERANCE or (r.rows_max_diff or 0.0) > ROWS_TOLERANCE
+
+
 def print_table(rows: list[Row]) -> None:
+    """One line per impl; "vs torchrec" is against ``torchrec_ec`` on ``sequence``, with the
+    quartiles of the rounds' ratios beside it."""
     head = (
         f"{'workload':<10} {'impl':<32} {'ms/step':>9} {'samples/s':>11} {'vs torchrec':>12} "
-        f"{'vs fbgemm_rw':>13} {'hit rate':>8} {'probe diff':>10}"
+        f"{'(rounds)':>11} {'vs fbgemm_rw':>13} {'hit rate':>8} {'probe diff':>10} "
+        f"{'rows diff':>9}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         hit = "" if r.hit_rate is None else f"{r.hit_rate:.3f}"
+        spread = f"{r.vs_torchrec_q1:.2f}-{r.vs_torchrec_q3:.2f}"
+        fbgemm = "" if r.vs_fbgemm_rowwise is None else f"{r.vs_fbgemm_rowwise:.2f}x"
+        diff = "" if r.rows_max_diff is None else f"{r.rows_max_diff:.1e}"
         print(
             f"{r.workload:<10} {r.impl:<32} {r.ms_per_step:>9.2f} {r.samples_per_s:>11,.0f} "
-            f"{r.vs_torchrec:>11.2f}x {r.vs_fbgemm_rowwise:>12.2f}x {hit:>8} "
-            f"{r.probe_rel_diff:>10.1e}"
+            f"{r.vs_torchrec:>11.2f}x {spread:>11} {fbgemm:>13} {hit:>8} "
+            f"{r.probe_rel_diff:>10.1e} {diff:>9}"
         )
-    for r in rows:
-        if r.probe_rel_diff > PROBE_TOLERANCE:
-            print(
-                f"RESULTS DIFFER: {r.impl} on {r.workload} pooled the probe {r.probe_rel_diff:.1e} "
-                f"(relative) away from {FAMILY[r.impl]} after the same steps"
-            )
+    for r in filter(differs, rows):
+        rows_diff = "" if r.rows_max_diff is None else f", rows {r.rows_max_diff:.1e} (absolute)"
+        print(
+            f"RESULTS DIFFER: {r.impl} on {r.workload}, after the same steps as {FAMILY[r.impl]}: "
+            f"probe output {r.probe_rel_diff:.1e} (relative) away{rows_diff}"
+        )
     for impl, base, limit, where in TARGETS:
         for r in rows:
             if r.impl != impl or (where is not None and r.workload not in where):
@@ -432,32 +594,42 @@ def write_plot(rows: list[Row], path: Path) -> None:
     plt = pyplot()
     workloads = list(dict.fromkeys(r.workload for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
+    colors = plt.get_cmap("tab20").colors  # more impls than the default cycle's 10 colours
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=False)
     for ax, (attr, base) in zip(
         axes, (("vs_torchrec", ADAGRAD_BASE), ("vs_fbgemm_rowwise", ROWWISE_BASE)), strict=True
     ):
-        width = 0.8 / len(impls)
-        colors = plt.get_cmap("tab20").colors  # more impls than the default cycle's 10 colours
-        for i, impl in enumerate(impls):
-            ratios = [
-                next(getattr(r, attr) for r in rows if r.workload == w and r.impl == impl)
-                for w in workloads
-            ]
-            xs = [k + (i - (len(impls) - 1) / 2) * width for k in range(len(workloads))]
-            ax.bar(xs, ratios, width, label=impl, color=colors[i % len(colors)])
+        for k, w in enumerate(workloads):  # each workload's impls side by side (theirs only)
+            found = [r for r in rows if r.workload == w and getattr(r, attr) is not None]
+            width = 0.8 / max(len(found), 1)
+            for j, r in enumerate(found):
+                i = impls.index(r.impl)
+                ax.bar(k + (j - (len(found) - 1) / 2) * width, getattr(r, attr), width,
+                       label=r.impl, color=colors[i % len(colors)])  # fmt: skip
         ax.axhline(1.0, color="black", linewidth=0.8)
-        for limit in sorted({t[2] for t in TARGETS if t[1] == base}):  # the targets' bounds
+        if not ax.patches:  # `sequence` alone: no FBGEMM baseline
+            ax.text(0.5, 0.5, f"no {base} here", transform=ax.transAxes, ha="center")
+        # The bounds of the targets whose impls ran (the sequence workload has none).
+        for limit in sorted({t[2] for t in TARGETS if t[1] == base and t[0] in impls}):
             ax.axhline(limit, color="gray", linewidth=0.8, linestyle="--")
             ax.annotate(f"target {limit:g}x", (len(workloads) - 0.5, limit), fontsize=7,
                         ha="right", va="bottom", color="gray")  # fmt: skip
         ax.set_xticks(range(len(workloads)))
         ax.set_xticklabels(workloads)
         ax.set_ylabel(f"time per step / {base}")
-        ax.set_title(f"against {base}")
-    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="lower center",
-               ncol=min(len(impls), 5))  # fmt: skip
+        sequence = (
+            " (sequence: torchrec_ec)" if base == ADAGRAD_BASE and "sequence" in workloads else ""
+        )
+        ax.set_title(f"against {base}{sequence}")
+    labelled = {}  # impl -> its bar, once
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labelled.setdefault(label, handle)
+    ncol = min(len(labelled), 6)
+    fig.legend(labelled.values(), labelled.keys(), fontsize=7, loc="lower center", ncol=ncol)
     fig.suptitle("training step (forward + backward + sparse step), CPU, 1 thread")
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    legend_rows = -(-len(labelled) // ncol)
+    fig.tight_layout(rect=(0, 0.04 + 0.045 * legend_rows, 1, 1))  # the legend below the axes
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -469,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
         "--threads", type=int, default=None, help="torch CPU threads (default 1: stable numbers)"
     )
     parser.add_argument(
-        "--workloads", default="long_bags,batch256,criteo", help="comma-separated subset"
+        "--workloads", default="long_bags,batch256,criteo,sequence", help="comma-separated subset"
     )
     add_output_options(parser, "e2e.csv")
     args = parse_args(parser, argv)
@@ -484,6 +656,7 @@ def main(argv: list[str] | None = None) -> None:
         "long_bags": lambda: long_bags("long_bags", 1024 if args.quick else 2048, n, args.quick),
         "batch256": lambda: long_bags("batch256", 256, n, args.quick),
         "criteo": lambda: criteo(n, args.quick),
+        "sequence": lambda: sequence(n, args.quick),
     }
     chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in makers]
@@ -497,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
     write_csv(rows, args.out)
     write_plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
-    differ = [f"{r.impl} ({r.workload})" for r in rows if r.probe_rel_diff > PROBE_TOLERANCE]
+    differ = [f"{r.impl} ({r.workload})" for r in rows if differs(r)]
     if differ:
         raise SystemExit(f"bench_e2e: impls trained other weights than their baseline: {differ}")
 

@@ -1,7 +1,8 @@
 """How fast is each kernel op against the obvious plain-torch way of doing the same job?
 
 Question: for the ops of one training step — ``fuse_ids``, ``dedup``, ``pool_forward``,
-``pool_backward`` and ``apply_row_update`` — the time of the torch twin (the CPU path) and, where
+``pool_backward``, the unpooled ``gather_rows`` / ``gather_backward`` (sequence embeddings) and
+``apply_row_update`` — the time of the torch twin (the CPU path) and, where
 CUDA is present, of the Triton kernel, each as ``baseline_time / our_time`` (> 1: ours is faster)
 against a named baseline measured in the same run on the same inputs:
 
@@ -14,6 +15,11 @@ against a named baseline measured in the same run on the same inputs:
 * ``pool_backward``: the autograd backward of that ``embedding_bag`` with ``sparse=True``, then
   ``coalesce()``: one gradient row per distinct row, what ours returns. Ours is handed the
   batch's dedup (``inverse``, ``U``), which the forward already paid for (timed under dedup).
+* ``gather_rows`` (unpooled gather: one row per value): ``torch.index_select`` of the dense
+  table by each value's row into a preallocated ``[nnz, D]`` output, as ours writes one.
+* ``gather_backward``: ``torch.zeros(U, D).index_add_(0, inverse, grad)``: one gradient row per
+  unique id, what ours returns; ours also with the batch's ``dedup_grouped`` grouping given
+  (variant ``bwd/grouped``), which spares it the stable sort of ``inverse`` it does otherwise.
 * ``apply_row_update``: ``torch.optim.SGD`` / ``Adagrad`` / ``SparseAdam`` stepping an
   ``nn.EmbeddingBag(sparse=True)`` whose sparse gradient holds exactly the touched rows.
   ROWWISE_ADAGRAD has no torch optimizer: its baseline is ``Adagrad`` (per-element state), the
@@ -26,7 +32,11 @@ cache rows are the dense table). On CPU, Triton is not timed: its interpreter ru
 in Python, a correctness path, not a speed path. On CUDA the script also reports the achieved
 bandwidth of ``pool_forward`` (row bytes read + output bytes written, per second) against a
 measured device-to-device copy (``torch.empty(N).copy_``), and keys/s of ``dedup`` and of
-``cache_lookup``. Prints a table; writes ``kernels.csv`` and ``kernels.png``.
+``cache_lookup``. On every device it reports the unpooled gather's bandwidth, float32 bytes
+moved per second (forward: rows read + rows written, ``2 * 4 * nnz * D``; backward: gradient
+rows read + unique rows written, ``4 * (nnz + U) * D``; index reads not counted) of the
+baseline, the twin and Triton side by side. Prints a table; writes ``kernels.csv`` and
+``kernels.png``.
 
     python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda] [--threads N]
 """
@@ -57,7 +67,8 @@ from _common import (
 from torch import nn
 from torch.nn import functional
 
-from embcache.kernels.ids import dedup, fuse_ids
+from embcache.kernels.gather import gather_backward, gather_rows
+from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
 from embcache.kernels.optim import OptimRule, RowUpdate, apply_row_update, state_dim
 from embcache.kernels.pooling import PoolingMode, pool_backward, pool_forward
 
@@ -91,7 +102,7 @@ class Row:
     variant: str
     dim: int | None
     items: int  # what one call processes: values (ids, pooling) or rows (updates)
-    bytes_moved: int | None  # pool_forward: row bytes read + output bytes written
+    bytes_moved: int | None  # pool_forward, gather_*: float32 bytes read + written
     baseline: str
     baseline_s: float
     twin_s: float
@@ -125,6 +136,14 @@ class Row:
         gb_s = self.triton_gb_s
         return None if gb_s is None or not self.copy_gb_s else gb_s / self.copy_gb_s
 
+    @property
+    def baseline_gb_s(self) -> float | None:
+        return None if self.bytes_moved is None else self.bytes_moved / self.baseline_s / 1e9
+
+    @property
+    def twin_gb_s(self) -> float | None:
+        return None if self.bytes_moved is None else self.bytes_moved / self.twin_s / 1e9
+
 
 EXTRA = [
     "twin_x",
@@ -133,7 +152,10 @@ EXTRA = [
     "triton_items_per_s",
     "triton_gb_s",
     "triton_frac_copy_bw",
+    "baseline_gb_s",
+    "twin_gb_s",
 ]
+GATHER_OPS = ("gather_rows", "gather_backward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,6 +379,49 @@ def bench_pooling(b: Bench, w: Workload, dim: int) -> list[Row]:
     return rows
 
 
+def bench_gather(b: Bench, w: Workload, dim: int) -> list[Row]:
+    """Unpooled gather (one row per value) and its backward, against ``index_select`` and
+    ``index_add_`` on the same device and inputs."""
+    gen = torch.Generator(b.device).manual_seed(dim + 1)
+    table = torch.randn(w.features * w.rows, dim, generator=gen, device=b.device)  # = cache rows
+    out = torch.empty(w.nnz, dim, device=b.device)
+    base_out = torch.empty_like(out)
+    grad_out = torch.randn(w.nnz, dim, generator=gen, device=b.device)
+    unique, inverse, order, segments = dedup_grouped(w.fused)
+    assert torch.equal(unique, w.unique) and torch.equal(inverse, w.inverse)
+    grouping = (order, segments)
+
+    def ours_fwd() -> torch.Tensor:
+        return gather_rows(table, dim, w.slots, w.inverse, out)
+
+    def base_fwd() -> torch.Tensor:
+        return torch.index_select(table, 0, w.row_ids, out=base_out)
+
+    def ours_bwd(given: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return gather_backward(grad_out, w.inverse, w.num_unique, given)
+
+    def base_bwd() -> torch.Tensor:
+        grad = torch.zeros(w.num_unique, dim, device=b.device)
+        return grad.index_add_(0, w.inverse, grad_out)
+
+    want_out, want_grad = base_fwd().clone(), base_bwd()
+    for impl in b.implementations():
+        with backend(impl):
+            assert torch.equal(ours_fwd(), want_out), impl
+            for g in (None, grouping):
+                torch.testing.assert_close(ours_bwd(g), want_grad, atol=2e-5, rtol=1e-5, msg=impl)
+    fwd_bytes = 2 * 4 * dim * w.nnz  # each value's row read, its output row written
+    bwd_bytes = 4 * dim * (w.nnz + w.num_unique)  # gradient rows read, unique rows written
+    return [
+        b.time("gather_rows", "fwd", dim, w.nnz, "torch.index_select", base_fwd, ours_fwd,
+               fwd_bytes),
+        b.time("gather_backward", "bwd", dim, w.nnz, "Tensor.index_add_", base_bwd,
+               ours_bwd, bwd_bytes),
+        b.time("gather_backward", "bwd/grouped", dim, w.nnz, "Tensor.index_add_", base_bwd,
+               lambda: ours_bwd(grouping), bwd_bytes),
+    ]  # fmt: skip
+
+
 def _sparse_rows(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:
     """A coalesced sparse gradient holding ``values`` at the distinct ascending ``rows``."""
     shape = (num_rows, values.shape[1])
@@ -530,6 +595,36 @@ def print_rates(rows: list[Row]) -> None:
             )
 
 
+def print_gather_bandwidth(rows: list[Row]) -> None:
+    """The unpooled gather's GB/s (float32 bytes moved / time): baseline, twin, Triton."""
+    sel = [r for r in rows if r.op in GATHER_OPS]
+    if not sel:
+        return
+    print("\nunpooled gather, GB/s = float32 bytes moved / time, same device and inputs")
+    print(f"  {'op':<16}{'variant':<12}{'dim':>4}  {'baseline':<20}{'base':>8}{'twin':>8}"
+          f"{'triton':>8}")  # fmt: skip
+    for r in sel:
+        print(
+            f"  {r.op:<16}{r.variant:<12}{r.dim:>4}  {r.baseline:<20}{r.baseline_gb_s:>8.2f}"
+            f"{r.twin_gb_s:>8.2f}{_fmt(r.triton_gb_s, '.2f'):>8}"
+        )
+    widest = max(r.dim or 0 for r in sel)
+    fwd, bwd = (
+        next(r for r in sel if r.op == op and r.dim == widest and "grouped" not in r.variant)
+        for op in GATHER_OPS
+    )
+    ours = "triton" if fwd.triton_gb_s is not None else "twin"
+
+    def gb_s(r: Row) -> float:
+        return r.triton_gb_s if r.triton_gb_s is not None else r.twin_gb_s or 0.0
+
+    print(
+        f"summary: unpooled gather D={widest} {ours} GB/s fwd={gb_s(fwd):.1f} "
+        f"(index_select {fwd.baseline_gb_s:.1f}) bwd={gb_s(bwd):.1f} "
+        f"(index_add_ {bwd.baseline_gb_s:.1f})"
+    )
+
+
 def _bar_label(r: Row) -> str:
     what = r.op if r.dim is None else f"{r.variant} D={r.dim}"
     if r.op in ("pool_forward", "pool_backward"):
@@ -545,9 +640,10 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
         ("ids", ("fuse_ids", "dedup", "cache_lookup")),
         ("pool_forward", ("pool_forward",)),
         ("pool_backward", ("pool_backward",)),
+        ("unpooled gather", GATHER_OPS),
         ("apply_row_update", ("apply_row_update",)),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(20, 5.5), width_ratios=[1, 3, 3, 3])
+    fig, axes = plt.subplots(1, len(panels), figsize=(24, 5.5), width_ratios=[1, 3, 3, 2, 3])
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     for ax, (name, ops) in zip(axes, panels, strict=True):
         sel = [r for r in rows if r.op in ops]
@@ -624,9 +720,12 @@ def main(argv: list[str] | None = None) -> None:
     for dim in dims:
         results += bench_pooling(b, w, dim)
     for dim in dims:
+        results += bench_gather(b, w, dim)
+    for dim in dims:
         results += bench_updates(b, w, dim)
     if device.type == "cuda":
         print_rates(results)
+    print_gather_bandwidth(results)
     slow = min(results, key=lambda r: r.twin_x)
     print(
         f"summary: slowest twin ratio {slow.op} {slow.variant} D={_fmt(slow.dim, 'd')} "

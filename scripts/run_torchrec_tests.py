@@ -1,11 +1,12 @@
-"""Run torchrec's own tests with its embedding-bag collection swapped for embcache's.
+"""Run torchrec's own tests with its embedding collections swapped for embcache's.
 
 torchrec's tests are not in its wheel, so this script takes a checkout of torchrec's source
 (the tag of the installed version), copies the test files below into a temporary folder, and
 runs them with pytest. A generated ``conftest.py`` binds the names ``EmbeddingBagCollection``
 and ``FusedEmbeddingBagCollection`` in each test module to
-``embcache.CachedEmbeddingBagCollection``: the tests build embcache's collection wherever they
-build torchrec's, and hand it to torchrec's own model classes and helpers, which stay as
+``embcache.CachedEmbeddingBagCollection``, and ``EmbeddingCollection`` to
+``embcache.CachedEmbeddingCollection``: the tests build embcache's collections wherever they
+build torchrec's, and hand them to torchrec's own model classes and helpers, which stay as
 installed. No assertion is changed. ``--original`` runs the same files unswapped (torchrec's
 own classes), as the baseline.
 
@@ -59,36 +60,41 @@ CONFTEST = textwrap.dedent(
 
     SWAP = os.environ["EMBCACHE_SWAP"] == "1"
     REPORT = os.environ["EMBCACHE_REPORT"]
-    NAMES = ("EmbeddingBagCollection", "FusedEmbeddingBagCollection")
+    SWAPS = {
+        "EmbeddingBagCollection": embcache.CachedEmbeddingBagCollection,
+        "FusedEmbeddingBagCollection": embcache.CachedEmbeddingBagCollection,
+        "EmbeddingCollection": embcache.CachedEmbeddingCollection,
+    }
     built = []  # one entry per collection built during the current test
 
-    if SWAP:
-        _init = embcache.CachedEmbeddingBagCollection.__init__
 
-        def _counting_init(self, *args, **kwargs):
+    def _count(cls):
+        init = cls.__init__
+
+        def counting_init(self, *args, **kwargs):
             built.append(1)
-            _init(self, *args, **kwargs)
+            init(self, *args, **kwargs)
 
-        embcache.CachedEmbeddingBagCollection.__init__ = _counting_init
+        cls.__init__ = counting_init
+
+
+    if SWAP:
+        _count(embcache.CachedEmbeddingBagCollection)
+        _count(embcache.CachedEmbeddingCollection)
     else:
         import torchrec.modules.embedding_modules as em
 
-        _init = em.EmbeddingBagCollectionInterface.__init__
-
-        def _counting_init(self, *args, **kwargs):
-            built.append(1)
-            _init(self, *args, **kwargs)
-
-        em.EmbeddingBagCollectionInterface.__init__ = _counting_init
+        _count(em.EmbeddingBagCollectionInterface)
+        _count(em.EmbeddingCollectionInterface)
 
 
     def pytest_collection_modifyitems(session, config, items):
         for item in items:
             module = item.module
             if SWAP:
-                for name in NAMES:
+                for name, cls in SWAPS.items():
                     if name in vars(module):
-                        setattr(module, name, embcache.CachedEmbeddingBagCollection)
+                        setattr(module, name, cls)
 
 
     @pytest.hookimpl(hookwrapper=True)
@@ -139,11 +145,18 @@ def main() -> int:
         "--original", action="store_true", help="run torchrec's own classes (the baseline)"
     )
     parser.add_argument("-k", default=None, help="pytest -k expression")
+    parser.add_argument(
+        "--file",
+        action="append",
+        choices=TEST_FILES,
+        help="run only this test file (repeatable; default: all of them)",
+    )
     parser.add_argument("--show", action="store_true", help="print pytest's own output")
     args = parser.parse_args()
 
     src = args.torchrec_src
-    missing = [f for f in TEST_FILES if not (src / f).is_file()]
+    files = tuple(args.file or TEST_FILES)
+    missing = [f for f in files if not (src / f).is_file()]
     if missing:
         print(f"{src} is not a torchrec checkout: missing {missing}", file=sys.stderr)
         return 2
@@ -156,7 +169,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="embcache-torchrec-tests-") as tmp:
         root = Path(tmp)
         names = []
-        for f in TEST_FILES:
+        for f in files:
             # Flat, distinct module names: the checkout's package folders are not importable
             # next to the installed torchrec.
             name = "tr_" + f.removeprefix("torchrec/").replace("/tests/", "_").replace("/", "_")
@@ -186,7 +199,7 @@ def summarise(report: Path, names: list[str], original: bool) -> int:
     import json
 
     rows = [json.loads(line) for line in report.read_text().splitlines()]
-    who = "torchrec's own classes" if original else "embcache.CachedEmbeddingBagCollection"
+    who = "torchrec's own classes" if original else "embcache's cached collections"
     print(f"torchrec tests with {who}")
     print(f"{'file':<40} {'passed':>7} {'failed':>7} {'skipped':>8}   built: passed/all")
     for name in names:

@@ -11,7 +11,8 @@ and MAX, with and without per-sample weights, dims 8, 64 and 300 (two column blo
 tables sharing a cache, LRU and LFU, a cache smaller than one batch's working set (evictions,
 write-backs, scratch rows), the whole table cached, all four optimizers and
 ``update_in_backward``. Then the prefetch pipeline on the device against the CPU path, the host
-synchronisations of a step for 2 and for 26 tables, and `DistEmbedding` with device ids.
+synchronisations of a step for 2 and for 26 tables, `DistEmbedding` with device ids, and a
+sequence collection (`CachedEmbeddingCollection`: the gather and its backward).
 Nothing here imports torchrec (the GPU image has none): inputs are `embcache.JaggedBatch`.
 
 Two switches let the check's dry run walk this file on a machine without a GPU:
@@ -459,3 +460,46 @@ def test_dist_embedding_with_cuda_ids_matches_the_cpu_path() -> None:
         results.append(emb.weight[torch.arange(50)])
     embcache.reset_kv_client()
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+SEQUENCE_TABLES = [
+    embcache.TableConfig(name="s8", embedding_dim=8, num_embeddings=3000,
+                         feature_names=["f0", "f1"], pooling="none"),
+    embcache.TableConfig(name="s300", embedding_dim=300, num_embeddings=500,
+                         feature_names=["f2"], pooling="none"),
+]  # fmt: skip
+
+
+def test_sequence_training_matches_the_cpu_path() -> None:
+    """`CachedEmbeddingCollection` on the device (the Triton gather and its segment-sum
+    backward, dims 8 and 300) against the CPU path: the rows of every value at every step, and
+    the tables after AdaGrad with a cache smaller than one batch's ids."""
+    batches = make_batches(SEQUENCE_TABLES, False, STEPS, seed=3)
+    sides = []
+    for device, backend in ((DEVICE, DEVICE_BACKEND), (CPU, "torch")):
+        cache = embcache.CacheConfig(capacity=SMALL_CAPACITY, ways=SMALL_WAYS)
+        ec = embcache.CachedEmbeddingCollection(SEQUENCE_TABLES, device=device, cache=cache, seed=0)
+        sides.append((ec, embcache.SparseAdaGrad([ec], lr=0.05), device, backend))
+    for step, (batch, _) in enumerate(batches):
+        outs = []
+        for ec, opt, device, backend in sides:
+            with on_backend(backend):
+                out = ec(batch.to(device))
+                loss = torch.zeros((), device=device)
+                for jt in out.values():
+                    v = jt.values()
+                    assert v.device.type == device.type
+                    coeff = 1 + torch.arange(v.numel(), device=device).reshape(v.shape) % 5 / 5
+                    loss = loss + loss_of(v, coeff)
+                loss.backward()
+                opt.step()
+            outs.append({k: jt.values().detach().cpu() for k, jt in out.items()})
+        for key, expected in outs[1].items():
+            assert_close("pooled", outs[0][key], expected, f"step {step}: {key}")
+    for t in SEQUENCE_TABLES:
+        found = []
+        for ec, _, _, backend in sides:
+            with on_backend(backend):
+                found.append(ec.table_rows(t.name))
+        atol, rtol = PIPELINE_TOLERANCE  # several steps: rounding compounds
+        torch.testing.assert_close(found[0], found[1], atol=atol, rtol=rtol, msg=t.name)

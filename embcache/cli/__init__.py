@@ -6,6 +6,7 @@ data or on Criteo and MovieLens files) and ``embcache bench`` (the scripts in ``
     embcache train --data criteo:day_0.gz --buckets 0 --fusion-k 32 --cache-capacity 500000 \
         --tier-capacity 5000000 --admit-after 2 --weight-dtype bf16
     embcache train --data movielens:ml-1m --batch-size 512 --steps 2000
+    embcache train --data movielens:ml-1m --model seq --batch-size 512 --steps 2000
     embcache train --load-factor 0.05 --policy lfu --optimizer rowwise_adagrad --plot run.png
     embcache train --store redis://127.0.0.1:6379/0 --checkpoint ckpt/
     embcache train --resume ckpt/ --steps 200
@@ -37,6 +38,8 @@ DEFAULT_LOAD_FACTOR = 0.1
 DEFAULT_EVAL_BATCHES = 20
 DEFAULT_BUCKETS = 100_000  # embcache.data
 KINDS = ("criteo", "criteo-npy", "movielens")  # embcache.data
+MODELS = ("dlrm", "seq")  # embcache.cli.job
+DEFAULT_HISTORY = 20  # embcache.data.movielens
 FUSION_K = 30  # embcache.engine.interface
 MAX_FUSION_K = 56  # embcache.engine.interface
 # SPARSE_OPTIMIZERS, DEFAULT_LR, DEFAULT_DENSE_LR: from the optimizer rules' specs
@@ -197,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seed", type=int, default=0, help="seeds the data, the MLPs and the rows")
 
     model = train.add_argument_group("model and optimizer")
+    model.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default="dlrm",
+        help="dlrm: DLRM, every feature a pooled bag, their dot products into an MLP; seq "
+        "(--data movielens only): a sequence model, each rating's movie attending over its "
+        f"user's last {DEFAULT_HISTORY} rated movies (unpooled rows of the item table) beside "
+        "the pooled user and genre bags, then an MLP",
+    )
     model.add_argument(
         "--dim", type=int, default=DEFAULT_DIM, help="embedding dim (also the bottom MLP's output)"
     )

@@ -1,7 +1,8 @@
 """One training job of ``embcache train``, the same flow for one process, each of ``--nproc N``
 local ranks and each rank torchrun started (`run_job`): the tier opened, a DLRM built (tables
-sharded by row over the ranks, MLPs under DistributedDataParallel, when there are several),
-trained on the data, evaluated on its held-out split, flushed, saved, summarised.
+sharded by row over the ranks, MLPs under DistributedDataParallel, when there are several) or,
+with ``--model seq``, a `SequenceRecommender` over MovieLens histories (likewise), trained
+on the data, evaluated on its held-out split, flushed, saved, summarised.
 
 A job stops early and cleanly on SIGTERM or SIGINT (`GracefulStop`): the step in flight (and
 one already prefetched) finishes, the ranks agree on the step to stop after, the rows are
@@ -31,7 +32,8 @@ from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
 from embcache.cli.settings import default_cache, eval_batches, open_data, run_settings
 from embcache.cli.tier_record import TierRecord
-from embcache.data import Batch, ClickDataset, SyntheticCriteo
+from embcache.data import Batch, ClickDataset, MovieLens, SyntheticCriteo
+from embcache.data.movielens import DEFAULT_HISTORY
 from embcache.devices import resolve_device
 from embcache.engine.interface import FUSION_K
 from embcache.kv.base import Store
@@ -40,7 +42,9 @@ from embcache.kv.redact import redact_text, redact_url
 from embcache.kv.tier_state import TierState
 from embcache.kv.url import open_store
 from embcache.models.dlrm import DLRM
+from embcache.models.sequence_model import SequenceRecommender
 from embcache.train.loop import (
+    Model,
     binary_metrics,
     evaluate,
     make_dense_optimizer,
@@ -51,6 +55,27 @@ from embcache.train.loop import (
 
 class DataError(ValueError):
     """The data stream failed (a bad line, a truncated file) during the run."""
+
+
+MODELS = ("dlrm", "seq")  # --model
+SEQUENCE_DATA = ("movielens",)  # the --data kinds whose samples have a history (--model seq)
+
+
+def model_data(args: argparse.Namespace, data: ClickDataset) -> ClickDataset:
+    """The data as the model reads it: with ``--model seq``, MovieLens whose batches carry
+    each rating's history (`MovieLens.with_history`, the last `DEFAULT_HISTORY` movies).
+
+    Raises:
+        ValueError: ``--model seq`` on data without per-user histories.
+    """
+    if args.model == "dlrm":
+        return data
+    if not isinstance(data, MovieLens):
+        raise ValueError(
+            f"--model seq reads each user's rating history, which only {', '.join(SEQUENCE_DATA)} "
+            "data has: give --data movielens:PATH (an ml-100k or ml-1m directory)"
+        )
+    return data.with_history(DEFAULT_HISTORY)
 
 
 # What a reader raises on a damaged file: a bad line (ValueError), a number too wide for int64
@@ -230,7 +255,8 @@ def run_job(
 ) -> int:
     """One training job as rank ``rank`` of ``world`` (one process: 0 of 1): the tier opened,
     a DLRM built (tables sharded by row over the ranks and the MLPs under
-    DistributedDataParallel when ``world > 1``), trained, evaluated, flushed, saved; rank 0
+    DistributedDataParallel when ``world > 1``) or a `SequenceRecommender` (``--model seq``,
+    likewise), trained, evaluated, flushed, saved; rank 0
     writes the plot and prints the summary. With ``parser`` (one process) a bad checkpoint or
     a tier error ends the process with a one-line message; ranks raise them.
 
@@ -249,6 +275,7 @@ def run_job(
     lr, dense_lr, cache = run_settings(args)
     if data is None:
         data = open_data(args, progress=rank == 0 and not args.no_progress)
+    data = model_data(args, data)
     owner = _tier_owner(args, rank, world)  # (the checkpoint was checked before: its error)
     try:
         record = _tier_record(args, rank, world)
@@ -390,6 +417,16 @@ def run_job(
         tier_line = record.summary(args.resume)
         if tier_line is not None:
             notes.append(("tier rows", tier_line))
+        if isinstance(model, SequenceRecommender):
+            notes.append(
+                (
+                    "sequences",
+                    f"--model seq: {type(model).__name__}, each rating's movie attending over "
+                    f"its user's last {model.history_length} rated movies (rows of the "
+                    f"{model.target} table, unpooled) beside {model.num_bags} pooled bags, "
+                    "then an MLP",
+                )
+            )
         if result.interrupted:
             notes.append(("stopped", f"by {stopper.name} after step {steps_done}"))
         print_summary(
@@ -473,9 +510,9 @@ def keep_history(root: Path, rank: int, world: int, steps_done: int, keep: int) 
                 old.rmdir()  # the last rank to prune it removes it
 
 
-def check_resume(path: Path, world: int, fusion_k: int) -> dict[str, Any]:
+def check_resume(path: Path, world: int, fusion_k: int, model: str = "dlrm") -> dict[str, Any]:
     """What ``--resume path`` recorded (rank 0's ``extra``), each rank's checkpoint checked
-    first (its CURRENT and manifest, the ranks that wrote it, the ids' width).
+    first (its CURRENT and manifest, the ranks that wrote it, the ids' width, the model).
 
     Raises:
         ValueError: one line that says what is wrong.
@@ -509,6 +546,12 @@ def check_resume(path: Path, world: int, fusion_k: int) -> dict[str, Any]:
             f"--resume {path}: written with --fusion-k {saved_k}, this run has {fusion_k}: "
             f"the ids of its rows are folded to {saved_k} bits"
         )
+    saved_model = first.get("model", "dlrm")  # written before --model: a DLRM
+    if saved_model != model:
+        raise ValueError(
+            f"--resume {path}: written by --model {saved_model}, this run has --model {model}: "
+            "give the same --model"
+        )
     return first
 
 
@@ -527,6 +570,8 @@ def check_checkpoint_path(path: Path) -> None:
 
 def _build(args, data, cache, store, device, lr, dense_lr, world) -> tuple:
     """The model (sharded over the ranks when ``world > 1``) and its two optimizers."""
+    if args.model == "seq":
+        return _build_sequence(args, data, cache, store, device, lr, dense_lr, world)
     kwargs: dict[str, Any] = {}
     if world > 1:
         from embcache.distributed.sharded import ShardedEmbeddingBagCollection
@@ -549,6 +594,34 @@ def _build(args, data, cache, store, device, lr, dense_lr, world) -> tuple:
     return model, sparse_opt, dense_opt
 
 
+def _build_sequence(args, data, cache, store, device, lr, dense_lr, world) -> tuple:
+    """``--model seq``: a `SequenceRecommender` over the data's bags and its one history
+    (both collections sharded over the ranks when ``world > 1``)."""
+    kwargs: dict[str, Any] = {}
+    if world > 1:
+        from embcache.distributed import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
+
+        kwargs["bag_collection_cls"] = ShardedEmbeddingBagCollection
+        kwargs["sequence_collection_cls"] = ShardedEmbeddingCollection
+    ((history, target),) = data.sequence_features().items()
+    model = SequenceRecommender(
+        data.tables(args.dim),
+        target=target,
+        history=history,
+        history_length=data.history_length,
+        cache=default_cache(args, data, cache),
+        store=store,
+        device=device,
+        mlp=(64, 32),
+        seed=args.seed,
+        fusion_k=args.fusion_k,
+        **kwargs,
+    )
+    sparse_opt = make_sparse_optimizer(args.optimizer, model.sparse_arch.collections(), lr)
+    dense_opt = make_dense_optimizer(args.optimizer, model.dense_parameters(), dense_lr)
+    return model, sparse_opt, dense_opt
+
+
 def _hidden(data: SyntheticCriteo, batches: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The synthetic data's hidden logits and labels of the held-out batches."""
     n = batches or 0
@@ -559,7 +632,7 @@ def _hidden(data: SyntheticCriteo, batches: int | None) -> tuple[torch.Tensor, t
 
 def save_checkpoint(
     path: Path,
-    model: DLRM,
+    model: Model,
     dense_opt: Any,
     sparse_opt: Any,
     steps_done: int,
@@ -569,13 +642,15 @@ def save_checkpoint(
 ) -> None:
     """`embcache.save` of the model with both optimizers (sparse first), the number of
     training batches consumed, so `--resume` continues with the next one, the number of ranks
-    that wrote it, the ids' ``fusion_k`` (a resumed run must fold raw ids alike), the tier's
+    that wrote it, the model's kind (``--model``), the ids' ``fusion_k`` (a resumed run must
+    fold raw ids alike), the tier's
     URL without its password (a resumed run keeps the tier unless told otherwise) and the
     tier's owner token, so that a resumed run may reopen the tables its lease still holds, and
     the tier's state (`embcache.kv.tier_state`) the rows were saved from."""
     extra: dict[str, Any] = {
         "steps_done": steps_done,
         "world_size": world,
+        "model": "seq" if isinstance(model, SequenceRecommender) else "dlrm",
         "fusion_k": model.sparse_arch.fusion_k,
     }
     if store is not None:

@@ -112,7 +112,8 @@ def print_summary(
         ("data", data.describe()),
         (
             "model",
-            f"DLRM dim {args.dim}, {data.num_dense} dense and {len(data.rows)} sparse "
+            f"{'sequence model' if getattr(args, 'model', 'dlrm') == 'seq' else 'DLRM'} dim "
+            f"{args.dim}, {data.num_dense} dense and {len(data.rows)} sparse "
             f"features, {sum(p.numel() for p in model.dense_parameters()):,} dense params, "
             f"device {args.device}",
         ),

@@ -7,11 +7,14 @@ import argparse
 import math
 import os
 import warnings
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
 from embcache.cli.job import (
     DATA_ERRORS,
+    SEQUENCE_DATA,
     GracefulStop,
     check_checkpoint_path,
     check_resume,
@@ -97,6 +100,8 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     world = max(args.nproc, int(os.environ.get("WORLD_SIZE", "1")))
     if world > 1 and args.batch_size % world:
         fail(f"--batch-size {args.batch_size} must be a multiple of the number of ranks")
+    if args.model == "seq":
+        _check_sequence_data(args, fail)
     for flag, value in (("--lr", args.lr), ("--dense-lr", args.dense_lr)):
         if value is not None and not (math.isfinite(value) and value > 0):
             fail(f"{flag} must be > 0, got {value}")
@@ -106,7 +111,7 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         fail(f"--plot {args.plot}: directory {args.plot.resolve().parent} does not exist")
     if args.resume is not None:
         try:
-            check_resume(args.resume, world, args.fusion_k)
+            check_resume(args.resume, world, args.fusion_k, args.model)
         except ValueError as err:
             fail(one_line(err))
     if args.checkpoint is not None:
@@ -114,6 +119,18 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             check_checkpoint_path(args.checkpoint)
         except ValueError as err:
             fail(one_line(err))
+
+
+def _check_sequence_data(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
+    """``--model seq``: data with per-user histories."""
+    kind = args.data.partition(":")[0] if args.data is not None else None
+    if kind not in SEQUENCE_DATA:
+        given = f"--data {kind}:..." if kind is not None else "the synthetic data (no --data)"
+        fail(
+            f"--model seq reads each user's rating history, which {given} does not have: it "
+            f"trains on {', '.join(k + ':PATH' for k in SEQUENCE_DATA)} (an ml-100k or ml-1m "
+            "directory)"
+        )
 
 
 def _resolve_store(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -9,8 +9,9 @@ split, whatever its format.
         ...
 
 Each feature has its own table (``t_<feature>``) of ``rows[i]`` rows (None: unbounded, raw
-hashed ids); a feature's bag holds one
-id (Criteo) or several (MovieLens genres).
+hashed ids); a feature's bag holds one id (Criteo) or several (MovieLens genres). A sequence
+feature (`ClickDataset.sequence_features`: a MovieLens user's history) is in the batches'
+sparse features too, and looks up the table of the feature it names.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class ClickDataset(abc.ABC):
             )
             for f, n in zip(self.feature_names, self.rows, strict=True)
         ]
+
+    def sequence_features(self) -> dict[str, str]:
+        """The sequence features its batches carry besides the bags (one id per past event,
+        looked up unpooled), each mapped to the feature whose table its ids index (MovieLens
+        `with_history`: ``{"history": "item"}``); none by default."""
+        return {}
 
     def train_samples(self, count: bool = False) -> int | None:
         """Samples in the training split: None when endless, or unknown without reading the

@@ -12,10 +12,17 @@ A rating is a sample whose label is ``rating >= 4``; its sparse features, each i
 No dense features. The ratings are ordered by time (stable for equal timestamps) and the last
 ``eval_fraction`` held out. The files are small (ml-1m: 24 MB): they are read once, with a
 progress bar, and batches cut from arrays in memory.
+
+`MovieLens.with_history` adds a sequence feature, ``history``: the movies the sample's user
+rated strictly before the sample's timestamp, oldest first, the last ``length`` of them (ids of
+the ``item`` table, without their stars; ratings of one second are not each other's history).
+A held-out rating's history holds the user's earlier ratings whichever split they are in: what
+was known before it.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +35,8 @@ from embcache.data.batch import Batch
 from embcache.engine.inputs import JaggedBatch
 
 FEATURES = ["user", "item", "age", "gender", "occupation", "zip", "genres"]
+HISTORY = "history"  # the sequence feature `MovieLens.with_history` adds: ids of the item table
+DEFAULT_HISTORY = 20  # the ratings a history keeps, the latest
 AGE_GROUPS = np.array([18, 25, 35, 45, 50, 56])  # group k: ages in [bounds[k-1], bounds[k])
 ML_1M_GENRES = (
     "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
@@ -116,6 +125,7 @@ class MovieLens(ClickDataset):
             raise ValueError(f"{self.path}: a rating's movie is missing from the movies file")
         order = np.argsort(stamp, kind="stable")
         self._user, self._item, self._label = user[order], item[order], rating[order] >= 4
+        self._stamp = stamp[order]
         self._users, self._genres = users, items
         n = user.size
         self.cut = round(n * (1 - eval_fraction))
@@ -129,6 +139,22 @@ class MovieLens(ClickDataset):
             self._genre_rows,
         ]
         self.eval_fraction = eval_fraction
+        self.history_length = 0
+        self._history: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def with_history(self, length: int = DEFAULT_HISTORY) -> MovieLens:
+        """The same data whose batches also carry `HISTORY` (see the module docstring): each
+        sample's user's last ``length`` movies rated strictly before it, oldest first. The
+        arrays are shared with ``self``, which is left as it is."""
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"history length must be an int >= 1, got {length!r}")
+        out = copy.copy(self)
+        out.history_length = length
+        out._history = _histories(self._user, self._stamp, self._item, length)
+        return out
+
+    def sequence_features(self) -> dict[str, str]:
+        return {HISTORY: "item"} if self._history is not None else {}
 
     # -- the two releases ----------------------------------------------------------------------
 
@@ -202,24 +228,34 @@ class MovieLens(ClickDataset):
     # -- batches -------------------------------------------------------------------------------
 
     def describe(self) -> str:
+        history = (
+            f" and the user's last {self.history_length} rated movies"
+            if self._history is not None
+            else ""
+        )
         return (
             f"MovieLens {self.release} {self.path}: {self._user.size:,} ratings (label: 4 or "
-            f"5 stars), 7 sparse features, last {self.eval_fraction:.0%} by time held out, "
-            f"batch {self.batch_size}"
+            f"5 stars), 7 sparse features{history}, last {self.eval_fraction:.0%} by time held "
+            f"out, batch {self.batch_size}"
         )
 
     def _batch(self, lo: int, hi: int) -> Batch:
         user, item = self._user[lo:hi], self._item[lo:hi]
         offsets, values = self._genres
-        starts, lengths = offsets[item], offsets[item + 1] - offsets[item]
-        within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        genres = values[np.repeat(starts, lengths) + within]
+        lengths = offsets[item + 1] - offsets[item]
+        genres = values[_ranges(offsets[item], lengths)]
         singles = [user, item, *(self._users[k][user] for k in FEATURES[2:6])]
         b = hi - lo
+        keys, bags, sizes = list(FEATURES), [*singles, genres], [np.ones(6 * b, np.int64), lengths]
+        if self._history is not None:
+            items, starts, counts = self._history
+            keys.append(HISTORY)
+            bags.append(items[_ranges(starts[lo:hi], counts[lo:hi])])
+            sizes.append(counts[lo:hi])
         sparse = JaggedBatch.from_lengths(
-            keys=list(FEATURES),
-            values=torch.from_numpy(np.concatenate([*singles, genres])),
-            lengths=torch.from_numpy(np.concatenate([np.ones(6 * b, np.int64), lengths])),
+            keys=keys,
+            values=torch.from_numpy(np.concatenate(bags)),
+            lengths=torch.from_numpy(np.concatenate(sizes)),
         )
         labels = torch.from_numpy(self._label[lo:hi].astype(np.float32))
         return Batch(torch.zeros(b, 0), sparse, labels)
@@ -242,3 +278,36 @@ class MovieLens(ClickDataset):
         starts = range(self.cut, self._user.size, self.batch_size)
         for lo in itertools.islice(starts, limit):
             yield self._batch(lo, min(lo + self.batch_size, self._user.size))
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices ``starts[k], ..., starts[k] + lengths[k] - 1`` of every k, one after another."""
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + within
+
+
+def _histories(
+    user: np.ndarray, stamp: np.ndarray, item: np.ndarray, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each rating's history, for ratings in time order (``user``, ``stamp``, ``item`` ``[n]``):
+    the items of its user's ratings with an earlier timestamp, the last ``length``.
+
+    Returns:
+        ``(items, starts, counts)``: ``items`` ``[n]`` the items grouped by user, each user's in
+        time order; rating ``i``'s history is ``items[starts[i] : starts[i] + counts[i]]``.
+    """
+    by_user = np.argsort(user, kind="stable")  # [n]: each user's ratings, in time order
+    u, t = user[by_user], stamp[by_user]
+    position = np.arange(u.size)
+    new_user = np.ones(u.size, dtype=bool)
+    new_user[1:] = u[1:] != u[:-1]
+    new_second = new_user.copy()
+    new_second[1:] |= t[1:] != t[:-1]
+    first_of_user = np.maximum.accumulate(np.where(new_user, position, 0))
+    # Ratings of the same user and second: none is before another, so each one's history ends
+    # where the first of them is.
+    end = np.maximum.accumulate(np.where(new_second, position, 0))
+    start = np.maximum(first_of_user, end - length)
+    starts, counts = np.empty_like(start), np.empty_like(start)
+    starts[by_user], counts[by_user] = start, end - start
+    return item[by_user], starts, counts

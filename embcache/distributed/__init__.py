@@ -1,5 +1,6 @@
 """Several processes: row-wise sharding of cached collections over torch.distributed
-(`ShardedEmbeddingBagCollection`, `ShardedKVClient`) and the launcher (`spawn`)."""
+(`ShardedEmbeddingBagCollection`, `ShardedEmbeddingCollection`, `ShardedKVClient`) and the
+launcher (`spawn`)."""
 
 from embcache.distributed.launch import SpawnError, spawn
 from embcache.distributed.sharded import (
@@ -9,10 +10,12 @@ from embcache.distributed.sharded import (
     kv_owner_of,
     owner_of,
 )
+from embcache.distributed.sharded_sequence import ShardedEmbeddingCollection
 
 __all__ = [
     "CollectiveError",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "ShardedKVClient",
     "SpawnError",
     "kv_owner_of",

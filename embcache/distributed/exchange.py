@@ -40,12 +40,12 @@ _LOW63 = (1 << 63) - 1
 
 OP_FORWARD, OP_INIT, OP_PULL, OP_PUSH, OP_UPDATE, OP_PREFETCH, OP_ADD = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {
-    OP_FORWARD: "ShardedEmbeddingBagCollection.forward",
+    OP_FORWARD: "the sharded collection's forward",
     OP_INIT: "ShardedKVClient.init_data",
     OP_PULL: "ShardedKVClient.pull",
     OP_PUSH: "ShardedKVClient.push",
     OP_UPDATE: "ShardedKVClient.update_async",
-    OP_PREFETCH: "ShardedEmbeddingBagCollection.issue_fused_prefetch",
+    OP_PREFETCH: "the sharded collection's issue_fused_prefetch",
     OP_ADD: "ShardedKVClient.add_async",
 }
 NO_PREFETCH = -1  # a forward header's prefetch column: this rank resolves in the forward

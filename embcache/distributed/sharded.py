@@ -8,21 +8,25 @@ all_to_all helper (`Comm`) and `CollectiveError`; `ShardedKVClient` lives in
 `embcache.distributed.sharded_kv`. All of them are importable from here too.
 
 `ShardedEmbeddingBagCollection` is a `CachedEmbeddingBagCollection` whose caches (one per dim)
-and store hold only the rows this rank owns. A training step with G caches (embedding dims)
-makes 2 + 2G all_to_alls:
+and store hold only the rows this rank owns; `ShardedEmbeddingCollection`
+(`embcache.distributed.sharded_sequence`) is the same for a `CachedEmbeddingCollection` (one
+row per id, unpooled). Both are a `ShardedCollection`, which makes the exchanges; they differ
+only in their outputs (`ShardedCollection._outputs`) and in each cache's reduction
+(`engine.reduction`: pool bags, or gather one row per value). A training step with G caches
+(embedding dims) makes 2 + 2G all_to_alls:
 
 * forward, on every rank: validate, fuse and dedup its own batch per cache; send every unique id
   to its owner (1: a ``[W, 5]`` header of counts, op code, tag, status and prefetch; 2: the ids,
   grouped by owner). Each owner dedups what it received, resolves those ids to slots in its own
   `HotCache` (locked until the step, as in one process) and, per cache, sends each requester
   its rows ``[n, dim]`` in the order asked, behind one status row (3: G exchanges). The
-  requester pools its bags locally from the received rows (`pool_forward`, the slots being the
-  rows' positions in what it received).
-* backward, per cache: `pool_backward` gives one gradient row per unique id of the requester,
-  sent to the owners (4: G exchanges). Each owner sums the rows of an id over the ranks in rank
-  order (`aggregate_grads`, deterministic) and records them in its ``_trace``.
+  requester pools its bags (or gathers each value's row) locally from the received rows (the
+  cache's `engine.reduction`, the slots being the rows' positions in what it received).
+* backward, per cache: the reduction's backward gives one gradient row per unique id of the
+  requester, sent to the owners (4: G exchanges). Each owner sums the rows of an id over the
+  ranks in rank order (`aggregate_grads`, deterministic) and records them in its ``_trace``.
 
-The optimizer is the ordinary one: ``SparseAdaGrad([sharded_ebc], lr=...)``. Its ``step()`` only
+The optimizer is the ordinary one: ``SparseAdaGrad([sharded], lr=...)``. Its ``step()`` only
 reads the owner's trace and applies `apply_row_update` in the owner's cache slots, so every row
 has one writer and no step needs communication. Results equal one process trained on the
 concatenated global batch up to the order of float32 additions (a row's gradient is summed per
@@ -52,6 +56,7 @@ every rank. A peer that dies or times out turns into a `CollectiveError` naming 
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -76,15 +81,16 @@ from embcache.distributed.exchange import (
 )
 from embcache.distributed.sharded_kv import ShardedKVClient
 from embcache.engine.batch_state import FusedPrefetchHandle, InFlight, Prefetched, Prepared
-from embcache.engine.engine import bag_gradients, pool_bags
 from embcache.engine.inputs import JaggedBatch, pooled_output
 from embcache.engine.interface import FUSION_K, CachedCollectionInterface
+from embcache.engine.lookup import lookup
 from embcache.kernels.optim import aggregate_grads
 from embcache.kv.base import Store
 
 __all__ = [
     "OWNER_SALT",
     "CollectiveError",
+    "ShardedCollection",
     "ShardedEmbeddingBagCollection",
     "ShardedKVClient",
     "kv_owner_of",
@@ -94,7 +100,8 @@ __all__ = [
 
 @dataclass
 class _Request:
-    """One cache's share of this rank's batch, as the requester pools it."""
+    """One cache's share of this rank's batch, as the requester reduces it (a `Share` of
+    `engine.reduction`)."""
 
     inverse: torch.Tensor  # int64 [nnz] unique index of each value
     offsets: torch.Tensor  # int64 [F*B + 1]
@@ -102,7 +109,8 @@ class _Request:
     order: torch.Tensor  # int64 [U]: reply position -> unique index (sorted by owner, stable)
     position: torch.Tensor  # int64 [U]: unique index -> reply position
     counts: list[int]  # unique ids sent to each rank
-    argmaxes: list = dataclasses.field(default_factory=list)
+    saved: Any = None  # what the reduction's backward needs (MAX pooling's argmax rows)
+    cuts: list[int] | None = None  # where each lookup's values start (None: read them)
 
 
 @dataclass
@@ -117,7 +125,7 @@ class _Owned:
 @dataclass
 class _Exchange:
     """This rank's side of one lookup before the rows come back: its unique ids of every
-    cache, concatenated, and per cache how it pools what the owners send."""
+    cache, concatenated, and per cache how it reduces what the owners send."""
 
     ids: torch.Tensor  # int64 [sum U]
     requests: list[_Request]
@@ -137,6 +145,7 @@ class _Prefetch:
 class _Step:
     """A forward's exchanges, kept for its backward."""
 
+    features: JaggedBatch  # the checked batch
     batch_size: int
     requests: list[_Request]
     owned: list[_Owned]
@@ -158,46 +167,31 @@ def _shard_cache_config(cache: CacheConfig | None, world_size: int) -> CacheConf
     return cache
 
 
-class ShardedEmbeddingBagCollection(CachedCollectionInterface):
-    """`CachedEmbeddingBagCollection` over several ranks, each owning a shard of the rows.
+class ShardedCollection(CachedCollectionInterface):
+    """The rows of a collection's tables sharded over the ranks, each rank owning a shard:
+    what `ShardedEmbeddingBagCollection` and `ShardedEmbeddingCollection` share (the
+    exchanges, prefetch, whole tables, statistics; the module docstring walks through them).
 
-    Same input, output, keys and values as one `CachedEmbeddingBagCollection` given the same
-    tables, seed and batch; every rank passes its own batch (any size, empty included) and gets
-    its own pooled output. Train it with the ordinary sparse optimizers
-    (``SparseAdaGrad([ebc], lr=...)``); ``step()`` updates, on each rank, the rows it owns.
-    See the module docstring for the exchanges (the owner hash: `embcache.distributed.exchange`).
-
-    Args:
-        tables, is_weighted, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr,
-            seed: as in `CachedEmbeddingBagCollection` (every rank must give the same).
-        cache: per rank: ``capacity`` is the rows of each of this rank's caches;
-            ``load_factor`` a fraction of the rows this rank owns (about ``1/world_size`` of the
-            tables); None keeps every owned row resident (direct-mapped slots sized by the whole
-            table, of which a rank fills only its share: give a load_factor to bound memory).
-        store: this rank's tier: a `Store`, a URL, None (an in-process `HostKV`), or a callable
-            ``store(rank) -> Store | URL``. A shared store (one Redis) also works: each rank
-            writes only the rows it owns; give every rank the same lease owner
-            (``open_store(url, owner=token)``, as ``embcache train --nproc`` does), since a
-            table is otherwise leased to one job. Not ``?shared=1``: that opens the tables
-            read-only (no lease, every write refused), for a reader beside the job.
-        device: where this rank's caches and outputs live (``cuda`` with NCCL or gloo).
-        process_group: the ranks sharing the tables (None: the default group).
+    A subclass gives ``forward`` its output: `_outputs` allocates a lookup's outputs and
+    `_target` says where in them each cache's reduction writes (and, in the outputs'
+    gradients, reads); `_run` makes the lookup. The arguments are
+    `ShardedEmbeddingBagCollection`'s.
     """
 
     def __init__(
         self,
         tables: Sequence[Any],
-        is_weighted: bool = False,
-        cache: CacheConfig | None = None,
-        store: Store | str | Callable[[int], Store | str] | None = None,
-        device: torch.device | str | None = None,
-        enable_fusion: bool = True,
-        fusion_k: int = FUSION_K,
-        update_in_backward: bool = False,
-        accumulate_grads: bool = False,
-        lr: float | None = None,
-        seed: int = 0,
-        process_group: dist.ProcessGroup | None = None,
+        is_weighted: bool,
+        cache: CacheConfig | None,
+        store: Store | str | Callable[[int], Store | str] | None,
+        device: torch.device | str | None,
+        enable_fusion: bool,
+        fusion_k: int,
+        update_in_backward: bool,
+        accumulate_grads: bool,
+        lr: float | None,
+        seed: int,
+        process_group: dist.ProcessGroup | None,
     ) -> None:
         comm = Comm(process_group)
         if callable(store) and not isinstance(store, Store):
@@ -224,27 +218,37 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         self._table_engine = torch.tensor(
             [engine_of[t.name] for t in self.tables], device=self.device
         )
-        column, col = {}, 0
-        for f, d in zip(self.output_keys, self.output_dims, strict=True):
-            column[f], col = col, col + d
-        self._num_columns = col
-        self._feature_cols = [
-            torch.tensor([column[k] for k in e.layout.keys], device=self.device) for e in engines
-        ]
+
+    # ------------------------------------------------------------------------------------------
+    # the outputs (each collection's own)
+
+    @abc.abstractmethod
+    def _outputs(self, batch_size: int, requests: list[_Request]) -> tuple[torch.Tensor, ...]:
+        """A lookup's outputs, allocated (the values `forward` returns, and what autograd
+        gives their gradients for)."""
+
+    @abc.abstractmethod
+    def _target(
+        self, gi: int, outputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Where cache ``gi``'s reduction writes in ``outputs`` (or reads in their gradients):
+        ``(tensor, first column of each feature, columns[0] when they lie side by side)``."""
 
     # ------------------------------------------------------------------------------------------
     # forward and backward
 
-    def forward(self, features: JaggedBatch | Any) -> Any:
-        """This rank's pooled embeddings ``[B, sum of dims]`` (collective): a torchrec
-        `KeyedTensor` for a KJT input, a `PooledEmbeddings` for a `JaggedBatch`."""
+    def _run(self, features: JaggedBatch | Any) -> tuple[tuple[torch.Tensor, ...], JaggedBatch]:
+        """A forward's lookup (collective): its `_outputs` (one autograd node when gradients
+        are on, `_ShardedStep`) and the checked batch."""
         if torch.is_grad_enabled():
-            values = _ShardedLookup.apply(self.grad_anchor, self, features)
-        else:
-            values, _ = self._lookup(features, training=False)
-        return pooled_output(features, self.output_keys, self.output_dims, values)
+            run = _ShardedStep(self, features)
+            outs = lookup(self.grad_anchor, run)
+            assert run.step is not None
+            return outs, run.step.features
+        outs, step = self._lookup(features, training=False)
+        return outs, step.features
 
-    def _lookup(self, features: Any, training: bool) -> tuple[torch.Tensor, _Step]:
+    def _lookup(self, features: Any, training: bool) -> tuple[tuple[torch.Tensor, ...], _Step]:
         error: BaseException | None = None
         mine: _Exchange | None = None
         prefetched: Prefetched | None = None
@@ -297,8 +301,8 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             self._unlock(owned)  # an owner failed: this forward holds no slot
             raise
         batch = self.engines.start([o.prepared for o in owned]) if training else None
-        step = _Step(features.stride(), requests, owned, batch)
-        return self._pool(step, got), step
+        step = _Step(features, features.stride(), requests, owned, batch)
+        return self._reduce(step, got), step
 
     def _requester(
         self, fused: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -315,7 +319,7 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
             counts = torch.bincount(owners, minlength=self.world_size).tolist()
             requests.append(_Request(p.inverse, p.offsets, p.weights, order, position, counts))
             uniques.append(p.unique)
-        return _Exchange(torch.cat(uniques), requests)
+        return _Exchange(torch.cat(uniques) if uniques else self._no_ids(), requests)
 
     # ------------------------------------------------------------------------------------------
     # prefetch
@@ -405,32 +409,32 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
                 engine.release(o.prepared)
             engine.cache.release()
 
-    def _bags(self, gi: int, req: _Request, batch_size: int) -> list:
-        engine = self.engines.engines[gi]
-        cols = self._feature_cols[gi]
-        return engine.layout.bags(req.inverse, req.offsets, req.weights, batch_size, cols)
-
-    def _pool(self, step: _Step, got: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Pool this rank's bags straight from the buffers its owners sent (one per cache)."""
+    def _reduce(
+        self, step: _Step, got: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, ...]:
+        """Pool this rank's bags (or gather its values' rows) straight from the buffers its
+        owners sent (one per cache) into the step's `_outputs`."""
         B = step.batch_size
-        out = torch.empty(B, self._num_columns, device=self.device)
+        outs = self._outputs(B, step.requests)
         for gi, (engine, req, (rows, data)) in enumerate(
             zip(self.engines.engines, step.requests, got, strict=True)
         ):
             slots = data[req.position]  # where each unique id's row landed in `rows`
-            req.argmaxes = pool_bags(engine.layout, rows, slots, self._bags(gi, req, B), B, out)
-        return out
+            out, cols, start = self._target(gi, outs)
+            req.saved = engine.reduction.forward(rows, slots, req, B, out, cols, start)
+        return outs
 
-    def _backward(self, step: _Step, grad_out: torch.Tensor) -> None:
+    def _backward(self, step: _Step, grad_outs: tuple[torch.Tensor, ...]) -> None:
         """Gradient rows per unique id -> their owners, who sum them and record the trace."""
         B = step.batch_size
-        grad_out = grad_out.to(torch.float32).contiguous()
+        grad_outs = tuple(g.to(torch.float32).contiguous() for g in grad_outs)
         received = []
         for gi, (engine, req, o) in enumerate(
             zip(self.engines.engines, step.requests, step.owned, strict=True)
         ):
-            bags = self._bags(gi, req, B)
-            grad = bag_gradients(engine.layout, grad_out, req.order.numel(), bags, B, req.argmaxes)
+            grad_out, cols, start = self._target(gi, grad_outs)
+            grad = engine.reduction.backward(grad_out, req.order.numel(), req, B, cols, start,
+                                             req.saved)  # fmt: skip
             received.append(
                 self._comm.exchange(grad[req.order], req.counts, o.counts, "the gradients")
             )
@@ -518,26 +522,112 @@ class ShardedEmbeddingBagCollection(CachedCollectionInterface):
         self._prefetch_comm.reset_stats()
 
 
-class _ShardedLookup(torch.autograd.Function):
-    """The exchanges and the pooling of one forward; backward sends the gradient rows to their
-    owners. One function for all caches, so that a backward makes its exchanges in one place,
-    in cache order, on every rank."""
+class ShardedEmbeddingBagCollection(ShardedCollection):
+    """`CachedEmbeddingBagCollection` over several ranks, each owning a shard of the rows.
 
-    @staticmethod
-    def forward(ctx, anchor, module, features):
+    Same input, output, keys and values as one `CachedEmbeddingBagCollection` given the same
+    tables, seed and batch; every rank passes its own batch (any size, empty included) and gets
+    its own pooled output. Train it with the ordinary sparse optimizers
+    (``SparseAdaGrad([ebc], lr=...)``); ``step()`` updates, on each rank, the rows it owns.
+    See the module docstring for the exchanges (the owner hash: `embcache.distributed.exchange`).
+
+    Args:
+        tables, is_weighted, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr,
+            seed: as in `CachedEmbeddingBagCollection` (every rank must give the same).
+        cache: per rank: ``capacity`` is the rows of each of this rank's caches;
+            ``load_factor`` a fraction of the rows this rank owns (about ``1/world_size`` of the
+            tables); None keeps every owned row resident (direct-mapped slots sized by the whole
+            table, of which a rank fills only its share: give a load_factor to bound memory).
+        store: this rank's tier: a `Store`, a URL, None (an in-process `HostKV`), or a callable
+            ``store(rank) -> Store | URL``. A shared store (one Redis) also works: each rank
+            writes only the rows it owns; give every rank the same lease owner
+            (``open_store(url, owner=token)``, as ``embcache train --nproc`` does), since a
+            table is otherwise leased to one job. Not ``?shared=1``: that opens the tables
+            read-only (no lease, every write refused), for a reader beside the job.
+        device: where this rank's caches and outputs live (``cuda`` with NCCL or gloo).
+        process_group: the ranks sharing the tables (None: the default group).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[Any],
+        is_weighted: bool = False,
+        cache: CacheConfig | None = None,
+        store: Store | str | Callable[[int], Store | str] | None = None,
+        device: torch.device | str | None = None,
+        enable_fusion: bool = True,
+        fusion_k: int = FUSION_K,
+        update_in_backward: bool = False,
+        accumulate_grads: bool = False,
+        lr: float | None = None,
+        seed: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            tables,
+            is_weighted,
+            cache,
+            store,
+            device,
+            enable_fusion,
+            fusion_k,
+            update_in_backward,
+            accumulate_grads,
+            lr,
+            seed,
+            process_group,
+        )
+        column, col = {}, 0
+        for f, d in zip(self.output_keys, self.output_dims, strict=True):
+            column[f], col = col, col + d
+        self._num_columns = col
+        self._feature_cols = [
+            torch.tensor([column[k] for k in e.layout.keys], device=self.device)
+            for e in self.engines.engines
+        ]
+
+    def forward(self, features: JaggedBatch | Any) -> Any:
+        """This rank's pooled embeddings ``[B, sum of dims]`` (collective): a torchrec
+        `KeyedTensor` for a KJT input, a `PooledEmbeddings` for a `JaggedBatch`."""
+        (values,), _ = self._run(features)
+        return pooled_output(features, self.output_keys, self.output_dims, values)
+
+    def _outputs(self, batch_size: int, requests: list[_Request]) -> tuple[torch.Tensor, ...]:
+        """One ``[B, sum of dims]`` output: every cache pools its features into their columns."""
+        return (torch.empty(batch_size, self._num_columns, device=self.device),)
+
+    def _target(
+        self, gi: int, outputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        return outputs[0], self._feature_cols[gi], None
+
+
+class _ShardedStep:
+    """The exchanges and the reductions of one training forward, as
+    `engine.lookup.CachedLookup` runs it; backward sends the gradient rows to their owners. One
+    step for all caches, so that a backward makes its exchanges in one place, in cache order,
+    on every rank."""
+
+    anchor_grad = False
+
+    def __init__(self, module: ShardedCollection, features: Any) -> None:
+        self.module = module
+        self.features = features
+        self.step: _Step | None = None
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        module = self.module
         # The step is this thread's from here (`embcache.engine.claim`): another thread's
         # forward raises before its handshake, so the peers meet this thread's collectives.
         fresh = module.engines.claim.take("training forward")
         try:
-            out, ctx.step = module._lookup(features, training=True)
+            outs, self.step = module._lookup(self.features, training=True)
         except BaseException:
             if fresh:
                 module.engines.release_claim_if_idle()
             raise
-        ctx.module = module
-        return out
+        return outs
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        ctx.module._backward(ctx.step, grad_out)
-        return None, None, None
+    def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
+        assert self.step is not None
+        self.module._backward(self.step, grads)

@@ -78,7 +78,7 @@ class PrefetchState:
     the handle, so a handle nobody references can still be released."""
 
     seq: int  # issue order within the collection (every rank issues in the same order)
-    future: Future  # -> Prefetched, set by the collection's prefetch worker
+    future: Future[Prefetched]  # set by the collection's prefetch worker
     used: bool = False  # taken by a forward, whose batch now holds the slots
     released: bool = False  # its slots were given back without a forward
     finalizer: Any = None  # weakref.finalize of the handle
@@ -153,10 +153,13 @@ class FusedPrefetchHandle:
         return f"FusedPrefetchHandle(#{self.state.seq}, {status}, keys={self.keys})"
 
 
-class TraceEntry(tuple):
+class TraceEntry(tuple[str, torch.Tensor, torch.Tensor]):
     """One table's gradients from one backward: the tuple ``(table_name, ids, grads)``
     (RecStore's trace item), which also knows the cache (``engine``, its index in the
     collection) and the forward (``batch``) whose slots hold these rows."""
+
+    engine: int
+    batch: InFlight | None
 
     def __new__(
         cls,

@@ -1,8 +1,8 @@
 """CacheEngine: one cache's share of a training step, in the order it runs.
 
     prepared = engine.prepare(*engine.fuse(batch), lock=True)   # 1. fuse, dedup, resolve, lock
-    argmaxes = engine.pool(prepared, B, out, columns)           # 2. pool bags from the slots
-    grads = engine.grad_rows(prepared, B, grad_out, columns, argmaxes)  # 3. one row per id
+    saved = engine.lookup_rows(prepared, B, out, columns)       # 2. pool bags (or gather rows)
+    grads = engine.grad_rows(prepared, B, grad_out, columns, saved)  # 3. one row per id
     entries = engine.trace_entries(prepared.unique, grads, ...) # (per table, for the trace)
     located = engine.locate(entries, table_index)               # 4. slots and per-id gradients,
     engine.apply(located, rule, steps)                          #    rows + state updated in place
@@ -10,84 +10,52 @@
 
 A collection holds one engine per embedding dim (its tables share one `HotCache`) and an
 `EngineGroup` that runs them together. The sharded collection uses the same engines on each
-rank for the rows it owns, and `pool_bags` / `bag_gradients` on rows that other ranks sent.
+rank for the rows it owns, and their reductions (`engine.reduction`) on rows that other ranks
+sent. What the lookup does with the rows, pool bags or gather one row per value, is the
+engine's `reduction`, chosen by its layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from embcache.cache.hot_cache import HotCache
 from embcache.engine.batch_state import DirectIds, InFlight, Prepared, TraceEntry
+from embcache.engine.fused_cpu import PendingUpdate
 from embcache.engine.inputs import JaggedBatch, group_inputs
-from embcache.engine.layout import Bags, CacheLayout
+from embcache.engine.layout import CacheLayout
+from embcache.engine.reduction import Saved, reduction_of
 from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
-from embcache.kernels.optim import aggregate_grads, apply_row_update
-from embcache.kernels.pooling import pool_backward, pool_forward
+from embcache.kernels.optim import RowUpdate, aggregate_grads, apply_row_update
 from embcache.native import direct as native_direct
 from embcache.profiling import profiled
 
 
-def pool_bags(
-    layout: CacheLayout,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    bags: list[Bags],
-    batch_size: int,
-    out: torch.Tensor,
-) -> list[torch.Tensor | None]:
-    """Pool one cache's bags from ``rows[slots]`` into their columns of ``out``; returns, per
-    lookup, what its backward needs (the argmax rows of MAX pooling, else None)."""
-    return [
-        pool_forward(
-            rows,
-            layout.dim,
-            slots,
-            b.inverse,
-            b.offsets,
-            b.weights,
-            lk.mode,
-            out,
-            batch_size,
-            b.columns,
-            b.column_start,
-        )
-        for lk, b in zip(layout.lookups, bags, strict=True)
-    ]
+class FusedStep(Protocol):
+    """A cache's fused CPU step (`engine.fused_cpu.FusedCpuStep`), as the engine, its group and
+    the lookup use it: ``takes`` a share's weights or not; ``pool`` (by slot) or
+    ``pool_direct`` (a direct share, by table and raw id) with the graph of the update at
+    ``lr``, and the storage it is bound to; ``can_apply`` / ``apply`` a `PendingUpdate`."""
 
+    @property
+    def direct(self) -> bool: ...
 
-def bag_gradients(
-    layout: CacheLayout,
-    grad_out: torch.Tensor,
-    num_unique: int,
-    bags: list[Bags],
-    batch_size: int,
-    argmaxes: list[torch.Tensor | None],
-    grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """One gradient row ``[U, dim]`` per unique id of a cache, summed over its lookups."""
-    grad = None
-    for lk, b, argmax in zip(layout.lookups, bags, argmaxes, strict=True):
-        g = pool_backward(
-            grad_out,
-            layout.dim,
-            b.inverse,
-            num_unique,
-            b.offsets,
-            b.weights,
-            lk.mode,
-            batch_size,
-            b.columns,
-            argmax,
-            grouping,
-            b.column_start,
-        )
-        grad = g if grad is None else grad + g
-    assert grad is not None  # a layout has at least one lookup
-    return grad
+    def takes(self, weights: torch.Tensor | None) -> bool: ...
+
+    def pool(
+        self, p: Prepared, lr: float, batch_size: int
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]: ...
+
+    def pool_direct(
+        self, p: Prepared, lr: float, batch_size: int
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]: ...
+
+    def can_apply(self, pending: PendingUpdate, update: RowUpdate) -> bool: ...
+
+    def apply(self, pending: PendingUpdate, p: Prepared) -> None: ...
 
 
 @dataclass
@@ -147,9 +115,10 @@ class CacheEngine:
         self.fusion_k = fusion_k
         self.device = device
         self.mask = (1 << fusion_k) - 1
+        self.reduction = reduction_of(layout)  # pool bags, or one row per value
         # The fused CPU path (FBGEMM's TBE over this cache), set by `EngineGroup.attach` when it
         # applies to the attached optimizer; None: the twins (or Triton) do every phase.
-        self.fused: Any = None
+        self.fused: FusedStep | None = None
         self._bases: torch.Tensor | None = None  # direct mapping: slot of row 0 per feature
         self._distinct_rows: native_direct.DistinctRows | None = None  # its compiled pass
         self._row_ranges: tuple[torch.Tensor, torch.Tensor] | None = None  # `unique_share`'s
@@ -209,6 +178,7 @@ class CacheEngine:
         """Resolve a deduplicated share's unique ids to slots, locked until `release` when
         ``lock`` (``defer_writeback``: as `HotCache.resolve` says). Its ids were checked when
         the share was made (`fuse`, `unique_share`)."""
+        assert p.unique is not None  # deduplicated (`dedup`, `unique_share`): not direct
         p.slots = self.cache.resolve(
             p.unique, lock=lock, defer_writeback=defer_writeback, checked=True
         )
@@ -321,8 +291,12 @@ class CacheEngine:
             return None
         if self._distinct_rows is None:
             bases = self.cache.direct_bases()
+            table_rows = []
+            for t in self.layout.feature_table:
+                assert t.num_embeddings is not None  # a direct-mapped cache's are bounded
+                table_rows.append(t.num_embeddings)
             self._distinct_rows = native_direct.DistinctRows(
-                [t.num_embeddings for t in self.layout.feature_table],
+                table_rows,
                 [bases[t.index] for t in self.layout.feature_table],
                 self.cache.num_slots,
             )
@@ -380,12 +354,14 @@ class CacheEngine:
         """Mark the rows of a share dirty after its update; with ``release``, `release` it too
         (a locked share's slots are unlocked and marked in one pass)."""
         if p.direct is None and release and p.locked:
+            assert p.slots is not None  # locked: resolved
             self.cache.unlock(p.slots, dirty=True)
             p.locked = False
             return
         if p.direct is not None:
             self.cache.mark_dirty_direct(p.direct.slots, p.direct.batch, p.direct.rows)
         else:
+            assert p.slots is not None  # a share served otherwise than directly is resolved
             self.cache.mark_dirty(p.slots)
         if release:
             self.release(p)
@@ -411,23 +387,29 @@ class CacheEngine:
         return Prepared(unique, torch.arange(unique.numel(), device=self.device), slots, empty,
                         None, lock)  # fmt: skip
 
-    # -- 2. pool, 3. gradient rows ----------------------------------------------------------
+    # -- 2. pool (or gather), 3. gradient rows --------------------------------------------
 
-    def bags(self, p: Prepared, batch_size: int, columns: torch.Tensor) -> list[Bags]:
+    def output(self, p: Prepared, batch_size: int) -> torch.Tensor:
+        """An empty output for a share: ``[B, F * dim]`` pooled, ``[nnz, dim]`` unpooled."""
+        assert p.inverse is not None  # materialized (`materialize`) when direct
+        return self.reduction.output(batch_size, p.inverse.numel(), self.device)
+
+    def _start(self, columns: torch.Tensor) -> int | None:
         # The engine's own columns lie side by side from 0: the kernels need not read them.
-        start = 0 if columns is self._columns else None
-        return self.layout.bags(p.inverse, p.offsets, p.weights, batch_size, columns, start,
-                                p.cuts)  # fmt: skip
+        return 0 if columns is self._columns else None
 
     @profiled("engine.pool")
-    def pool(
+    def lookup_rows(
         self, p: Prepared, batch_size: int, out: torch.Tensor, columns: torch.Tensor
-    ) -> list[torch.Tensor | None]:
-        """Pool the batch's bags straight from the cache slots into ``out``."""
+    ) -> Saved:
+        """Pool the batch's bags (or gather its values' rows) straight from the cache slots
+        into ``out``; returns what `grad_rows` needs."""
         # No cache lock: this batch's slots are locked, so no resolve writes them, and a
         # resolve that replaces `rows` (growing the scratch area) copies them unchanged.
-        bags = self.bags(p, batch_size, columns)
-        return pool_bags(self.layout, self.cache.weights, p.slots, bags, batch_size, out)
+        start = self._start(columns)
+        rows = self.cache.weights
+        assert p.slots is not None  # resolved, or materialized when direct
+        return self.reduction.forward(rows, p.slots, p, batch_size, out, columns, start)
 
     @profiled("engine.grad_rows")
     def grad_rows(
@@ -436,12 +418,13 @@ class CacheEngine:
         batch_size: int,
         grad_out: torch.Tensor,
         columns: torch.Tensor,
-        argmaxes: list[torch.Tensor | None],
+        saved: Saved,
     ) -> torch.Tensor:
         """One gradient row ``[U, dim]`` per unique id of the batch."""
-        bags = self.bags(p, batch_size, columns)
-        return bag_gradients(
-            self.layout, grad_out, p.unique.numel(), bags, batch_size, argmaxes, p.grouping
+        assert p.unique is not None  # materialized (`materialize`) when direct
+        start, n = self._start(columns), p.unique.numel()
+        return self.reduction.backward(
+            grad_out, n, p, batch_size, columns, start, saved, p.grouping
         )
 
     @profiled("engine.trace")
@@ -474,6 +457,8 @@ class CacheEngine:
             and len({e.table_name for e in entries}) == len(entries)
         ):
             grads = torch.cat([e.grads for e in entries])
+            # Its entries were made of its unique ids (`trace_entries`); locked: resolved.
+            assert prepared.unique is not None and prepared.slots is not None
             return Located(prepared.unique, prepared.slots, grads, prepared)
         fused = torch.cat([e.ids | (table_index[e.table_name] << self.fusion_k) for e in entries])
         unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in entries]))
@@ -487,7 +472,7 @@ class CacheEngine:
             self.cache.unlock(located.slots)
 
     @profiled("engine.apply_rule")
-    def apply(self, located: Located, rule: Any, steps: dict[str, int]) -> None:
+    def apply(self, located: Located, rule: RowUpdate, steps: dict[str, int]) -> None:
         """Update located rows and their state in place with ``rule`` (a
         `kernels.optim.RowUpdate`; ``steps`` gives each table's step number), mark them dirty
         and unlock them. Makes no tier call, so it cannot fail half-way on a tier error."""
@@ -498,12 +483,19 @@ class CacheEngine:
             if located.prepared is not None:
                 located.prepared.locked = False
 
-    def update(self, located: Located, rule: Any, steps: dict[str, int]) -> None:
+    def update(self, located: Located, rule: RowUpdate, steps: dict[str, int]) -> None:
         """`apply` without the unlock (`EngineGroup.apply` unlocks every engine's rows at
         once, `unlock_together`): the rows updated in place and marked dirty."""
         self._update_rows(located.unique, located.slots, located.grads, rule, steps)
 
-    def _update_rows(self, unique, slots, grads, rule, steps) -> None:
+    def _update_rows(
+        self,
+        unique: torch.Tensor,
+        slots: torch.Tensor,
+        grads: torch.Tensor,
+        rule: RowUpdate,
+        steps: dict[str, int],
+    ) -> None:
         cache = self.cache
         table_steps = {steps[t.name] for t in self.layout.tables if t.name in steps}
         # Half-precision weights round stochastically, with draws keyed by each row's id.
@@ -532,5 +524,6 @@ class CacheEngine:
     def release(self, p: Prepared) -> None:
         """Unlock a batch's slots (once) and write back scratch rows no batch holds."""
         if p.locked:
+            assert p.slots is not None  # locked: resolved, or materialized when direct
             self.cache.unlock(p.slots)
             p.locked = False

@@ -23,7 +23,7 @@ training calls raise before they change anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,11 +42,16 @@ from embcache.engine.engine import CacheEngine, dedup_together
 from embcache.engine.fused_cpu import FusedCpuStep, PendingUpdate
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout
+from embcache.engine.optimizer import AttachedOptimizer, StepOptimizer
 from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
 from embcache.kernels.ids import fuse_ids
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
+
+# An engine's share of a batch checked and fused, not yet deduplicated (`EngineGroup.check`):
+# its fused ids, bag lengths and weights (`CacheEngine.fuse`), and its `Prepared.cuts`.
+CheckedShare = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int] | None]
 
 
 class EngineGroup:
@@ -91,13 +96,16 @@ class EngineGroup:
             self.engines.append(
                 CacheEngine(CacheLayout.of_tables(dim, mine), cache, fusion_k, device)
             )
-        self._joined: dict[tuple, tuple] = {}  # `_fuse_tables`, by engines and device
+        # `_fuse_tables`, by engines and device
+        self._joined: dict[
+            tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor, list[str]]
+        ] = {}
         self._entries: list[TraceEntry] = []
         self._pending: list[PendingUpdate] = []  # fused CPU updates not yet applied
         self.inflight: list[InFlight] = []
         self.prefetches = Prefetcher(self.release_shares, device)
         self.generation = 0  # bumped when caches are emptied: older handles become stale
-        self.optimizer: Any = None
+        self.optimizer: AttachedOptimizer | None = None
         self.owner: object = self  # the step counts' key at the optimizer (the collection)
         self.claim = StepClaim("collection")  # the collection names itself (`set_owner`)
 
@@ -117,22 +125,22 @@ class EngineGroup:
         if not self.prefetches.issued:
             self.claim.release()
 
-    @property
-    def trace(self) -> list[TraceEntry]:
+    def entries(self) -> list[TraceEntry]:
         """The recorded gradients, ``(table_name, ids, grads)`` per table and backward. Fused
-        CPU updates recorded since become entries here (their per-id gradient rows computed)
-        and then take the ordinary path."""
+        CPU updates recorded since become entries first (their per-id gradient rows computed,
+        once) and then take the ordinary path; the list returned is the trace itself."""
         if self._pending:
             pending, self._pending = self._pending, []
             for u in pending:
                 engine = self.engines[u.engine]
                 p = engine.materialize(u.batch.prepared[u.engine])
+                assert p.unique is not None  # materialized
                 grads = engine.grad_rows(p, u.batch_size, u.grad_out, u.columns, [None])
                 self._entries += engine.trace_entries(p.unique, grads, u.engine, u.batch)
         return self._entries
 
-    @trace.setter
-    def trace(self, entries: list[TraceEntry]) -> None:
+    def replace_entries(self, entries: list[TraceEntry]) -> None:
+        """Make ``entries`` the trace (no fused update pending)."""
         self._pending = []
         self._entries = entries
 
@@ -184,29 +192,26 @@ class EngineGroup:
         cache changes, and a failing resolve leaves nothing locked."""
         return self.prepare_fused(self.check(batch, lock), lock)
 
-    def check(self, batch: JaggedBatch, lock: bool) -> list[Prepared | tuple]:
+    def check(self, batch: JaggedBatch, lock: bool) -> list[Prepared | CheckedShare]:
         """Every engine's share of a checked batch, validated and not yet resolved: the fused
         ids, lengths and weights (`CacheEngine.fuse`); for a training batch of a direct-mapped
         cache on the fused CPU step, a share that skips dedup and resolve
         (`CacheEngine.direct_share`); for a cache on that step that indexes its rows, the
         share checked and deduplicated in one pass (`CacheEngine.unique_share`). A bad id
         raises here, before any cache changes."""
-        shares: list[Prepared | tuple | None] = []
+        shares: list[Prepared | None] = []
         for engine in self.engines:
             share = engine.direct_share(batch) if lock else None
             if share is None:  # checked and deduplicated at once where that applies
                 share = engine.unique_share(batch)
             shares.append(share)
         todo = [i for i, share in enumerate(shares) if share is None]
-        if todo:  # one engine or several: the same host reads (and the bags' cut points)
-            for i, share in zip(todo, self._fuse_together(todo, batch), strict=True):
-                shares[i] = share
-        return shares  # type: ignore[return-value]  (every None was filled)
+        # One engine or several: the same host reads (and the bags' cut points).
+        checked = dict(zip(todo, self._fuse_together(todo, batch), strict=True)) if todo else {}
+        return [checked[i] if share is None else share for i, share in enumerate(shares)]
 
     @profiled("engine.fuse")
-    def _fuse_together(
-        self, todo: list[int], batch: JaggedBatch
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int] | None]]:
+    def _fuse_together(self, todo: list[int], batch: JaggedBatch) -> list[CheckedShare]:
         """What `CacheEngine.fuse` gives each engine of ``todo``, and its `Prepared.cuts`,
         made in one pass over their features together: one `fuse_ids` (its checks' host read
         made once, not once per cache) and one host read of the values per key, which groups
@@ -290,7 +295,7 @@ class EngineGroup:
             engine.cache.release()
 
     def record_backward(
-        self, batch: InFlight | None, grad_rows: list[torch.Tensor | PendingUpdate]
+        self, batch: InFlight | None, grad_rows: Sequence[torch.Tensor | PendingUpdate]
     ) -> None:
         """Record every engine's gradient rows of one backward (or apply them all at once);
         an engine on the fused CPU path hands a `PendingUpdate` instead of rows."""
@@ -305,6 +310,7 @@ class EngineGroup:
             if isinstance(grads, PendingUpdate):
                 pending.append(grads)
             else:
+                assert p.unique is not None  # a share not on the fused step has its ids
                 entries += engine.trace_entries(p.unique, grads, i, batch)
         self._entries += entries
         self._pending += pending
@@ -327,13 +333,14 @@ class EngineGroup:
 
     # -- the optimizer's side ----------------------------------------------------------------
 
-    def attach(self, optimizer: Any) -> None:
+    def attach(self, optimizer: AttachedOptimizer) -> None:
         """Give every row the state columns of ``optimizer`` (fresh state, weights kept).
         Gradients of a backward still pending stay in the trace for the next step, which
         locates their rows again (their forwards' slots are released here)."""
         fresh = self.claim.take("attaching an optimizer")
         try:
-            pending = list(self.trace)  # fused CPU updates become entries while their batch holds
+            # Fused CPU updates become entries while their batch holds.
+            pending = list(self.entries())
             self._entries, self._pending = [], []
             self.release_all()  # forwards that were never (or already) backpropagated
             self.prefetches.release_all()
@@ -352,7 +359,7 @@ class EngineGroup:
             if fresh:
                 self.release_claim_if_idle()
 
-    def apply(self, entries: list[TraceEntry], optimizer: Any) -> None:
+    def apply(self, entries: list[TraceEntry], optimizer: StepOptimizer) -> None:
         """Apply ``optimizer``'s rule to trace entries, engine by engine, all or nothing: every
         engine's rows are located first (an accumulated trace is resolved again, which may
         read the tier and fail, leaving everything as it was); only then do the step counts
@@ -377,7 +384,7 @@ class EngineGroup:
                 if loc.prepared is not None:
                     loc.prepared.locked = False
 
-    def apply_trace(self, optimizer: Any, release: bool = True) -> None:
+    def apply_trace(self, optimizer: StepOptimizer, release: bool = True) -> None:
         """Apply the recorded gradients, then clear them and (``release``) every batch in
         flight. Retriable: a tier error leaves the trace in place and nothing applied; calling
         again once the tier is back applies each gradient exactly once.
@@ -389,7 +396,7 @@ class EngineGroup:
             self.claim.take("optimizer step")
         try:
             if any(not self._fusable(u, optimizer) for u in self._pending):
-                self.trace  # noqa: B018 (materialises every pending update as entries)
+                self.entries()  # materialises every pending update as entries
             if self._entries:
                 self.apply(self._entries, optimizer)
             if self._pending:
@@ -399,6 +406,7 @@ class EngineGroup:
                 optimizer.advance_steps(self.owner, names)
                 for u in self._pending:
                     engine = self.engines[u.engine]
+                    assert engine.fused is not None  # `_fusable`
                     p = u.batch.prepared[u.engine]
                     # The update writes only this batch's rows, which its locks keep in their
                     # slots: it holds the storage lock, not the cache's, so that a prefetch's
@@ -413,7 +421,7 @@ class EngineGroup:
             if release:  # the step completed (or left its trace to retry: the claim stays)
                 self.release_claim_if_idle()
 
-    def _fusable(self, u: PendingUpdate, optimizer: Any) -> bool:
+    def _fusable(self, u: PendingUpdate, optimizer: StepOptimizer) -> bool:
         fused = self.engines[u.engine].fused
         return fused is not None and fused.can_apply(u, optimizer.update)
 
@@ -438,21 +446,21 @@ class EngineGroup:
     # -- prefetch ----------------------------------------------------------------------------
 
     def prepare_fused(
-        self, shares: list[Prepared | tuple], lock: bool, defer_writeback: bool = False
+        self, shares: list[Prepared | CheckedShare], lock: bool, defer_writeback: bool = False
     ) -> list[Prepared]:
         """`prepare` after `check` (every id validated): dedup and resolve each engine's
         share, or serve a direct one; a failing resolve leaves nothing locked.
         ``defer_writeback``: each cache's victims are written by `write_deferred` (or the
         cache's next tier access), not before this returns (`HotCache.resolve`)."""
         # Plain dedups of several engines at once: one host read for all (`dedup_together`).
-        plain = [
-            i
+        plain = {
+            i: share[0]
             for i, (engine, share) in enumerate(zip(self.engines, shares, strict=True))
             if not isinstance(share, Prepared) and engine.plain_dedup(share[0], share[2])
-        ]
+        }
         found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if len(plain) > 1:
-            found = dict(zip(plain, dedup_together([shares[i][0] for i in plain]), strict=True))
+            found = dict(zip(plain, dedup_together(list(plain.values())), strict=True))
         # The caches resolve together (`resolve_together`: each phase's host reads made once
         # for all of them); direct shares are served first.
         out: list[Prepared | None] = [None] * len(self.engines)
@@ -464,13 +472,17 @@ class EngineGroup:
                 elif isinstance(share, Prepared):
                     todo.append((i, share, defer_writeback))
                 else:
-                    fused, lengths, weights, *cuts = share
-                    p = engine.dedup(fused, lengths, weights, *cuts, found=found.get(i))
+                    fused, lengths, weights, cuts = share
+                    p = engine.dedup(fused, lengths, weights, cuts, found=found.get(i))
                     todo.append((i, p, False))  # as `CacheEngine.prepare`
             if todo:
+                unique = []
+                for _, p, _ in todo:
+                    assert p.unique is not None  # deduplicated (`dedup`, `unique_share`)
+                    unique.append(p.unique)
                 slots = resolve_together(
                     [self.engines[i].cache for i, _, _ in todo],
-                    [p.unique for _, p, _ in todo],
+                    unique,
                     lock,
                     defer_writeback=[d for _, _, d in todo],
                     checked=True,
@@ -481,7 +493,9 @@ class EngineGroup:
         except BaseException:
             self.release_shares(out)
             raise
-        return out  # type: ignore[return-value]  (every engine's share was filled)
+        done = [p for p in out if p is not None]
+        assert len(done) == len(out)  # every engine's share was filled
+        return done
 
     def release_shares(self, prepared: list[Prepared | None]) -> None:
         """Unlock the shares of a batch that will not run (a prefetch released unused)."""
@@ -575,7 +589,7 @@ class EngineGroup:
 
     def cache_stats(self) -> dict[str, float]:
         """Hits, misses, evictions and writebacks summed over the caches, and the hit rate."""
-        total = {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
+        total: dict[str, float] = {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
         for cache in self.caches():
             for k, v in cache.cache_stats().items():
                 if k in total:

@@ -21,17 +21,34 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, Protocol, TypeGuard
 
 import torch
 
 
-def _torchrec() -> Any | None:
+class KeyedJagged(Protocol):
+    """What embcache reads of a torchrec `KeyedJaggedTensor` (torchrec ships no types)."""
+
+    def keys(self) -> list[str]: ...
+
+    def values(self) -> torch.Tensor: ...
+
+    def lengths(self) -> torch.Tensor: ...
+
+    def weights_or_none(self) -> torch.Tensor | None: ...
+
+    def offsets_or_none(self) -> torch.Tensor | None: ...
+
+    def variable_stride_per_key(self) -> bool: ...
+
+
+def _torchrec() -> ModuleType | None:
     """The torchrec module if this process already imported it, else None."""
     return sys.modules.get("torchrec")
 
 
-def is_kjt(obj: object) -> bool:
+def is_kjt(obj: object) -> TypeGuard[KeyedJagged]:
     """Whether ``obj`` is a torchrec `KeyedJaggedTensor` (without importing torchrec)."""
     torchrec = _torchrec()
     return torchrec is not None and isinstance(obj, torchrec.KeyedJaggedTensor)
@@ -151,15 +168,15 @@ class JaggedBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedBatch:
         """The same batch with its tensors on ``device``."""
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
 
         return JaggedBatch(
             self._keys,
             move(self._values),
             move(self._lengths),
-            move(self._weights),
-            move(self._offsets),
+            None if self._weights is None else move(self._weights),
+            None if self._offsets is None else move(self._offsets),
         )
 
     def to_kjt(self) -> Any:
@@ -171,7 +188,7 @@ class JaggedBatch:
         )
 
     @classmethod
-    def from_kjt(cls, kjt: Any) -> JaggedBatch:
+    def from_kjt(cls, kjt: KeyedJagged) -> JaggedBatch:
         """The fields of a torchrec `KeyedJaggedTensor`, as a `JaggedBatch`."""
         return cls(
             list(kjt.keys()),
@@ -234,8 +251,9 @@ def pooled_output(
     features: object, keys: list[str], length_per_key: list[int], values: torch.Tensor
 ) -> Any:
     """A torchrec `KeyedTensor` when ``features`` was a KJT, else a `PooledEmbeddings`."""
-    if is_kjt(features):
-        return _torchrec().KeyedTensor(keys=keys, length_per_key=length_per_key, values=values)
+    if is_kjt(features):  # then torchrec is imported
+        torchrec = sys.modules["torchrec"]
+        return torchrec.KeyedTensor(keys=keys, length_per_key=length_per_key, values=values)
     return PooledEmbeddings(keys, length_per_key, values)
 
 
@@ -296,11 +314,11 @@ def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool
         raise ValueError(
             f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} features"
         )
-    low = lengths.min() if lengths.numel() else lengths.new_zeros(())
+    lowest = lengths.min() if lengths.numel() else lengths.new_zeros(())
     if lengths.device.type == "cpu":  # nothing to synchronise: two reads beat a stack
-        low, total = int(low), int(lengths.sum())
+        low, total = int(lowest), int(lengths.sum())
     else:  # one host synchronisation for all three facts
-        low, total = torch.stack([low, lengths.sum()]).tolist()
+        low, total = torch.stack([lowest, lengths.sum()]).tolist()
     if low < 0:
         raise ValueError("lengths must be >= 0")
     if total != values.numel():

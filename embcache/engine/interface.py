@@ -38,6 +38,7 @@ from embcache.devices import resolve_device
 from embcache.engine.batch_state import FusedPrefetchHandle, TraceEntry
 from embcache.engine.group import EngineGroup
 from embcache.engine.inputs import JaggedBatch, as_jagged, checked_batch
+from embcache.engine.optimizer import AttachedOptimizer, StepOptimizer
 from embcache.engine.row_init import table_inits
 from embcache.engine.tables import Table, TableConfig, normalize_tables
 from embcache.kv.base import Store, TableSpec
@@ -166,6 +167,11 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         output_dims: the embedding dim of each output key.
     """
 
+    # The tables' kind (pooled bags, or one row per value) and the name torchrec gives their
+    # weights in ``state_dict()``: ``<weights_prefix>.<table>.weight``.
+    pooled = True
+    weights_prefix = "embedding_bags"
+
     def _setup(
         self,
         tables: Sequence[Any],
@@ -185,7 +191,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         ``device=None`` is torch's default device (``with torch.device("meta"):`` included);
         ``seed=None`` takes the rows' randomness from torch's generator (`engine.row_init`).
         """
-        self.tables = normalize_tables(tables)
+        self.tables = normalize_tables(tables, self.pooled)
         self._configs = [_as_config(t, cfg) for t, cfg in zip(self.tables, tables, strict=True)]
         self.fusion_k = checked_fusion_k(fusion_k, enable_fusion, self.tables)
         self.enable_fusion = enable_fusion
@@ -206,7 +212,9 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self.output_dims = [t.dim for t in self.tables for _ in t.key_names]
         cfg = self.cache_config
         whole = cfg.tier_capacity is None and _whole_tables(self.tables, cfg, self.device)
-        inits = table_inits(self.tables, seed, whole, self.device)
+        inits = table_inits(self.tables, seed, whole, self.device, per_table=not self.pooled)
+        weight_dtype = cfg.weight_dtype
+        assert weight_dtype is None or isinstance(weight_dtype, torch.dtype)  # __post_init__
         self.specs = {
             t.name: TableSpec(
                 t.name,
@@ -214,7 +222,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
                 t.num_embeddings,
                 init=inits[t.name],
                 seed=seed or 0,
-                dtype=cfg.weight_dtype or t.dtype,
+                dtype=weight_dtype or t.dtype,
                 capacity=cfg.tier_capacity_of(t.name),
                 score=cfg.tier_policy,
             )
@@ -326,9 +334,9 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
     def _trace(self) -> list[TraceEntry]:
         """The recorded gradients, ``(table_name, ids, grads)`` per table and backward
         (RecStore's ``module._trace``)."""
-        return self.engines.trace
+        return self.engines.entries()
 
-    def attach_sparse_optimizer(self, optimizer: Any) -> None:
+    def attach_sparse_optimizer(self, optimizer: AttachedOptimizer) -> None:
         """Give every row ``optimizer``'s state columns (fresh state, weights kept)."""
         self.engines.attach(optimizer)
 
@@ -344,7 +352,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self.engines.claim.check("optimizer step")
         return self.engines.gradients_to_check()
 
-    def apply_sparse_gradients(self, optimizer: Any) -> None:
+    def apply_sparse_gradients(self, optimizer: StepOptimizer) -> None:
         self.engines.apply_trace(optimizer)
 
     def sparse_tables(self) -> list[Table]:
@@ -451,12 +459,14 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
 
     # -- torchrec's state_dict keys ---------------------------------------------------------
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
         # An unbounded table has no [num_embeddings, dim] tensor: `embcache.save` holds its rows.
         for t in self.tables:
             if t.num_embeddings is None:
                 continue
-            key = f"{prefix}embedding_bags.{t.name}.weight"
+            key = f"{prefix}{self.weights_prefix}.{t.name}.weight"
             if self.device.type == "meta":
                 destination[key] = torch.empty(
                     t.num_embeddings, t.dim, dtype=t.dtype, device="meta"
@@ -466,16 +476,16 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
 
     def _load_from_state_dict(
         self,
-        state_dict,
-        prefix,
-        local_metadata,
-        strict,
-        missing_keys,
-        unexpected_keys,
-        error_msgs,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
     ) -> None:
         expected = {
-            f"{prefix}embedding_bags.{t.name}.weight": t
+            f"{prefix}{self.weights_prefix}.{t.name}.weight": t
             for t in self.tables
             if t.num_embeddings is not None
         }

@@ -18,9 +18,10 @@ from embcache.kernels.pooling import PoolingMode
 
 @dataclass
 class Lookup:
-    """The features of one cache that share a pooling mode, laid out contiguously."""
+    """The features of one cache that share a pooling mode, laid out contiguously (mode None:
+    unpooled, one row per value)."""
 
-    mode: PoolingMode
+    mode: PoolingMode | None
     features: list[str]
     feature_lo: int  # first feature of this lookup within its cache's feature order
     feature_hi: int
@@ -85,7 +86,8 @@ class CacheLayout:
         triples = [
             (f, k, t) for t in tables for f, k in zip(t.feature_names, t.key_names, strict=True)
         ]
-        triples.sort(key=lambda p: int(p[2].pooling))  # stable: same-mode features contiguous
+        # Stable: same-mode features contiguous (unpooled ones first; a collection holds one kind).
+        triples.sort(key=lambda p: -1 if p[2].pooling is None else int(p[2].pooling))
         lookups: list[Lookup] = []
         for i, (f, _, t) in enumerate(triples):
             if lookups and lookups[-1].mode == t.pooling:
@@ -101,6 +103,11 @@ class CacheLayout:
             lookups,
             [k for _, k, _ in triples],
         )
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the cache's lookups pool bags (else each value gets its row: sequences)."""
+        return self.lookups[0].mode is not None
 
     def value_cuts(self, per_feature: list[int]) -> list[int] | None:
         """`Prepared.cuts` from the number of values of each feature (host ints, in this

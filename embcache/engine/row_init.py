@@ -69,7 +69,11 @@ def init_distribution(table: Table) -> tuple[str, dict[str, float]] | None:
 
 
 def table_inits(
-    tables: Sequence[Table], seed: int | None, whole: bool, device: torch.device
+    tables: Sequence[Table],
+    seed: int | None,
+    whole: bool,
+    device: torch.device,
+    per_table: bool = False,
 ) -> dict[str, RowInit | None]:
     """The row initialiser of each table (None on the meta device, where no row exists).
 
@@ -78,6 +82,9 @@ def table_inits(
         seed: the collection's seed; None takes the randomness from torch's generator.
         whole: the caches hold every row, so torchrec's initialisation can be repeated.
         device: the collection's device (torchrec draws its weights there).
+        per_table: torchrec's `EmbeddingCollection` order (each table's ``normal_`` then its
+            ``init_fn``, table after table), not its `EmbeddingBagCollection`'s (every
+            ``normal_``, then every ``init_fn``).
 
     Raises:
         ValueError: a table drawn per id whose ``init_fn`` is not recognised.
@@ -85,7 +92,7 @@ def table_inits(
     if device.type == "meta":  # torchrec draws nothing there either
         return {t.name: None for t in tables}
     if seed is None and whole:
-        return _as_torchrec(tables, device)
+        return _as_torchrec(tables, device, per_table)
     if seed is None:
         seed = int(torch.randint(0, 1 << 62, ()))
     inits: dict[str, RowInit | None] = {}
@@ -103,17 +110,24 @@ def table_inits(
     return inits
 
 
-def _as_torchrec(tables: Sequence[Table], device: torch.device) -> dict[str, RowInit | None]:
-    """torchrec's initial weights, drawn as its `EmbeddingBagCollection` draws them."""
-    weights = []
-    for t in tables:  # nn.EmbeddingBag's own reset_parameters
-        w = torch.empty(t.num_embeddings, t.dim, dtype=t.dtype, device=device)
-        torch.nn.init.normal_(w)
-        weights.append(w)
+def _as_torchrec(
+    tables: Sequence[Table], device: torch.device, per_table: bool
+) -> dict[str, RowInit | None]:
+    """torchrec's initial weights, drawn as its `EmbeddingBagCollection` (or, ``per_table``,
+    its `EmbeddingCollection`) draws them."""
     inits: dict[str, RowInit | None] = {}
+    weights = []
     with torch.no_grad():
+        for t in tables:  # nn.EmbeddingBag's (nn.Embedding's) own reset_parameters
+            assert t.num_embeddings is not None  # held whole: every table is bounded
+            w = torch.empty(t.num_embeddings, t.dim, dtype=t.dtype, device=device)
+            torch.nn.init.normal_(w)
+            if per_table:
+                (t.init_fn or default_init_fn(t))(w)
+            weights.append(w)
         for t, w in zip(tables, weights, strict=True):  # then every table's init_fn
-            (t.init_fn or default_init_fn(t))(w)
+            if not per_table:
+                (t.init_fn or default_init_fn(t))(w)
             inits[t.name] = DrawnInit(w.to("cpu", torch.float32))
     return inits
 

@@ -20,7 +20,8 @@ One training step, top to bottom (`embcache.engine` holds each piece):
    (``fused = id | (table_idx << fusion_k)``; a bad id raises before anything changes), dedup
    them and resolve them to cache slots, locked until the step (nothing is locked under
    ``torch.no_grad()``);
-2. `PooledLookup` pools each bag straight from the slots (SUM/MEAN/MAX, per-sample weights);
+2. `engine.lookup.GroupLookup` (run as one autograd node, `CachedLookup`) pools each bag
+   straight from the slots (SUM/MEAN/MAX, per-sample weights);
 3. its backward turns the pooled gradient into one row per unique id, and
    `EngineGroup.record_backward` appends ``(table_name, ids, grads)`` to ``_trace`` (or, with
    ``update_in_backward=True``, applies the attached optimizer at once);
@@ -46,26 +47,22 @@ them, the update then running inside backward, with ``fused_optimizer()`` a torc
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from embcache.cache.config import CacheConfig
-from embcache.engine.batch_state import FusedPrefetchHandle, Prefetched
 from embcache.engine.inputs import JaggedBatch, pooled_output
-from embcache.engine.interface import FUSION_K, CachedCollectionInterface
-from embcache.engine.pooled_lookup import PooledLookup
-from embcache.engine.tables import Table, TableConfig
+from embcache.engine.interface import FUSION_K
+from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
-from embcache.models.torch_optim import FusedRowOptimizer, keyed_optimizer, register_anchor
+from embcache.models.local import LocalCollection
 
 
-class CachedEmbeddingBagCollection(CachedCollectionInterface):
+class CachedEmbeddingBagCollection(LocalCollection):
     """Pooled embedding lookups over a device cache with a write-back tier behind it.
 
     Same input, output, keys and values as `torchrec.EmbeddingBagCollection` given the same
@@ -130,15 +127,8 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
         location: Any = None,
         allow_unsharded_replicas: bool = False,
     ) -> None:
-        super().__init__()
-        if optimizer_type is None and optimizer_kwargs:
-            raise ValueError("optimizer_kwargs needs an optimizer_type (e.g. torch.optim.SGD)")
-        if cache is not None and not isinstance(cache, CacheConfig):
-            raise TypeError(
-                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__} "
-                "(torchrec's third positional argument is device: pass device=...)"
-            )
-        self._setup(
+        del location  # the cache decides placement
+        super().__init__(
             tables,
             is_weighted,
             cache,
@@ -146,55 +136,15 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
             device,
             enable_fusion,
             fusion_k,
-            update_in_backward or optimizer_type is not None,
+            update_in_backward,
             accumulate_grads,
             lr,
             seed,
+            optimizer_type,
+            optimizer_kwargs,
+            allow_unsharded_replicas,
         )
-        del location  # the cache decides placement
-        self.allow_unsharded_replicas = bool(allow_unsharded_replicas)
-        # The tables' stand-in in model.parameters(): a torch optimizer holding it trains them.
-        # Zero rows of a 2-D "table", as optimizers written for embedding weights expect.
-        self.grad_anchor = nn.Parameter(torch.empty(0, 1, device=self.device))
-        self.embedding_bags = nn.ModuleDict({t.name: TableWeights(self, t) for t in self.tables})
-        self.torch_optimizer_rule: Any = None  # set by the first torch optimizer step
-        self._optimizer_type = optimizer_type
-        self._optimizer_kwargs = dict(optimizer_kwargs or {})
-        self._fused = (
-            FusedRowOptimizer(self, optimizer_type, self._optimizer_kwargs)
-            if optimizer_type is not None
-            else None
-        )
-        self._keyed_optimizer: Any = None
-        register_anchor(self)
         register_with_torchrec()
-
-    # -- torchrec's fused-optimizer conventions ----------------------------------------------
-
-    def fused_optimizer(self) -> Any:
-        """The optimizer applied inside backward, as a torchrec ``KeyedOptimizer``: an LR
-        scheduler can drive its ``param_groups``; ``state_dict()`` / ``load_state_dict()``
-        carry the optimizer state of every row. Needs torchrec and ``optimizer_type=``."""
-        if self._fused is None:
-            raise RuntimeError(
-                "this collection has no fused optimizer: build it with optimizer_type=... and "
-                "optimizer_kwargs=... (as torchrec's FusedEmbeddingBagCollection)"
-            )
-        if self._keyed_optimizer is None:
-            self._keyed_optimizer = keyed_optimizer(self, self._fused)
-        return self._keyed_optimizer
-
-    def embedding_configs(self) -> list[Any]:
-        """The same configs as `embedding_bag_configs`: torchrec's managed-collision wrapper
-        asks any module that is not torchrec's own ``EmbeddingBagCollection`` for them under
-        this name."""
-        return self.embedding_bag_configs()
-
-    def optimizer_type(self) -> type | None:
-        return self._optimizer_type
-
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(self._optimizer_kwargs)
 
     # -- the data path -----------------------------------------------------------------------
 
@@ -255,71 +205,6 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
             values = torch.cat([blocks[k] for k in self.output_keys], dim=1)
         return pooled_output(features, self.output_keys, self.output_dims, values)
 
-    def _lookup(self, batch: JaggedBatch, training: bool) -> tuple[torch.Tensor, ...]:
-        """`forward`'s lookup: one ``[B, F_e * dim_e]`` output per engine."""
-        engines = self.engines
-        if training:
-            try:
-                if (
-                    engines.has_gradients
-                    and not self.accumulate_grads
-                    and engines.optimizer is None
-                ):
-                    raise RuntimeError(
-                        "the previous backward's gradients of this collection were never "
-                        "applied: nothing trains its tables. Give its parameters "
-                        "(model.parameters()) to the torch optimizer, build it with "
-                        "optimizer_type=..., or attach an embcache optimizer "
-                        "(embcache.SparseAdaGrad([collection], lr=...)) and call step()"
-                    )
-                engines.begin_batch()
-            except RuntimeError:
-                engines.prefetches.release_all()  # its locks would belong to no batch
-                raise
-        # The recorded prefetch is the training thread's next batch: an inference from
-        # another thread meanwhile reads synchronously and leaves it alone.
-        use_prefetch = training or not engines.claim.held_elsewhere()
-        prefetched = engines.take_prefetch(batch) if use_prefetch else None
-        prepared = prefetched.prepared if prefetched else engines.prepare(batch, lock=training)
-        inflight = engines.start(prepared) if training else None
-        try:
-            return PooledLookup.apply(self.grad_anchor, engines, prepared, inflight, batch.stride())
-        finally:
-            if not training:
-                engines.finish_untracked(prepared)
-
-    def check_not_replicated(self) -> None:
-        """Refuse to run as one unsharded replica per rank (unless the collection was built
-        with ``allow_unsharded_replicas=True``): in an initialised process group of more than
-        one rank, each rank's copy of the tables would train on its own batches only. A
-        process group of one rank is fine.
-
-        This is how a ``DistributedModelParallel`` or ``DistributedDataParallel`` wrapping
-        the collection is caught: neither shards it (torchrec's planner has no sharder for it,
-        DDP reduces only parameters, of which the collection has one zero-size anchor), and
-        neither tells the module it wraps.
-
-        Raises:
-            RuntimeError: naming `embcache.distributed.ShardedEmbeddingBagCollection`.
-        """
-        if self.allow_unsharded_replicas:
-            return
-        dist = torch.distributed
-        if not dist.is_available() or not dist.is_initialized():
-            return
-        world = dist.get_world_size()
-        if world > 1:
-            raise RuntimeError(
-                f"{type(self).__name__} is not sharded, but the process group has {world} "
-                "ranks: each rank would train its own copy of the tables and they would "
-                "silently diverge (DistributedModelParallel has no sharding plan for it, and "
-                "DistributedDataParallel averages only dense parameters). Shard the rows over "
-                "the ranks with embcache.distributed.ShardedEmbeddingBagCollection (same "
-                "arguments; DLRM(..., collection_cls=ShardedEmbeddingBagCollection)), or run "
-                "`embcache train --nproc N`, which does. To keep one independent replica per "
-                "rank on purpose, build the collection with allow_unsharded_replicas=True."
-            )
-
     def _exported_forward(self, features: Any) -> Any:
         """The forward as ``torch.export`` records it: one ``embcache::pooled_lookup`` op that
         calls this live collection when the exported program runs (inference: the op records
@@ -338,144 +223,6 @@ class CachedEmbeddingBagCollection(CachedCollectionInterface):
             sum(self.output_dims),
         )
         return pooled_output(features, self.output_keys, self.output_dims, values)
-
-    def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
-        """Start the dedup and cache resolve (tier I/O included) of a batch ahead of its
-        forward and return at once; the work runs on the collection's prefetch worker, and the
-        forward on the same features waits only for what is left. Ids are validated here (a bad
-        id raises before anything changes).
-
-        The handle is recorded as the one the next forward uses (RecStore's
-        ``_fused_prefetch_handle``); its slots stay locked until that forward's step, and a
-        handle that will not be used is released (`embcache.engine.prefetch`).
-        """
-        self.check_not_replicated()
-        engines = self.engines
-        fresh = engines.claim.take("prefetch")  # part of the step its forward starts
-        try:
-            batch = self.checked_input(features)
-            shares = engines.check(batch, lock=True)
-            job = functools.partial(self._prefetch, shares)
-            return engines.issue(id(self), batch, job, then_write_back=True, source=features)
-        except BaseException:
-            if fresh:
-                engines.release_claim_if_idle()
-            raise
-
-    def _prefetch(self, shares: list, seq: int) -> Prefetched:
-        """Worker-thread body of `issue_fused_prefetch`: the batch's rows resolved, the
-        victims' write-back left for the worker's next call (`EngineGroup.issue`)."""
-        try:
-            return Prefetched(self.engines.prepare_fused(shares, lock=True, defer_writeback=True))
-        except Exception as e:  # the forward reads synchronously (and meets it again)
-            return Prefetched([], error=e)
-
-    # -- whole tables ------------------------------------------------------------------------
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """torchrec's keys and shapes: ``embedding_bags.<table>.weight``, a CPU float32
-        ``[num_embeddings, dim]`` tensor per table (the weights, without optimizer state).
-
-        Cost: every table is materialised whole in host memory (``4 * num_embeddings * dim``
-        bytes each, all tables at once), after a flush of the dirty cached rows; each row is
-        read from the tier, and rows never trained are computed by the initialiser without
-        being created there (about 1M rows/s on one CPU core: 1.6 s for 26 tables of 65,536
-        rows). For large tables or a checkpoint use `embcache.save`, which streams only the
-        rows trained.
-        """
-        return super().state_dict(*args, **kwargs)
-
-    def table_rows(self, table: str, chunk_rows: int = 1 << 16) -> torch.Tensor:
-        """Every row ``[num_embeddings, dim + state_dim]`` of a table (weights and optimizer
-        state), after writing back the cache's dirty rows. CPU float32.
-
-        Reads through `Store.read`, so rows never trained are computed from the initialiser
-        and not created in the tier: a later checkpoint still holds only the trained rows.
-        Half-precision weights are widened to float32.
-
-        Raises:
-            ValueError: an unbounded table (it has no whole: `embcache.save` holds its rows).
-        """
-        spec = self._bounded_spec(table)
-        self.engines.engine_of(table).cache.flush()
-        out = torch.empty(spec.num_embeddings, spec.row_width)
-        for lo in range(0, spec.num_embeddings, chunk_rows):
-            ids = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
-            out[lo : lo + ids.numel()] = spec.to_float(self.store.read(table, ids))
-        return out
-
-    def _bounded_spec(self, table: str) -> Any:
-        spec = self.store.table_spec(table)
-        if spec.num_embeddings is None:
-            raise ValueError(
-                f"table {table!r} is unbounded (num_embeddings=None): it has no whole "
-                f"[num_embeddings, dim] tensor; embcache.save / embcache.load hold its rows"
-            )
-        return spec
-
-    def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
-        """Overwrite ``columns`` of every row of a table (others kept); empties the caches.
-
-        Only rows whose value changes are written, so loading the weights a table already
-        holds (its initial ones, say) creates no row in the tier. Forwards never
-        backpropagated lose their locks (their rows are being replaced)."""
-        engines = self.engines
-        if engines.has_gradients or any(
-            b.backward_done and any(p.locked for p in b.prepared) for b in engines.inflight
-        ):
-            raise RuntimeError("cannot overwrite tables while gradients await their step")
-        spec = self._bounded_spec(table)
-        engines.release_all()
-        self.engines.engine_of(table).cache.invalidate()
-        self.engines.generation += 1
-        rows = rows.to(torch.float32).cpu()
-        n = spec.num_embeddings
-        chunk = 1 << 16
-        for lo in range(0, n, chunk):
-            ids = torch.arange(lo, min(lo + chunk, n))
-            current = self.store.read(table, ids)
-            new = spec.to_float(current)
-            new[:, columns] = rows[lo : lo + ids.numel()]
-            new = spec.from_float(new)  # weights rounded to the table's precision
-            changed = (new.view(torch.uint8) != current.view(torch.uint8)).any(dim=1)
-            if bool(changed.any()):
-                self.store.put(table, ids[changed], new[changed])
-
-    def table_weight(self, table: str) -> torch.Tensor:
-        """A copy ``[num_embeddings, dim]`` of a table's current weights on the collection's
-        device, in its ``data_type`` (a meta tensor on the meta device)."""
-        t = next((t for t in self.tables if t.name == table), None)
-        if t is None:
-            raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
-        if self.device.type == "meta" and t.num_embeddings is not None:
-            return torch.empty(t.num_embeddings, t.dim, dtype=t.dtype, device="meta")
-        return self.table_rows(table)[:, : t.dim].to(self.device, t.dtype)
-
-
-class TableWeights(nn.Module):
-    """What stands in ``embedding_bags[name]`` where torchrec has an ``nn.EmbeddingBag``:
-    ``weight`` is a copy of the table's current rows (writing to it changes nothing; load
-    weights with ``load_state_dict``). It holds no parameter; the collection saves and loads
-    the table under ``embedding_bags.<name>.weight``."""
-
-    def __init__(self, owner: CachedEmbeddingBagCollection, table: Table) -> None:
-        super().__init__()
-        self._owner = weakref.ref(owner)  # a plain reference would make the owner its child
-        self.table = table
-
-    @property
-    def weight(self) -> torch.Tensor:
-        owner = self._owner()
-        if owner is None:
-            raise RuntimeError(f"the collection of table {self.table.name!r} no longer exists")
-        return owner.table_weight(self.table.name)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing: the collection loads the table."""
-
-    def extra_repr(self) -> str:
-        t = self.table
-        return f"{t.num_embeddings}, {t.dim}, mode={t.pooling.name.lower()}"
 
 
 _EXPORTED: weakref.WeakValueDictionary[int, CachedEmbeddingBagCollection] = (

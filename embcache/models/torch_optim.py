@@ -226,11 +226,12 @@ def torch_step(
     if bridge is None or (bridge.update.rule, bridge.state_init) != (update.rule, state_init):
         # A new rule: fresh state beside every row, as a new torch optimizer starts with. The
         # recorded gradients are kept and located again after the rows change shape.
-        pending, engines.trace = engines.trace, []
+        pending = engines.entries()
+        engines.replace_entries([])
         try:
             bridge = SparseOptimizer([collection], update, state_init=state_init)
         finally:
-            engines.trace = pending
+            engines.replace_entries(pending)
         collection.torch_optimizer_rule = bridge
     bridge.update = update
     bridge.step()

@@ -5,6 +5,9 @@
   ``issue_fused_prefetch`` / ``set_fused_prefetch_handle`` (asynchronous, leak-proof handles),
   ``reset_trace``, ``embedding_bag_configs()`` and ``kv_client``, through which its tables are
   read and written coherently with its caches;
+* `RecStoreEmbeddingCollection` (``embedding_configs``, then the same keywords), the cached
+  sequence collection (one row per id) under the same conventions, its tables tensors of its
+  ``kv_client`` too;
 * `get_kv_client()` / `KVClient` (``init_data, pull, push, update_async, add_async, wait, flush,
   prefetch, wait_and_get``) over a tier, whose ``update_async`` hands gradients to a backend
   optimizer (`KVOptimizer`: SGD, AdaGrad, RowWiseAdaGrad, state beside the rows);
@@ -22,7 +25,10 @@ import embcache.recstore.DistEmb
 import embcache.recstore.DistTensor
 import embcache.recstore.KVClient
 import embcache.recstore.optimizer  # noqa: F401
-from embcache.recstore.collection import RecStoreEmbeddingBagCollection
+from embcache.recstore.collection import (
+    RecStoreEmbeddingBagCollection,
+    RecStoreEmbeddingCollection,
+)
 from embcache.recstore.dist_embedding import DistEmbedding
 from embcache.recstore.dist_tensor import DistTensor
 from embcache.recstore.kv_client import (
@@ -40,6 +46,7 @@ __all__ = [
     "KVHandle",
     "KVOptimizer",
     "RecStoreEmbeddingBagCollection",
+    "RecStoreEmbeddingCollection",
     "get_kv_client",
     "reset_kv_client",
 ]

@@ -1,4 +1,8 @@
-"""RecStore's name and signature for the cached collection, with its tables in the KV client.
+"""RecStore's names and signatures for the cached collections, with their tables in the KV
+client: `RecStoreEmbeddingBagCollection` (pooled bags, `CachedEmbeddingBagCollection`) and
+`RecStoreEmbeddingCollection` (one row per id, `CachedEmbeddingCollection`). What they share —
+the client's resolution, the tables' registration as the client's tensors (`CollectionTable`),
+the backend optimizer — is `KVClientCollection`'s.
 
 Whose optimizer updates the rows. RecStore's ``SparseSGD.step()`` aggregates the collection's
 ``_trace`` and calls ``kv_client.update_async(name, ids, grads)``; "the learning rate and the
@@ -8,8 +12,8 @@ get that optimizer (rule, lr, eps, weight decay; its state beside each row from 
 whatever ``SparseSGD(lr=...)`` says; another sparse optimizer must match it (as RecStore's
 ``SparseRowWiseAdagrad`` checks the server's), else ValueError. On a client without one
 (``get_kv_client()`` never given an optimizer, or a client of the collection's own store) the
-attached sparse optimizer applies its own rule and hyper-parameters, as for any
-`CachedEmbeddingBagCollection`. `DistEmbedding` keeps its Python-side SGD either way.
+attached sparse optimizer applies its own rule and hyper-parameters, as for any cached
+collection. `DistEmbedding` keeps its Python-side SGD either way.
 """
 
 from __future__ import annotations
@@ -24,13 +28,113 @@ import torch
 from embcache.engine.batch_state import TraceEntry
 from embcache.engine.tables import Table, TableConfig
 from embcache.kernels.optim import OptimRule, RowUpdate, aggregate_grads
+from embcache.kv.base import Store
 from embcache.models.collection import CachedEmbeddingBagCollection
+from embcache.models.local import LocalCollection
+from embcache.models.sequence import CachedEmbeddingCollection
 from embcache.recstore.kv_client import KVClient, KVOptimizer, get_kv_client
 
 
-class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
-    """RecStore's name and signature for the same collection; its tables are tensors of its KV
-    client (``module.kv_client``), read and written through its caches.
+class KVClientCollection(LocalCollection):
+    """A cached collection whose tables are tensors of a KV client (``kv_client``), read and
+    written through its caches: the part the RecStore collections share. A subclass lists it
+    before its cached collection, resolves its client with `resolve_kv_client` (which checks
+    every argument) before that collection's ``__init__`` and calls `join_kv_client` after it.
+
+    Attributes:
+        kv_client: the client whose store holds the tables.
+        backend_optimizer: the `BackendOptimizer` that updates the rows when the client has a
+            backend optimizer (see the module's docstring), else None.
+    """
+
+    kv_client: KVClient
+    # None until `join_kv_client`: a fused optimizer (``optimizer_type=``) attaches before it.
+    backend_optimizer: BackendOptimizer | None = None
+
+    def join_kv_client(self, kv_client: KVClient) -> None:
+        """Adopt the client's backend optimizer, if it has one, and register every table as
+        one of its tensors.
+
+        Raises:
+            ValueError: a table's name is already a tensor of the client, or a table of another
+                live collection on it (two caches of the same rows would disagree).
+        """
+        self.kv_client = kv_client
+        if kv_client.backend_optimizer is not None:
+            self.backend_optimizer = BackendOptimizer(kv_client.backend_optimizer)
+            super().attach_sparse_optimizer(self.backend_optimizer)
+        for table in self.tables:
+            _register(kv_client, table.name, CollectionTable(self, table), self)
+
+    def attach_sparse_optimizer(self, optimizer: Any) -> None:
+        """Attach a sparse optimizer. With a backend optimizer, SparseSGD only drives the
+        steps (the backend's rule applies); any other must have the backend's rule and
+        hyper-parameters.
+
+        Raises:
+            ValueError: a non-SGD optimizer that differs from the backend optimizer.
+        """
+        backend = self.backend_optimizer
+        if backend is None:
+            super().attach_sparse_optimizer(optimizer)
+            return
+        mine = (optimizer.update, float(optimizer.state_init))
+        if optimizer.rule is not OptimRule.SGD and mine != (backend.update, backend.state_init):
+            raise ValueError(
+                f"{type(optimizer).__name__} {optimizer.update} differs from the KV client's "
+                f"backend optimizer {backend.update}, which updates this collection's rows; "
+                "use SparseSGD (it hands the gradients to the backend) or the same settings"
+            )
+
+    def apply_sparse_gradients(self, optimizer: Any) -> None:
+        """Apply the trace with the backend optimizer when the client has one, else with
+        ``optimizer``."""
+        self.engines.apply_trace(self.backend_optimizer or optimizer)
+
+
+def resolve_kv_client(
+    kv_client: KVClient | None,
+    store: Store | str | None,
+    ps_host: str | None,
+    ps_port: int | None,
+    fast_path_mode: str,
+    optimizer_type: type | None,
+) -> KVClient:
+    """The client a RecStore collection's constructor arguments name: ``kv_client``, else one
+    of its own over ``store`` or the Redis tier at ``ps_host:ps_port``, else `get_kv_client()`.
+
+    Raises:
+        ValueError: ``fast_path_mode`` other than ``"auto"``; ``ps_host`` without ``ps_port``
+            (or the reverse); two of ``kv_client``, ``store`` and ``ps_host``/``ps_port`` that
+            name different stores; ``optimizer_type`` on a client with a backend optimizer
+            (that one updates the rows).
+    """
+    if fast_path_mode != "auto":
+        raise ValueError(
+            f"fast_path_mode={fast_path_mode!r}: embcache has no RecStore fast path to switch; "
+            "every lookup goes through the device cache, sized by cache=CacheConfig(...)"
+        )
+    if (ps_host is None) != (ps_port is None):
+        raise ValueError("ps_host and ps_port go together (the tier's address)")
+    if ps_host is not None:
+        if store is not None:
+            raise ValueError("give either ps_host/ps_port or store, not both")
+        store = f"redis://{ps_host}:{int(ps_port)}/0"
+    if kv_client is not None and store is not None and store is not kv_client.store:
+        raise ValueError("give either kv_client or a store (or ps_host/ps_port), not both")
+    if kv_client is None:
+        kv_client = get_kv_client() if store is None else KVClient(store)
+    if kv_client.backend_optimizer is not None and optimizer_type is not None:
+        raise ValueError(
+            "optimizer_type: this KV client has a backend optimizer "
+            f"({kv_client.backend_optimizer}), which updates the collection's rows"
+        )
+    return kv_client
+
+
+class RecStoreEmbeddingBagCollection(KVClientCollection, CachedEmbeddingBagCollection):
+    """RecStore's name and signature for the cached bag collection; its tables are tensors of
+    its KV client (``module.kv_client``), read and written through its caches.
 
     Args:
         embedding_bag_configs: TableConfig or EmbeddingBagConfig objects, or dicts.
@@ -71,23 +175,11 @@ class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
         fast_path_mode: str = "auto",
         **kwargs: Any,
     ) -> None:
-        if fast_path_mode != "auto":
-            raise ValueError(
-                f"fast_path_mode={fast_path_mode!r}: embcache has no RecStore fast path to switch; "
-                "every lookup goes through the device cache, sized by cache=CacheConfig(...)"
-            )
         del initialize_tables  # see Args: both values mean the same here
         store = kwargs.pop("store", None)
-        if (ps_host is None) != (ps_port is None):
-            raise ValueError("ps_host and ps_port go together (the tier's address)")
-        if ps_host is not None:
-            if store is not None:
-                raise ValueError("give either ps_host/ps_port or store, not both")
-            store = f"redis://{ps_host}:{int(ps_port)}/0"
-        if kv_client is not None and store is not None and store is not kv_client.store:
-            raise ValueError("give either kv_client or a store (or ps_host/ps_port), not both")
-        if kv_client is None:
-            kv_client = get_kv_client() if store is None else KVClient(store)
+        kv_client = resolve_kv_client(
+            kv_client, store, ps_host, ps_port, fast_path_mode, kwargs.get("optimizer_type")
+        )
         super().__init__(
             tables=embedding_bag_configs,
             store=kv_client.store,
@@ -96,43 +188,68 @@ class RecStoreEmbeddingBagCollection(CachedEmbeddingBagCollection):
             fusion_k=fusion_k,
             **kwargs,
         )
-        self.kv_client = kv_client
-        self.backend_optimizer = None
-        if kv_client.backend_optimizer is not None:
-            if kwargs.get("optimizer_type") is not None:
-                raise ValueError(
-                    "optimizer_type: this KV client has a backend optimizer "
-                    f"({kv_client.backend_optimizer}), which updates the collection's rows"
-                )
-            self.backend_optimizer = BackendOptimizer(kv_client.backend_optimizer)
-            super().attach_sparse_optimizer(self.backend_optimizer)
-        for table in self.tables:
-            _register(kv_client, table.name, CollectionTable(self, table), self)
+        self.join_kv_client(kv_client)
 
-    def attach_sparse_optimizer(self, optimizer: Any) -> None:
-        """Attach a sparse optimizer. With a backend optimizer, SparseSGD only drives the
-        steps (the backend's rule applies); any other must have the backend's rule and
-        hyper-parameters.
 
-        Raises:
-            ValueError: a non-SGD optimizer that differs from the backend optimizer.
-        """
-        backend = self.backend_optimizer
-        if backend is None:
-            super().attach_sparse_optimizer(optimizer)
-            return
-        mine = (optimizer.update, float(optimizer.state_init))
-        if optimizer.rule is not OptimRule.SGD and mine != (backend.update, backend.state_init):
-            raise ValueError(
-                f"{type(optimizer).__name__} {optimizer.update} differs from the KV client's "
-                f"backend optimizer {backend.update}, which updates this collection's rows; "
-                "use SparseSGD (it hands the gradients to the backend) or the same settings"
-            )
+class RecStoreEmbeddingCollection(KVClientCollection, CachedEmbeddingCollection):
+    """`RecStoreEmbeddingBagCollection`'s conventions for the sequence collection (one row per
+    id, unpooled): its tables are tensors of its KV client (``module.kv_client``), read and
+    written through its caches, with the same backend-optimizer rules.
 
-    def apply_sparse_gradients(self, optimizer: Any) -> None:
-        """Apply the trace with the backend optimizer when the client has one, else with
-        ``optimizer``."""
-        self.engines.apply_trace(self.backend_optimizer or optimizer)
+    Example::
+
+        ec = RecStoreEmbeddingCollection(
+            embedding_configs=[{"name": "items", "embedding_dim": 16,
+                                "num_embeddings": 100_000, "feature_names": ["history"]}],
+            lr=0.05,
+        )
+        opt = SparseSGD([ec])
+        ec(kjt)["history"].values().sum().backward()   # values [n, 16]
+        opt.step()
+        ec.kv_client.pull("items", ids)                 # the rows the next forward reads
+
+    Args:
+        embedding_configs: torchrec `EmbeddingConfig` objects, `TableConfig` objects with
+            ``pooling="none"``, or dicts (torchrec's name for an EmbeddingCollection's tables).
+        lr, enable_fusion, fusion_k, ps_host, ps_port, kv_client, initialize_tables,
+        optimizer_type, fast_path_mode: as `RecStoreEmbeddingBagCollection` takes them.
+        **kwargs: any other `CachedEmbeddingCollection` argument (``device``,
+            ``need_indices``, ``store``, ``cache``, ...).
+
+    Attributes:
+        backend_optimizer: as `RecStoreEmbeddingBagCollection`'s.
+
+    Raises:
+        ValueError: as `RecStoreEmbeddingBagCollection` raises, and for a pooled table.
+    """
+
+    def __init__(
+        self,
+        embedding_configs: Sequence[TableConfig | Mapping[str, Any] | Any],
+        lr: float = 0.01,
+        enable_fusion: bool = True,
+        fusion_k: int = 30,
+        ps_host: str | None = None,
+        ps_port: int | None = None,
+        kv_client: KVClient | None = None,
+        initialize_tables: bool = True,
+        fast_path_mode: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        del initialize_tables  # as in RecStoreEmbeddingBagCollection
+        store = kwargs.pop("store", None)
+        kv_client = resolve_kv_client(
+            kv_client, store, ps_host, ps_port, fast_path_mode, kwargs.get("optimizer_type")
+        )
+        super().__init__(
+            tables=embedding_configs,
+            store=kv_client.store,
+            lr=lr,
+            enable_fusion=enable_fusion,
+            fusion_k=fusion_k,
+            **kwargs,
+        )
+        self.join_kv_client(kv_client)
 
 
 class BackendOptimizer:
@@ -196,7 +313,7 @@ class CollectionTable:
     Holds the collection weakly (the KV client must not keep it alive).
     """
 
-    def __init__(self, module: CachedEmbeddingBagCollection, table: Table) -> None:
+    def __init__(self, module: LocalCollection, table: Table) -> None:
         self._module = weakref.ref(module)
         self.name = table.name
         self.shape = (table.num_embeddings, table.dim)

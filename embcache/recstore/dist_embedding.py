@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from embcache.engine.lookup import lookup
 from embcache.kernels.optim import OptimRule, aggregate_grads
 from embcache.recstore.dist_tensor import DistTensor
 from embcache.recstore.kv_client import InitFunc
@@ -53,7 +54,7 @@ class DistEmbedding(nn.Module):
                 f"DistEmbedding {self.name!r}: forward while the previous backward's gradients "
                 "are still in _trace; call optimizer.step() or zero_grad() first"
             )
-        return _DistLookup.apply(self._grad_anchor, self, torch.as_tensor(ids))
+        return lookup(self._grad_anchor, _DistStep(self, torch.as_tensor(ids)))[0]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none
@@ -132,15 +133,19 @@ class DistEmbedding(nn.Module):
         raise RuntimeError("DistEmbedding holds no optimizer state to write")
 
 
-class _DistLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, anchor, module, ids):
-        ctx.module, ctx.ids = module, ids
-        return module.weight[ids].to(ids.device)
+class _DistStep:
+    """One lookup of the tensor's rows, as `engine.lookup.CachedLookup` runs it: backward
+    records the gradient of each distinct id (duplicates summed) for the optimizer."""
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        grads = grad_out.reshape(ctx.ids.numel(), -1).float().contiguous()
-        ids = ctx.ids.reshape(-1).to(device=grads.device, dtype=torch.int64)
-        ctx.module._trace.append(aggregate_grads(ids, grads))
-        return None, None, None
+    anchor_grad = False
+
+    def __init__(self, module: DistEmbedding, ids: torch.Tensor) -> None:
+        self.module, self.ids = module, ids
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        return (self.module.weight[self.ids].to(self.ids.device),)
+
+    def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
+        grads_ = grads[0].reshape(self.ids.numel(), -1).float().contiguous()
+        ids = self.ids.reshape(-1).to(device=grads_.device, dtype=torch.int64)
+        self.module._trace.append(aggregate_grads(ids, grads_))

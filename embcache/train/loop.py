@@ -1,5 +1,6 @@
-"""Training and evaluating a DLRM: optimizer factories, the training loop (through
-`TrainPipeline`, with prefetch of the next batch), held-out evaluation and its metrics.
+"""Training and evaluating a DLRM (or a `SequenceRecommender`): optimizer factories, the
+training loop (through `TrainPipeline`, with prefetch of the next batch), held-out evaluation
+and its metrics.
 
     data = open_dataset("criteo:train.txt.gz")        # or SyntheticCriteo(...), any ClickDataset
     model = DLRM(data.tables(dim=16), dense_in_features=data.num_dense, ...)
@@ -8,6 +9,11 @@
     result = train(model, data.train_batches(), sparse_opt, dense_opt, steps=800, prefetch=True,
                    evaluate_every=200, held_out=lambda: data.eval_batches(20))
     metrics = evaluate(model, data.eval_batches())    # AUC and log loss on the held-out split
+
+A model is one with the DLRM's surface (`Model`): ``model(dense, sparse) -> logits [B]``,
+``loss``, ``device``, ``dense_parameters()`` and a ``sparse_arch`` whose cache counters the
+loop reads; each of its cached collections (the DLRM's one, a `SequenceRecommender`'s bags and
+sequences) is given the batch's whole sparse input, and reads its own features from it.
 
 AUC is torchmetrics' ``binary_auroc`` and log loss torch's binary cross-entropy (on logits),
 both over every held-out sample at once.
@@ -36,8 +42,10 @@ from torch.nn import functional
 import embcache.native as native
 import embcache.optim
 from embcache.data.batch import Batch
+from embcache.engine.interface import CachedCollectionInterface
 from embcache.kernels.optim_rules import RULES, by_cli
 from embcache.models.dlrm import DLRM
+from embcache.models.sequence_model import SequenceRecommender
 from embcache.optim.sparse import SparseOptimizer
 from embcache.train.pipeline import TrainPipeline
 
@@ -46,6 +54,8 @@ SPARSE_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
 }
 """The sparse optimizer of each CLI name (`kernels.optim_rules.RULES`: ``cli``,
 ``sparse_class``)."""
+
+Model = DLRM | SequenceRecommender
 
 
 def make_sparse_optimizer(
@@ -100,7 +110,7 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
 
 
 @torch.no_grad()
-def evaluate(model: DLRM, batches: Iterable[Batch]) -> dict[str, float]:
+def evaluate(model: Model, batches: Iterable[Batch]) -> dict[str, float]:
     """AUC, log loss and sample count of ``model`` over ``batches`` (the held-out split)."""
     was_training = model.training
     model.eval()
@@ -209,7 +219,7 @@ def _stat_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, 
 
 
 def train(
-    model: DLRM,
+    model: Model,
     batches: Iterable[Batch],
     sparse_opt: Any,
     dense_opt: torch.optim.Optimizer,
@@ -227,7 +237,7 @@ def train(
     """Train ``model`` on the first ``steps`` of ``batches``.
 
     Args:
-        model: the DLRM.
+        model: the DLRM or `SequenceRecommender`.
         batches: training batches (CPU); each goes to ``model.device``.
         sparse_opt, dense_opt: the embcache and torch optimizers.
         steps: training steps.
@@ -261,11 +271,12 @@ def train(
     evals: list[dict[str, float]] = []
     bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True, leave=True)
     model.train()
+    collections = sum(isinstance(m, CachedCollectionInterface) for m in model.modules())
     pipe = TrainPipeline(
         wrapper if wrapper is not None else model,
         sparse_opt,
         dense_opt,
-        features=lambda batch: batch.sparse_features,
+        features=lambda batch: [batch.sparse_features] * collections,
         loss=lambda m, batch: model.loss(
             m(batch.dense_features, batch.sparse_features), batch.labels
         ),

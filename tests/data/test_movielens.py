@@ -110,3 +110,65 @@ def test_missing_files_and_users_are_named(tmp_path: Path) -> None:
     (root / "u.data").write_text("1\t2\tfive\t3\n")
     with pytest.raises(ValueError, match=r"u.data: a field is not an integer"):
         MovieLens(root)
+
+
+def _ratings(root: Path) -> list[tuple[int, int, int, int]]:
+    """``(time, file line, user, item)`` of every rating, in time order (then file order)."""
+    if (root / "u.data").is_file():
+        lines = [x.split("\t") for x in (root / "u.data").read_text().splitlines()]
+    else:
+        lines = [x.split("::") for x in (root / "ratings.dat").read_text().splitlines()]
+    return sorted((int(x[3]), k, int(x[0]), int(x[1])) for k, x in enumerate(lines))
+
+
+@pytest.mark.parametrize(
+    ("release", "coarse"),
+    [("ml-100k", False), ("ml-1m", False), ("ml-100k", True)],
+    ids=["ml-100k", "ml-1m", "ml-100k-same-second"],
+)
+def test_history_is_the_users_ratings_strictly_before(
+    tmp_path: Path, release: str, coarse: bool
+) -> None:
+    """`MovieLens.with_history`: each sample's history is its user's last N movies rated at an
+    earlier timestamp, oldest first, in both splits; no movie of the sample's own second or
+    later is in it (leak-free), and the bags are those of the data without it."""
+    root = (write_ml_100k if release == "ml-100k" else write_ml_1m)(tmp_path / release)
+    if coarse:  # 30 distinct seconds: many ratings of one user share a second
+        lines = [x.split("\t") for x in (root / "u.data").read_text().splitlines()]
+        (root / "u.data").write_text(
+            "".join(f"{u}\t{i}\t{s}\t{int(t) // 700}\n" for u, i, s, t in lines)
+        )
+    length = 4
+    plain = MovieLens(root, batch_size=128, eval_fraction=0.2)
+    data = plain.with_history(length)
+    assert plain.sequence_features() == {} and data.sequence_features() == {"history": "item"}
+    assert "last 4 rated movies" in data.describe()
+    epoch = data.cut // 128
+    batches = [b for _, b in zip(range(epoch), data.train_batches(), strict=False)]
+    batches += list(data.eval_batches())
+    got = []
+    for b in batches:
+        bags = b.sparse_features["history"]
+        vals, lens = bags.values().tolist(), bags.lengths().tolist()
+        starts = np.cumsum([0, *lens])
+        got += [vals[s : s + n] for s, n in zip(starts, lens, strict=False)]
+    ratings = _ratings(root)
+    samples = ratings[: epoch * 128] + ratings[data.cut :]
+    stamp_of = {}  # (user, item) -> the times the user rated it
+    for t, _, u, i in ratings:
+        stamp_of.setdefault((u, i), []).append(t)
+    for (t, _, u, _), history in zip(samples, got, strict=True):
+        before = [i for t2, _, u2, i in ratings if u2 == u and t2 < t]
+        assert history == before[-length:]
+        assert all(min(stamp_of[u, i]) < t for i in history)  # rated before this sample
+    assert any(len(h) == length for h in got) and any(not h for h in got)
+    if coarse:  # a same-second neighbour is never history (checked above); the case occurs
+        assert len({(t, u) for t, _, u, _ in ratings}) < len(ratings)
+    first = next(plain.train_batches())
+    with_history = next(data.train_batches())
+    for f in FEATURES:
+        assert torch.equal(
+            first.sparse_features[f].values(), with_history.sparse_features[f].values()
+        )
+    with pytest.raises(ValueError, match="history length must be an int >= 1"):
+        plain.with_history(0)

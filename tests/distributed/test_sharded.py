@@ -452,9 +452,9 @@ def test_a_failing_rank_fails_the_job_fast(how: str) -> None:
     else:
         assert "rank 1 of the spawned job failed:\nexited with code 7" in text
     assert "then rank 0 failed too: CollectiveError" in text, text
-    # Rank 0 notices at once (the peer's connection closes): far below the 20 s timeout.
-    assert err.elapsed_s < 10, f"the job took {err.elapsed_s:.1f} s to fail after rank 1 did"
-    assert elapsed < 60
+    # Rank 0 notices at once (the peer's connection closes), not after the 20 s timeout.
+    assert err.elapsed_s < 15, f"the job took {err.elapsed_s:.1f} s to fail after rank 1 did"
+    assert elapsed < 180  # start-up included, on a loaded 2-core machine
 
 
 def test_a_hanging_rank_times_out_the_others() -> None:
@@ -466,8 +466,10 @@ def test_a_hanging_rank_times_out_the_others() -> None:
     assert info.value.rank == 0, text
     assert "CollectiveError on rank 0" in text and "timeout" in text
     assert "then rank 1 failed too: still running 2 s after another rank failed; terminated" in text
-    # Start-up and a step, then 5 s of timeout and 2 s of grace.
-    assert elapsed < 30, f"took {elapsed:.1f} s"
+    # The messages above show the timeout and the grace ended it; this bounds the rest
+    # (start-up and a step, then 5 s of timeout and 2 s of grace) even on a loaded 2-core
+    # machine, where start-up alone took 25 s (a job that waited forever never returns).
+    assert elapsed < 180, f"took {elapsed:.1f} s"
 
 
 def test_owner_hash_is_balanced_and_independent_of_the_cache_set() -> None:

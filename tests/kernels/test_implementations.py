@@ -20,6 +20,7 @@ the optimizer have no numba version; the numba plan looks ids up through a row i
 from __future__ import annotations
 
 import math
+import os
 import threading
 from types import SimpleNamespace
 
@@ -32,6 +33,7 @@ from embcache.engine import fused_cpu
 from embcache.engine.batch_state import Prepared
 from embcache.indexing import copy_rows
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+from embcache.kernels.gather import gather_backward, gather_rows
 from embcache.kernels.ids import dedup, dedup_grouped
 from embcache.kernels.optim import (
     OptimRule,
@@ -70,6 +72,10 @@ def use(monkeypatch: pytest.MonkeyPatch):
         name = impl if impl in ("torch", "triton") else "auto"
         if impl.startswith("twins-"):
             name = impl.removeprefix("twins-")
+        if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            # These inputs are CPU tensors: compiled Triton (a GPU machine) takes device ones,
+            # and the kernel test files run it there (their ``device`` fixture).
+            pytest.skip("Triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1)")
         monkeypatch.setenv("EMBCACHE_BACKEND", name)
 
     return select
@@ -357,6 +363,81 @@ def test_pool_backward(impl: str, dim: int, mode: PoolingMode, weighted: bool, u
         argmax if mode == PoolingMode.MAX else None,
         grouping,
     )
+    assert grad.dtype == torch.float32 and grad.shape == ref.shape
+    torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# unpooled gather (sequence embeddings) forward and backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _sequence(dim: int, seed: int, unique: int = 20) -> SimpleNamespace:
+    """Values over ``unique`` ids held at distinct slots (one at the last row, one not
+    admitted): duplicates, one hot id holding a third of the values, one id no value uses."""
+    g = _gen(seed)
+    storage = torch.randn(NUM_ROWS, dim + EXTRA_COLUMNS, generator=g)
+    storage[:, dim:] = math.nan  # beyond the table's dim: never read
+    perm = torch.randperm(NUM_ROWS - 1, generator=g)[: unique - 1]
+    slots = torch.cat([perm, torch.tensor([NUM_ROWS - 1])])
+    slots[3] = -1  # an id the cache did not admit: reads zeros
+    nnz = 157 if dim < 100 else 61
+    inverse = torch.randint(0, unique - 1, (nnz,), generator=g)  # id unique - 1: no value
+    inverse[: nnz // 3] = 4  # a hot id
+    inverse[-2:] = torch.tensor([3, unique - 2])  # the id not admitted, the last row's id
+    inverse = inverse[torch.randperm(nnz, generator=g)]
+    return SimpleNamespace(
+        rows=storage[:, :dim],
+        dim=dim,
+        slots=slots,
+        inverse=inverse,
+        grad_out=torch.randn(nnz, dim, generator=g),
+    )
+
+
+def _gather_reference(p: SimpleNamespace) -> torch.Tensor:
+    """float64 ``[nnz, dim]``: each value's row, zeros where its slot is negative."""
+    out = torch.zeros(p.inverse.numel(), p.dim, dtype=torch.float64)
+    for j, u in enumerate(p.inverse.tolist()):
+        slot = int(p.slots[u])
+        if slot >= 0:
+            out[j] = p.rows[slot].double()
+    return out
+
+
+def _gather_backward_reference(p: SimpleNamespace) -> torch.Tensor:
+    """float64 ``[U, dim]``: each unique id's gradient rows summed."""
+    grad = torch.zeros(p.slots.numel(), p.dim, dtype=torch.float64)
+    for j, u in enumerate(p.inverse.tolist()):
+        grad[u] += p.grad_out[j].double()
+    return grad
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton")])
+def test_gather_rows(impl: str, dim: int, use) -> None:
+    use(impl)
+    p = _sequence(dim, seed=dim * 11)
+    out = torch.full((p.inverse.numel(), dim), math.nan)
+    assert gather_rows(p.rows, dim, p.slots, p.inverse, out) is out
+    torch.testing.assert_close(out.double(), _gather_reference(p), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize(
+    "impl",
+    [_impl("torch"), _impl("triton"), _impl("torch-grouped"), _impl("triton-grouped")],
+)
+def test_gather_backward(impl: str, dim: int, use) -> None:
+    use(impl.removesuffix("-grouped"))
+    p = _sequence(dim, seed=dim * 13)
+    grouping = None
+    if impl.endswith("-grouped"):
+        order = torch.sort(p.inverse, stable=True).indices
+        counts = torch.bincount(p.inverse, minlength=p.slots.numel())
+        grouping = (order, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
+    grad = gather_backward(p.grad_out, p.inverse, p.slots.numel(), grouping)
+    ref = _gather_backward_reference(p)
     assert grad.dtype == torch.float32 and grad.shape == ref.shape
     torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-4)
 

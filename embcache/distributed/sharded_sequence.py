@@ -1,0 +1,154 @@
+"""ShardedEmbeddingCollection: `CachedEmbeddingCollection` (unpooled lookups, one row per id)
+with its rows sharded by row over the ranks.
+
+Example (every rank, its own batch)::
+
+    ec = ShardedEmbeddingCollection(
+        tables=[EmbeddingConfig(name="items", embedding_dim=16, num_embeddings=1_000_000,
+                                feature_names=["history"])],
+        cache=CacheConfig(load_factor=0.1),
+    )
+    opt = SparseAdaGrad([ec], lr=0.05)
+    out = ec(kjt)                          # {"history": JaggedTensor}, values [n, 16]
+    out["history"].values().sum().backward()
+    opt.step()                             # each rank updates the rows it owns
+
+The exchanges are `ShardedEmbeddingBagCollection`'s (`embcache.distributed.sharded`: the ids to
+their owners, the rows back, one gradient row per unique id to the owners); only the requester's
+second half differs: each cache gathers one row per value (`engine.reduction.RowGather`) into
+an output of its own, ``[nnz_e, dim_e]``, its features' values in its layout's order, which
+`forward` cuts into one block per output key as `CachedEmbeddingCollection` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from embcache.cache.config import CacheConfig
+from embcache.distributed.sharded import ShardedCollection
+from embcache.engine.inputs import JaggedBatch
+from embcache.engine.interface import FUSION_K
+from embcache.engine.jagged import sequence_output
+from embcache.engine.reduction import Share
+from embcache.engine.tables import TableConfig
+from embcache.kv.base import Store
+
+
+class ShardedEmbeddingCollection(ShardedCollection):
+    """`CachedEmbeddingCollection` over several ranks, each owning a shard of the rows.
+
+    Same input, output keys, lengths and values as one `CachedEmbeddingCollection` given the
+    same tables, rows and batch; every rank passes its own batch (any size, empty included)
+    and gets its own rows. Train it with the ordinary sparse optimizers
+    (``SparseAdaGrad([ec], lr=...)``); ``step()`` updates, on each rank, the rows it owns.
+    Forward, backward, ``state_dict`` and ``table_rows`` are collectives, as for
+    `ShardedEmbeddingBagCollection` (whose module docstring describes the exchanges).
+
+    Args:
+        tables: torchrec `EmbeddingConfig` objects, `TableConfig` objects with
+            ``pooling="none"``, or dicts (every rank must give the same).
+        device: where this rank's caches and outputs live (``cuda`` with NCCL or gloo);
+            positional after ``tables``, as torchrec's and `CachedEmbeddingCollection`'s.
+        need_indices: each output `JaggedTensor`'s ``weights()`` holds the ids looked up.
+        cache, store, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr, seed,
+            process_group: as `ShardedEmbeddingBagCollection` takes them.
+
+    Raises:
+        ValueError: a pooled table (SUM, MEAN or MAX: those belong in a
+            `ShardedEmbeddingBagCollection`).
+    """
+
+    pooled = False
+    weights_prefix = "embeddings"
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig | Mapping[str, Any] | Any],
+        device: torch.device | str | None = None,
+        need_indices: bool = False,
+        cache: CacheConfig | None = None,
+        store: Store | str | Callable[[int], Store | str] | None = None,
+        enable_fusion: bool = True,
+        fusion_k: int = FUSION_K,
+        update_in_backward: bool = False,
+        accumulate_grads: bool = False,
+        lr: float | None = None,
+        seed: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            tables,
+            False,
+            cache,
+            store,
+            device,
+            enable_fusion,
+            fusion_k,
+            update_in_backward,
+            accumulate_grads,
+            lr,
+            seed,
+            process_group,
+        )
+        self._need_indices = bool(need_indices)
+        # The input feature of each output key (``feature@table`` reads ``feature``).
+        self._key_features = [f for t in self.tables for f in t.feature_names]
+
+    # -- torchrec's EmbeddingCollectionInterface --------------------------------------------
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        """The tables' dim (-1 for no table, and for tables of several dims)."""
+        dims = {t.dim for t in self.tables}
+        return dims.pop() if len(dims) == 1 else -1
+
+    def embedding_configs(self) -> list[Any]:
+        """The table configs as given."""
+        return self.embedding_bag_configs()
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return [list(t.key_names) for t in self.tables]
+
+    # -- the data path -----------------------------------------------------------------------
+
+    def forward(self, features: JaggedBatch | Any) -> dict[str, Any]:
+        """This rank's rows of every feature (collective): ``{key: JaggedTensor}``
+        (``values()`` ``[n, dim]``, the input's lengths), keyed by the tables' feature names in
+        table order (``feature@table`` for a feature several tables look up); torchrec
+        `JaggedTensor` objects for a KJT input, `JaggedRows` for a `JaggedBatch`.
+
+        Raises:
+            ValueError: a missing feature or an id out of its table's range on this rank
+                (nothing changed on any rank; the others raise a `CollectiveError`).
+        """
+        outs, batch = self._run(features)
+        counts = dict(zip(batch.keys(), batch.length_per_key(), strict=True))
+        values = {}
+        for engine, out in zip(self.engines.engines, outs, strict=True):
+            sizes = [counts[f] for f in engine.layout.features]
+            for key, part in zip(engine.layout.keys, torch.split(out, sizes), strict=True):
+                values[key] = part
+        rows = {}
+        for key, feature in zip(self.output_keys, self._key_features, strict=True):
+            part = batch[feature]
+            indices = part.values() if self._need_indices else None
+            rows[key] = (values[key], part.lengths(), indices)
+        return sequence_output(features, rows)
+
+    def _outputs(self, batch_size: int, requests: Sequence[Share]) -> tuple[torch.Tensor, ...]:
+        """One ``[nnz_e, dim_e]`` output per cache: a row per value of its features."""
+        return tuple(
+            engine.reduction.output(batch_size, req.inverse.numel(), self.device)
+            for engine, req in zip(self.engines.engines, requests, strict=True)
+        )
+
+    def _target(
+        self, gi: int, outputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        return outputs[gi], self.engines.engines[gi].columns, 0

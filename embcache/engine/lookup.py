@@ -1,0 +1,154 @@
+"""The lookup seam: one autograd Function for every module, and the step of a collection's
+engines that it runs.
+
+`CachedLookup` is the only autograd node embcache records. It knows nothing of caches: it runs
+a `LookupStep`, an object whose ``forward()`` gives the outputs and whose ``backward(grads)``
+hands their gradients on (as trace entries, a pending fused update, or rows sent to their
+owners). The modules differ only in their step:
+
+* `GroupLookup`: a collection's engines, one process (`CachedEmbeddingBagCollection` pools
+  bags, `CachedEmbeddingCollection` gathers one row per value: the engine's `reduction`);
+* the sharded collections' exchange step (`embcache.distributed.sharded`);
+* `DistEmbedding`'s rows of one tensor (`embcache.recstore.dist_embedding`).
+
+One node per forward, for all of a module's caches, so that one backward sees every cache's
+gradient at once (``update_in_backward`` refuses a bad gradient anywhere before any update,
+and a sharded backward makes its exchanges in one place, in cache order, on every rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from embcache.engine.batch_state import InFlight, Prepared
+from embcache.engine.fused_cpu import PendingUpdate
+from embcache.engine.group import EngineGroup
+from embcache.engine.reduction import Saved
+
+# A fused CPU step's forward, kept for its update: the TBE's pooled output with its graph, the
+# storage that graph is bound to, and its learning rate.
+FusedForward = tuple[torch.Tensor, tuple[int, int, int], float]
+
+
+class LookupStep(Protocol):
+    """One forward of a module, as `CachedLookup` runs it."""
+
+    # Whether the module's anchor gets a (zero-size) gradient: hooks on it then run after
+    # every backward (apply_optimizer_in_backward) and DDP sees it used.
+    anchor_grad: bool
+
+    def forward(self) -> tuple[torch.Tensor, ...]: ...
+
+    def backward(self, grads: tuple[torch.Tensor, ...]) -> None: ...
+
+
+class CachedLookup(torch.autograd.Function):
+    """``CachedLookup.apply(anchor, step)`` -> ``step.forward()``; backward calls
+    ``step.backward(grads)``.
+
+    ``anchor`` is a tensor that requires grad, so the node is recorded even though the rows it
+    reads are not autograd leaves."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, step: LookupStep) -> tuple[torch.Tensor, ...]:
+        outs = step.forward()
+        ctx.step = step
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        ctx.step.backward(grads)
+        if not ctx.step.anchor_grad:
+            return None, None
+        shape, dtype, device = ctx.anchor
+        return torch.zeros(shape, dtype=dtype, device=device), None
+
+
+def contiguous_rows(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with unit column stride and rows at least as wide as they are (the kernels'
+    layout): a copy only when it is not (e.g. the expanded gradient of a ``.sum()``)."""
+    if grad.stride(-1) != 1 or grad.stride(0) < grad.shape[1]:
+        return grad.contiguous()
+    return grad
+
+
+class GroupLookup:
+    """A collection's lookup over its engines, one output per engine: ``[B, F_e * dim_e]``
+    pooled (its features' columns side by side, in its layout's order) or ``[nnz_e, dim_e]``
+    unpooled (its features' values in its layout's order).
+
+    Args:
+        group: the collection's engines.
+        prepared: each engine's share of the batch.
+        batch: the `InFlight` the gradients belong to (None under ``torch.no_grad``).
+        batch_size: B.
+    """
+
+    anchor_grad = True
+
+    def __init__(
+        self,
+        group: EngineGroup,
+        prepared: list[Prepared],
+        batch: InFlight | None,
+        batch_size: int,
+    ) -> None:
+        self.group = group
+        self.prepared = prepared
+        self.batch = batch
+        self.batch_size = batch_size
+        # Per engine: what its reduction's backward needs, or its fused step's forward.
+        self.saved: list[Saved] = []
+        self.fused: list[FusedForward | None] = []
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        outs = []
+        B = self.batch_size
+        for engine, p in zip(self.group.engines, self.prepared, strict=True):
+            fused = engine.fused if self.batch is not None else None  # training only
+            if fused is not None and fused.takes(p.weights):
+                assert self.group.optimizer is not None  # a fused step is made by `attach`
+                lr = self.group.optimizer.update.lr
+                # The TBE pools [B * F, dim] sample-major (by slot) or [B, F * dim] (by table
+                # and raw id): the output as it stands. Its graph is kept for the fused update.
+                pool = fused.pool if p.direct is None else fused.pool_direct
+                pooled, bound = pool(p, lr, B)
+                out = pooled.detach().view(B, -1)
+                self.fused.append((pooled, bound, lr))
+                self.saved.append(None)
+            else:
+                # A direct share read without its TBE (a prefetched batch read without
+                # gradients): its unique ids and slots first.
+                engine.materialize(p)
+                out = engine.output(p, B)
+                self.saved.append(engine.lookup_rows(p, B, out, engine.columns))
+                self.fused.append(None)
+            outs.append(out)
+        return tuple(outs)
+
+    def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
+        rows: list[torch.Tensor | PendingUpdate] = []
+        B = self.batch_size
+        for i, (engine, p, grad_out, saved, fused) in enumerate(
+            zip(self.group.engines, self.prepared, grads, self.saved, self.fused, strict=True)
+        ):
+            grad_out = contiguous_rows(grad_out)
+            cols = engine.columns
+            if fused is not None:
+                assert self.batch is not None  # a fused forward is a training one
+                pooled, bound, lr = fused
+                grad = grad_out.reshape(pooled.shape)  # no copy when contiguous
+                rows.append(
+                    PendingUpdate(i, self.batch, pooled, grad, grad_out, B, cols, bound, lr)
+                )
+            else:
+                rows.append(engine.grad_rows(p, B, grad_out, cols, saved))
+        self.group.record_backward(self.batch, rows)
+
+
+def lookup(anchor: torch.Tensor, step: LookupStep) -> tuple[torch.Tensor, ...]:
+    """Run ``step`` as one autograd node (`CachedLookup`)."""
+    return CachedLookup.apply(anchor, step)
