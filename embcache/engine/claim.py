@@ -63,8 +63,10 @@ class StepClaim:
             RuntimeError: another thread, still running, holds the claim.
         """
         me = threading.current_thread()
-        if _in_backward():
-            return False  # the backward's own step (its batch was checked)
+        # Already this thread's (every call of a step after its forward): no lock needed, as
+        # no other thread takes a claim whose thread is alive.
+        if self.thread is me or _in_backward():
+            return False  # or the backward's own step (its batch was checked)
         with self._lock:
             if self.thread is me:
                 return False
@@ -75,7 +77,7 @@ class StepClaim:
     def check(self, what: str) -> None:
         """Refuse ``what`` from the calling thread if another thread holds the claim."""
         me = threading.current_thread()
-        if _in_backward():
+        if self.thread is me or _in_backward():
             return
         with self._lock:
             if self.thread is not me:
@@ -93,6 +95,9 @@ class StepClaim:
     def check_backward(self, batch: InFlight) -> None:
         """Refuse the backward of a batch looked up before the step that holds the claim
         (its gradient would join that step's trace and its slots are no longer its own)."""
+        batches = self.batches
+        if batches and batches[-1] is batch:
+            return  # the claim's latest forward: a plain loop's every backward
         with self._lock:
             owner = self.thread
             if owner is None or not owner.is_alive() or any(b is batch for b in self.batches):

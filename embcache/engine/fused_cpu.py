@@ -58,10 +58,10 @@ def fbgemm_type(update: Any) -> str | None:
     return RULES[update.rule].fbgemm_cpu
 
 
-_FBGEMM: list = []  # [module namespace or None], filled on first use
+_FBGEMM: list[tuple[Any, Any, Any] | None] = []  # [its modules or None], filled on first use
 
 
-def _fbgemm() -> Any | None:
+def _fbgemm() -> tuple[Any, Any, Any] | None:
     """fbgemm_gpu's TBE classes, or None when fbgemm-gpu-cpu cannot be imported here."""
     if not _FBGEMM:
         try:
@@ -113,6 +113,7 @@ def _sample_major(
     moving the ids costs less than transposing the pooled rows and their gradient.
     ``compiled``: through the compiled pass where the share's tensors allow (the choice of
     `FusedCpuStep`), else torch ops."""
+    assert p.slots is not None and p.inverse is not None  # resolved: not a direct share
     num_bags = p.offsets.numel() - 1
     features = num_bags // batch_size if batch_size else 0
     if features <= 1:
@@ -120,7 +121,7 @@ def _sample_major(
     n = p.inverse.numel()
     if compiled and _compiled_share(p):
         # One pass gathers each value's slot and moves its bag (`native.bags_sample_major`).
-        moved = torch.empty(n, dtype=torch.int64)
+        indices = torch.empty(n, dtype=torch.int64)
         offsets = torch.empty(num_bags + 1, dtype=torch.int64)
         weights = None if p.weights is None else torch.empty(n, dtype=torch.float32)
         native.bags_sample_major(
@@ -129,11 +130,11 @@ def _sample_major(
             offsets=p.offsets.contiguous().numpy(),
             batch_size=batch_size,
             weights=_NO_WEIGHTS if p.weights is None else p.weights.contiguous().numpy(),
-            out=moved.numpy(),
+            out=indices.numpy(),
             out_offsets=offsets.numpy(),
             out_weights=_NO_WEIGHTS if weights is None else weights.numpy(),
         )
-        return moved, offsets, weights
+        return indices, offsets, weights
     bag_lengths = p.offsets[1:] - p.offsets[:-1]
     shortest, longest = torch.stack(torch.aminmax(bag_lengths)).tolist() if num_bags else (0, 1)
     slots = p.slots.index_select(0, p.inverse)
@@ -207,6 +208,9 @@ class FusedCpuStep:
         self._direct_tbe: Any = None
         self._direct_bound: tuple[int, int, int] = (0, 0, 0)
         self._lrs: dict[int, float] = {}  # the learning rate each TBE (by id) was given
+        # `can_apply`'s answer for the last update it was asked about, but for the lr.
+        self._checked: Any = None
+        self._checked_fits = False
 
     @property
     def direct(self) -> bool:
@@ -268,7 +272,9 @@ class FusedCpuStep:
             return self._direct_tbe
 
     def _make(self, table_rows: list[int], feature_tables: list[int] | None) -> Any:
-        configs, common, training = _fbgemm()
+        fbgemm, optim_type = _fbgemm(), RULES[self.rule].fbgemm_cpu
+        assert fbgemm is not None and optim_type is not None  # as `for_engine` checked
+        configs, common, training = fbgemm
         self._lrs.clear()  # the TBE it replaces may leave its id to the new one
         weights, state = self.cache.weights, self.cache.state
         dim = weights.shape[1]
@@ -286,7 +292,7 @@ class FusedCpuStep:
                     for rows in table_rows
                 ],
                 feature_table_map=feature_tables,
-                optimizer=getattr(configs.EmbOptimType, RULES[self.rule].fbgemm_cpu),
+                optimizer=getattr(configs.EmbOptimType, optim_type),
                 learning_rate=0.0,  # set before each forward: its graph keeps it
                 eps=self.eps,
                 pooling_mode=pooling,
@@ -338,12 +344,14 @@ class FusedCpuStep:
     def can_apply(self, pending: PendingUpdate, update: Any) -> bool:
         """Whether ``pending`` can be applied by the TBE under ``update``: the rule, learning
         rate and epsilon its graph was built with, and what `fbgemm_type` asks."""
-        return (
-            update.rule == self.rule
-            and fbgemm_type(update) is not None
-            and update.lr == pending.lr
-            and update.eps == self.eps
-        )
+        if update is not self._checked:  # a `RowUpdate` is frozen: asked once per object
+            self._checked_fits = (
+                update.rule == self.rule
+                and fbgemm_type(update) is not None
+                and update.eps == self.eps
+            )
+            self._checked = update
+        return self._checked_fits and update.lr == pending.lr
 
     @profiled("engine.fused_update")
     def apply(self, pending: PendingUpdate, p: Prepared) -> None:

@@ -208,6 +208,7 @@ class Prefetcher:
         or its prefetch failed and was released; the forward reads synchronously). Then release
         every handle that can no longer be used."""
         result = None
+        used = 0  # the seq of the prefetch this forward uses
         if handle is not None:
             state = handle.state
             result = state.result()
@@ -217,10 +218,11 @@ class Prefetcher:
             else:
                 self._forget(state)
                 state.used = True
-        used = handle.state.seq if result is not None else 0
-        for state in list(self.issued):
-            if state.seq < used or state.seq <= self._passed_by:
-                self.release(state)
+                used = state.seq
+        if self.issued:  # none in a loop without prefetch: no copy of the list to walk
+            for state in list(self.issued):
+                if state.seq < used or state.seq <= self._passed_by:
+                    self.release(state)
         self._passed_by = self.seq
         return result
 
