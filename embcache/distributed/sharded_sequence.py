@@ -32,13 +32,13 @@ from embcache.cache.config import CacheConfig
 from embcache.distributed.sharded import ShardedCollection
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.interface import FUSION_K
-from embcache.engine.jagged import sequence_output
+from embcache.engine.jagged import SequenceCollection
 from embcache.engine.reduction import Share
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
 
 
-class ShardedEmbeddingCollection(ShardedCollection):
+class ShardedEmbeddingCollection(SequenceCollection, ShardedCollection):
     """`CachedEmbeddingCollection` over several ranks, each owning a shard of the rows.
 
     Same input, output keys, lengths and values as one `CachedEmbeddingCollection` given the
@@ -95,25 +95,12 @@ class ShardedEmbeddingCollection(ShardedCollection):
             process_group,
         )
         self._need_indices = bool(need_indices)
-        # The input feature of each output key (``feature@table`` reads ``feature``).
-        self._key_features = [f for t in self.tables for f in t.feature_names]
 
     # -- torchrec's EmbeddingCollectionInterface --------------------------------------------
-
-    def need_indices(self) -> bool:
-        return self._need_indices
-
-    def embedding_dim(self) -> int:
-        """The tables' dim (-1 for no table, and for tables of several dims)."""
-        dims = {t.dim for t in self.tables}
-        return dims.pop() if len(dims) == 1 else -1
 
     def embedding_configs(self) -> list[Any]:
         """The table configs as given."""
         return self.embedding_bag_configs()
-
-    def embedding_names_by_table(self) -> list[list[str]]:
-        return [list(t.key_names) for t in self.tables]
 
     # -- the data path -----------------------------------------------------------------------
 
@@ -129,17 +116,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         """
         outs, batch = self._run(features)
         counts = dict(zip(batch.keys(), batch.length_per_key(), strict=True))
-        values = {}
-        for engine, out in zip(self.engines.engines, outs, strict=True):
-            sizes = [counts[f] for f in engine.layout.features]
-            for key, part in zip(engine.layout.keys, torch.split(out, sizes), strict=True):
-                values[key] = part
-        rows = {}
-        for key, feature in zip(self.output_keys, self._key_features, strict=True):
-            part = batch[feature]
-            indices = part.values() if self._need_indices else None
-            rows[key] = (values[key], part.lengths(), indices)
-        return sequence_output(features, rows)
+        return self.jagged_output(features, batch, self.split_per_key(outs, counts))
 
     def _outputs(self, batch_size: int, requests: Sequence[Share]) -> tuple[torch.Tensor, ...]:
         """One ``[nnz_e, dim_e]`` output per cache: a row per value of its features."""

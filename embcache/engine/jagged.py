@@ -83,3 +83,55 @@ def sequence_output(
     else:
         make = JaggedRows
     return {k: make(values=v, lengths=n, weights=w) for k, (v, n, w) in rows.items()}
+
+
+class SequenceCollection:
+    """What a collection of unpooled tables adds to its engines, one process or sharded:
+    torchrec's ``EmbeddingCollection`` accessors and the output split per key. Expects the
+    collection's ``tables``, ``engines`` and ``output_keys``; ``_need_indices`` is set by the
+    constructor."""
+
+    tables: list[Any]
+    engines: Any
+    output_keys: list[str]
+    _need_indices: bool
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        """The tables' dim (torchrec's collection has one; -1 for none, and for tables of
+        several dims, which torchrec refuses and these collections take)."""
+        dims = {t.dim for t in self.tables}
+        return dims.pop() if len(dims) == 1 else -1
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return [list(t.key_names) for t in self.tables]
+
+    def key_features(self) -> list[str]:
+        """The input feature of each output key (``feature@table`` reads ``feature``)."""
+        return [f for t in self.tables for f in t.feature_names]
+
+    def split_per_key(
+        self, outs: tuple[torch.Tensor, ...], counts: dict[str, int]
+    ) -> dict[str, torch.Tensor]:
+        """Each output key's rows ``[n, dim]``: views of the engines' ``[nnz_e, dim_e]``
+        outputs, cut by the values of each feature (``counts``)."""
+        values = {}
+        for engine, out in zip(self.engines.engines, outs, strict=True):
+            sizes = [counts[f] for f in engine.layout.features]
+            for key, part in zip(engine.layout.keys, torch.split(out, sizes), strict=True):
+                values[key] = part
+        return values
+
+    def jagged_output(
+        self, features: object, batch: Any, values: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """``{key: JaggedTensor}`` (or `JaggedRows`) of the rows per key, with the input's
+        lengths and, under ``need_indices``, its ids."""
+        rows = {}
+        for key, feature in zip(self.output_keys, self.key_features(), strict=True):
+            part = batch[feature]
+            indices = part.values() if self._need_indices else None
+            rows[key] = (values[key], part.lengths(), indices)
+        return sequence_output(features, rows)

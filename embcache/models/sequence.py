@@ -31,13 +31,13 @@ import torch
 from embcache.cache.config import CacheConfig
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.interface import FUSION_K
-from embcache.engine.jagged import sequence_output
+from embcache.engine.jagged import SequenceCollection
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
 from embcache.models.local import LocalCollection
 
 
-class CachedEmbeddingCollection(LocalCollection):
+class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
     """Unpooled embedding lookups over a device cache with a write-back tier behind it.
 
     Same input, output keys, lengths and values as `torchrec.EmbeddingCollection` given the
@@ -104,20 +104,6 @@ class CachedEmbeddingCollection(LocalCollection):
         self._need_indices = bool(need_indices)
         register_with_torchrec()
 
-    # -- torchrec's EmbeddingCollectionInterface --------------------------------------------
-
-    def need_indices(self) -> bool:
-        return self._need_indices
-
-    def embedding_dim(self) -> int:
-        """The tables' dim (torchrec's collection has one; -1 for none, and for tables of
-        several dims, which torchrec refuses and this collection takes)."""
-        dims = {t.dim for t in self.tables}
-        return dims.pop() if len(dims) == 1 else -1
-
-    def embedding_names_by_table(self) -> list[list[str]]:
-        return [list(t.key_names) for t in self.tables]
-
     # -- the data path -----------------------------------------------------------------------
 
     @torch.compiler.disable
@@ -155,21 +141,12 @@ class CachedEmbeddingCollection(LocalCollection):
             values = {
                 k: torch.empty(counts[f], d, device=self.device)
                 for k, f, d in zip(
-                    self.output_keys, self._key_features(), self.output_dims, strict=True
+                    self.output_keys, self.key_features(), self.output_dims, strict=True
                 )
             }
         else:
             values = self._rows(batch, counts)
-        rows = {}
-        for key, feature in zip(self.output_keys, self._key_features(), strict=True):
-            part = batch[feature]
-            indices = part.values() if self._need_indices else None
-            rows[key] = (values[key], part.lengths(), indices)
-        return sequence_output(features, rows)
-
-    def _key_features(self) -> list[str]:
-        """The input feature of each output key."""
-        return [f for t in self.tables for f in t.feature_names]
+        return self.jagged_output(features, batch, values)
 
     def _rows(self, batch: JaggedBatch, counts: dict[str, int]) -> dict[str, torch.Tensor]:
         """Each output key's rows ``[n, dim]``: views of the engines' outputs."""
@@ -182,12 +159,7 @@ class CachedEmbeddingCollection(LocalCollection):
             if fresh:
                 engines.release_claim_if_idle()
             raise
-        values = {}
-        for engine, out in zip(engines.engines, outs, strict=True):
-            sizes = [counts[f] for f in engine.layout.features]
-            for key, part in zip(engine.layout.keys, torch.split(out, sizes), strict=True):
-                values[key] = part
-        return values
+        return self.split_per_key(outs, counts)
 
 
 def register_with_torchrec() -> None:
