@@ -13,7 +13,8 @@ NODEPS_PINS := fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0
 EXTRAS := dev,cpu,metrics,torchrec,redis,plots
 # The packages `make lint` type-checks (mypy, configured in pyproject.toml); one joins the list
 # once it is clean.
-TYPED := embcache/kv embcache/kernels embcache/cache embcache/checkpoint embcache/engine
+TYPED := embcache/backend.py embcache/indexing.py embcache/kv embcache/kernels embcache/cache \
+	embcache/checkpoint embcache/engine
 
 .PHONY: venv test test-fast demo bench lint format clean
 

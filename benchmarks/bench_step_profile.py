@@ -5,13 +5,13 @@ Question: for each workload, the share of a step spent in each phase of the data
 from the ``torch.profiler`` ranges the library marks (`embcache.profiling.profiled`):
 
 * ``engine.fuse`` (validate and fuse ids), ``engine.dedup``, ``engine.direct`` (a cache that
-  maps every row directly, on the fused CPU step: ids checked and counted, no dedup and no
+  maps every row directly, on the TBE step: ids checked and counted, no dedup and no
   resolve), ``cache.resolve`` (split into
   ``cache.plan``: set lookup and victim choice; ``cache.tier_io``: write-backs and reads;
   ``cache.copy_in``: rows into slots; ``cache.release_scratch``; and the rest of the resolve),
   ``engine.pool`` (forward pooling), ``engine.grad_rows`` (backward), ``engine.trace``,
   ``optim.check_gradients``, ``engine.locate``, ``engine.apply_rule`` (the optimizer's row
-  update), ``engine.fused_update`` (the fused CPU step: FBGEMM's TBE backward, which sums each
+  update), ``engine.tbe_update`` (the TBE step: FBGEMM's TBE backward, which sums each
   row's gradient and applies the optimizer in one pass; ``engine.pool`` is then its forward),
   ``engine.release``, and ``other`` (the step's time outside every range: Python,
   autograd, the loss).
@@ -31,9 +31,10 @@ each with the whole table cached and with 10% cached (LRU), `SparseRowWiseAdaGra
 and the 10% cache trained through ``TrainPipeline(prefetch=True)``, profiled per thread
 (`embcache.profiling.phase_times`: the torch profiler records only the thread that started
 it): the training thread's check and dedup of the next batch (``engine.dedup``), FBGEMM's
-forward (``engine.pool``) and fused update, its wait for the worker (``pipeline.wait``) and
-``other``; the worker's resolve (plan, tier reads, copy-in, rest), its deferred write-back of
-the victims (``cache.deferred_write``) and ``idle``. Each thread's phases add up to the step.
+forward (``engine.pool``) and update (``engine.tbe_update``), its wait for the worker
+(``pipeline.wait``) and ``other``; the worker's resolve (plan, tier reads, copy-in, rest), its
+deferred write-back of the victims (``cache.deferred_write``) and ``idle``. Each thread's phases
+add up to the step.
 
 Prints a table; writes ``step_profile.csv`` and ``step_profile.png``.
 
@@ -79,7 +80,7 @@ PHASES = [
     "optim.check_gradients",
     "engine.locate",
     "engine.apply_rule",
-    "engine.fused_update",
+    "engine.tbe_update",
     "engine.release",
     "other",
 ]
@@ -87,7 +88,7 @@ _RESOLVE_PARTS = ("cache.plan", "cache.tier_io", "cache.copy_in", "cache.release
 # A prefetching step, per thread (`embcache.profiling.phase_times`): the training thread's
 # timed phases (its wait for the worker included; the rest of its step is "other"), and the
 # worker's (the rest of its resolve is "cache.resolve (rest)", the rest of its step "idle").
-TRAINING_PHASES = ("engine.dedup", "engine.pool", "engine.fused_update", "optim.check_gradients",
+TRAINING_PHASES = ("engine.dedup", "engine.pool", "engine.tbe_update", "optim.check_gradients",
                    "pipeline.wait")  # fmt: skip
 WORKER_PHASES = (*_RESOLVE_PARTS, "cache.deferred_write")
 WORKER = "embcache-prefetch"  # the prefetch worker's thread name

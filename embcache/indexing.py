@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import embcache.native as native
+from embcache.backend import cpu_backend
 
 
 def put(t: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
@@ -71,7 +72,7 @@ def _compiled_at(t: torch.Tensor, idx: torch.Tensor) -> bool:
         and t.is_contiguous()
         and idx.is_contiguous()
         and not t.requires_grad
-        and native.available()
+        and cpu_backend().compiled
     )
 
 
@@ -133,7 +134,7 @@ def copy_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
         and idx.numel()
     ):
         d, s = dst.detach().numpy(), src.detach().numpy()
-        if native.available() and d.ndim == 2 and idx.dtype == torch.int64:
+        if d.ndim == 2 and idx.dtype == torch.int64 and cpu_backend().compiled:
             if d.dtype == np.float16:  # moved as their bits (numba has no float16)
                 d, s = d.view(np.int16), s.view(np.int16)
             native.scatter_rows(d, idx.numpy(), s)

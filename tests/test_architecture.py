@@ -4,10 +4,11 @@ repository.
 
 Layers, lowest first (a module may import its own package and lower layers only):
 
-    backend                          which implementation runs (``EMBCACHE_BACKEND``)
     hashing, profiling, native,      the id hash; named phases for torch.profiler; compiled
     hostmem, devices                 CPU loops (numba); host arrays in huge pages; CUDA
                                      devices with their index
+    backend                          which implementation runs (``EMBCACHE_BACKEND``): one
+                                     `Backend` object per family, with its operations
     indexing                         writes at positions, mask positions, flag counts
     kernels, kv                     the Triton kernels with their twins; the tiers
     cache, optim                    the device cache and its transfers; the optimizer rules
@@ -32,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "embcache"
 
 LAYERS = [
-    ["backend"],
     ["hashing", "profiling", "native", "hostmem", "devices"],
+    ["backend"],
     ["indexing"],
     ["kernels", "kv"],
     ["cache", "optim"],
@@ -199,8 +200,8 @@ def _strings_outside_docstrings(path: Path) -> list[tuple[int, str]]:
 
 def test_the_backend_is_read_in_one_module() -> None:
     """``EMBCACHE_BACKEND`` is read by `embcache.backend` alone: every other module asks
-    `backend_name` (or `native.available`, `kernels.backend.use_triton`), so a name that is none
-    of the choices is a ValueError wherever the choice is made."""
+    `embcache.backend.for_device` (or `kernels.backend.use_triton`, which asks it), so a name
+    that is none of the choices is a ValueError wherever the choice is made."""
     readers = [
         f"{path.relative_to(ROOT)}:{line}"
         for name, path in _modules().items()
@@ -208,3 +209,21 @@ def test_the_backend_is_read_in_one_module() -> None:
         if "EMBCACHE_BACKEND" in text
     ]
     assert readers and all(r.startswith("embcache/backend.py:") for r in readers), readers
+
+
+# Names that tell which implementation is present: asked only by `embcache.backend`, whose
+# `Backend` objects every other module holds or asks (`for_device`).
+CHOICE_NAMES = ("backend_name", "importable", "_njit")
+
+
+def test_only_the_backend_asks_which_implementation_is_present() -> None:
+    askers = []
+    for name, path in _modules().items():
+        if name in ("embcache.backend", "embcache.native"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            called = node.func if isinstance(node, ast.Call) else None
+            ident = getattr(called, "attr", None) or getattr(called, "id", None)
+            if ident in CHOICE_NAMES:
+                askers.append(f"{path.relative_to(ROOT)}:{node.lineno} {ident}()")
+    assert not askers, askers

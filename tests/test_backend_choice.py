@@ -9,8 +9,8 @@ import torch
 
 import embcache
 import embcache.native as native
-from embcache.backend import CHOICES, backend_name
-from embcache.kernels.backend import takes_device_path, use_triton
+from embcache.backend import CHOICES, backend_name, for_device
+from embcache.kernels.backend import use_triton
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
 from embcache.kv.host_tables import DenseTable
@@ -48,8 +48,8 @@ def test_unset_is_auto(monkeypatch) -> None:
 def test_a_typo_raises_at_every_choice(monkeypatch) -> None:
     monkeypatch.setenv("EMBCACHE_BACKEND", TYPO)
     cpu = torch.empty(1)
-    for choose in (backend_name, native.available, lambda: use_triton(cpu),
-                   lambda: takes_device_path(cpu.device),
+    for choose in (backend_name, lambda: for_device("cpu"), lambda: use_triton(cpu),
+                   lambda: for_device("cuda"),
                    lambda: HostKV(pin_memory=False).init_table(TableSpec("t", 4, 10))):  # fmt: skip
         with pytest.raises(ValueError, match=f"EMBCACHE_BACKEND='{TYPO}' is not one of"):
             choose()
@@ -71,19 +71,25 @@ def test_a_typo_set_after_the_collection_raises_at_its_first_forward(monkeypatch
         opt.step()
 
 
-def test_the_fused_cpu_step_asks_the_backend(monkeypatch) -> None:
+def test_the_tbe_step_follows_the_backend_its_cache_was_built_with(monkeypatch) -> None:
+    """The cache holds its `Backend` from construction: the TBE step runs for a cache built
+    under ``auto`` (the native family) whatever the variable says later, never for one built
+    under ``torch``."""
     pytest.importorskip("fbgemm_gpu")
-    from embcache.engine.fused_cpu import FusedCpuStep
+    from embcache.engine.tbe_step import TbeStep
 
-    monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
-    ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
-    opt = embcache.SparseSGD([ebc], lr=0.1)
-    engine = ebc.engines.engines[0]
-    monkeypatch.setenv("EMBCACHE_BACKEND", TYPO)
-    with pytest.raises(ValueError, match="EMBCACHE_BACKEND"):
-        FusedCpuStep.for_engine(engine, opt)
-    monkeypatch.setenv("EMBCACHE_BACKEND", "torch")
-    assert FusedCpuStep.for_engine(engine, opt) is None
+    engines, optimizers = {}, {}
+    for name in ("auto", "torch"):
+        monkeypatch.setenv("EMBCACHE_BACKEND", name)
+        ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
+        optimizers[name] = embcache.SparseSGD([ebc], lr=0.1)
+        engines[name] = ebc.engines.engines[0]
+    assert engines["auto"].cache.backend.name == "native"
+    assert engines["torch"].cache.backend.name == "torch"
+    for later in ("torch", "auto"):
+        monkeypatch.setenv("EMBCACHE_BACKEND", later)
+        assert TbeStep.for_engine(engines["auto"], optimizers["auto"]) is not None
+        assert TbeStep.for_engine(engines["torch"], optimizers["torch"]) is None
 
 
 # -- a tier table chooses its row moves when declared -----------------------------------------
@@ -98,7 +104,7 @@ def _store() -> HostKV:
     return kv
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_a_dense_table_keeps_the_row_moves_it_was_declared_with(monkeypatch) -> None:
     compiled = _store()
     monkeypatch.setenv("EMBCACHE_BACKEND", "torch")
@@ -116,7 +122,7 @@ def test_a_dense_table_keeps_the_row_moves_it_was_declared_with(monkeypatch) -> 
     assert compiled.io_stats() == twins.io_stats()
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_a_missed_grouped_read_takes_no_other_implementation(monkeypatch) -> None:
     """Rows never created, read through the compiled pass: created there, not by falling back
     to `get` per table (or to the torch ops of `DenseTable.get`)."""

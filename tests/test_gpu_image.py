@@ -79,7 +79,7 @@ def test_training_through_jagged_batch_matches_the_kjt_run(
     import embcache
 
     # Without fbgemm the script runs the torch twins; the reference here must too (with fbgemm
-    # the fused CPU step would round differently, which is not what this test compares).
+    # the TBE step would round differently, which is not what this test compares).
     monkeypatch.setenv("EMBCACHE_BACKEND", "torch")
 
     gen = torch.Generator().manual_seed(0)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import embcache.native as native
+from embcache.backend import Backend
 from embcache.hostmem import host_zeros
 from embcache.indexing import fill_at, put, true_at
 from embcache.kv.base import TableSpec
@@ -44,6 +45,8 @@ class RowDedup:
         index_rows: rows of the cache's tables (0 when it keeps no row index).
         specs: the cache's tables by table index.
         fusion_k: bits of the raw id inside a fused id.
+        backend: the cache's implementation family (`embcache.backend`): the compiled one
+            deduplicates through a bitmap in one pass.
     """
 
     def __init__(
@@ -52,7 +55,9 @@ class RowDedup:
         index_rows: int,
         specs: Mapping[int, TableSpec],
         fusion_k: int,
+        backend: Backend,
     ) -> None:
+        self.compiled = backend.compiled
         self.row_offset = row_offset
         self.index_rows = index_rows
         self.specs = specs
@@ -73,7 +78,7 @@ class RowDedup:
         holds at least one id per `IDS_PER_ROW_MAP` rows (`IDS_PER_ROW_BITMAP` through the
         compiled bitmap) is deduplicated faster so. None when it holds fewer, or the cache
         keeps no row index (its tables are unbounded, or it is on a GPU or direct)."""
-        compiled = native.available()
+        compiled = self.compiled
         if not self.dense_batch(ids.numel(), compiled):
             return None
         with self._lock:
@@ -101,7 +106,7 @@ class RowDedup:
     def maps_batch(self, n: int) -> bool:
         """Whether `unique_values` takes a batch of ``n`` ids: the compiled kernels run, the
         cache keeps a row index and the batch is dense enough for the map over its rows."""
-        return native.available() and self.dense_batch(n, True)
+        return self.compiled and self.dense_batch(n, True)
 
     def row_ranges(self, tables: list[int] | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """For `unique_values`: the first row (among the cache's tables' rows) and the number

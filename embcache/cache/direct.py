@@ -3,7 +3,7 @@ own slot (``row_offset[table] + raw id``): no lookup, no eviction, no scratch.
 
 `DirectMapping` is a part of `HotCache` (its base class, as `snapshot.PolicyState` is): the
 direct cache's plan (every row read from the tier once, on first use) and `serve_direct`, the
-fused CPU step's way of serving a batch without a resolve (it reads rows by table and raw id),
+TBE step's way of serving a batch without a resolve (it reads rows by table and raw id),
 counting the same hits.
 """
 
@@ -77,7 +77,7 @@ class DirectMapping(CacheFields):
     def serve_direct(
         self, value_slots: torch.Tensor | None, rows: torch.Tensor | None = None
     ) -> int:
-        """A batch served straight from a direct-mapped cache, without a resolve (the fused CPU
+        """A batch served straight from a direct-mapped cache, without a resolve (the TBE
         step reads its slots by table and id): load every row on first use, and count the
         batch's distinct rows as hits, as `resolve` counts its unique ids. No lock is taken:
         a direct-mapped cache evicts nothing.

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from embcache.backend import Backend
 from embcache.cache.config import CacheConfig, CachePolicy
 from embcache.cache.dedup import RowDedup
 from embcache.cache.policy import EvictionPolicy
@@ -35,6 +36,7 @@ class CacheFields:
     store: Store
     transfer: TierTransfer
     device: torch.device
+    backend: Backend
     device_path: bool
     fusion_k: int
     pins: bool

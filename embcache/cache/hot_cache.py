@@ -22,9 +22,9 @@ the cache's tables, each row gets its own slot instead (direct mapping: no looku
 On a CPU, a set-associative cache of bounded tables also records the slot of every row it
 holds (``_where``, int32 over its tables' rows, scratch included), so step 1 is one gather.
 A cache on the device path (``device_path``: a GPU, or a CPU under ``EMBCACHE_BACKEND=triton``,
-`kernels.backend.takes_device_path`) finds hits through the set index and the scratch area
+`embcache.backend.Backend.device_path`) finds hits through the set index and the scratch area
 instead, as a GPU does. A direct-mapped cache can serve a batch without a resolve
-(`serve_direct`: the fused CPU step reads rows by table and raw id), counting the same hits.
+(`serve_direct`: the TBE step reads rows by table and raw id), counting the same hits.
 
 The last locked batch's rows are guarded like locked ones until the next locked batch is
 resolved: under prefetch that batch is in flight then, so guarding it without prefetch too
@@ -80,7 +80,7 @@ from dataclasses import replace
 
 import torch
 
-import embcache.native as native
+from embcache.backend import for_device
 from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig, CachePolicy
 from embcache.cache.dedup import RowDedup, row_index
 from embcache.cache.direct import DirectMapping
@@ -96,7 +96,6 @@ from embcache.cache.storage import SlotRows
 from embcache.cache.transfer import Staged, TierTransfer, take
 from embcache.devices import resolve_device
 from embcache.indexing import add_at, fill_at, true_at
-from embcache.kernels.backend import takes_device_path
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
@@ -134,7 +133,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             storage. Read them under ``lock`` or ``storage_lock`` when another thread may resolve
             concurrently (the scratch area may grow, which replaces both tensors).
         storage_lock: held while the slot storage is replaced, and by whoever reads or writes
-            rows through a view of it that must stay the storage (the fused CPU step's TBE,
+            rows through a view of it that must stay the storage (the TBE step,
             for its forward's table and its backward's update), without holding ``lock``: the
             update of one batch's locked rows then runs beside a prefetch's resolve of the
             next. Taken after ``lock``, never before it.
@@ -171,15 +170,17 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         self.store = store
         self.device = resolve_device(device)
         self.fusion_k = fusion_k
-        # The set index through `kernels.cache_index` (a GPU's plan) instead of the row index
-        # and the compiled CPU plan: off a CPU, and on a CPU under EMBCACHE_BACKEND=triton, so
-        # the GPU's plan runs (Triton through the interpreter) and is tested without a GPU.
-        self.device_path = takes_device_path(self.device)
+        # The implementation family, chosen once (`embcache.backend`): its compiled passes or
+        # the torch code, and on the device path the set index through `kernels.cache_index`
+        # (a GPU's plan) instead of the row index: off a CPU, and on a CPU under
+        # EMBCACHE_BACKEND=triton, so the GPU's plan runs and is tested without a GPU.
+        self.backend = for_device(self.device)
+        self.device_path = self.backend.device_path
         self.lock = threading.RLock()
         self.storage_lock = threading.RLock()  # see the class docstring: after `lock`
         self._resolve_mutex = threading.RLock()  # serialises resolves (and flush, read)
         self._specs = {idx: spec for idx, spec in tables}
-        self.transfer = TierTransfer(store, self._specs, fusion_k, self.device)
+        self.transfer = TierTransfer(store, self._specs, fusion_k, self.device, self.backend)
         self.state_dim = tables[0][1].state_dim
         self.pins = self.transfer.pins()  # bounded tier tables: pin what the cache holds
         self.rounding_seed = tables[0][1].seed
@@ -231,7 +232,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         which = self._names()
         check_fits(self.num_slots, self.width, counters.nbytes // 8, self.device, which, self.dim)
         self._counts, self._admission = counters.build(self.device, fusion_k)
-        self.eviction = make_policy(self.policy, self._counts, config, self.device_path, fusion_k)
+        self.eviction = make_policy(self.policy, self._counts, config, self.backend, fusion_k)
         self._overflow_warned = False
         self._tick = 0
         self._lookups = 0
@@ -241,7 +242,9 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         self._seen_batch = -1  # the batch `_seen` maps (-1: none)
         self._served = 0  # batches served directly
         self._stamps: torch.Tensor | None = None  # `_distinct`'s positions, made on first use
-        self.dedup = RowDedup(self._row_offset, self._index_rows, self._specs, fusion_k)
+        self.dedup = RowDedup(
+            self._row_offset, self._index_rows, self._specs, fusion_k, self.backend
+        )
         self._deferred: list[Staged] = []  # rows a resolve left to write (`write_deferred`)
         self._allocate(scratch_rows=0)
         self.reset_stats()
@@ -443,16 +446,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         reads unchecked."""
         if not ids.numel():
             return
-        if native.available() and ids.is_contiguous():
-            bad = native.first_bad_key(ids.numpy(), self.fusion_k, self._key_limits.numpy())
-        else:
-            tables = ids >> self.fusion_k
-            n = self._key_limits.numel()
-            wrong = (ids < 0) | (tables >= n)
-            limits = self._key_limits.index_select(0, tables.clamp(0, n - 1))
-            wrong |= (ids & ((1 << self.fusion_k) - 1)) >= limits
-            found = true_at(wrong)
-            bad = int(found[0]) if found.numel() else -1
+        bad = self.backend.first_bad_key(ids, self.fusion_k, self._key_limits)
         if bad >= 0:
             key = int(ids[bad])
             raise ValueError(

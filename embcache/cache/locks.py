@@ -13,7 +13,6 @@ from contextlib import ExitStack
 
 import torch
 
-import embcache.native as native
 from embcache.cache.fields import CacheFields
 from embcache.cache.lockstep import first_true
 from embcache.indexing import add_at, fill_at
@@ -62,31 +61,12 @@ class SlotLocks(CacheFields):
         """
         unlock_together([(self, slots)], dirty)
 
-    def _unlocks_compiled(self, slots: torch.Tensor) -> bool:
-        """Whether `unlock` checks and drops ``slots``' locks in compiled passes (a CPU)."""
-        return (
-            native.available()
-            and not self.device_path
-            and slots.dtype == torch.int64
-            and slots.is_contiguous()
-        )
-
     def _unlock_checked(self, given: torch.Tensor, slots: torch.Tensor, dirty: bool) -> None:
         """`unlock` of ``slots`` (``given`` without the -1 of ids not admitted), under
         ``lock``, once a device check found every one locked (`unlock_together`); the
         compiled passes check here themselves."""
-        if self._unlocks_compiled(slots):
-            # One compiled pass checks every lock, a second drops them (and marks the rows
-            # dirty: `native.unlock_dirty`).
-            locks = self.locks.numpy()
-            bad = (native.unlock_dirty(locks, self.dirty.numpy(), slots.numpy()) if dirty
-                   else native.unlock(locks, slots.numpy()))  # fmt: skip
-            if bad >= 0:
-                raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
-        else:
-            add_at(self.locks, slots, -1)
-            if dirty:
-                fill_at(self.dirty, slots, True)
+        # The backend's pass (compiled: it checks every lock first, raising RuntimeError).
+        self.backend.unlock(self.locks, slots, self.dirty if dirty else None)
         if dirty:
             self.gradients_dropped += given.numel() - slots.numel()
 
@@ -109,7 +89,7 @@ def unlock_together(pairs: Sequence[tuple[SlotLocks, torch.Tensor]], dirty: bool
             given = given.to(cache.device)
             slots = cache._live(given)
             todo.append((cache, given, slots))
-            if slots.numel() and not cache._unlocks_compiled(slots):
+            if slots.numel() and not cache.backend.unlocks_checked(slots):
                 floors.setdefault(cache.device, []).append(cache.locks.index_select(0, slots).min())
         for mins in floors.values():
             if int(torch.stack(mins).min()) <= 0:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-import embcache.native as native
+from embcache.backend import cpu_backend
 from embcache.indexing import true_at
 
 
@@ -107,7 +107,7 @@ def numpy_reads(device: torch.device) -> bool:
     """Whether mask positions on ``device`` are found through numpy (a CPU with the compiled
     kernels, where a host read is no synchronisation); elsewhere, and on the torch path (the
     specification a GPU runs), through ops of a size known from a `Counts` read."""
-    return device.type == "cpu" and native.available()
+    return device.type == "cpu" and cpu_backend().compiled
 
 
 def first_true(flags: torch.Tensor, n: int) -> torch.Tensor:

@@ -157,7 +157,7 @@ class SetPlan(CacheFields):
         """Whether this plan runs as compiled CPU kernels (`embcache.native`): a CPU cache
         with a row index, admitting every id, LRU or LFU with exact counts (no sketch). The
         torch path is the specification."""
-        if self._where is None or admitted is not None or not native.available():
+        if self._where is None or admitted is not None or not self.backend.compiled:
             return False
         return self.eviction.compiled()
 

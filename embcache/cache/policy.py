@@ -10,7 +10,8 @@ slot's score is, and whether a miss may displace a resident row.
 
 The cache keeps the slots and the clocks; a policy keeps the counts and the rules, and is
 given the score tensor (replaced when the cache reallocates) on each call. Both have compiled
-CPU plans (`native.plan_lru`, `native.plan_lfu`); the torch code is their specification.
+CPU plans (`native.plan_lru`, `native.plan_lfu`), which run when the cache's backend is the
+compiled one (`embcache.backend.Backend.compiled`); the torch code is their specification.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 import embcache.native as native
+from embcache.backend import Backend
 from embcache.cache.config import CacheConfig, CachePolicy
 from embcache.cache.lockstep import first_true
 from embcache.cache.sketch import LfuCounts
@@ -44,7 +46,8 @@ class EvictionPolicy(ABC):
     Args:
         counts: the row frequencies (LFU only; None for LRU and for a direct cache).
         config: the cache's config (``lfu_decay``, ``lfu_decay_interval``).
-        device_path: the cache plans through the set index (no compiled CPU passes).
+        backend: the cache's implementation family (`embcache.backend`): its compiled passes
+            count an exact LFU's requests.
         fusion_k: bits of the raw id inside a fused id.
     """
 
@@ -54,11 +57,11 @@ class EvictionPolicy(ABC):
     rescores_compiled_plan = False
 
     def __init__(
-        self, counts: LfuCounts | None, config: CacheConfig, device_path: bool, fusion_k: int
+        self, counts: LfuCounts | None, config: CacheConfig, backend: Backend, fusion_k: int
     ) -> None:
         self.counts = counts
         self.config = config
-        self.device_path = device_path
+        self.backend = backend
         self.fusion_k = fusion_k
 
     @abstractmethod
@@ -201,7 +204,7 @@ class LfuPolicy(EvictionPolicy):
         n_main: int | None, all_main: bool, tick: int, lookups: int,
     ) -> None:  # fmt: skip
         assert self.counts is not None
-        if not self.device_path and self.counts.sketch is None and native.available():
+        if self.backend.compiled and self.counts.sketch is None:
             # Counted exactly: one compiled pass, the decay (when due) after it, which gives
             # the same counts and scores as before the scores are set (each value is rounded
             # down once either way).
@@ -229,9 +232,9 @@ class LfuPolicy(EvictionPolicy):
 
 
 def make_policy(
-    kind: CachePolicy, counts: LfuCounts | None, config: CacheConfig, device_path: bool,
+    kind: CachePolicy, counts: LfuCounts | None, config: CacheConfig, backend: Backend,
     fusion_k: int,
 ) -> EvictionPolicy:  # fmt: skip
     """The policy object of ``kind``."""
     cls = LfuPolicy if kind is CachePolicy.LFU else LruPolicy
-    return cls(counts, config, device_path, fusion_k)
+    return cls(counts, config, backend, fusion_k)

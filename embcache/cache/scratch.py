@@ -83,7 +83,7 @@ class ScratchArea(CacheFields):
         rows are done and dirty, then their ids) asked once each."""
         if not self._scratch_used:
             return
-        compiled = self._where is not None and native.available()
+        compiled = self._where is not None and self.backend.compiled
         if compiled:  # the same rows and writes, in two compiled passes
             done_slots, dirty, dirty_keys = map(torch.from_numpy, native.scratch_done(
                 self.slot_keys.numpy(), self.locks.numpy(), self.batch_of.numpy(),

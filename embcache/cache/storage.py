@@ -41,7 +41,9 @@ class SlotRows(CacheFields):
             # Stored rows are the weights then the float32 state: gathered into their columns
             # directly, without gathering each apart and copying both again.
             rows = torch.empty(slots.numel(), spec.stored_width, device=self.device)
-            if self.device.type == "cpu" and packed_float32(self.weights, self.state, rows, slots):
+            if self.device.type == "cpu" and packed_float32(
+                self.backend, self.weights, self.state, rows, slots
+            ):
                 native.gather_join(self.weights.numpy(), self.state.numpy(), slots.numpy(),
                                    rows.numpy())  # fmt: skip
                 return rows

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import embcache.native as native
+from embcache.backend import Backend
 from embcache.indexing import copy_rows
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
@@ -83,13 +84,17 @@ def take(t: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
 
 
 def packed_float32(
-    weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor
+    backend: Backend,
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
 ) -> bool:
     """Whether float32 stored ``rows`` (weights, then state) move between ``slots`` of CPU
     ``weights`` and ``state`` through one compiled pass (`native.scatter_split` /
-    `gather_join`)."""
+    `gather_join`): the cache's ``backend`` is the compiled one."""
     return (
-        native.available()
+        backend.compiled
         and weights.dtype == state.dtype == rows.dtype == torch.float32
         and slots.dtype == torch.int64
         and rows.device.type == slots.device.type == "cpu"
@@ -107,6 +112,8 @@ class TierTransfer:
             cache may change a table's state layout between calls).
         fusion_k: bits of the raw id inside a fused id ``id | (table_idx << fusion_k)``.
         device: the cache's device (pinned staging and a copy stream when it is a GPU).
+        backend: the cache's implementation family (`embcache.backend`), which groups ids and
+            moves float32 rows in compiled passes when it is the compiled one.
     """
 
     def __init__(
@@ -115,11 +122,13 @@ class TierTransfer:
         specs: Mapping[int, TableSpec],
         fusion_k: int,
         device: torch.device,
+        backend: Backend,
     ) -> None:
         self.store = store
         self.specs = specs
         self.fusion_k = fusion_k
         self.device = device
+        self.backend = backend
         self._pool: ThreadPoolExecutor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
 
@@ -146,9 +155,16 @@ class TierTransfer:
         ``order`` is None when ``fused`` is sorted already (a cache's misses come so from a
         sorted dedup): the sort, and the permutations it would cost the callers, are skipped.
         """
-        compiled = self._grouped_compiled(fused, ascending)
-        if compiled is not None:
-            return compiled
+        grouped = self.backend.group_by_table(fused, self.fusion_k, ascending, max(self.specs) + 1)
+        if grouped is not None:  # one pass (the compiled backend)
+            counts, order, raw = grouped
+            groups = []
+            start = 0
+            for idx in np.flatnonzero(counts).tolist():
+                count = int(counts[idx])
+                groups.append((idx, start, raw[start : start + count]))
+                start += count
+            return order, groups, raw
         if fused.numel() <= 1 or bool((fused[1:] >= fused[:-1]).all()):
             order, ordered = None, fused
         else:
@@ -168,30 +184,6 @@ class TierTransfer:
             groups.append((idx, start, raw[start : start + count]))
             start += count
         return order, groups, raw
-
-    def _grouped_compiled(self, fused: torch.Tensor, ascending: bool) -> Grouped | None:
-        """`_grouped` through one compiled pass (`native.group_by_table`) where it applies:
-        CPU int64 ids already sorted, or to be grouped without a sort. None otherwise."""
-        n = fused.numel()
-        if not (native.available() and n > 1 and fused.dtype == torch.int64):
-            return None
-        if fused.device.type != "cpu" or not fused.is_contiguous():
-            return None
-        counts = np.zeros(max(self.specs) + 1, dtype=np.int64)
-        order = torch.empty(n, dtype=torch.int64)
-        raw = torch.empty(n, dtype=torch.int64)
-        status = native.group_by_table(
-            fused.numpy(), self.fusion_k, ascending, counts, order.numpy(), raw.numpy()
-        )
-        if status == 2:
-            return None
-        groups = []
-        start = 0
-        for idx in np.flatnonzero(counts).tolist():
-            count = int(counts[idx])
-            groups.append((idx, start, raw[start : start + count]))
-            start += count
-        return (None if status == 0 else order), groups, raw
 
     @staticmethod
     def _part(order: torch.Tensor | None, start: int, n: int) -> torch.Tensor | slice:
@@ -409,7 +401,9 @@ class TierTransfer:
         GPU the copies run on a side stream and the current stream waits for them (an event):
         kernels queued after this see the rows."""
         spec = self.spec
-        if self.device.type == "cpu" and packed_float32(weights, state, host_rows, slots):
+        if self.device.type == "cpu" and packed_float32(
+            self.backend, weights, state, host_rows, slots
+        ):
             native.scatter_split(weights.numpy(), state.numpy(), slots.numpy(), host_rows.numpy())
             return
         if self.device.type != "cuda":

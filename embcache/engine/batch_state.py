@@ -16,7 +16,7 @@ from embcache.engine.inputs import JaggedBatch
 
 @dataclass
 class DirectIds:
-    """A batch share served by a direct-mapped cache without dedup or resolve (the fused CPU
+    """A batch share served by a direct-mapped cache without dedup or resolve (the TBE
     step): the raw ids as the tables number them, and the slot of each or (found by a
     compiled pass, `native.direct.DistinctRows`) the distinct slots; the engine computes the
     slot of each when it needs them (`CacheEngine.value_slots`)."""

@@ -24,18 +24,18 @@ import torch
 
 from embcache.cache.hot_cache import HotCache
 from embcache.engine.batch_state import DirectIds, InFlight, Prepared, TraceEntry
-from embcache.engine.fused_cpu import PendingUpdate
 from embcache.engine.inputs import JaggedBatch, group_inputs
 from embcache.engine.layout import CacheLayout
 from embcache.engine.reduction import Saved, reduction_of
+from embcache.engine.tbe_step import PendingUpdate
 from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
 from embcache.kernels.optim import RowUpdate, aggregate_grads, apply_row_update
 from embcache.native import direct as native_direct
 from embcache.profiling import profiled
 
 
-class FusedStep(Protocol):
-    """A cache's fused CPU step (`engine.fused_cpu.FusedCpuStep`), as the engine, its group and
+class TbeStepLike(Protocol):
+    """A cache's TBE step (`engine.tbe_step.TbeStep`), as the engine, its group and
     the lookup use it: ``takes`` a share's weights or not; ``pool`` (by slot) or
     ``pool_direct`` (a direct share, by table and raw id) with the graph of the update at
     ``lr``, and the storage it is bound to; ``can_apply`` / ``apply`` a `PendingUpdate`."""
@@ -116,9 +116,9 @@ class CacheEngine:
         self.device = device
         self.mask = (1 << fusion_k) - 1
         self.reduction = reduction_of(layout)  # pool bags, or one row per value
-        # The fused CPU path (FBGEMM's TBE over this cache), set by `EngineGroup.attach` when it
+        # The TBE step (FBGEMM's CPU TBE over this cache), set by `EngineGroup.attach` when it
         # applies to the attached optimizer; None: the twins (or Triton) do every phase.
-        self.fused: FusedStep | None = None
+        self.tbe_step: TbeStepLike | None = None
         self._bases: torch.Tensor | None = None  # direct mapping: slot of row 0 per feature
         self._distinct_rows: native_direct.DistinctRows | None = None  # its compiled pass
         self._row_ranges: tuple[torch.Tensor, torch.Tensor] | None = None  # `unique_share`'s
@@ -189,12 +189,12 @@ class CacheEngine:
     def unique_share(self, batch: JaggedBatch) -> Prepared | None:
         """This cache's share of a checked batch, its ids checked, fused and deduplicated in
         one compiled pass (`HotCache.unique_values`), not yet resolved: what `fuse` and then
-        `dedup` give, for a cache on the fused CPU step that indexes its rows. None when that
+        `dedup` give, for a cache on the TBE step that indexes its rows. None when that
         does not apply, and for a bad id (`fuse` then raises naming it)."""
-        if self.fused is None:
+        if self.tbe_step is None:
             return None
         values, lengths, weights = group_inputs(batch, self.layout.features)
-        if values.device.type != "cpu" or not self.fused.takes(weights):
+        if values.device.type != "cpu" or not self.tbe_step.takes(weights):
             return None
         if not self.cache.maps_batch(values.numel()):
             return None
@@ -229,10 +229,10 @@ class CacheEngine:
             return Prepared(unique, inverse, unique[:0], _offsets(lengths), weights, False,
                             cuts=cuts)  # fmt: skip
         grouping = None
-        through_tbe = self.fused is not None and self.fused.takes(weights)
+        through_tbe = self.tbe_step is not None and self.tbe_step.takes(weights)
         if self._grouped_dedup(fused, through_tbe):
             # The twins' CPU backward sums each id's rows in one pass over the grouped values
-            # (the fused step's TBE groups them itself: its dedup is half the cost).
+            # (the TBE step's TBE groups them itself: its dedup is half the cost).
             unique, inverse, order, segments = dedup_grouped(fused)
             grouping = (order, segments)
         else:
@@ -248,15 +248,15 @@ class CacheEngine:
     def plain_dedup(self, fused: torch.Tensor, weights: torch.Tensor | None) -> bool:
         """Whether `dedup` of these ids is a plain `kernels.ids.dedup` (no grouping for the
         CPU backward, no map over the rows for the TBE): what `dedup_together` makes."""
-        through_tbe = self.fused is not None and self.fused.takes(weights)
+        through_tbe = self.tbe_step is not None and self.tbe_step.takes(weights)
         return not through_tbe and not self._grouped_dedup(fused, through_tbe)
 
-    # -- 1'. a direct-mapped cache on the fused CPU step: no dedup, no resolve ----------------
+    # -- 1'. a direct-mapped cache on the TBE step: no dedup, no resolve ---------------------
 
     @profiled("engine.direct")
     def direct_share(self, batch: JaggedBatch) -> Prepared | None:
         """This cache's share of a checked training batch, served straight from its slots when
-        the cache maps every row directly and the fused CPU step pools it (FBGEMM's TBE reads
+        the cache maps every row directly and the TBE step pools it (FBGEMM's TBE reads
         rows by table and raw id, and sums repeated ids in its own backward): the ids are
         checked and each value's slot computed (`_direct_slots`), or where the compiled kernels
         run, the batch's distinct rows found in the same pass (`_direct_native`), nothing
@@ -264,10 +264,10 @@ class CacheEngine:
 
         Raises:
             ValueError: an id out of its table's range (nothing changed), as `fuse` says it."""
-        if self.fused is None or not self.fused.direct:
+        if self.tbe_step is None or not self.tbe_step.direct:
             return None
         values, lengths, weights = group_inputs(batch, self.layout.features)
-        if not self.fused.takes(weights):
+        if not self.tbe_step.takes(weights):
             return None
         values = values.to(self.device, torch.int64)
         if weights is not None:
@@ -287,7 +287,7 @@ class CacheEngine:
         checks the ids as `_direct_slots` does (`native.direct.DistinctRows`); None when the
         compiled kernels do not run here, or an id or the offsets are wrong (`_direct_slots`
         then raises naming it)."""
-        if not native_direct.available():
+        if not self.cache.backend.compiled:
             return None
         if self._distinct_rows is None:
             bases = self.cache.direct_bases()

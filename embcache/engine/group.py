@@ -39,12 +39,12 @@ from embcache.engine.batch_state import (
 )
 from embcache.engine.claim import StepClaim
 from embcache.engine.engine import CacheEngine, dedup_together
-from embcache.engine.fused_cpu import FusedCpuStep, PendingUpdate
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout
 from embcache.engine.optimizer import AttachedOptimizer, StepOptimizer
 from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
+from embcache.engine.tbe_step import PendingUpdate, TbeStep
 from embcache.kernels.ids import fuse_ids
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
@@ -96,12 +96,15 @@ class EngineGroup:
             self.engines.append(
                 CacheEngine(CacheLayout.of_tables(dim, mine), cache, fusion_k, device)
             )
+        # Each engine's table names (the step counts' keys), and joined (a gradient's name).
+        self._names = [[t.name for t in e.layout.tables] for e in self.engines]
+        self._joined_names = [", ".join(names) for names in self._names]
         # `_fuse_tables`, by engines and device
         self._joined: dict[
             tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor, list[str]]
         ] = {}
         self._entries: list[TraceEntry] = []
-        self._pending: list[PendingUpdate] = []  # fused CPU updates not yet applied
+        self._pending: list[PendingUpdate] = []  # TBE step updates not yet applied
         self.inflight: list[InFlight] = []
         self.prefetches = Prefetcher(self.release_shares, device)
         self.generation = 0  # bumped when caches are emptied: older handles become stale
@@ -126,8 +129,8 @@ class EngineGroup:
             self.claim.release()
 
     def entries(self) -> list[TraceEntry]:
-        """The recorded gradients, ``(table_name, ids, grads)`` per table and backward. Fused
-        CPU updates recorded since become entries first (their per-id gradient rows computed,
+        """The recorded gradients, ``(table_name, ids, grads)`` per table and backward. TBE
+        step updates recorded since become entries first (their per-id gradient rows computed,
         once) and then take the ordinary path; the list returned is the trace itself."""
         if self._pending:
             pending, self._pending = self._pending, []
@@ -140,7 +143,7 @@ class EngineGroup:
         return self._entries
 
     def replace_entries(self, entries: list[TraceEntry]) -> None:
-        """Make ``entries`` the trace (no fused update pending)."""
+        """Make ``entries`` the trace (no TBE update pending)."""
         self._pending = []
         self._entries = entries
 
@@ -151,11 +154,11 @@ class EngineGroup:
 
     def gradients_to_check(self) -> list[tuple[str, Any, torch.Tensor]]:
         """What the optimizer checks for NaN/Inf before a step: the trace entries, and for a
-        fused update its pooled gradient and per-sample weights (a row's gradient is a
+        TBE update its pooled gradient and per-sample weights (a row's gradient is a
         weighted sum of them, finite when they are)."""
         out: list[tuple[str, Any, torch.Tensor]] = list(self._entries)
         for u in self._pending:
-            names = ", ".join(t.name for t in self.engines[u.engine].layout.tables)
+            names = self._joined_names[u.engine]
             out.append((names, None, u.grad))
             weights = u.batch.prepared[u.engine].weights
             if weights is not None:
@@ -195,7 +198,7 @@ class EngineGroup:
     def check(self, batch: JaggedBatch, lock: bool) -> list[Prepared | CheckedShare]:
         """Every engine's share of a checked batch, validated and not yet resolved: the fused
         ids, lengths and weights (`CacheEngine.fuse`); for a training batch of a direct-mapped
-        cache on the fused CPU step, a share that skips dedup and resolve
+        cache on the TBE step, a share that skips dedup and resolve
         (`CacheEngine.direct_share`); for a cache on that step that indexes its rows, the
         share checked and deduplicated in one pass (`CacheEngine.unique_share`). A bad id
         raises here, before any cache changes."""
@@ -298,7 +301,7 @@ class EngineGroup:
         self, batch: InFlight | None, grad_rows: Sequence[torch.Tensor | PendingUpdate]
     ) -> None:
         """Record every engine's gradient rows of one backward (or apply them all at once);
-        an engine on the fused CPU path hands a `PendingUpdate` instead of rows."""
+        an engine on the TBE step hands a `PendingUpdate` instead of rows."""
         if batch is None:
             return
         self.claim.check_backward(batch)
@@ -310,7 +313,7 @@ class EngineGroup:
             if isinstance(grads, PendingUpdate):
                 pending.append(grads)
             else:
-                assert p.unique is not None  # a share not on the fused step has its ids
+                assert p.unique is not None  # a share not on the TBE step has its ids
                 entries += engine.trace_entries(p.unique, grads, i, batch)
         self._entries += entries
         self._pending += pending
@@ -339,7 +342,7 @@ class EngineGroup:
         locates their rows again (their forwards' slots are released here)."""
         fresh = self.claim.take("attaching an optimizer")
         try:
-            # Fused CPU updates become entries while their batch holds.
+            # TBE step updates become entries while their batch holds.
             pending = list(self.entries())
             self._entries, self._pending = [], []
             self.release_all()  # forwards that were never (or already) backpropagated
@@ -347,8 +350,8 @@ class EngineGroup:
             for engine in self.engines:
                 engine.cache.set_state(optimizer.state_dim(engine.dim), optimizer.state_init)
                 # Several backwards summed per id before one step need the per-id rows.
-                engine.fused = (
-                    None if self.accumulate_grads else FusedCpuStep.for_engine(engine, optimizer)
+                engine.tbe_step = (
+                    None if self.accumulate_grads else TbeStep.for_engine(engine, optimizer)
                 )
             for name in self.specs:
                 self.specs[name] = self.store.table_spec(name)
@@ -389,29 +392,27 @@ class EngineGroup:
         flight. Retriable: a tier error leaves the trace in place and nothing applied; calling
         again once the tier is back applies each gradient exactly once.
 
-        Fused CPU updates run the TBE's backward (no tier call, so nothing to retry); one the
+        TBE step updates run the TBE's backward (no tier call, so nothing to retry); one the
         TBE cannot apply (the optimizer changed, the cache storage moved) becomes entries.
         """
         if release:
             self.claim.take("optimizer step")
         try:
-            if any(not self._fusable(u, optimizer) for u in self._pending):
+            if any(not self._tbe_applies(u, optimizer) for u in self._pending):
                 self.entries()  # materialises every pending update as entries
             if self._entries:
                 self.apply(self._entries, optimizer)
             if self._pending:
-                names = [
-                    t.name for u in self._pending for t in self.engines[u.engine].layout.tables
-                ]
+                names = [name for u in self._pending for name in self._names[u.engine]]
                 optimizer.advance_steps(self.owner, names)
                 for u in self._pending:
                     engine = self.engines[u.engine]
-                    assert engine.fused is not None  # `_fusable`
+                    assert engine.tbe_step is not None  # `_tbe_applies`
                     p = u.batch.prepared[u.engine]
                     # The update writes only this batch's rows, which its locks keep in their
                     # slots: it holds the storage lock, not the cache's, so that a prefetch's
                     # resolve of the next batch runs beside it (`HotCache.storage_lock`).
-                    engine.fused.apply(u, p)
+                    engine.tbe_step.apply(u, p)
                     with engine.cache.lock:
                         engine.mark_dirty(p, release=True)
             self._entries, self._pending = [], []
@@ -421,9 +422,9 @@ class EngineGroup:
             if release:  # the step completed (or left its trace to retry: the claim stays)
                 self.release_claim_if_idle()
 
-    def _fusable(self, u: PendingUpdate, optimizer: StepOptimizer) -> bool:
-        fused = self.engines[u.engine].fused
-        return fused is not None and fused.can_apply(u, optimizer.update)
+    def _tbe_applies(self, u: PendingUpdate, optimizer: StepOptimizer) -> bool:
+        tbe_step = self.engines[u.engine].tbe_step
+        return tbe_step is not None and tbe_step.can_apply(u, optimizer.update)
 
     def zero_grad(self) -> None:
         """Drop the recorded gradients and the locks of every forward in flight, prefetched
@@ -452,6 +453,10 @@ class EngineGroup:
         share, or serve a direct one; a failing resolve leaves nothing locked.
         ``defer_writeback``: each cache's victims are written by `write_deferred` (or the
         cache's next tier access), not before this returns (`HotCache.resolve`)."""
+        if len(shares) == 1:  # one direct share (a whole table on a CPU): nothing to join
+            (share,) = shares
+            if isinstance(share, Prepared) and share.direct is not None:
+                return [self.engines[0].serve_direct(share)]
         # Plain dedups of several engines at once: one host read for all (`dedup_together`).
         plain = {
             i: share[0]

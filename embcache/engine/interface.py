@@ -342,7 +342,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
 
     def sparse_gradients(self) -> list[tuple[str, Any, torch.Tensor]]:
         """The gradients the next step applies, as the optimizer checks them for NaN/Inf:
-        ``(table_name, ids, grads)`` trace entries, and for a cache on the fused CPU path its
+        ``(table_name, ids, grads)`` trace entries, and for a cache on the TBE step its
         pooled gradient (``ids`` None). ``_trace`` gives the per-id rows of every table.
 
         Raises:

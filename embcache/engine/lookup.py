@@ -3,7 +3,7 @@ engines that it runs.
 
 `CachedLookup` is the only autograd node embcache records. It knows nothing of caches: it runs
 a `LookupStep`, an object whose ``forward()`` gives the outputs and whose ``backward(grads)``
-hands their gradients on (as trace entries, a pending fused update, or rows sent to their
+hands their gradients on (as trace entries, a pending TBE update, or rows sent to their
 owners). The modules differ only in their step:
 
 * `GroupLookup`: a collection's engines, one process (`CachedEmbeddingBagCollection` pools
@@ -23,13 +23,13 @@ from typing import Any, Protocol
 import torch
 
 from embcache.engine.batch_state import InFlight, Prepared
-from embcache.engine.fused_cpu import PendingUpdate
 from embcache.engine.group import EngineGroup
 from embcache.engine.reduction import Saved
+from embcache.engine.tbe_step import PendingUpdate
 
-# A fused CPU step's forward, kept for its update: the TBE's pooled output with its graph, the
+# A TBE step's forward, kept for its update: the TBE's pooled output with its graph, the
 # storage that graph is bound to, and its learning rate.
-FusedForward = tuple[torch.Tensor, tuple[int, int, int], float]
+TbeForward = tuple[torch.Tensor, tuple[int, int, int], float]
 
 
 class LookupStep(Protocol):
@@ -100,24 +100,24 @@ class GroupLookup:
         self.prepared = prepared
         self.batch = batch
         self.batch_size = batch_size
-        # Per engine: what its reduction's backward needs, or its fused step's forward.
+        # Per engine: what its reduction's backward needs, or its TBE step's forward.
         self.saved: list[Saved] = []
-        self.fused: list[FusedForward | None] = []
+        self.tbe_forwards: list[TbeForward | None] = []
 
     def forward(self) -> tuple[torch.Tensor, ...]:
         outs = []
         B = self.batch_size
         for engine, p in zip(self.group.engines, self.prepared, strict=True):
-            fused = engine.fused if self.batch is not None else None  # training only
-            if fused is not None and fused.takes(p.weights):
-                assert self.group.optimizer is not None  # a fused step is made by `attach`
+            tbe_step = engine.tbe_step if self.batch is not None else None  # training only
+            if tbe_step is not None and tbe_step.takes(p.weights):
+                assert self.group.optimizer is not None  # a TBE step is made by `attach`
                 lr = self.group.optimizer.update.lr
                 # The TBE pools [B * F, dim] sample-major (by slot) or [B, F * dim] (by table
-                # and raw id): the output as it stands. Its graph is kept for the fused update.
-                pool = fused.pool if p.direct is None else fused.pool_direct
+                # and raw id): the output as it stands. Its graph is kept for the TBE update.
+                pool = tbe_step.pool if p.direct is None else tbe_step.pool_direct
                 pooled, bound = pool(p, lr, B)
                 out = pooled.detach().view(B, -1)
-                self.fused.append((pooled, bound, lr))
+                self.tbe_forwards.append((pooled, bound, lr))
                 self.saved.append(None)
             else:
                 # A direct share read without its TBE (a prefetched batch read without
@@ -125,21 +125,23 @@ class GroupLookup:
                 engine.materialize(p)
                 out = engine.output(p, B)
                 self.saved.append(engine.lookup_rows(p, B, out, engine.columns))
-                self.fused.append(None)
+                self.tbe_forwards.append(None)
             outs.append(out)
         return tuple(outs)
 
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
         rows: list[torch.Tensor | PendingUpdate] = []
         B = self.batch_size
-        for i, (engine, p, grad_out, saved, fused) in enumerate(
-            zip(self.group.engines, self.prepared, grads, self.saved, self.fused, strict=True)
+        for i, (engine, p, grad_out, saved, tbe_forward) in enumerate(
+            zip(
+                self.group.engines, self.prepared, grads, self.saved, self.tbe_forwards, strict=True
+            )
         ):
             grad_out = contiguous_rows(grad_out)
             cols = engine.columns
-            if fused is not None:
-                assert self.batch is not None  # a fused forward is a training one
-                pooled, bound, lr = fused
+            if tbe_forward is not None:
+                assert self.batch is not None  # a TBE forward is a training one
+                pooled, bound, lr = tbe_forward
                 grad = grad_out.reshape(pooled.shape)  # no copy when contiguous
                 rows.append(
                     PendingUpdate(i, self.batch, pooled, grad, grad_out, B, cols, bound, lr)

@@ -1,14 +1,10 @@
 """The one dispatch point between the Triton kernels and their torch twins.
 
-`embcache.backend.backend_name` decides (the environment variable is read there only), at
-every call so tests can switch it per test:
-
-* ``auto`` (default): Triton for CUDA tensors, the torch twins (``*_ref.py``) for CPU tensors.
-* ``triton``: Triton always. On CPU tensors this needs ``TRITON_INTERPRET=1`` set before
-  triton is first imported (the test suite's conftest does that on machines without a GPU).
-  Code that keeps CPU-only structures beside a device branch (a cache's row index and
-  compiled plan) takes the device branch then too (`takes_device_path`).
-* ``torch``: the torch twins always, also on CUDA tensors.
+`embcache.backend.for_device` decides (the environment variable is read there only), at
+every call so tests can switch it per test: the Triton kernels where the tensor's `Backend` is
+the ``triton`` family (``auto`` on a GPU; ``EMBCACHE_BACKEND=triton`` anywhere, on CPU
+tensors through ``TRITON_INTERPRET=1``, set before triton is first imported: the test suite's
+conftest does that on machines without a GPU), the torch twins (``*_ref.py``) otherwise.
 """
 
 from __future__ import annotations
@@ -18,27 +14,14 @@ import os
 
 import torch
 
-from embcache.backend import backend_name
+from embcache.backend import backend_name, for_device
 
-__all__ = ["backend_name", "takes_device_path", "use_triton"]
+__all__ = ["backend_name", "use_triton"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op on tensor ``t`` should run its Triton kernel (else the torch twin)."""
-    name = backend_name()
-    if name == "auto":
-        return t.is_cuda
-    return name == "triton"
-
-
-def takes_device_path(device: torch.device) -> bool:
-    """Whether code with a CPU-only branch and a device (CUDA) branch takes the device branch
-    on ``device``: always off a CPU, and on a CPU under the ``triton`` backend, so that the
-    GPU's code path runs (Triton through the interpreter) and is tested without a GPU.
-
-    Read once by whoever holds the choice (a cache decides its structures at construction).
-    """
-    return device.type != "cpu" or backend_name() == "triton"
+    return for_device(t.device).triton
 
 
 def _fix_interpreter_scalar_index() -> None:

@@ -81,7 +81,7 @@ class RuleSpec:
         fused_aliases: further torch classes a fused collection (``optimizer_type=``) maps to
             this rule (FBGEMM's Adam is row-sparse).
         fbgemm_cpu: FBGEMM's ``EmbOptimType`` whose CPU TBE computes this rule's numbers (the
-            fused CPU step), or None.
+            TBE step, `engine.tbe_step`), or None.
         recstore: the backend optimizer's ``type`` in a RecStore configuration.
         lr, dense_lr: ``embcache train``'s default learning rates (tables, dense layers).
         dense_class: the torch optimizer ``embcache train`` gives the dense layers.

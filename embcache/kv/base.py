@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-import embcache.native as native
+from embcache.backend import cpu_backend
 from embcache.hashing import mix64
 
 _INTEGER_DTYPES = frozenset(  # accepted for ids, which are converted to int64
@@ -318,15 +318,8 @@ def _hashed_draw(name: str, seed: int, distribution: str, params: dict[str, floa
         half = (params["high"] - params["low"]) / 2.0
 
         def uniform(ids: torch.Tensor, dim: int) -> torch.Tensor:
-            if native.available() and ids.numel():
-                # One compiled pass, the same bits (`native.hashed_uniform`).
-                out = torch.empty(ids.numel(), dim, dtype=torch.float32)
-                host = ids.to(torch.int64).cpu().contiguous()
-                native.hashed_uniform(host.numpy(), salt, mid, half, out.numpy())
-                return out
-            bits = (mix64(counters(ids, dim)) >> 40) & 0xFFFFFF  # 24 uniform bits
-            unit = bits.to(torch.float64) * (1.0 / (1 << 24))  # [0, 1)
-            return ((2.0 * unit - 1.0) * half + mid).to(torch.float32)
+            # The same bits on every backend; the compiled one draws them in one pass.
+            return cpu_backend().hashed_uniform(ids, salt, mid, half, dim)
 
         return uniform
 

@@ -14,8 +14,8 @@ batch of missing ids, run before anything changes, so an init that raises change
 The `HostKV` lock is held around every call.
 
 A dense table chooses its row moves once, when declared (`DenseTable.compiled`): the compiled
-passes of `embcache.native` (float32 rows, the ``auto`` backend, numba present), or torch ops.
-A read that finds rows never created creates them within the same implementation; it does
+passes of `embcache.native` (float32 rows, the ``native`` backend of `embcache.backend`), or
+torch ops. A read that finds rows never created creates them within the same implementation; it does
 not try another.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 import embcache.native as native
+from embcache.backend import cpu_backend
 from embcache.hostmem import host_zeros
 from embcache.indexing import copy_rows, fill_at, select, true_at
 from embcache.kv.base import TableSpec, host_memory_bytes
@@ -71,12 +72,13 @@ class DenseTable:
     ``compiled``: its rows move through the compiled passes (`native.gather_created`,
     `scatter_created`, and `HostKV`'s grouped passes over several tables), chosen at
     declaration: float32 rows (numba has no half-precision type) under a backend that runs
-    them (`native.available()`, which raises on a backend name that is none of the choices).
+    them (`embcache.backend.cpu_backend`, which raises on a backend name that is none of the
+    choices).
     """
 
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
-        self.compiled = spec.dtype == torch.float32 and native.available()
+        self.compiled = spec.dtype == torch.float32 and cpu_backend().compiled
         self.rows: torch.Tensor | None = None  # [N, stored_width], allocated on first touch
         self.created: torch.Tensor | None = None  # [N] bool
 
@@ -279,7 +281,7 @@ class BoundedTable:
     def __init__(self, spec: TableSpec) -> None:
         assert spec.capacity is not None
         self.spec = spec
-        self.index = BoundedIndex(spec.capacity, spec.score)  # type: ignore[arg-type]
+        self.index = BoundedIndex(spec.capacity, spec.score)
         self.rows: torch.Tensor | None = None  # [positions, stored_width], on first touch
         self.evictions = 0
 

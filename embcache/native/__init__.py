@@ -2,13 +2,14 @@
 
 A CPU resolve is a few thousand row moves and a few passes over the batch's ids. Written as
 torch ops it is 100-150 calls, each with its own dispatch, allocation and pass over memory, and
-those calls cost more than the embedding work itself (FBGEMM's fused TBE). Here the same steps
+those calls cost more than the embedding work itself (FBGEMM's TBE). Here the same steps
 are loops compiled by numba, over numpy views of the cache's own tensors (no copy): one pass
 where the torch path makes several.
 
 Each kernel computes exactly what the torch path beside it computes (the specification, run
-under the ``torch`` backend (`embcache.backend`), on a GPU, and wherever numba cannot be
-imported):
+under the ``torch`` backend, on a GPU, and wherever numba cannot be imported). Which one runs
+is `embcache.backend`'s choice (its ``native`` family): callers hold a `Backend` and ask it,
+never this module:
 
 * `first_bad_key`: the first fused id that is no row of a cache's tables (`HotCache.resolve`'s
   check, before the plan reads the row index unchecked);
@@ -39,15 +40,15 @@ imported):
   over several tables in one call (`kv.host.HostKV.get_grouped`, `put_grouped`), and
   `gather_tables_into`, `scatter_tables_from` straight between those tables and a CPU cache's
   slots, with no rows array between (`HostKV.get_grouped_into`, `put_grouped_from`);
-* `bags_sample_major`: each value's slot (and weight) with the bags in the fused CPU step's
-  order, and their offsets (`engine.fused_cpu`).
+* `bags_sample_major`: each value's slot (and weight) with the bags in the TBE step's
+  order, and their offsets (`engine.tbe_step`).
 
 The kernels live in three modules by what they serve: `plan_kernels` (the cache's plan and
 locks) and `dedup_kernels` (dedup, grouping), called through the typed functions of `plan`,
 and `row_kernels` (row moves), called through those of `rows`, which raise `OutOfRangeError`
 where a kernel refuses positions; `bits`, `prefetch` and `jit` are their shared helpers.
 
-numba is imported on first use; `available()` says whether it can be. The kernels release the
+numba is imported on first use; `importable()` says whether it can be. The kernels release the
 GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
 their first compilation (``cache=True``); `on_compile` tells a caller when one compiles.
 """
@@ -58,8 +59,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from embcache.backend import backend_name
 from embcache.native.plan import (
+    GROUP_BY_COUNTS,
+    GROUP_NEEDS_SORT,
+    GROUP_SORTED,
     first_bad_key,
     free_slots,
     group_by_table,
@@ -91,9 +94,11 @@ from embcache.native.rows import (
 )
 
 __all__ = [
+    "GROUP_BY_COUNTS",
+    "GROUP_NEEDS_SORT",
+    "GROUP_SORTED",
     "OutOfRangeError",
     "array_list",
-    "available",
     "bags_sample_major",
     "first_bad_key",
     "free_slots",
@@ -103,6 +108,7 @@ __all__ = [
     "gather_tables_into",
     "group_by_table",
     "hashed_uniform",
+    "importable",
     "on_compile",
     "plan_lfu",
     "plan_lru",
@@ -134,12 +140,10 @@ def _njit() -> Any | None:
     return _NUMBA[0]
 
 
-def available() -> bool:
-    """Whether the compiled kernels run: numba imports, and the backend
-    (`embcache.backend.backend_name`, asked at every call) is ``auto``: ``torch`` asks for
-    the torch path, the specification. A backend name that is none of the choices raises
-    ValueError."""
-    return backend_name() == "auto" and _njit() is not None
+def importable() -> bool:
+    """Whether numba imports here, so that the kernels can run (`embcache.backend` chooses
+    whether they do)."""
+    return _njit() is not None
 
 
 @contextmanager

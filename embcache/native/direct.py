@@ -10,7 +10,7 @@ seen in a bit per cache row, and the dirty flags are then set at the distinct ro
 (`indexing.fill_at`, itself a compiled pass on a CPU). No value's slot is written: only a
 share read without its TBE needs them.
 
-`available()` is `embcache.native.available` (numba imports, the backend is ``auto``).
+Only the engine of a cache whose `embcache.backend.Backend` is compiled (``native``) uses it.
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ import threading
 import numpy as np
 import torch
 
-from embcache.native import available
-
-__all__ = ["DistinctRows", "available"]
+__all__ = ["DistinctRows"]
 
 
 def _kernels():
     """The kernels' module (compiled at first call, or loaded from numba's disk cache);
-    importing it without numba raises (callers check `available()` first)."""
+    importing it without numba raises (the native backend runs only where numba imports)."""
     from embcache.native import direct_kernels
 
     return direct_kernels

@@ -1,9 +1,10 @@
 """Typed entry points to the compiled passes of a cache's plan (`plan_kernels`) and of a batch's
 dedup and grouping (`dedup_kernels`): numpy views in, the kernels' results out.
 
-Their callers (`cache.hot_cache`, `cache.transfer`) still read the kernels' return codes
-(-1 or a position, a status), as documented on each; callers check
-`embcache.native.available()` first: the kernels' modules import numba.
+Some return what the kernels return, -1 or a position (the first bad key, the first slot not
+locked), which the caller turns into its own error with its context; `group_by_table` returns
+one of the ``GROUP_*`` outcomes. Only `embcache.backend`'s native family calls them, and only
+where numba imports (the kernels' modules import it).
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+GROUP_SORTED = 0  # `group_by_table`: the ids were grouped already (``raw`` holds them)
+GROUP_BY_COUNTS = 1  # grouped by a counting sort (``order``, ``raw`` in that order)
+GROUP_NEEDS_SORT = 2  # neither: the caller sorts
 
 _KERNELS: list = []  # [plan kernels' module, dedup kernels' module], filled on first use
 
@@ -240,6 +245,7 @@ def group_by_table(
     raw: np.ndarray,
 ) -> int:
     """Fused ids grouped by table (`TierTransfer._grouped`), ``counts`` (zero on entry) the ids
-    of each table: 0 when sorted already (``raw`` the raw ids), 1 when grouped by a counting
-    sort (``order``, ``raw`` in that order), 2 when a sort is needed (``ascending``)."""
+    of each table: `GROUP_SORTED` when sorted already (``raw`` the raw ids), `GROUP_BY_COUNTS`
+    when grouped by a counting sort (``order``, ``raw`` in that order), `GROUP_NEEDS_SORT` when
+    a sort is needed (``ascending``)."""
     return _dedup().group_by_table(fused, fusion_k, ascending, counts, order, raw)

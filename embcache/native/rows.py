@@ -1,9 +1,9 @@
 """Typed entry points to the compiled row moves (`row_kernels`): a table's rows, a cache's slot
-storage, the initialiser's rows, writes at positions, the fused step's bag order.
+storage, the initialiser's rows, writes at positions, the TBE step's bag order.
 
 Each takes numpy views (no copy) and raises `OutOfRangeError` where its kernel refuses positions
-(nothing is written then) instead of returning a code for the caller to check. Callers check
-`embcache.native.available()` first: the kernels' module imports numba.
+(nothing is written then) instead of returning a code for the caller to check. Their callers
+hold an `embcache.backend.Backend` whose family is ``native`` (numba imports).
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def bags_sample_major(
 ) -> None:
     """A batch's values as slots (``out[k] = slots[inverse[i]]``) and weights, its bags moved
     from feature-major (``offsets[f * B + b]``) to sample-major order (bag ``b * F + f``)
-    with their offsets ``[F * B + 1]`` (the fused CPU step's indices: `engine.fused_cpu`),
+    with their offsets ``[F * B + 1]`` (the TBE step's indices: `engine.tbe_step`),
     one pass. ``weights`` empty: unweighted (``out_weights`` is not written)."""
     _kernels().bags_sample_major(
         slots, inverse, offsets, batch_size, weights, out, out_offsets, out_weights

@@ -27,7 +27,7 @@ write them back through the KV client. Every optimizer takes its modules positio
 Every optimizer is a ``torch.optim.Optimizer`` to LR schedulers: ``param_groups`` is one group,
 ``{"params": modules, "lr": ..., <the rule's hyper-parameters>}`` (``weight_decay``; ``eps``
 but for SGD; ``lr_decay`` for AdaGrad; ``betas`` for Adam and AdamW), and a change to it takes
-effect at the next step (a batch already looked up with the fused CPU path is updated by the
+effect at the next step (a batch already looked up with the TBE step is updated by the
 ordinary path then). An optimizer may be built after a backward: the pending gradients are
 applied by its first step (with fresh state beside every row, as any new optimizer starts).
 

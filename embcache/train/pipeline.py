@@ -28,7 +28,7 @@ Why the numbers do not change (invariant I5 of docs/design.md), the rules:
   write first: a batch that needs that row again reads the updated value.
 * Resolves are serialised (one at a time) and do their tier I/O outside the cache's lock; the
   training thread only pools and updates rows it holds locked, and marks them dirty and unlocks
-  them under that lock. The fused CPU step's update holds the cache's storage lock instead
+  them under that lock. The TBE step's update holds the cache's storage lock instead
   (`HotCache.storage_lock`: the storage cannot be replaced under it), so that the next batch's
   resolve runs beside it on the second core.
 * A prefetch that does not fit because batch i's locked slots leave too little room (cache plus

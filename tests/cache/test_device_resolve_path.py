@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import embcache.kernels.cache_index as cache_index
+from embcache.backend import for_device
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
-from embcache.kernels.backend import takes_device_path
 from embcache.kernels.cache_index_ref import set_index_ref
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
@@ -92,8 +92,8 @@ def test_the_device_path_is_taken_on_a_cpu_only_under_triton(
     monkeypatch: pytest.MonkeyPatch, backend: str, expected: bool
 ) -> None:
     monkeypatch.setenv("EMBCACHE_BACKEND", backend)
-    assert takes_device_path(torch.device("cpu")) is expected
-    assert takes_device_path(torch.device("cuda")) is True  # a GPU has no other path
+    assert for_device(torch.device("cpu")).device_path is expected
+    assert for_device(torch.device("cuda")).device_path is True  # a GPU has no other path
     cache = _cache(backend, 16, 4, "lru", monkeypatch)
     assert cache.device_path is expected
     assert (cache._where is None) is expected  # the row index is the CPU path's

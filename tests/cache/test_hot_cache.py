@@ -472,7 +472,7 @@ def test_an_unlock_that_meets_a_slot_not_locked_drops_no_lock(monkeypatch, backe
 def test_unlock_with_dirty_is_mark_dirty_then_unlock(
     monkeypatch, backend: str, admit_after: int | None
 ) -> None:
-    """``unlock(slots, dirty=True)`` (the fused step's release after its update) leaves the
+    """``unlock(slots, dirty=True)`` (the TBE step's release after its update) leaves the
     locks and dirty flags exactly as `mark_dirty` then `unlock` do, on twin caches fed the same
     batches, and counts the gradients of ids not admitted (slot -1) as dropped as `mark_dirty`
     does; a slot not locked raises and changes neither locks nor flags."""

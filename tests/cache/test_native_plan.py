@@ -23,7 +23,7 @@ K = 40
 DIM = 4
 SIZES = [300, 50, 1000]  # rows of three tables
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+pytestmark = pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 
 
 def _cache(capacity: int, ways: int, bounded: bool, policy: str = "lru", **lfu: object) -> HotCache:
@@ -64,6 +64,17 @@ def _state(cache: HotCache) -> dict[str, torch.Tensor]:
     }
 
 
+def _pair(monkeypatch: pytest.MonkeyPatch, *args: object, **kwargs: object) -> dict:
+    """A cache built under each of ``auto`` and ``torch``: each holds the backend it was
+    built under (`embcache.backend.for_device`)."""
+    caches = {}
+    for name in ("auto", "torch"):
+        monkeypatch.setenv("EMBCACHE_BACKEND", name)
+        caches[name] = _cache(*args, **kwargs)
+    assert caches["auto"].backend.compiled and not caches["torch"].backend.compiled
+    return caches
+
+
 def _tier(cache: HotCache) -> list[torch.Tensor]:
     return [cache.store.read(f"t{idx}", torch.arange(rows)) for idx, rows in enumerate(SIZES)]
 
@@ -94,7 +105,7 @@ def test_native_plan_equals_the_torch_plan(
     policy: str,
     lfu: dict,
 ) -> None:
-    caches = {name: _cache(capacity, ways, bounded, policy, **lfu) for name in ("auto", "torch")}
+    caches = _pair(monkeypatch, capacity, ways, bounded, policy, **lfu)
     gen = torch.Generator().manual_seed(capacity + ways)
     plan = f"plan_{policy}"
     calls = {plan: 0, "reserve": 0}
@@ -216,7 +227,7 @@ def test_lfu_with_admission_counts_and_scores_as_the_torch_path(
     """With admission the plan stays torch ops, but an exactly counted LFU cache's counts and
     scores come from the compiled `native.touch_lfu`: the same as the torch path's, ids not
     admitted (slot -1) counted and left unscored."""
-    caches = {name: _cache(256, 8, False, "lfu", admit_after=2) for name in ("auto", "torch")}
+    caches = _pair(monkeypatch, 256, 8, False, "lfu", admit_after=2)
     touched = []
     kernel = native.touch_lfu
     monkeypatch.setattr(native, "touch_lfu", lambda *a: touched.append(1) or kernel(*a))

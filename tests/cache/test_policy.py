@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from embcache.backend import for_device
 from embcache.cache.config import CacheConfig, CachePolicy
 from embcache.cache.hot_cache import HotCache
 from embcache.cache.policy import LfuPolicy, LruPolicy, make_policy
@@ -15,6 +16,7 @@ from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
 
 K = 20
+CPU = for_device("cpu")
 
 
 def _counts(rows: int) -> LfuCounts:
@@ -35,7 +37,7 @@ def test_a_cache_holds_the_policy_of_its_config(policy: str, cls: type) -> None:
 
 
 def test_lru_admits_every_assigned_way() -> None:
-    lru = make_policy(CachePolicy.LRU, None, CacheConfig(capacity=8), False, K)
+    lru = make_policy(CachePolicy.LRU, None, CacheConfig(capacity=8), CPU, K)
     assigned = torch.tensor([0, -1, 3, 1])
     scores = torch.full((2, 4), 99)
     got = lru.admit(assigned, scores, torch.tensor([0, 1]), torch.tensor([0, 0, 1, 1]), None)
@@ -44,7 +46,7 @@ def test_lru_admits_every_assigned_way() -> None:
 
 def test_lfu_displaces_only_rarer_rows() -> None:
     """A miss takes a way when its frequency beats the way's score (an empty way: -1)."""
-    lfu = make_policy(CachePolicy.LFU, _counts(16), CacheConfig(capacity=8), False, K)
+    lfu = make_policy(CachePolicy.LFU, _counts(16), CacheConfig(capacity=8), CPU, K)
     set_scores = torch.tensor([[5, -1, 2, 7], [1, 1, 1, 1]])
     touched = torch.tensor([0, 1])
     owner = torch.tensor([0, 0, 0, 1, 1])  # the run (touched set) of each miss
@@ -62,7 +64,7 @@ def test_misses_come_grouped_by_set(kind: CachePolicy) -> None:
     counts = _counts(64)
     ids = torch.arange(64, dtype=torch.int64)
     counts.add(ids[::3])  # every third id seen once before
-    policy = make_policy(kind, counts, CacheConfig(capacity=8), False, K)
+    policy = make_policy(kind, counts, CacheConfig(capacity=8), CPU, K)
     miss_pos = torch.arange(1, 64, 2)
     miss_ids = ids.index_select(0, miss_pos)
     shuffle = torch.arange(miss_ids.numel(), dtype=torch.int64) * 7919 % 31

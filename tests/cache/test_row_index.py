@@ -151,7 +151,7 @@ def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> No
     raw[:3], raw[3:6] = 0, limits[3:6] - 1
     ids = raw | (tables << FUSION_K)
     got = cache.unique_by_rows(ids)
-    per_row = IDS_PER_ROW_BITMAP if native.available() else IDS_PER_ROW_MAP
+    per_row = IDS_PER_ROW_BITMAP if cache.backend.compiled else IDS_PER_ROW_MAP
     if n * per_row < sum(sizes.values()):
         assert got is None  # too few ids for the map: the sort is cheaper
         return
@@ -163,7 +163,7 @@ def test_unique_by_rows_is_torch_unique(monkeypatch, n: int, backend: str) -> No
     assert again is not None and torch.equal(again[0], torch.unique(ids[: n // 2 + 50]))
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_the_compiled_dedup_ranks_every_bit_of_full_words_and_keeps_no_rank_per_row() -> None:
     """Every row of every table, shuffled and each seen three times: every bit of the bitmap's
     words between the first row and the last is set, bits 0 and 63 of words and the rows of
@@ -196,7 +196,7 @@ def _raw_features(gen, sizes, feature_tables, per_feature):
     return torch.cat(parts), bounds
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("per_feature", [(300, 0, 250, 120, 90), (1000, 3, 1, 400, 7)])
 def test_unique_values_checks_fuses_and_dedups_raw_ids(
@@ -220,7 +220,7 @@ def test_unique_values_checks_fuses_and_dedups_raw_ids(
         assert torch.equal(got[1], inverse)
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("bad", ["negative", "past the table", "past 2**fusion_k"])
 def test_unique_values_refuses_a_bad_id_and_leaves_the_bitmap_clear(where: str, bad: str) -> None:
@@ -251,7 +251,7 @@ def test_unique_values_refuses_a_bad_id_and_leaves_the_bitmap_clear(where: str, 
     assert got is not None and torch.equal(got[0], torch.unique(ids))
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_unique_values_refuses_bounds_that_miss_values() -> None:
     cache, sizes = _four_tables()
     raw, bounds = _raw_features(torch.Generator().manual_seed(1), sizes, [3, 0], (400, 300))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import embcache.native as native
+from embcache.backend import for_device
 from embcache.cache.transfer import _PLACE_ROWS, SlotStorage, TierTransfer, take
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
@@ -23,7 +24,7 @@ def _setup(sizes: list[int]) -> tuple[HostKV, TierTransfer]:
         spec = TableSpec(f"t{idx}", DIM, num_embeddings=rows, state_dim=STATE, state_init=0.5)
         store.init_table(spec)
         specs[idx] = spec
-    return store, TierTransfer(store, specs, K, torch.device("cpu"))
+    return store, TierTransfer(store, specs, K, torch.device("cpu"), for_device("cpu"))
 
 
 def _fused(table: int, raw: torch.Tensor) -> torch.Tensor:
@@ -181,7 +182,7 @@ def test_read_gives_each_id_its_row_and_creates_none(in_order: bool) -> None:
     assert transfer.read(ids[:0]).shape == (0, DIM + STATE)
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 @pytest.mark.parametrize("in_order", [True, False], ids=["sorted", "shuffled"])
 def test_rows_move_straight_between_the_tier_and_the_slots(in_order: bool) -> None:
     """Given the cache's storage (`SlotStorage`), a grouped exchange writes each id's row from
@@ -219,7 +220,7 @@ def test_rows_move_straight_between_the_tier_and_the_slots(in_order: bool) -> No
     assert store.io_stats() == twin.io_stats()
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_a_read_of_rows_never_created_goes_through_rows_and_creates_them() -> None:
     """Rows the tier must create first are read as before (the tier's initialiser, through a
     part to place): the straight read refuses them and changes nothing."""
@@ -261,7 +262,7 @@ class _Refusing(HostKV):
         return False
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_a_cache_moves_its_rows_straight_and_ends_as_through_rows() -> None:
     """A CPU cache's resolves (victims out, misses in) and its release of scratch rows move
     rows straight between the tier and the slots, and end with the same slots, rows and tier

@@ -1,11 +1,11 @@
 """The compiled pass of a direct share (`embcache.native.direct`) against the torch path it
 replaces (the specification: `CacheEngine._direct_slots`, the cache's map or stamps).
 
-Two collections on the fused CPU step, one with the compiled kernels and one without
-(`native.direct.available` patched to False), train on the same batches. After every forward
-and every step they must agree exactly on the cache's hits, dirty flags, rows and optimizer
-state (both run the same FBGEMM kernels on the same rows), and each must have taken its own
-path. The kernel itself is checked against ``torch.unique``.
+Two collections on the TBE step, one with the compiled kernels and one without (the native
+backend without numba: `native.importable` patched to False), train on the same batches.
+After every forward and every step they must agree exactly on the cache's hits, dirty flags,
+rows and optimizer state (both run the same FBGEMM kernels on the same rows), and each must
+have taken its own path. The kernel itself is checked against ``torch.unique``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import pytest
 import torch
 
 import embcache
+import embcache.native as native_module
 import embcache.native.direct as native_direct
 from embcache.engine.batch_state import Prepared
 
 pytest.importorskip("fbgemm_gpu")
 pytestmark = pytest.mark.skipif(
-    not native_direct.available(), reason="numba cannot be imported here"
+    not native_module.importable(), reason="numba cannot be imported here"
 )
 
 KEYS = ["f0", "f1", "f2"]
@@ -105,7 +106,7 @@ def test_compiled_and_torch_direct_shares_train_alike(monkeypatch, shape: str) -
     for native in (True, False):
         with monkeypatch.context() as m:
             if not native:
-                m.setattr(native_direct, "available", lambda: False)
+                m.setattr(native_module, "importable", lambda: False)
             ebc, opt = _build(m)
             gen = torch.Generator().manual_seed(1)
             trace = []

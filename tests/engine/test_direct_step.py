@@ -1,5 +1,5 @@
 """The direct share (`CacheEngine.direct_share`): a cache that maps every row to its own slot,
-on the fused CPU step, pools a training batch by table and raw id without dedup or resolve.
+on the TBE step, pools a training batch by table and raw id without dedup or resolve.
 
 The twins (`EMBCACHE_BACKEND=torch`) are the specification: every test runs the same batches
 through both and compares rows and optimizer state (to float32 rounding), cache statistics and
@@ -326,7 +326,7 @@ def test_a_direct_and_a_set_associative_cache_side_by_side(monkeypatch, rule: st
     for backend in BACKENDS:
         ebc, opt = _build(backend, monkeypatch, rule, cache=cache, wide=True)
         assert [(c.dim, c.direct) for c in ebc.caches()] == [(8, True), (16, False)]
-        assert all(e.fused is not None for e in ebc.engines.engines) == (backend == "auto")
+        assert all(e.tbe_step is not None for e in ebc.engines.engines) == (backend == "auto")
         seen = _train(ebc, opt, batches)
         runs[backend] = (seen, ebc.cache_stats(), _rows(ebc))
     (seen, stats, rows), (twin_seen, twin_stats, twin_rows) = runs.values()

@@ -8,8 +8,8 @@ Implementations gathered per operation (a parametrize id per operation and imple
 * ``triton``: the Triton kernel through the same function under ``EMBCACHE_BACKEND=triton``
   (the interpreter on a machine without a GPU, so shapes stay small);
 * ``numba-*``: the compiled CPU version in `embcache.native`, where there is one;
-* ``fbgemm``: FBGEMM's CPU TBE as `engine.fused_cpu.FusedCpuStep` drives it (pooling, and its
-  fused backward + row update), where fbgemm_gpu imports.
+* ``fbgemm``: FBGEMM's CPU TBE as `engine.tbe_step.TbeStep` drives it (pooling, and its
+  backward with the row update in one pass), where fbgemm_gpu imports.
 
 Inputs have odd shapes on purpose: dims 5 and 123, empty bags, duplicate ids, one huge bag, ids
 at a table's last row; output buffers start as NaN so an element an implementation forgets to
@@ -29,7 +29,8 @@ import pytest
 import torch
 
 import embcache.native as native
-from embcache.engine import fused_cpu
+from embcache.backend import for_device
+from embcache.engine import tbe_step
 from embcache.engine.batch_state import Prepared
 from embcache.indexing import copy_rows
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
@@ -47,7 +48,7 @@ from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
 
 HAS_NUMBA = native._njit() is not None
-HAS_FBGEMM = fused_cpu._fbgemm() is not None
+HAS_FBGEMM = tbe_step._fbgemm() is not None
 NO_NUMBA = "numba cannot be imported here: embcache.native has no compiled kernels"
 NO_FBGEMM = "fbgemm_gpu cannot be imported here: no CPU TBE"
 
@@ -271,9 +272,11 @@ def _backward_reference(p: SimpleNamespace, mode: PoolingMode, argmax: torch.Ten
 
 
 def _fbgemm_step(p: SimpleNamespace, mode: PoolingMode, rule: OptimRule, weights, state):
-    """A `FusedCpuStep` over a stand-in cache holding ``weights`` / ``state`` as its slots."""
-    cache = SimpleNamespace(weights=weights, state=state, storage_lock=threading.Lock())
-    step = fused_cpu.FusedCpuStep(cache, mode, rule, eps=1e-8)
+    """A `TbeStep` over a stand-in cache holding ``weights`` / ``state`` as its slots."""
+    cache = SimpleNamespace(
+        weights=weights, state=state, storage_lock=threading.Lock(), backend=for_device("cpu")
+    )
+    step = tbe_step.TbeStep(cache, mode, rule, eps=1e-8)
     prepared = Prepared(
         unique=None,
         inverse=p.inverse,
@@ -286,13 +289,13 @@ def _fbgemm_step(p: SimpleNamespace, mode: PoolingMode, rule: OptimRule, weights
 
 
 def _fbgemm_skip(dim: int, mode: PoolingMode, weighted: bool) -> None:
-    # What `FusedCpuStep.for_engine` / `takes` route elsewhere: not an implementation there.
+    # What `TbeStep.for_engine` / `takes` route elsewhere: not an implementation there.
     if dim % 4:
-        pytest.skip("FBGEMM's CPU TBE takes dims that are multiples of 4 (fused_cpu's rule)")
+        pytest.skip("FBGEMM's CPU TBE takes dims that are multiples of 4 (tbe_step's rule)")
     if mode == PoolingMode.MAX:
-        pytest.skip("the FBGEMM path (engine/fused_cpu) pools SUM and MEAN only")
+        pytest.skip("the FBGEMM path (engine/tbe_step) pools SUM and MEAN only")
     if weighted and mode == PoolingMode.MEAN:
-        pytest.skip("FBGEMM's weighted MEAN is another function (FusedCpuStep.takes refuses it)")
+        pytest.skip("FBGEMM's weighted MEAN is another function (TbeStep.takes refuses it)")
 
 
 MODES = [pytest.param(m, id=m.name.lower()) for m in PoolingMode]
@@ -544,7 +547,7 @@ def test_aggregate_grads(impl: str, use) -> None:
 # The composite the FBGEMM CPU TBE does in one backward: pooled gradient -> per-id gradient
 # -> row update, against the references above chained in float64.
 
-FUSED_RULES = [
+TBE_RULES = [
     pytest.param(r, id=r.name.lower())
     for r in (OptimRule.SGD, OptimRule.ADAGRAD, OptimRule.ROWWISE_ADAGRAD)
 ]
@@ -552,7 +555,7 @@ FUSED_RULES = [
 
 @pytest.mark.parametrize("mode", [pytest.param(PoolingMode.SUM, id="sum"),
                                   pytest.param(PoolingMode.MEAN, id="mean")])  # fmt: skip
-@pytest.mark.parametrize("rule", FUSED_RULES)
+@pytest.mark.parametrize("rule", TBE_RULES)
 @pytest.mark.parametrize(
     "impl", [_impl("twins-torch"), _impl("twins-triton"), _impl("fbgemm", "fbgemm")]
 )
@@ -564,14 +567,14 @@ def test_pooled_backward_and_update(impl: str, rule: OptimRule, mode: PoolingMod
     state = torch.rand(NUM_ROWS, state_dim(rule, dim), generator=_gen(9))
     before_w, before_s = weights.clone(), state.clone()
     grad_rows = _backward_reference(p, mode, argmax=torch.empty(0))
-    # No weight decay, no lr decay: what the TBE path takes (FusedCpuStep.can_apply).
+    # No weight decay, no lr decay: what the TBE step takes (TbeStep.can_apply).
     ref_w, ref_s = _update_reference(
         rule, before_w[p.slots].double(), before_s[p.slots].double(), grad_rows, 1, 0.0, 0.0
     )
     if impl == "fbgemm":
         step, prepared = _fbgemm_step(p, mode, rule, weights, state)
         pooled, bound = step.pool(prepared, lr=LR, batch_size=B)
-        pending = fused_cpu.PendingUpdate(
+        pending = tbe_step.PendingUpdate(
             engine=0,
             batch=None,
             pooled=pooled,

@@ -1,6 +1,6 @@
 """The compiled CPU kernels (`embcache.native`) against the torch ops they stand for, on fresh
 random inputs, outputs poisoned with NaN: the row moves between a cache's slots, its stored
-rows and a dense tier table, and the fused step's sample-major slots. (The plan kernels are
+rows and a dense tier table, and the TBE step's sample-major slots. (The plan kernels are
 checked against the torch plan in ``tests/cache/test_native_plan.py``, the dedup in
 ``tests/cache/test_row_index.py``.)"""
 
@@ -11,7 +11,7 @@ import torch
 
 import embcache.native as native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+pytestmark = pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 
 DIM, STATE, SLOTS = 12, 3, 200
 

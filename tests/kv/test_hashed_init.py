@@ -60,7 +60,7 @@ def test_the_uniform_init_is_the_reference_bit_for_bit(monkeypatch, backend: str
     assert bool(((got >= low) & (got < high)).all())
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_the_compiled_uniform_init_matches_the_torch_ops_on_many_rows(monkeypatch) -> None:
     """A few thousand fresh rows of int32 and int64 ids, each in its own order: the compiled
     pass and the torch ops agree bit for bit, and a row does not depend on its batch."""

@@ -135,7 +135,7 @@ def test_a_subclass_that_overrides_put_sees_every_grouped_write() -> None:
     assert seen == list(zip(tables, counts, strict=True))
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_the_compiled_pass_keeps_up_with_reallocated_tables() -> None:
     """The kernels' lists of a group's arrays follow a table that re-declares with wider
     state (a new array): a grouped read after it sees the new layout."""
@@ -184,7 +184,7 @@ def _filled_pair(seed: int, case: str) -> tuple[HostKV, HostKV, tuple, torch.Gen
     return kv, twin, (tables, ids, counts, _slots(gen, ids.numel())), gen
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 @pytest.mark.parametrize("case", list(COUNTS))
 def test_a_grouped_read_into_slots_lands_where_get_grouped_and_a_copy_put_it(case: str) -> None:
     kv, twin, (tables, ids, counts, slots), _ = _filled_pair(10 + len(case), case)
@@ -199,7 +199,7 @@ def test_a_grouped_read_into_slots_lands_where_get_grouped_and_a_copy_put_it(cas
     assert kv.io_stats() == twin.io_stats()
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 @pytest.mark.parametrize("case", list(COUNTS))
 def test_a_grouped_write_from_slots_is_put_grouped_of_their_rows(case: str) -> None:
     kv, twin, (tables, ids, counts, slots), gen = _filled_pair(20 + len(case), case)
@@ -212,7 +212,7 @@ def test_a_grouped_write_from_slots_is_put_grouped_of_their_rows(case: str) -> N
         assert torch.equal(after[name], expected[name]), name
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 def test_a_grouped_write_from_slots_creates_the_rows_it_writes() -> None:
     gen = torch.Generator().manual_seed(30)
     kv = _store()
@@ -252,7 +252,7 @@ def _refusals(gen: torch.Generator) -> dict[str, tuple]:
     return cases
 
 
-@pytest.mark.skipif(not native.available(), reason="numba cannot be imported here")
+@pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 @pytest.mark.parametrize("call", ["read", "write"])
 def test_straight_moves_refuse_what_they_cannot_take_and_change_nothing(call: str) -> None:
     for name, (kv, args, writes) in _refusals(torch.Generator().manual_seed(40)).items():

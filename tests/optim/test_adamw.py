@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import embcache
-from embcache.engine.fused_cpu import FusedCpuStep, fbgemm_type
+from embcache.engine.tbe_step import TbeStep, fbgemm_type
 from embcache.kernels.optim import OptimRule, RowUpdate, aggregate_grads, apply_row_update
 from embcache.kernels.optim_rules import RULES, by_cli, by_recstore, by_torch_class
 from embcache.models.torch_optim import row_update
@@ -93,7 +93,7 @@ def test_sparse_adamw_on_a_collection_matches_float64(cache: str) -> None:
                                                 store=embcache.HostKV(), seed=3)  # fmt: skip
     opt = embcache.SparseAdamW([mod], lr=0.05, betas=(0.8, 0.95), weight_decay=0.5)
     assert opt.param_groups[0]["betas"] == (0.8, 0.95) and opt.rule is OptimRule.ADAMW
-    assert all(e.fused is None for e in mod.engines.engines)
+    assert all(e.tbe_step is None for e in mod.engines.engines)
     start = {k.split(".")[1]: v.double() for k, v in mod.state_dict().items()}
     ref = {t: (w.clone(), torch.zeros_like(w), torch.zeros_like(w)) for t, w in start.items()}
     steps = dict.fromkeys(ref, 0)
@@ -225,7 +225,7 @@ def test_every_table_derives_from_the_rules() -> None:
     ],
 )
 def test_one_predicate_decides_the_fbgemm_path(update: RowUpdate, expected) -> None:
-    """`FusedCpuStep.for_engine` and `can_apply` both ask `fbgemm_type`."""
+    """`TbeStep.for_engine` and `can_apply` both ask `fbgemm_type`."""
     assert fbgemm_type(update) == expected
-    assert "fbgemm_type" in inspect.getsource(FusedCpuStep.for_engine)
-    assert "fbgemm_type" in inspect.getsource(FusedCpuStep.can_apply)
+    assert "fbgemm_type" in inspect.getsource(TbeStep.for_engine)
+    assert "fbgemm_type" in inspect.getsource(TbeStep.can_apply)

@@ -1,7 +1,7 @@
-"""The fused CPU path (FBGEMM's TBE over the cache's slots) against the twins' path.
+"""The TBE step (FBGEMM's TBE over the cache's slots) against the twins' path.
 
-The twins are the specification (`EMBCACHE_BACKEND=torch`); ``auto`` on a CPU takes the fused
-path where it applies. Both must train the same rows and state to float32 rounding, with every
+The twins are the specification (`EMBCACHE_BACKEND=torch`); ``auto`` on a CPU takes the TBE
+step where it applies. Both must train the same rows and state to float32 rounding, with every
 cache size, with prefetch, and fall back to the twins wherever the TBE does not apply.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 import embcache
 import embcache.native as native
-from embcache.engine.fused_cpu import FusedCpuStep, PendingUpdate
+from embcache.engine.tbe_step import PendingUpdate, TbeStep
 
 pytest.importorskip("fbgemm_gpu")
 
@@ -53,7 +53,7 @@ def _train(backend: str, monkeypatch, rule: str, cache: embcache.CacheConfig, *,
         tables=_tables(dim, pooling), is_weighted=weighted, cache=cache, seed=0
     )
     opt = RULES[rule](ebc)
-    fused = [e.fused is not None for e in ebc.engines.engines]
+    on_tbe = [e.tbe_step is not None for e in ebc.engines.engines]
     gen = torch.Generator().manual_seed(1)
     used = 0
     for batch in _batches(steps, weighted):
@@ -63,7 +63,7 @@ def _train(backend: str, monkeypatch, rule: str, cache: embcache.CacheConfig, *,
         used += len(ebc.engines._pending)
         opt.step()
     rows = {t.name: ebc.table_rows(t.name) for t in ebc.tables}
-    return rows, fused, used
+    return rows, on_tbe, used
 
 
 def _assert_rows_close(a: dict, b: dict) -> None:
@@ -81,31 +81,31 @@ CACHES = {
 @pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("rule", list(RULES))
-def test_fused_path_trains_as_the_twins(monkeypatch, rule: str, pooling: str, cache: str) -> None:
-    fused, on, used = _train("auto", monkeypatch, rule, CACHES[cache], pooling=pooling)
+def test_tbe_step_trains_as_the_twins(monkeypatch, rule: str, pooling: str, cache: str) -> None:
+    tbe, on, used = _train("auto", monkeypatch, rule, CACHES[cache], pooling=pooling)
     twins, off, _ = _train("torch", monkeypatch, rule, CACHES[cache], pooling=pooling)
     assert on == [True] and off == [False]
     assert used == 5  # every step went through the TBE
-    _assert_rows_close(fused, twins)
+    _assert_rows_close(tbe, twins)
 
 
-def test_weighted_sum_is_fused_and_weighted_mean_is_not(monkeypatch) -> None:
+def test_weighted_sum_takes_the_tbe_and_weighted_mean_does_not(monkeypatch) -> None:
     cache = CACHES["10pct"]
-    fused, _, used = _train("auto", monkeypatch, "rowwise_adagrad", cache, weighted=True)
+    tbe, _, used = _train("auto", monkeypatch, "rowwise_adagrad", cache, weighted=True)
     twins, _, _ = _train("torch", monkeypatch, "rowwise_adagrad", cache, weighted=True)
     assert used == 5
-    _assert_rows_close(fused, twins)
-    fused, _, used = _train("auto", monkeypatch, "sgd", cache, pooling="mean", weighted=True)
+    _assert_rows_close(tbe, twins)
+    tbe, _, used = _train("auto", monkeypatch, "sgd", cache, pooling="mean", weighted=True)
     twins, _, _ = _train("torch", monkeypatch, "sgd", cache, pooling="mean", weighted=True)
     assert used == 0  # FBGEMM's weighted MEAN is not the twins': the twins run it
-    _assert_rows_close(fused, twins)
+    _assert_rows_close(tbe, twins)
 
 
 @pytest.mark.parametrize(
     "case",
     ["adam", "weight_decay", "lr_decay", "dim_not_multiple_of_4", "mixed_pooling", "accumulate"],
 )
-def test_the_fused_path_declines_what_it_cannot_do(monkeypatch, case: str) -> None:
+def test_the_tbe_step_declines_what_it_cannot_do(monkeypatch, case: str) -> None:
     monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
     tables = _tables(dim=6 if case == "dim_not_multiple_of_4" else 8)
     if case == "mixed_pooling":
@@ -119,7 +119,7 @@ def test_the_fused_path_declines_what_it_cannot_do(monkeypatch, case: str) -> No
         "lr_decay": lambda m: embcache.SparseAdaGrad([m], lr=0.1, lr_decay=0.1),
     }.get(case, RULES["rowwise_adagrad"])
     make(ebc)
-    assert all(e.fused is None for e in ebc.engines.engines)
+    assert all(e.tbe_step is None for e in ebc.engines.engines)
 
 
 def _record_unique_shares(monkeypatch, engine) -> list:
@@ -144,7 +144,7 @@ def _rows_of(ebc) -> dict[str, torch.Tensor]:
 def test_a_bad_id_on_the_indexed_path_is_refused_and_changes_nothing(
     monkeypatch, feature: str, bad: int
 ) -> None:
-    """A 10% cache on the fused step checks and deduplicates a batch in one compiled pass
+    """A 10% cache on the TBE step checks and deduplicates a batch in one compiled pass
     (`CacheEngine.unique_share`): a bad id anywhere still raises `fuse`'s error naming it, with
     nothing changed, and the batches before and after train as the twins train them."""
     good = _batches(3, seed=5)
@@ -190,12 +190,12 @@ def test_a_bad_id_on_the_indexed_path_is_refused_and_changes_nothing(
 
 
 def test_the_twins_backend_turns_it_off(monkeypatch) -> None:
-    _, fused, used = _train("torch", monkeypatch, "sgd", CACHES["whole"])
-    assert fused == [False] and used == 0
+    _, on, used = _train("torch", monkeypatch, "sgd", CACHES["whole"])
+    assert on == [False] and used == 0
 
 
 def test_reading_the_trace_gives_the_twins_rows(monkeypatch) -> None:
-    """``_trace`` after a fused backward holds the per-id rows the twins would record, and the
+    """``_trace`` after a TBE backward holds the per-id rows the twins would record, and the
     step then applies them (the ordinary path): same numbers as the twins."""
     results = []
     for backend in ("auto", "torch"):
@@ -210,12 +210,12 @@ def test_reading_the_trace_gives_the_twins_rows(monkeypatch) -> None:
         assert not ebc.engines._pending
         opt.step()
         results.append((trace, {t.name: ebc.table_rows(t.name) for t in ebc.tables}))
-    (fused_trace, fused_rows), (twin_trace, twin_rows) = results
-    assert [n for n, _, _ in fused_trace] == [n for n, _, _ in twin_trace]
-    for (_, ids_a, g_a), (_, ids_b, g_b) in zip(fused_trace, twin_trace, strict=True):
+    (tbe_trace, tbe_rows), (twin_trace, twin_rows) = results
+    assert [n for n, _, _ in tbe_trace] == [n for n, _, _ in twin_trace]
+    for (_, ids_a, g_a), (_, ids_b, g_b) in zip(tbe_trace, twin_trace, strict=True):
         assert torch.equal(ids_a, ids_b)
         torch.testing.assert_close(g_a, g_b)
-    _assert_rows_close(fused_rows, twin_rows)
+    _assert_rows_close(tbe_rows, twin_rows)
 
 
 def test_a_nan_gradient_is_refused_before_any_update(monkeypatch) -> None:
@@ -247,7 +247,7 @@ def test_a_changed_learning_rate_takes_the_twins_path(monkeypatch) -> None:
     _assert_rows_close(*results)
 
 
-def test_pipeline_with_the_fused_path_is_bit_identical(monkeypatch) -> None:
+def test_pipeline_with_the_tbe_step_is_bit_identical(monkeypatch) -> None:
     """Prefetch changes time, not numbers (I5), also when a prefetch grows the scratch area
     between a batch's forward and its step (the TBE's graph is built again over the moved
     storage)."""
@@ -264,14 +264,14 @@ def test_pipeline_with_the_fused_path_is_bit_identical(monkeypatch) -> None:
             loss=lambda m, b: m["sparse"](b).values().square().sum(), prefetch=prefetch,
         )  # fmt: skip
         losses = pipe.run(_batches(6))
-        assert all(e.fused is not None for e in ebc.engines.engines)
+        assert all(e.tbe_step is not None for e in ebc.engines.engines)
         runs.append((losses, {t.name: ebc.table_rows(t.name) for t in ebc.tables}))
     assert runs[0][0] == runs[1][0]
     for name, rows in runs[0][1].items():
         assert torch.equal(runs[1][1][name], rows), name
 
 
-def test_fused_update_runs_while_another_thread_holds_the_cache_lock(monkeypatch) -> None:
+def test_tbe_update_runs_while_another_thread_holds_the_cache_lock(monkeypatch) -> None:
     """The TBE's update of a batch holds the storage lock, not the cache's lock, so that a
     prefetch resolving the next batch (under the cache's lock) runs beside it: with the cache's
     lock held elsewhere, the batch's rows change, and only the release (dirty marks and
@@ -284,7 +284,7 @@ def test_fused_update_runs_while_another_thread_holds_the_cache_lock(monkeypatch
     )
     opt = embcache.SparseRowWiseAdaGrad([ebc], lr=0.1)
     cache = ebc.engines.engines[0].cache
-    assert ebc.engines.engines[0].fused is not None
+    assert ebc.engines.engines[0].tbe_step is not None
     # The forward and backward on a thread that ends before the step: a collection trains from
     # one thread at a time, and the stepper takes the ended thread's step over.
     trainer = threading.Thread(
@@ -313,7 +313,7 @@ def test_fused_update_runs_while_another_thread_holds_the_cache_lock(monkeypatch
                 changed = True
                 break
             stepper.join(0.05)
-        assert changed, "the fused update waited for the cache's lock"
+        assert changed, "the TBE update waited for the cache's lock"
         assert stepper.is_alive(), "the release did not wait for the cache's lock"
         assert torch.equal(cache.locks, locked_batch)  # still locked: no release yet
     finally:
@@ -352,12 +352,12 @@ def test_scratch_growth_waits_for_an_update_in_progress(monkeypatch) -> None:
 
 def test_for_engine_needs_fbgemm(monkeypatch) -> None:
     """Without fbgemm_gpu (as on the GPU image) the path is simply absent."""
-    import embcache.engine.fused_cpu as fused_cpu
+    import embcache.engine.tbe_step as tbe_step
 
-    monkeypatch.setattr(fused_cpu, "_FBGEMM", [None])
+    monkeypatch.setattr(tbe_step, "_FBGEMM", [None])
     ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
     opt = embcache.SparseSGD([ebc], lr=0.1)
-    assert FusedCpuStep.for_engine(ebc.engines.engines[0], opt) is None
+    assert TbeStep.for_engine(ebc.engines.engines[0], opt) is None
 
 
 def _sample_major_reference(slots: list[int], offsets: list[int], F: int, B: int):
@@ -377,10 +377,10 @@ def test_bags_go_to_the_tbe_sample_major(monkeypatch, lengths: str, backend: str
     transpose, empty bags included) and of mixed lengths (a permutation), weights following
     their values, through the compiled pass and the torch ops."""
     from embcache.engine.batch_state import Prepared
-    from embcache.engine.fused_cpu import _sample_major
+    from embcache.engine.tbe_step import _sample_major
 
     monkeypatch.setenv("EMBCACHE_BACKEND", backend)
-    compiled = native.available()  # as `FusedCpuStep` chooses
+    compiled = native.importable()  # as `TbeStep` chooses
 
     F, B = 3, 5
     gen = torch.Generator().manual_seed(len(lengths))
@@ -432,7 +432,7 @@ def test_bags_of_one_length_train_as_the_twins(monkeypatch) -> None:
             batch = embcache.JaggedBatch.from_lengths(KEYS, values, lengths, weights)
             out = ebc(batch).values()
             if backend == "auto":
-                assert ebc.engines.engines[0].fused is not None
+                assert ebc.engines.engines[0].tbe_step is not None
             out.square().sum().backward()
             opt.step()
         results.append({t.name: ebc.table_rows(t.name) for t in ebc.tables})

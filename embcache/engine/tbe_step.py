@@ -2,7 +2,7 @@
 
 On a CPU, pooling, the backward's per-id gradient sums and the optimizer's row update are three
 passes over the batch's rows through torch ops (the twins). FBGEMM's CPU TBE does the backward
-and the row update in one fused pass, and its pooling is as fast as any. fbgemm-gpu-cpu lets a
+and the row update in one pass, and its pooling is as fast as any. fbgemm-gpu-cpu lets a
 TBE own no memory of its own (``preallocated_host_buffers``): here its one "table" is the cache's
 slot storage, ``weights [R, dim]`` and the optimizer state ``[R, S]`` beside it, and its indices
 are the batch's slots, so the TBE reads and updates the cache's rows in place. A cache that maps
@@ -10,10 +10,10 @@ every row directly holds its tables one after another in those slots: a second T
 storage, one table per cache table (``feature_table_map``), reads the batch's raw ids as they
 come (`pool_direct`, for `CacheEngine.direct_share`).
 
-    fused = FusedCpuStep.for_engine(engine, optimizer)   # None when it does not apply
-    pooled, bound = fused.pool(prepared, lr, B)          # [B * F, dim], the TBE's graph kept
+    step = TbeStep.for_engine(engine, optimizer)         # None when it does not apply
+    pooled, bound = step.pool(prepared, lr, B)           # [B * F, dim], the TBE's graph kept
     ...                                                  # backward: the pooled gradient only
-    fused.apply(pending)                                 # the TBE's backward: rows updated
+    step.apply(pending)                                  # the TBE's backward: rows updated
 
 What a step records in between is a `PendingUpdate`: the TBE's output and the pooled gradient.
 The optimizer's step applies it with one backward call; anything that needs the per-id gradient
@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 import embcache.native as native
-from embcache.backend import backend_name
 from embcache.engine.batch_state import InFlight, Prepared
 from embcache.kernels.optim import OptimRule
 from embcache.kernels.optim_rules import RULES
@@ -112,7 +111,7 @@ def _sample_major(
     sample-major order (bag ``(b, f)`` at ``b * F + f``; the batch holds them feature-major):
     moving the ids costs less than transposing the pooled rows and their gradient.
     ``compiled``: through the compiled pass where the share's tensors allow (the choice of
-    `FusedCpuStep`), else torch ops."""
+    `TbeStep`), else torch ops."""
     assert p.slots is not None and p.inverse is not None  # resolved: not a direct share
     num_bags = p.offsets.numel() - 1
     features = num_bags // batch_size if batch_size else 0
@@ -175,7 +174,7 @@ def _compiled_share(p: Prepared) -> bool:
 _NO_WEIGHTS = np.empty(0, dtype=np.float32)  # `native.bags_sample_major` without weights
 
 
-class FusedCpuStep:
+class TbeStep:
     """A TBE bound to one cache's slot storage, for one optimizer rule.
 
     Args:
@@ -183,7 +182,7 @@ class FusedCpuStep:
         mode: the pooling mode of every feature of the cache (SUM or MEAN).
         rule: the optimizer rule; ``eps`` its epsilon.
         compiled: move the batch's bags with the compiled pass (`native.bags_sample_major`);
-            None: when `native.available()` says the backend runs it.
+            None: when the cache's backend is the compiled one (`embcache.backend`).
     """
 
     def __init__(
@@ -195,7 +194,7 @@ class FusedCpuStep:
         compiled: bool | None = None,
     ) -> None:
         self.cache = cache
-        self.compiled = native.available() if compiled is None else compiled
+        self.compiled = cache.backend.compiled if compiled is None else compiled
         self.mode = mode
         self.rule = rule
         self.eps = eps
@@ -218,13 +217,13 @@ class FusedCpuStep:
         return self.direct_tables is not None
 
     @staticmethod
-    def for_engine(engine: Any, optimizer: Any) -> FusedCpuStep | None:
-        """The fused step of ``engine`` under ``optimizer``, or None when it does not apply."""
+    def for_engine(engine: Any, optimizer: Any) -> TbeStep | None:
+        """The TBE step of ``engine`` under ``optimizer``, or None when it does not apply."""
         update = getattr(optimizer, "update", None)
         if (
             update is None
             or engine.device.type != "cpu"
-            or backend_name() != "auto"
+            or not engine.cache.backend.tbe  # the native family (`embcache.backend`)
             or fbgemm_type(update) is None
             or engine.cache.weights.dtype != torch.float32
             or not engine.cache.admits_all  # ids not admitted have slot -1
@@ -234,15 +233,15 @@ class FusedCpuStep:
             or _fbgemm() is None
         ):
             return None
-        fused = FusedCpuStep(engine.cache, engine.layout.lookups[0].mode, update.rule, update.eps)
+        step = TbeStep(engine.cache, engine.layout.lookups[0].mode, update.rule, update.eps)
         if engine.cache.direct:
             # The cache's slots hold its tables one after another (ascending table index): a
             # TBE with those tables reads rows by raw id, each feature mapped to its table.
             order = sorted(t.index for t in engine.layout.tables)
             rows = {t.index: t.num_embeddings for t in engine.layout.tables}
-            fused.direct_tables = [rows[i] for i in order]
-            fused.feature_tables = [order.index(t.index) for t in engine.layout.feature_table]
-        return fused
+            step.direct_tables = [rows[i] for i in order]
+            step.feature_tables = [order.index(t.index) for t in engine.layout.feature_table]
+        return step
 
     def _storage(self) -> tuple[int, int, int]:
         weights, state = self.cache.weights, self.cache.state
@@ -319,7 +318,7 @@ class FusedCpuStep:
     ) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """The batch's bags pooled by the TBE, ``[B * F, dim]`` sample-major (so that it is the
         ``[B, F * dim]`` output as it stands), with its autograd graph (whose backward is the
-        fused row update at learning rate ``lr``), and the storage that graph is bound to."""
+        TBE's row update at learning rate ``lr``), and the storage that graph is bound to."""
         tbe = self._table()
         self._set_lr(tbe, lr)  # the CPU op reads it at the forward
         indices, offsets, weights = _sample_major(p, batch_size, self.compiled)
@@ -353,7 +352,7 @@ class FusedCpuStep:
             self._checked = update
         return self._checked_fits and update.lr == pending.lr
 
-    @profiled("engine.fused_update")
+    @profiled("engine.tbe_update")
     def apply(self, pending: PendingUpdate, p: Prepared) -> None:
         """Run the TBE's backward for ``pending``: every row of the batch updated in place.
 
