@@ -1,10 +1,11 @@
 """HashIndex: an open-addressing map from non-negative int64 keys to int64 values, vectorised.
 
-The host tier's unbounded tables (id -> row) and the tiered store's held rows (id -> slot) both
-use it. Keys live in a power-of-two array of buckets with linear probing from
-``mix64(key) & (buckets - 1)``. Lookups and inserts run as rounds over the keys still
-unresolved, each round one gather (or scatter) over all of them, so a batch costs as many rounds
-as its longest probe sequence, never a Python step per key.
+The host tier's unbounded tables (id -> row) use it (`TieredKV`'s held rows, which need scores
+and a victim order as well, use the bucketed core of `kv.bucket_index` instead). Keys live in a
+power-of-two array of buckets with linear probing from ``mix64(key) & (buckets - 1)``. Lookups
+and inserts run as rounds over the keys still unresolved, each round one gather (or scatter)
+over all of them, so a batch costs as many rounds as its longest probe sequence, never a Python
+step per key.
 
 A removed key leaves a tombstone that lookups probe past and inserts reuse; the buckets are
 rebuilt (tombstones dropped, at least doubling when the live keys need it) before an insert

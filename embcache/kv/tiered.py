@@ -8,16 +8,25 @@ those trips crosses the network. `TieredKV` keeps the most recently used ``capac
   call, keeping them (clean);
 * `put` writes into the held rows (dirty), adding rows it did not hold;
 * when more than ``capacity_rows`` rows are held, the least recently used go: the dirty ones
-  are written back in one batched ``back.put`` per table BEFORE anything is dropped. If that
-  write fails, nothing is dropped (the cache stays over capacity, every dirty row kept) and
-  the error propagates, so a later `flush` can still save every row;
+  are written back, one batched ``back.put`` per table, BEFORE any row of any table is
+  dropped. If a write fails, nothing is dropped (the cache stays over capacity, every dirty
+  row kept; those written already are kept clean) and the error propagates, so a later
+  `flush` can still save every row;
 * `flush` writes every dirty row back; `export_rows` flushes first, then reads the back store.
 
-Each table's held rows live in one ``[slots, stored_width]`` tensor (the table's dtype) with
-per-slot id, stamp (last use) and dirty arrays; a vectorised open-addressing index maps ids to
-slots. Every operation is vectorised over the ids of a call (no Python work per id); only
-eviction scans the held rows (a ``topk`` of their stamps), and it frees a little more than it
-must so that it runs once every few calls.
+Each table's held rows live in one ``[slots, stored_width]`` tensor (the table's dtype) with a
+free-slot stack; the shared index and policy core (`kv.bucket_index.BucketIndex`, the one
+bounded tables use) maps ids to positions, each with its slot (the position's value), its LRU
+score (ticks of one `Clock` for all tables, so scores compare across them) and its dirty flag.
+The held rows share the index and the policy code, not the bucket geometry: their index is
+growable (a full bucket doubles the buckets, it never evicts), and eviction is global, over
+every table: `bucket_index.lowest` picks the held rows of lowest ``(score, id)`` across the
+tables' indices, the same victim order a bounded bucket uses. A fixed bucketed cache would
+evict the least recently used row of one bucket instead of the whole cache's, could not share
+``capacity_rows`` between tables, and would have no room to keep every row when a write-back
+fails or a call brings more rows than the capacity. Every operation is vectorised over the ids
+of a call (no Python work per id); only eviction scans the held rows (a partition of their
+scores), and it frees a little more than it must so that it runs once every few calls.
 
 A bounded table (``spec.capacity``) is bounded here, whatever the back store: a `BoundedIndex`
 directory lists the ids that exist (at most the capacity, with their scores and pins); a new id
@@ -36,89 +45,83 @@ from typing import Any
 
 import torch
 
+from embcache.indexing import true_at
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
 from embcache.kv.bounded import BoundedIndex
-from embcache.kv.hash_index import HashIndex
+from embcache.kv.bucket_index import BucketIndex, Clock, lowest
 
 _MIN_SLOTS = 64
-_FREE = -1  # slot_id of a free slot
-_FREE_STAMP = 1 << 62  # stamp of a free slot: never among the least recently used
+_HELD_WAYS = 32  # ways per bucket of the held rows' index: a find compares 32 ids per id
 _EVICT_SLACK = 32  # eviction frees capacity // 32 extra rows, so it runs every few calls
 
 
 class _HeldTable:
-    """Rows of one table held in host memory: slot arrays, a free-slot stack and an id index."""
+    """Rows of one table held in host memory: a row array with a free-slot stack, and a
+    growable `BucketIndex` (LRU on the store's shared clock) from id to position, whose value
+    is the row's slot and whose dirty flag says the row is newer than the back store."""
 
-    def __init__(self, spec: TableSpec) -> None:
+    def __init__(self, spec: TableSpec, clock: Clock) -> None:
         self.spec = spec
         self.rows = torch.empty(0, spec.stored_width, dtype=spec.dtype)  # [slots, W]
-        self.slot_id = torch.empty(0, dtype=torch.int64)  # id held by each slot, -1 when free
-        self.stamp = torch.empty(0, dtype=torch.int64)  # last use of each slot
-        self.dirty = torch.empty(0, dtype=torch.bool)  # slot newer than the back store
         self.free = torch.empty(0, dtype=torch.int64)  # free slots: a stack, top at free_top
         self.free_top = 0
-        self.index = HashIndex()
+        self.index = BucketIndex("lru", _HELD_WAYS, clock=clock, values=True)
         # Bounded tables: which ids exist (held here or in back), at most spec.capacity.
         self.directory = (
-            BoundedIndex(spec.capacity, spec.score)  # type: ignore[arg-type]
-            if spec.capacity is not None
-            else None
+            BoundedIndex(spec.capacity, spec.score) if spec.capacity is not None else None
         )
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slot of each id, -1 where the id is not held. int64 ``[n]``."""
-        return self.index.find(ids)
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, slots)`` of ``ids``, both -1 where the id is not held. The positions
+        hold until the next `insert` (which may grow the index)."""
+        positions = self.index.find(ids)
+        assert self.index.values is not None
+        slots = self.index.values[positions.clamp(min=0)]
+        return positions, torch.where(positions >= 0, slots, -1)
 
-    def insert(self, ids: torch.Tensor, rows: torch.Tensor, dirty: bool, stamp: int) -> None:
-        """Hold rows for ``ids`` (distinct, none held yet)."""
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor, dirty: bool) -> None:
+        """Hold rows for ``ids`` (distinct, none held yet), used now (the clock's next tick)."""
         k = ids.numel()
         if k == 0:
             return
         self._reserve(k)
+        slots = self.free[self.free_top - k : self.free_top].clone()
+        self.index.insert(ids, dirty=dirty, values=slots)  # raises before anything changes
         self.free_top -= k
-        slots = self.free[self.free_top : self.free_top + k].clone()
-        self.rows[slots] = rows
-        self.slot_id[slots] = ids
-        self.stamp[slots] = stamp
-        self.dirty[slots] = dirty
-        self.index.insert(ids, slots)
+        self.rows.index_copy_(0, slots, rows)
 
-    def remove(self, slots: torch.Tensor) -> None:
-        """Stop holding the rows in ``slots`` (distinct, held)."""
-        k = slots.numel()
+    def remove(self, positions: torch.Tensor) -> None:
+        """Stop holding the rows at index ``positions`` (distinct, held)."""
+        k = positions.numel()
         if k == 0:
             return
-        self.index.remove(self.slot_id[slots])
-        self.slot_id[slots] = _FREE
-        self.stamp[slots] = _FREE_STAMP
-        self.dirty[slots] = False
+        assert self.index.values is not None
+        slots = self.index.values[positions]
+        self.index.remove(positions)
         self.free[self.free_top : self.free_top + k] = slots
         self.free_top += k
 
     def drop(self, ids: torch.Tensor) -> None:
         """Stop holding the rows of ``ids`` that are held, dirty or not (they were evicted)."""
-        slots = self.lookup(ids)
-        self.remove(slots[slots >= 0])
+        positions = self.index.find(ids)
+        self.remove(positions[positions >= 0])
 
-    def dirty_slots(self) -> torch.Tensor:
-        """Held slots with rows newer than the back store, in ascending id order."""
-        slots = self.dirty.nonzero().flatten()
-        return slots[torch.argsort(self.slot_id[slots])]
+    def dirty_positions(self) -> torch.Tensor:
+        """Index positions of rows newer than the back store, in ascending id order."""
+        positions = true_at(self.index.dirty)
+        return positions[torch.argsort(self.index.keys.index_select(0, positions))]
 
     def _reserve(self, k: int) -> None:
         if self.free_top >= k:
             return
-        old = self.slot_id.numel()
+        old = self.rows.shape[0]
         size = max(_MIN_SLOTS, 2 * old, len(self) + k)
         rows = torch.empty(size, self.spec.stored_width, dtype=self.spec.dtype)
         rows[:old] = self.rows
         self.rows = rows
-        self.slot_id = torch.cat([self.slot_id, torch.full((size - old,), _FREE)])
-        self.stamp = torch.cat([self.stamp, torch.full((size - old,), _FREE_STAMP)])
-        self.dirty = torch.cat([self.dirty, torch.zeros(size - old, dtype=torch.bool)])
         # The new slots go under the free ones already stacked, lowest slot popped first.
         free = torch.empty(size, dtype=torch.int64)
         free[: size - old] = torch.arange(size - 1, old - 1, -1)
@@ -164,7 +167,7 @@ class TieredKV(Store):
         self.capacity_rows = capacity_rows
         self._tables: dict[str, _HeldTable] = {}
         self._lock = threading.RLock()
-        self._clock = 0
+        self._clock = Clock()  # the LRU clock of every table's held rows
         self._closed = False
         self._stats = IOStats(("hits", "misses", "evictions", "writebacks"))
 
@@ -192,7 +195,7 @@ class TieredKV(Store):
                             f"{getattr(spec, field)}"
                         )
                 if (old.state_dim, old.state_init) != (spec.state_dim, spec.state_init):
-                    self._write_back(held, held.dirty_slots())
+                    self._write_back(held, held.dirty_positions())
             self.back.init_table(dataclasses.replace(spec, capacity=None))
             declared = dataclasses.replace(
                 self.back.table_spec(spec.name), capacity=spec.capacity, score=spec.score
@@ -203,7 +206,9 @@ class TieredKV(Store):
             ):
                 held.spec = declared
                 return
-            fresh = _HeldTable(declared)  # nothing held: `back` has reset every row's state
+            fresh = _HeldTable(
+                declared, self._clock
+            )  # nothing held: `back` has reset every row's state
             if held is not None:
                 fresh.directory = held.directory  # which rows exist does not change
             self._tables[spec.name] = fresh
@@ -229,21 +234,20 @@ class TieredKV(Store):
         with self._lock:
             held = self._table(table)
             ids = checked_ids(held.spec, ids)
-            stamp = self._tick()
-            slots = held.lookup(ids)
+            positions, slots = held.lookup(ids)
             hit = slots >= 0
             out = torch.empty(ids.numel(), held.spec.stored_width, dtype=held.spec.dtype)
             out[hit] = held.rows[slots[hit]]
+            held.index.touch(positions[hit])  # before an insert moves positions
             miss = ~hit
             if held.directory is None:
                 missing, inverse = torch.unique(ids[miss], return_inverse=True)
                 if missing.numel():
                     fetched = self.back.get(table, missing)
                     out[miss] = fetched[inverse]
-                    held.insert(missing, fetched, dirty=False, stamp=stamp)
+                    held.insert(missing, fetched, dirty=False)
             else:
-                self._get_bounded(held, ids, miss, out, pin, stamp)
-            held.stamp[slots[hit]] = stamp
+                self._get_bounded(held, ids, miss, out, pin)
             n_hits = int(hit.sum())
             self._stats["hits"] += n_hits
             self._stats["misses"] += ids.numel() - n_hits
@@ -258,24 +262,27 @@ class TieredKV(Store):
         miss: torch.Tensor,
         out: torch.Tensor,
         pin: bool,
-        stamp: int,
     ) -> None:
         """`get` of a bounded table: ids it lists but does not hold come from ``back``, new
-        ids from the initialiser (held dirty), making room by evicting."""
+        ids from the initialiser (held dirty), making room by evicting (an id given twice is
+        fetched or created once)."""
         directory = held.directory
         assert directory is not None
         positions = directory.find(ids)
         new = miss & (positions < 0)
         stored = miss & (positions >= 0)
-        fresh = held.spec.initial_rows(ids[new]) if bool(new.any()) else None
+        new_ids, new_at = torch.unique(ids[new], return_inverse=True)
+        fresh = held.spec.initial_rows(new_ids) if new_ids.numel() else None
         if bool(stored.any()):
-            fetched = self.back.get(held.spec.name, ids[stored])
-            out[stored] = fetched
-            held.insert(ids[stored], fetched, dirty=False, stamp=stamp)
+            stored_ids, stored_at = torch.unique(ids[stored], return_inverse=True)
+            fetched = self.back.get(held.spec.name, stored_ids)
+            out[stored] = fetched[stored_at]
+            held.insert(stored_ids, fetched, dirty=False)
         if fresh is not None:
-            positions[new] = self._insert_bounded(held, ids[new], positions[~new])
-            out[new] = fresh
-            held.insert(ids[new], fresh, dirty=True, stamp=stamp)
+            placed = self._insert_bounded(held, new_ids, positions[~new])
+            positions[new] = placed[new_at]
+            out[new] = fresh[new_at]
+            held.insert(new_ids, fresh, dirty=True)
             self._stats["rows_created"] += fresh.shape[0]
         if pin:
             directory.pin(positions)
@@ -306,7 +313,7 @@ class TieredKV(Store):
         with self._lock:
             held = self._table(table)
             ids = checked_ids(held.spec, ids)
-            slots = held.lookup(ids)
+            _, slots = held.lookup(ids)
             hit = slots >= 0
             out = torch.empty(ids.numel(), held.spec.stored_width, dtype=held.spec.dtype)
             out[hit] = held.rows[slots[hit]]
@@ -327,7 +334,6 @@ class TieredKV(Store):
             held = self._table(table)
             ids = checked_ids(held.spec, ids)
             rows = checked_rows(held.spec, ids, rows)
-            stamp = self._tick()
             if held.directory is not None:
                 positions = held.directory.find(ids)
                 new = positions < 0
@@ -335,17 +341,16 @@ class TieredKV(Store):
                     positions[new] = self._insert_bounded(held, ids[new], positions[~new])
                 unpinned = positions[held.directory.pins[positions] == 0]
                 held.directory.touch(unpinned)
-            slots = held.lookup(ids)
+            positions, slots = held.lookup(ids)
             hit = slots >= 0
-            hit_slots = slots[hit]
-            held.rows[hit_slots] = rows[hit]
-            held.dirty[hit_slots] = True
-            held.stamp[hit_slots] = stamp
+            held.rows[slots[hit]] = rows[hit]
+            held.index.dirty[positions[hit]] = True
+            held.index.touch(positions[hit])  # before an insert moves positions
             miss = (~hit).nonzero().flatten()
             missing, inverse = torch.unique(ids[miss], return_inverse=True)
             # With repeated ids (the protocol says there are none) one of their rows is kept.
             source = torch.empty_like(missing).scatter_(0, inverse, miss)
-            held.insert(missing, rows[source], dirty=True, stamp=stamp)
+            held.insert(missing, rows[source], dirty=True)
             self._count("written", ids.numel(), held.spec)
             self._evict()
 
@@ -375,7 +380,7 @@ class TieredKV(Store):
             held = self._table(table)
             if held.directory is not None:
                 return len(held.directory)
-            self._write_back(held, held.dirty_slots())
+            self._write_back(held, held.dirty_positions())
             return self.back.row_count(table)
 
     def keeps_scores(self, table: str) -> bool:
@@ -387,7 +392,7 @@ class TieredKV(Store):
         with self._lock:
             self._check_open()
             for held in self._tables.values():
-                self._write_back(held, held.dirty_slots())
+                self._write_back(held, held.dirty_positions())
             self.back.flush()
 
     @property
@@ -411,7 +416,7 @@ class TieredKV(Store):
         reads their rows."""
         with self._lock:
             held = self._table(table)
-            self._write_back(held, held.dirty_slots())
+            self._write_back(held, held.dirty_positions())
             if held.directory is None:
                 if scores:
                     raise ValueError(f"table {table!r} is not bounded: it keeps no scores")
@@ -453,10 +458,10 @@ class TieredKV(Store):
                 if scores is not None:
                     held.directory.set_scores(positions, scores.to(torch.int64))
             self.back.import_rows(table, ids, rows)
-            slots = held.lookup(ids)
+            positions, slots = held.lookup(ids)
             hit = slots >= 0
             held.rows[slots[hit]] = rows[hit]
-            held.dirty[slots[hit]] = False
+            held.index.dirty[positions[hit]] = False
 
     # -- accounting and life cycle ---------------------------------------------------------
 
@@ -488,7 +493,7 @@ class TieredKV(Store):
         """Held rows not yet written back (of one table, or all)."""
         with self._lock:
             helds = [self._table(table)] if table is not None else self._tables.values()
-            return sum(held.dirty_slots().numel() for held in helds)
+            return sum(int(held.index.dirty.sum()) for held in helds)
 
     def close(self) -> None:
         """Flush, then close ``back``. If the flush fails the store stays open (and every
@@ -520,41 +525,38 @@ class TieredKV(Store):
         self._check_open()
         held = self._tables.get(name)
         if held is None:  # declared on the back store directly: adopt it (unbounded here)
-            held = _HeldTable(dataclasses.replace(self.back.table_spec(name)))
+            held = _HeldTable(dataclasses.replace(self.back.table_spec(name)), self._clock)
             self._tables[name] = held
         return held
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _write_back(self, held: _HeldTable, slots: torch.Tensor) -> None:
-        """Write the rows in ``slots`` to ``back`` (one call), then mark them clean."""
-        if slots.numel() == 0:
+    def _write_back(self, held: _HeldTable, positions: torch.Tensor) -> None:
+        """Write the rows at index ``positions`` to ``back`` (one call), then mark them clean."""
+        if positions.numel() == 0:
             return
-        self.back.put(held.spec.name, held.slot_id[slots], held.rows[slots])
-        held.dirty[slots] = False
-        self._stats["writebacks"] += slots.numel()
+        assert held.index.values is not None
+        slots = held.index.values.index_select(0, positions)
+        rows = held.rows.index_select(0, slots)
+        self.back.put(held.spec.name, held.index.keys.index_select(0, positions), rows)
+        held.index.dirty[positions] = False
+        self._stats["writebacks"] += positions.numel()
 
     def _evict(self) -> None:
-        """Over ``capacity_rows``: drop least recently used rows down to a little below it
-        (``capacity // 32``, so that the O(rows held) scan for victims runs once every few
-        calls, not on each), writing the dirty ones back first, one table at a time."""
+        """Over ``capacity_rows``: drop the held rows first in the shared victim order (least
+        recently used, then lowest id: `bucket_index.lowest` over every table's index) down
+        to a little below it (``capacity // 32``, so that the O(rows held) scan for victims
+        runs once every few calls, not on each). The dirty victims of every table are written
+        back first; only when every write succeeded is any row dropped."""
         helds = [held for held in self._tables.values() if len(held)]
         total = sum(len(held) for held in helds)
         if total <= self.capacity_rows:
             return
         excess = total - (self.capacity_rows - self.capacity_rows // _EVICT_SLACK)
-        stamps = torch.cat([held.stamp for held in helds])  # free slots: _FREE_STAMP, last
-        victims = torch.topk(stamps, excess, largest=False, sorted=False).indices
-        starts = torch.tensor([0] + [held.stamp.numel() for held in helds]).cumsum(0)
-        for k, held in enumerate(helds):
-            mine = victims[(victims >= starts[k]) & (victims < starts[k + 1])] - starts[k]
-            if mine.numel() == 0:
-                continue
-            self._write_back(held, mine[held.dirty[mine]])
-            held.remove(mine)
-            self._stats["evictions"] += mine.numel()
+        victims = lowest([held.index for held in helds], excess)
+        for held, positions in zip(helds, victims, strict=True):
+            self._write_back(held, positions[held.index.dirty[positions]])
+        for held, positions in zip(helds, victims, strict=True):
+            held.remove(positions)
+            self._stats["evictions"] += positions.numel()
 
     def _count(self, direction: str, n: int, spec: TableSpec) -> None:
         self._stats.count(direction, n, spec.row_bytes)

@@ -222,3 +222,69 @@ def test_arguments_are_checked() -> None:
     tiered.close()
     with pytest.raises(RuntimeError, match="closed"):
         tiered.get("a", torch.tensor([0]))
+
+
+class _FailingHost(HostKV):
+    """A HostKV whose writes to the tables in ``failing`` raise, as a lost server would."""
+
+    def __init__(self) -> None:
+        super().__init__(pin_memory=False)
+        self.failing: set[str] = set()
+
+    def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        if table in self.failing:
+            raise ConnectionError(f"table {table}: the write was lost")
+        super().put(table, ids, rows)
+
+
+def test_a_failed_write_back_drops_no_row_of_any_table() -> None:
+    """Victims in two tables (the oldest rows, ties by id): table a's write succeeds, b's
+    fails; nothing of either is dropped (a's written rows stay, clean), and once the store is
+    back a flush saves every row."""
+    back = _declared(_FailingHost())
+    tiered = TieredKV(back, capacity_rows=4)
+    tiered.put("a", torch.tensor([1, 2]), torch.ones(2, 4))
+    tiered.put("b", B_IDS[[3, 1]], torch.full((2, 5), 2.0))
+    back.failing.add("b")
+    with pytest.raises(ConnectionError, match="lost"):
+        tiered.put("a", torch.tensor([3, 4, 5]), torch.full((3, 4), 3.0))  # a1, a2, b[1] go
+    assert (tiered.held_rows("a"), tiered.held_rows("b")) == (5, 2)
+    assert (tiered.dirty_rows("a"), tiered.dirty_rows("b")) == (3, 2)
+    assert _export(back, "a")[0].tolist() == [1, 2] and _export(back, "b")[0].numel() == 0
+    assert tiered.io_stats()["evictions"] == 0
+    back.failing.clear()
+    tiered.put("b", B_IDS[[0]], torch.zeros(1, 5))  # 8 held: a1, a2 and both b rows go
+    assert (tiered.held_rows(), tiered.io_stats()["evictions"]) == (4, 4)
+    assert tiered.held_rows("a") == 3 and tiered.get("a", torch.tensor([3])).sum() == 12
+    assert _export(back, "b")[0].tolist() == B_IDS[[1, 3]].tolist()
+    tiered.flush()
+    assert _export(back, "a")[0].tolist() == [1, 2, 3, 4, 5]
+    assert sorted(_export(back, "b")[0].tolist()) == sorted(B_IDS[[0, 1, 3]].tolist())
+
+
+def test_many_held_rows_grow_the_index_and_leave_by_lru() -> None:
+    """Thousands of rows of random 64-bit ids: the held index grows to take them, every row
+    reads back, and a second wave pushes out exactly the first one's rows (least recent)."""
+    g = torch.Generator().manual_seed(7)
+    tiered = TieredKV(_declared(_host()), capacity_rows=3000)
+    ids = torch.unique(torch.randint(0, 2**62, (6000,), generator=g))[:6000]
+    first, second = ids[::2], ids[1::2]
+    rows = torch.randn(first.numel(), 5, generator=g)
+    for part, values in zip(first.split(500), rows.split(500), strict=True):
+        tiered.put("b", part, values)
+    assert tiered.held_rows() == first.numel() <= 3000 and tiered.dirty_rows() == first.numel()
+    assert torch.equal(tiered.get("b", first), rows)
+    assert tiered.io_stats()["hits"] == first.numel()
+    for part in second.split(500):
+        tiered.get("b", part)
+    assert tiered.held_rows() <= 3000 and tiered.io_stats()["writebacks"] == first.numel()
+    assert torch.equal(tiered.back.read("b", first), rows)  # written back when evicted
+
+
+def test_a_bounded_get_with_a_repeated_id_creates_its_row_once() -> None:
+    tiered = TieredKV(_host(), capacity_rows=10)
+    spec = TableSpec("c", dim=2, num_embeddings=None, capacity=64)
+    tiered.init_table(spec)
+    got = tiered.get("c", torch.tensor([5, 9, 5]))
+    assert torch.equal(got, spec.initial_rows(torch.tensor([5, 9, 5])))
+    assert tiered.io_stats()["rows_created"] == 2 and tiered.held_rows("c") == 2
