@@ -19,8 +19,8 @@ ratio to both:
   gradients (torchrec builds them with ``sparse=False``, whose table-sized gradients are far
   slower on a CPU; flipping the flag is the one-line way to row-sparse gradients).
 * ``fbgemm_rowwise`` (baseline of row-wise AdaGrad): FBGEMM's
-  ``SplitTableBatchedEmbeddingBagsCodegen`` on the CPU with its fused EXACT_ROWWISE_ADAGRAD,
-  applied inside backward: the fastest CPU training step we know of.
+  ``SplitTableBatchedEmbeddingBagsCodegen`` on the CPU with its EXACT_ROWWISE_ADAGRAD applied
+  inside backward: the fastest CPU training step we know of.
 * ``fbgemm_adagrad``: the same TBE with EXACT_ADAGRAD.
 * ``embcache_100`` / ``embcache_10``: `CachedEmbeddingBagCollection` with the cache holding all
   rows / 10% of them (LRU), `SparseAdaGrad`, `HostKV` behind it; ``embcache_100_rowwise`` /
@@ -68,7 +68,8 @@ medians would mix rounds run at different speeds). The quartiles of those per-ro
 glibc's malloc is told to keep freed memory for the next step (`_common.keep_freed_memory`, as
 a CPU training job does with jemalloc or tcmalloc), for every impl alike.
 
-Prints a table; writes ``e2e.csv`` and ``e2e.png``.
+Prints a table; writes ``e2e.csv`` and ``e2e.png``. ``--update-results`` with a subset of
+``--workloads`` replaces those workloads' committed rows and keeps the others'.
 
     python benchmarks/bench_e2e.py [--quick] [--threads N] [--workloads a,b] [--out PATH]
 """
@@ -76,6 +77,8 @@ Prints a table; writes ``e2e.csv`` and ``e2e.png``.
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
 import statistics
 import time
 import warnings
@@ -590,6 +593,31 @@ def print_table(rows: list[Row]) -> None:
                   f"(rounds' quartiles {q1:.2f}-{q3:.2f}x)")  # fmt: skip
 
 
+def read_rows(path: Path) -> list[Row]:
+    """The rows of an e2e CSV written by `write_csv` (empty cells: None)."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(Row)}
+
+    def value(name: str, text: str) -> object:
+        if text == "":
+            return None
+        if kinds[name] == "str":
+            return text
+        return int(text) if kinds[name] == "int" else float(text)
+
+    with path.open(newline="") as f:
+        return [Row(**{k: value(k, v) for k, v in line.items()}) for line in csv.DictReader(f)]
+
+
+def merged_rows(old: list[Row], new: list[Row]) -> list[Row]:
+    """``old`` with the workloads ``new`` measured replaced by its rows (in ``old``'s order of
+    workloads, new ones last): ``--update-results`` of a subset of ``--workloads`` keeps the
+    committed rows of the others."""
+    fresh = {r.workload for r in new}
+    order = list(dict.fromkeys([r.workload for r in old] + [r.workload for r in new]))
+    by_workload = {w: [r for r in (new if w in fresh else old) if r.workload == w] for w in order}
+    return [r for w in order for r in by_workload[w]]
+
+
 def write_plot(rows: list[Row], path: Path) -> None:
     plt = pyplot()
     workloads = list(dict.fromkeys(r.workload for r in rows))
@@ -641,7 +669,10 @@ def main(argv: list[str] | None = None) -> None:
         "--threads", type=int, default=None, help="torch CPU threads (default 1: stable numbers)"
     )
     parser.add_argument(
-        "--workloads", default="long_bags,batch256,criteo,sequence", help="comma-separated subset"
+        "--workloads",
+        default="long_bags,batch256,criteo,sequence",
+        help="comma-separated subset (with --update-results, the other workloads' committed "
+        "rows are kept)",
     )
     add_output_options(parser, "e2e.csv")
     args = parse_args(parser, argv)
@@ -666,6 +697,8 @@ def main(argv: list[str] | None = None) -> None:
     print(run_header(torch.device("cpu")) + f"; {allocator}")
     rows = [row for name in chosen for row in bench(makers[name](), warmup, rounds, per_round)]
     print_table(rows)
+    if args.update_results and args.out.exists():
+        rows = merged_rows(read_rows(args.out), rows)  # the other workloads' rows kept
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out)
     write_plot(rows, args.out.with_suffix(".png"))

@@ -158,3 +158,27 @@ def test_output_csv_forms(common, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         common.output_csv(None, True, "x.csv")
     monkeypatch.chdir(BENCHMARKS)
     assert common.output_csv(None, True, "x.csv") == BENCHMARKS / "results" / "x.csv"
+
+
+def test_e2e_update_of_some_workloads_keeps_the_others(tmp_path: Path, monkeypatch) -> None:
+    """``bench_e2e --update-results --workloads sequence`` replaces the sequence rows of the
+    committed CSV and keeps every other workload's, read back with their types."""
+    pytest.importorskip("torchrec")
+    pytest.importorskip("fbgemm_gpu")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_e2e
+
+    committed = BENCHMARKS / "results" / "e2e.csv"
+    old = bench_e2e.read_rows(committed)
+    assert old and all(isinstance(r.ms_per_step, float) and isinstance(r.rows, int) for r in old)
+    fresh = [
+        bench_e2e.Row(**{**r.__dict__, "workload": "sequence", "ms_per_step": -1.0})
+        for r in old[:2]
+    ]
+    merged = bench_e2e.merged_rows(old, fresh)
+    kept = [r for r in old if r.workload != "sequence"]
+    assert [r for r in merged if r.workload != "sequence"] == kept
+    assert [r for r in merged if r.workload == "sequence"] == fresh
+    out = tmp_path / "e2e.csv"
+    bench_e2e.write_csv(merged, out)
+    assert bench_e2e.read_rows(out) == merged  # the CSV round-trips

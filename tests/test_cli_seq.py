@@ -109,11 +109,28 @@ def test_seq_on_two_ranks_matches_one_process(
     assert abs(two[0] - one[0]) < 2e-3 and abs(two[1] - one[1]) < 2e-3, (one, two)
 
 
+def test_history_sets_how_far_back_each_rating_attends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = f"movielens:{formats.write_ml_100k(tmp_path / 'ml-100k')}"
+    assert main(["train", "--data", spec, *SEQ, "--steps", "2", "--history", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "the user's last 5 rated movies" in out, out
+    for bad, message in (
+        (["--history", "0"], "--history must be >= 1, got 0"),
+        (["--history", "5", "--model", "dlrm"], "--history applies to --model seq"),
+    ):
+        argv = ["train", "--data", spec, *SEQ, "--steps", "1", *bad]
+        assert _exit_code(argv) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_help_says_what_seq_is(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_code(["train", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"--model {{{','.join(MODELS)}}}" in out
     assert "seq (--data movielens only): a sequence model" in out and "(default: dlrm)" in out
+    assert "--history N --model seq: how many of its user's latest earlier ratings" in out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -206,8 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="dlrm",
         help="dlrm: DLRM, every feature a pooled bag, their dot products into an MLP; seq "
         "(--data movielens only): a sequence model, each rating's movie attending over its "
-        f"user's last {DEFAULT_HISTORY} rated movies (unpooled rows of the item table) beside "
-        "the pooled user and genre bags, then an MLP",
+        "user's last --history rated movies (unpooled rows of the item table) beside the "
+        "pooled user and genre bags, then an MLP",
+    )
+    model.add_argument(
+        "--history",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"--model seq: how many of its user's latest earlier ratings each rating attends "
+        f"over (default {DEFAULT_HISTORY})",
     )
     model.add_argument(
         "--dim", type=int, default=DEFAULT_DIM, help="embedding dim (also the bottom MLP's output)"

@@ -63,7 +63,8 @@ SEQUENCE_DATA = ("movielens",)  # the --data kinds whose samples have a history 
 
 def model_data(args: argparse.Namespace, data: ClickDataset) -> ClickDataset:
     """The data as the model reads it: with ``--model seq``, MovieLens whose batches carry
-    each rating's history (`MovieLens.with_history`, the last `DEFAULT_HISTORY` movies).
+    each rating's history (`MovieLens.with_history`: the last ``--history`` movies, default
+    `DEFAULT_HISTORY`).
 
     Raises:
         ValueError: ``--model seq`` on data without per-user histories.
@@ -75,7 +76,7 @@ def model_data(args: argparse.Namespace, data: ClickDataset) -> ClickDataset:
             f"--model seq reads each user's rating history, which only {', '.join(SEQUENCE_DATA)} "
             "data has: give --data movielens:PATH (an ml-100k or ml-1m directory)"
         )
-    return data.with_history(DEFAULT_HISTORY)
+    return data.with_history(getattr(args, "history", None) or DEFAULT_HISTORY)
 
 
 # What a reader raises on a damaged file: a bad line (ValueError), a number too wide for int64

@@ -102,6 +102,11 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         fail(f"--batch-size {args.batch_size} must be a multiple of the number of ranks")
     if args.model == "seq":
         _check_sequence_data(args, fail)
+    if args.history is not None and args.model != "seq":
+        fail(f"--history applies to --model seq (its attention over past ratings), not --model "
+             f"{args.model}")  # fmt: skip
+    if args.history is not None and args.history < 1:
+        fail(f"--history must be >= 1, got {args.history}")
     for flag, value in (("--lr", args.lr), ("--dense-lr", args.dense_lr)):
         if value is not None and not (math.isfinite(value) and value > 0):
             fail(f"{flag} must be > 0, got {value}")

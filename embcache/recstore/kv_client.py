@@ -30,22 +30,22 @@ with RecStore's configuration keys ``type``, ``learning_rate``, ``epsilon``, ``w
 ``beta1``, ``beta2``); the default is SGD at lr 0.01.
 A client given an optimizer has a *backend optimizer* (`KVClient.backend_optimizer`): the
 collections on it are updated by it too, whatever sparse optimizer steps them (see
-`RecStoreEmbeddingBagCollection`).
+`RecStoreEmbeddingBagCollection`; `RecStoreEmbeddingCollection`, its unpooled twin, alike).
 `push` overwrites the weights; `add_async` is the raw additive update.
 
 Ordering. Operations on tier tensors run on one worker thread in submission order, so updates
 keep their order and a `pull` (which queues behind them) sees every earlier call of this
 client: read-your-writes, with or without `wait`.
 
-A collection's tables. A `RecStoreEmbeddingBagCollection` registers its tables with its client
-(``module.kv_client``; `get_kv_client()` for the default store). Calls on them go through the
-collection's caches, so they see and keep the rows the training has: `pull` returns the newest
-copy (a dirty cached row included), `push` writes a cached row in its slot and others in the
-tier, and `update_async` applies the collection's sparse optimizer to the rows and the state in
-its cache (the backend optimizer when the client has one; else the attached sparse
-optimizer, or without one SGD at the collection's ``lr``). These calls run on the calling
-thread, between training steps, because the training thread reads the cache slots without a
-lock; their handles are complete when returned.
+A collection's tables. A `RecStoreEmbeddingBagCollection` (or `RecStoreEmbeddingCollection`)
+registers its tables with its client (``module.kv_client``; `get_kv_client()` for the default
+store). Calls on them go through the collection's caches, so they see and keep the rows the
+training has: `pull` returns the newest copy (a dirty cached row included), `push` writes a
+cached row in its slot and others in the tier, and `update_async` applies the collection's
+sparse optimizer to the rows and the state in its cache (the backend optimizer when the client
+has one; else the attached sparse optimizer, or without one SGD at the collection's ``lr``).
+These calls run on the calling thread, between training steps, because the training thread reads
+the cache slots without a lock; their handles are complete when returned.
 """
 
 from __future__ import annotations
