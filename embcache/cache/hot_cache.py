@@ -313,7 +313,6 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
     # ------------------------------------------------------------------------------------------
     # resolve
 
-    @profiled("cache.resolve")
     def resolve(
         self,
         unique_ids: torch.Tensor,
@@ -597,6 +596,7 @@ def _plan_all(
     )  # fmt: skip
 
 
+@profiled("cache.resolve")  # every resolve, one cache's (`HotCache.resolve`) or a group's
 def resolve_together(
     caches: Sequence[HotCache],
     unique_ids: Sequence[torch.Tensor],
