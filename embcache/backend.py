@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import embcache.native as native
-from embcache.hashing import mix64
+from embcache.hashing import mix64, row_counters
 
 CHOICES = ("auto", "triton", "torch")
 
@@ -105,9 +105,7 @@ class Backend:
     ) -> torch.Tensor:
         """Rows of ``dim`` float32 values drawn uniformly in ``[mid - half, mid + half)`` from
         24 bits of a counter hash of ``(salt, id, column)``: the same bits on every backend."""
-        cols = torch.arange(dim, dtype=torch.int64)
-        counters = mix64(ids.to(torch.int64).cpu() ^ salt).unsqueeze(1) + cols.unsqueeze(0)
-        bits = (mix64(counters) >> 40) & 0xFFFFFF
+        bits = (mix64(row_counters(ids.cpu(), salt, dim)) >> 40) & 0xFFFFFF
         unit = bits.to(torch.float64) * (1.0 / (1 << 24))  # [0, 1)
         return ((2.0 * unit - 1.0) * half + mid).to(torch.float32)
 

@@ -28,3 +28,11 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     z = (z ^ shr(z, 30)) * _MIX1
     z = (z ^ shr(z, 27)) * _MIX2
     return z ^ shr(z, 31)
+
+
+def row_counters(ids: torch.Tensor, salt: int, dim: int) -> torch.Tensor:
+    """The counter of each value of a hashed initialiser's rows, int64 ``[len(ids), dim]``:
+    ``mix64(id ^ salt) + column``, hashed again by the caller (`kv.base.hashed_init`'s draws),
+    on ``ids``' device."""
+    cols = torch.arange(dim, dtype=torch.int64, device=ids.device)
+    return mix64(ids.to(torch.int64) ^ salt).unsqueeze(1) + cols.unsqueeze(0)

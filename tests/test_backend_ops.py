@@ -70,7 +70,8 @@ def test_a_cache_keeps_the_backend_it_was_built_with(monkeypatch) -> None:
             opt.step()
     caches = {name: ebc.engines.engines[0].cache for name, (ebc, _) in built.items()}
     assert caches["torch"].backend.name == "torch"
-    assert caches["auto"].backend is for_device("cpu") or not native.importable()
+    assert caches["auto"].backend.name == "native"  # FBGEMM's family, numba or not
+    assert caches["auto"].backend.compiled is native.importable()
     assert caches["torch"].dedup.row_bits is None  # never the compiled bitmap
     monkeypatch.setenv("EMBCACHE_BACKEND", "auto")
     rows = {name: ebc.state_dict()["embedding_bags.t.weight"] for name, (ebc, _) in built.items()}

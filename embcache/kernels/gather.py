@@ -24,6 +24,7 @@ import triton.language as tl
 from embcache.kernels import gather_ref
 from embcache.kernels.backend import use_triton
 from embcache.kernels.checks import as_index, check_int, require
+from embcache.kernels.pooling import tile_blocks
 
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -114,13 +115,6 @@ def _gather_backward_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _blocks(dim: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_D): up to 256 columns a program, about 4096 elements a tile."""
-    block_d = min(max(triton.next_power_of_2(dim), 16), 256)
-    block_n = min(max(4096 // block_d, 1), 64)
-    return block_n, block_d
-
-
 def gather_rows_triton(
     rows: torch.Tensor,
     dim: int,
@@ -132,7 +126,7 @@ def gather_rows_triton(
     nnz = inverse.numel()
     if nnz == 0:
         return out
-    block_n, block_d = _blocks(dim)
+    block_n, block_d = tile_blocks(dim)
     grid = (triton.cdiv(nnz, block_n), triton.cdiv(dim, block_d))
     _gather_rows_kernel[grid](
         rows,
@@ -173,7 +167,7 @@ def gather_backward_triton(
         segment_starts = torch.searchsorted(
             sorted_inverse, torch.arange(num_unique + 1, dtype=torch.int64, device=device)
         )  # [U + 1]
-    block_n, block_d = _blocks(dim)
+    block_n, block_d = tile_blocks(dim)
     # One id per program on a GPU; the interpreter pays per program, so it gets wide ones.
     block_u = 1 if device.type == "cuda" else 64
     grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))

@@ -194,8 +194,9 @@ def _pool_backward_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _blocks(dim: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_D): up to 256 columns a program, about 4096 elements a tile."""
+def tile_blocks(dim: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_D): up to 256 columns a program, about 4096 elements a tile (the
+    pooling and gather launchers')."""
     block_d = min(max(triton.next_power_of_2(dim), 16), 256)
     block_n = min(max(4096 // block_d, 1), 64)
     return block_n, block_d
@@ -220,7 +221,7 @@ def pool_forward_triton(
         argmax = torch.empty(num_bags, dim, dtype=torch.int64, device=rows.device)
     if num_bags == 0:
         return argmax
-    block_n, block_d = _blocks(dim)
+    block_n, block_d = tile_blocks(dim)
     grid = (num_bags, triton.cdiv(dim, block_d))
     _pool_forward_kernel[grid](
         rows,
@@ -270,7 +271,7 @@ def pool_backward_triton(
     num_bags = offsets.numel() - 1
     bags = torch.arange(num_bags, dtype=torch.int64, device=device)
     bag_of_value = torch.repeat_interleave(bags, offsets[1:] - offsets[:-1], output_size=nnz)
-    block_n, block_d = _blocks(dim)
+    block_n, block_d = tile_blocks(dim)
     # One id per program on a GPU; the interpreter pays per program, so it gets wide ones.
     block_u = 1 if device.type == "cuda" else 64
     grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))

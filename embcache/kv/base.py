@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from embcache.backend import cpu_backend
-from embcache.hashing import mix64
+from embcache.hashing import mix64, row_counters
 
 _INTEGER_DTYPES = frozenset(  # accepted for ids, which are converted to int64
     {
@@ -309,10 +309,6 @@ def _hashed_draw(name: str, seed: int, distribution: str, params: dict[str, floa
         value = float(params["value"])
         return lambda ids, dim: torch.full((ids.numel(), dim), value, dtype=torch.float32)
 
-    def counters(ids: torch.Tensor, dim: int) -> torch.Tensor:
-        cols = torch.arange(dim, dtype=torch.int64)
-        return mix64(ids.to(torch.int64).cpu() ^ salt).unsqueeze(1) + cols.unsqueeze(0)
-
     if distribution == "uniform":
         mid = (params["high"] + params["low"]) / 2.0
         half = (params["high"] - params["low"]) / 2.0
@@ -326,7 +322,7 @@ def _hashed_draw(name: str, seed: int, distribution: str, params: dict[str, floa
     mean, std = float(params["mean"]), float(params["std"])
 
     def normal(ids: torch.Tensor, dim: int) -> torch.Tensor:
-        c = counters(ids, dim)
+        c = row_counters(ids.cpu(), salt, dim)
         u1 = (((mix64(c) >> 11) & ((1 << 53) - 1)).to(torch.float64) + 0.5) / (1 << 53)
         u2 = ((mix64(c ^ _ANGLE_SALT) >> 11) & ((1 << 53) - 1)).to(torch.float64) / (1 << 53)
         z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)

@@ -38,8 +38,7 @@ from embcache.recstore.kv_client import KVClient, KVOptimizer, get_kv_client
 class KVClientCollection(LocalCollection):
     """A cached collection whose tables are tensors of a KV client (``kv_client``), read and
     written through its caches: the part the RecStore collections share. A subclass lists it
-    before its cached collection, resolves its client with `resolve_kv_client` (which checks
-    every argument) before that collection's ``__init__`` and calls `join_kv_client` after it.
+    before its cached collection and builds itself through `init_on_client`.
 
     Attributes:
         kv_client: the client whose store holds the tables.
@@ -50,6 +49,35 @@ class KVClientCollection(LocalCollection):
     kv_client: KVClient
     # None until `join_kv_client`: a fused optimizer (``optimizer_type=``) attaches before it.
     backend_optimizer: BackendOptimizer | None = None
+
+    def init_on_client(
+        self,
+        tables: Sequence[Any],
+        lr: float,
+        enable_fusion: bool,
+        fusion_k: int,
+        ps_host: str | None,
+        ps_port: int | None,
+        kv_client: KVClient | None,
+        fast_path_mode: str,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """The cached collection after this class in the MRO built on the client's store: the
+        client resolved first (`resolve_kv_client`, which checks every argument), then the
+        collection's ``__init__``, then `join_kv_client`."""
+        store = kwargs.pop("store", None)
+        kv_client = resolve_kv_client(
+            kv_client, store, ps_host, ps_port, fast_path_mode, kwargs.get("optimizer_type")
+        )
+        super().__init__(  # the cached collection's, next in the MRO
+            tables=tables,
+            store=kv_client.store,
+            lr=lr,
+            enable_fusion=enable_fusion,
+            fusion_k=fusion_k,
+            **kwargs,
+        )
+        self.join_kv_client(kv_client)
 
     def join_kv_client(self, kv_client: KVClient) -> None:
         """Adopt the client's backend optimizer, if it has one, and register every table as
@@ -176,19 +204,10 @@ class RecStoreEmbeddingBagCollection(KVClientCollection, CachedEmbeddingBagColle
         **kwargs: Any,
     ) -> None:
         del initialize_tables  # see Args: both values mean the same here
-        store = kwargs.pop("store", None)
-        kv_client = resolve_kv_client(
-            kv_client, store, ps_host, ps_port, fast_path_mode, kwargs.get("optimizer_type")
-        )
-        super().__init__(
-            tables=embedding_bag_configs,
-            store=kv_client.store,
-            lr=lr,
-            enable_fusion=enable_fusion,
-            fusion_k=fusion_k,
-            **kwargs,
-        )
-        self.join_kv_client(kv_client)
+        self.init_on_client(
+            embedding_bag_configs, lr, enable_fusion, fusion_k, ps_host, ps_port, kv_client,
+            fast_path_mode, kwargs,
+        )  # fmt: skip
 
 
 class RecStoreEmbeddingCollection(KVClientCollection, CachedEmbeddingCollection):
@@ -237,19 +256,10 @@ class RecStoreEmbeddingCollection(KVClientCollection, CachedEmbeddingCollection)
         **kwargs: Any,
     ) -> None:
         del initialize_tables  # as in RecStoreEmbeddingBagCollection
-        store = kwargs.pop("store", None)
-        kv_client = resolve_kv_client(
-            kv_client, store, ps_host, ps_port, fast_path_mode, kwargs.get("optimizer_type")
-        )
-        super().__init__(
-            tables=embedding_configs,
-            store=kv_client.store,
-            lr=lr,
-            enable_fusion=enable_fusion,
-            fusion_k=fusion_k,
-            **kwargs,
-        )
-        self.join_kv_client(kv_client)
+        self.init_on_client(
+            embedding_configs, lr, enable_fusion, fusion_k, ps_host, ps_port, kv_client,
+            fast_path_mode, kwargs,
+        )  # fmt: skip
 
 
 class BackendOptimizer:

@@ -54,8 +54,15 @@ NO_FBGEMM = "fbgemm_gpu cannot be imported here: no CPU TBE"
 
 
 def _impl(name: str, needs: str | None = None) -> object:
-    """A parametrize entry for implementation ``name`` (skipped when its library is absent)."""
+    """A parametrize entry for implementation ``name`` (skipped when its library is absent).
+
+    The Triton ones run only under the interpreter, on the CPU tensors built here (`use` skips
+    them elsewhere; on a GPU the kernel test files run Triton on the device): exempt from the
+    launch guard of the GPU check, which otherwise fails an interpreted launch by a test that
+    does not take the ``device`` fixture."""
     marks = []
+    if "triton" in name:
+        marks.append(pytest.mark.launch_guard_exempt)
     if needs == "numba" and not HAS_NUMBA:
         marks.append(pytest.mark.skip(reason=NO_NUMBA))
     if needs == "fbgemm" and not HAS_FBGEMM:

@@ -522,3 +522,23 @@ def test_a_table_name_the_module_dict_owns_is_refused_clearly() -> None:
     ):
         with pytest.raises(ValueError, match=r"\['items'\] cannot key"):
             cls([config(name="items", embedding_dim=4, num_embeddings=10)])
+
+
+def test_torch_export_is_refused_clearly_and_changes_nothing() -> None:
+    """No export op exists for the sequence collection yet: `torch.export` says so in one
+    error, and the collection still runs (and sees no batch of the attempt)."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self, ec: CachedEmbeddingCollection) -> None:
+            super().__init__()
+            self.ec = ec
+
+        def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            return loss_of(self.ec(kjt))
+
+    ec = cached_copy(reference(), CacheConfig(load_factor=0.5))
+    kjt = random_kjt(torch.Generator().manual_seed(0), 4)
+    with pytest.raises(NotImplementedError, match=r"torch\.export of a CachedEmbeddingCollection"):
+        torch.export.export(Holder(ec), (kjt,), strict=False)
+    assert ec.cache_stats()["hits"] + ec.cache_stats()["misses"] == 0
+    torch.testing.assert_close(Holder(ec)(kjt), loss_of(cached_copy(reference(), None)(kjt)))
