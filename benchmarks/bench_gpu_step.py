@@ -8,9 +8,17 @@ table, every table resident on the device, stepped by ``torch.optim.Adagrad``. E
 ``baseline_time / our_time`` (> 1: ours is faster).
 
 Every model starts from the same weights and trains on the same batches (Zipf(1.05) ids, bags of
-1 to ``2 * pooling - 1`` ids, loss ``(pooled * coeff).sum()``); the pooled output of the first
-batch and the final weights of the touched rows are checked against the baseline's before any
-time is reported. Prints a table and ``summary:`` lines; writes ``--out`` (CSV) and a PNG beside it.
+1 to ``2 * pooling - 1`` ids, loss ``(pooled * coeff).sum()``), already on the device, as a
+training loop's input pipeline leaves them; the pooled output of the first batch and the final
+weights of the touched rows are checked against the baseline's before any time is reported.
+The baseline is the strongest plain-torch step: the per-table split of the values is computed
+on the host when the batch is made (its lengths are known there), so its step makes no
+per-table host sync. Each impl first trains one pass over every batch (the pass whose weights
+are checked), then is timed over the batches after the first ``warmup`` in a pass that compiled
+no Triton kernel (``triton.knobs.runtime.jit_post_compile_hook``; passes that compiled one are
+repeated); ``warmup_steps`` says how many steps ran before the timed pass. ``lookups_per_s``
+counts every id of a step, ``unique_per_s`` the distinct (table, id) rows. Prints a table and
+``summary:`` lines; writes ``--out`` (CSV) and a PNG beside it.
 
     python benchmarks/bench_gpu_step.py [--quick | --tiny] [--device cpu|cuda] [--out FILE.csv]
 """
@@ -70,29 +78,41 @@ class Row:
     batch: int
     ms_per_step: float
     lookups_per_s: float  # ids looked up (forward) per second of whole steps
+    unique_per_s: float  # distinct (table, id) rows per second of whole steps
     baseline_ms: float  # torch_sparse's time in the same run
+    warmup_steps: int  # steps before timing: until 3 steps in a row compiled nothing
 
     @property
     def speedup(self) -> float:
         return self.baseline_ms / self.ms_per_step
 
 
-def make_batches(
-    cfg: Config, device: torch.device
-) -> list[tuple[embcache.JaggedBatch, torch.Tensor]]:
+@dataclass
+class Batch:
+    kjt: embcache.JaggedBatch  # on the device
+    coeff: torch.Tensor  # [batch, tables * dim] on the device
+    sizes: list[int]  # values per table, known on the host when the batch was made
+    unique: int  # distinct (table, id) rows
+
+
+def make_batches(cfg: Config, device: torch.device) -> list[Batch]:
     gen = torch.Generator().manual_seed(0)
     laws = [ZipfIds(cfg.rows, ALPHA, gen) for _ in range(cfg.tables)]
     batches = []
     for _ in range(cfg.steps):
         lengths = torch.randint(1, 2 * cfg.pooling, (cfg.tables, cfg.batch), generator=gen)
-        values = torch.cat(
-            [law.sample(int(n), gen) for law, n in zip(laws, lengths.sum(dim=1), strict=True)]
-        )
+        sizes = lengths.sum(dim=1).tolist()
+        parts = [law.sample(int(n), gen) for law, n in zip(laws, sizes, strict=True)]
         kjt = embcache.JaggedBatch.from_lengths(
-            keys=[f"f{i}" for i in range(cfg.tables)], values=values, lengths=lengths.reshape(-1)
+            keys=[f"f{i}" for i in range(cfg.tables)],
+            values=torch.cat(parts),
+            lengths=lengths.reshape(-1),
         )
         coeff = torch.randn(cfg.batch, cfg.tables * cfg.dim, generator=gen).to(device)
-        batches.append((kjt, coeff))
+        unique = sum(int(torch.unique(p).numel()) for p in parts)
+        batches.append(Batch(kjt.to(device), coeff, sizes, unique))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return batches
 
 
@@ -108,57 +128,99 @@ class TorchSparse(nn.Module):
             for w in weights
         )
 
-    def forward(self, kjt: embcache.JaggedBatch, device: torch.device) -> torch.Tensor:
-        values = kjt.values().to(device)
-        lengths = kjt.lengths().to(device).reshape(len(self.bags), -1)
-        outs, start = [], 0
-        for bag, lens in zip(self.bags, lengths, strict=True):
-            n = int(lens.sum())
-            offsets = torch.cumsum(lens, 0) - lens
-            outs.append(bag(values[start : start + n], offsets))
-            start += n
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """No host sync: the split sizes came with the batch."""
+        lengths = batch.kjt.lengths().view(len(self.bags), -1)
+        offsets = torch.cumsum(lengths, 1) - lengths  # [tables, batch], on the device
+        values = torch.split(batch.kjt.values(), batch.sizes)
+        outs = [bag(v, o) for bag, v, o in zip(self.bags, values, offsets, strict=True)]
         return torch.cat(outs, dim=1)
 
 
-def _timed(step: Callable[[int], None], cfg: Config, device: torch.device) -> float:
-    """Seconds per step over the steps after the warm-up ones."""
-    t0 = 0.0
-    for i in range(cfg.steps):
-        if i == cfg.warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-        step(i)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / (cfg.steps - cfg.warmup)
+class Compiles:
+    """Counts Triton compiles in this process (0 where Triton has no such hook)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        try:
+            import triton
+
+            knobs = triton.knobs.runtime
+            previous = knobs.jit_post_compile_hook
+
+            def hook(*args, **kwargs):
+                self.count += 1
+                return previous(*args, **kwargs) if previous else False
+
+            knobs.jit_post_compile_hook = hook
+        except (ImportError, AttributeError):
+            pass
+
+
+COMPILES = Compiles()
+
+
+def _timed(step: Callable[[int], None], cfg: Config, device: torch.device) -> tuple[float, int]:
+    """Seconds per step over the batches after the first ``cfg.warmup``, timed in a pass that
+    compiled no Triton kernel; the passes before it (the first is the one whose weights are
+    checked) warm up. Returns the time and the number of steps run before the timed pass."""
+    warm = 0
+    for _ in range(4):
+        before = COMPILES.count
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for j in range(cfg.warmup, cfg.steps):
+            step(j)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = (time.perf_counter() - t0) / (cfg.steps - cfg.warmup)
+        if COMPILES.count == before:
+            return seconds, warm
+        warm += cfg.steps - cfg.warmup
+    raise RuntimeError(f"still compiling after {warm} steps: no honest time to give")
+
+
+def _progress(what: str, t0: float) -> None:
+    print(f"# {time.perf_counter() - t0:6.1f} s  {what}", flush=True)
 
 
 def run(cfg: Config, device: torch.device) -> list[Row]:
+    t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(1)
     bound = (1.0 / cfg.rows) ** 0.5
     weights = [
         (torch.rand(cfg.rows, cfg.dim, generator=gen) * 2 - 1) * bound for _ in range(cfg.tables)
     ]
     batches = make_batches(cfg, device)
-    lookups = sum(int(kjt.values().numel()) for kjt, _ in batches[cfg.warmup :])
-    lookups /= cfg.steps - cfg.warmup
+    timed = batches[cfg.warmup :]
+    lookups = sum(int(b.kjt.values().numel()) for b in timed) / len(timed)
+    unique = sum(b.unique for b in timed) / len(timed)
+    _progress(f"{cfg.steps} batches made on {device}", t0)
 
     base = TorchSparse(weights, device)
     base_opt = torch.optim.Adagrad(base.parameters(), lr=LR, eps=EPS)
     with torch.no_grad():
-        first = base(batches[0][0], device)
+        first = base(batches[0])
 
     def base_step(i: int) -> None:
-        kjt, coeff = batches[i]
-        (base(kjt, device) * coeff).sum().backward()
+        b = batches[i]
+        (base(b) * b.coeff).sum().backward()
         base_opt.step()
         base_opt.zero_grad(set_to_none=True)
 
-    base_s = _timed(base_step, cfg, device)
-    rows = [Row("torch_sparse", 1.0, cfg.tables, cfg.rows, cfg.dim, cfg.batch, 0, 0, 0)]
-    rows[0].ms_per_step, rows[0].lookups_per_s = base_s * 1e3, lookups / base_s
-    touched = torch.unique(torch.cat([kjt.values() for kjt, _ in batches]))
+    for i in range(cfg.steps):  # the pass whose weights are checked
+        base_step(i)
+    touched = torch.unique(torch.cat([b.kjt.values().cpu() for b in batches]))
+    ids = touched[touched < cfg.rows]
+    expected = [bag.weight.detach()[ids.to(device)].cpu() for bag in base.bags]
+    base_s, base_warm = _timed(base_step, cfg, device)
+    base_warm += cfg.steps
+    rows = [
+        Row("torch_sparse", 1.0, cfg.tables, cfg.rows, cfg.dim, cfg.batch, base_s * 1e3,
+            lookups / base_s, unique / base_s, base_s * 1e3, base_warm)
+    ]  # fmt: skip
+    _progress(f"torch_sparse {base_s * 1e3:.2f} ms/step after {base_warm} warm-up steps", t0)
 
     for fraction in (1.0, 0.1):
         tables = [
@@ -180,24 +242,34 @@ def run(cfg: Config, device: torch.device) -> list[Row]:
         ours.load_state_dict({f"embedding_bags.t{i}.weight": w for i, w in enumerate(weights)})
         opt = embcache.SparseAdaGrad([ours], lr=LR, eps=EPS)
         with torch.no_grad():
-            got = ours(batches[0][0]).values()
+            got = ours(batches[0].kjt).values()
         torch.testing.assert_close(got, first, rtol=1e-5, atol=1e-6)
+        _progress(f"embcache_{round(fraction * 100)} built and loaded", t0)
 
         def step(i: int, ours=ours, opt=opt) -> None:
-            kjt, coeff = batches[i]
-            (ours(kjt).values() * coeff).sum().backward()
+            b = batches[i]
+            (ours(b.kjt).values() * b.coeff).sum().backward()
             opt.step()
 
-        seconds = _timed(step, cfg, device)
+        for i in range(cfg.steps):  # the pass whose weights are checked
+            step(i)
         state = ours.state_dict()
-        for i, bag in enumerate(base.bags):  # every row either side touched, after all steps
-            ids = touched[touched < cfg.rows]
+        for i, rows_i in enumerate(expected):  # every row either side touched, after all steps
             torch.testing.assert_close(
                 state[f"embedding_bags.t{i}.weight"][ids].float().cpu(),
-                bag.weight.detach()[ids.to(device)].cpu(),
+                rows_i,
                 rtol=1e-4,
                 atol=1e-5,
             )
+        del state
+        _progress(f"embcache_{round(fraction * 100)} weights match torch_sparse's", t0)
+        seconds, warm = _timed(step, cfg, device)
+        warm += cfg.steps
+        _progress(
+            f"embcache_{round(fraction * 100)} {seconds * 1e3:.2f} ms/step after {warm} "
+            "warm-up steps",
+            t0,
+        )
         rows.append(
             Row(
                 f"embcache_{round(fraction * 100)}",
@@ -208,10 +280,12 @@ def run(cfg: Config, device: torch.device) -> list[Row]:
                 cfg.batch,
                 seconds * 1e3,
                 lookups / seconds,
+                unique / seconds,
                 base_s * 1e3,
+                warm,
             )
         )
-    rows[0].baseline_ms = rows[0].ms_per_step
+        del ours, opt
     return rows
 
 
@@ -243,13 +317,20 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print(f"# {cfg}")
     rows = run(cfg, device)
-    print(f"{'impl':<14} {'ms/step':>9} {'lookups/s':>11} {'vs torch_sparse':>16}")
+    print(
+        f"{'impl':<14} {'ms/step':>9} {'lookups/s':>11} {'unique/s':>11} {'warm-up':>8} "
+        f"{'vs torch_sparse':>16}"
+    )
     for r in rows:
-        print(f"{r.impl:<14} {r.ms_per_step:9.3f} {r.lookups_per_s:11.3g} {r.speedup:15.2f}x")
+        print(
+            f"{r.impl:<14} {r.ms_per_step:9.3f} {r.lookups_per_s:11.3g} {r.unique_per_s:11.3g} "
+            f"{r.warmup_steps:8d} {r.speedup:15.2f}x"
+        )
     for r in rows[1:]:
         print(
             f"summary: step {r.impl} {r.ms_per_step:.2f} ms = x{r.speedup:.2f} vs torch_sparse "
-            f"{r.baseline_ms:.2f} ms; {r.lookups_per_s:.3g} lookups/s; weights match"
+            f"{r.baseline_ms:.2f} ms; {r.lookups_per_s:.3g} lookups/s ({r.unique_per_s:.3g} "
+            f"unique); timed after {r.warmup_steps} warm-up steps; weights match"
         )
     write_csv(rows, args.out, extra=["speedup"])
     plot(rows, args.out.with_suffix(".png"), header)

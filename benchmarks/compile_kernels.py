@@ -49,30 +49,55 @@ DEVICE_CONSTEXPRS = {"BLOCK_U": 1}
 RECORD_DIMS = (8, 300)
 
 
+def compile_key(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, tuple]:
+    """What Triton's JIT keys a launch of ``fn`` (an interpreted kernel) on: its signature
+    (``{name: "*fp32" | "i32" | "i64" | "fp32" | "constexpr" ...}``), its constexprs, and a
+    hashable key that also holds each argument's specialisation (``"D"``: an integer or a
+    pointer divisible by 16; an integer 1 becomes a constexpr), computed by Triton's own
+    ``native_specialize_impl`` with the kernel's ``do_not_specialize`` list and each
+    parameter's type annotation, as `triton.runtime.jit` does before compiling. Two launches
+    with different keys compile two variants on a GPU."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import KernelParam
+
+    params = inspect.signature(fn.fn).parameters
+    bound = dict(zip(params, args, strict=False)) | {k: kwargs[k] for k in params if k in kwargs}
+    dns = set(fn.kwargs.get("do_not_specialize") or ())
+    signature, constexprs, key = {}, {}, []
+    for i, (name, p) in enumerate(params.items()):
+        value = bound[name]
+        kp = KernelParam(i, p, i in dns or name in dns, False)
+        if kp.is_constexpr:
+            constexprs[name] = value
+            signature[name] = "constexpr"
+            key.append(("constexpr", value))
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, value, False, not kp.do_not_specialize, True)
+        if ty == "constexpr":  # an integer 1 (or None) is compiled in, as Triton does
+            constexprs[name] = spec
+        elif kp.annotation_type:  # a declared type wins over the value's
+            ty = kp.annotation_type
+        signature[name] = ty
+        key.append((ty, spec))
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
+    return signature, constexprs, (fn.fn.__module__, fn.fn.__name__, tuple(key), options)
+
+
 @contextmanager
 def recording() -> Iterator[list[dict]]:
     """While open, every launch of a Triton kernel through the interpreter (``TRITON_INTERPRET=1``
     set before triton was imported) is recorded, once per distinct variant, in the list given:
     its kernel, argument types, constexprs and launch options."""
     from triton.runtime import interpreter
-    from triton.runtime.jit import mangle_type
 
     seen: dict[str, dict] = {}
     run = interpreter.InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         params = inspect.signature(self.fn).parameters
-        bound = dict(zip(params, args, strict=False)) | {
-            k: kwargs[k] for k in params if k in kwargs
-        }
-        constexprs, signature = {}, {}
-        for name, p in params.items():
-            value = bound[name]
-            if "constexpr" in str(p.annotation):
-                constexprs[name] = value
-                signature[name] = "constexpr"
-            else:  # "*fp32" for a tensor, "i32"/"i64"/"fp32" for a scalar
-                signature[name] = mangle_type(value)
+        # "*fp32" for a tensor, "i32"/"i64"/"fp32" for a scalar (its annotation's, if typed)
+        signature, constexprs, _ = compile_key(self, args, kwargs)
         options = {k: v for k, v in kwargs.items() if k not in params}
         entry = {
             "module": self.fn.__module__,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check: every kernel against its twin, the CUDA tests and the benchmarks' CUDA paths, in
-# at most 6 minutes on one GPU, with one summary table at the end.
+# at most 7 minutes on one GPU, with one summary table at the end.
 #
 #   PY=python3 bash benchmarks/gpu_check.sh   # on the GPU machine (PY defaults to .venv's
 #                                             # python when there is one, else python3)
@@ -11,7 +11,7 @@
 #                                             # torchrec/fbgemm_gpu/tensordict/iopath/redis/numba
 #                                             # blocked (tests/gpu_image; GPU_CHECK_DRY_RUN=1)
 #
-# Steps, each under `timeout` (on the GPU the limits add up to the 360 s budget):
+# Steps, each under `timeout` (on the GPU the limits add up to the 420 s budget):
 #   preflight          benchmarks/gpu_preflight.py: each kernel once against its torch twin at
 #                      B=2048, 26 features (stops at the first mismatch, naming the kernel)
 #   gpu_tests          pytest tests/test_gpu.py (training on CUDA vs the CPU path at every
@@ -26,6 +26,9 @@
 #   bench_pipeline     bench_pipeline.py --quick      (prefetch overlap vs synchronous)
 #   bench_gpu_step     bench_gpu_step.py --quick      (a training step vs nn.EmbeddingBag
 #                                                 (sparse=True) + torch.optim, 10% and 100%)
+#   gpu_profile        gpu_profile.py --quick         (that step under torch's profiler: device
+#                                                 busy time, kernels, host syncs and Triton
+#                                                 compiles per step; the top kernels)
 # Every pytest runs with the launch guard (-p tests.triton_launch_guard): a CPU tensor handed
 # to a compiled kernel, or (interpreted) a launching test without the `device` fixture, fails.
 # Tests are run by path, never by a tree-wide collection; a pytest step that passes no test
@@ -134,8 +137,8 @@ if ! command -v "$PY" >/dev/null 2>&1; then
     echo "gpu_check: Python '$PY' not found; set PY=/path/to/python" >&2
     exit 2
 fi
-BUDGET_S=360 # all steps together on the GPU: 6 minutes of the device's 15, start-up aside
-STEPS="${GPU_CHECK_STEPS:-preflight gpu_tests kernel_tests bench_kernels bench_cache_index bench_pipeline bench_gpu_step}"
+BUDGET_S=420 # all steps together on the GPU: 7 minutes
+STEPS="${GPU_CHECK_STEPS:-preflight gpu_tests kernel_tests bench_kernels bench_cache_index bench_pipeline bench_gpu_step gpu_profile}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -315,31 +318,39 @@ if [[ $REHEARSAL == 1 ]]; then
     PIPELINE_SIZE=(--tables 2 --rows 1000 --dim 8 --batch 16 --steps 3 --warmup 1 --repeats 1
         --latencies-ms 0)
     GPU_STEP_SIZE=(--tiny)
+    PROFILE_SIZE=(--tiny)
 else
     PREFLIGHT_SIZE=()
     KERNELS_SIZE=(--quick)
     CACHE_INDEX_SIZE=(--quick)
     PIPELINE_SIZE=(--quick)
     GPU_STEP_SIZE=(--quick)
+    PROFILE_SIZE=(--quick)
 fi
 PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider -p tests.triton_launch_guard)
-run_step preflight script 40 "$PY" benchmarks/gpu_preflight.py --device "$DEV" \
+# matplotlib builds its font cache on first use (tens of seconds on a fresh machine): once here,
+# outside every step's limit, so that no benchmark's plot runs into its own.
+timeout 120 "$PY" -c 'import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot' \
+    >/dev/null 2>&1 || echo "gpu_check: matplotlib did not import; plots will fail" >&2
+run_step preflight script 30 "$PY" benchmarks/gpu_preflight.py --device "$DEV" \
     "${PREFLIGHT_SIZE[@]}"
-run_step gpu_tests pytest 60 "${PYTEST[@]}" tests/test_gpu.py
+run_step gpu_tests pytest 80 "${PYTEST[@]}" tests/test_gpu.py
 # Cold compiles of every kernel variant the tests use: the longest step, so one pytest per
 # file, side by side (the cache invariants here too: their many small batches compile dozens
 # of cache-index variants).
-run_step kernel_tests pytest 140 env EMBCACHE_BACKEND=triton "${SUBSET_ENV[@]}" PY="$PY" \
+run_step kernel_tests pytest 100 env EMBCACHE_BACKEND=triton "${SUBSET_ENV[@]}" PY="$PY" \
     bash "${BASH_SOURCE[0]}" --parallel-pytest tests/kernels/test_*.py \
     tests/cache/test_hot_cache.py
-run_step bench_kernels script 40 "$PY" benchmarks/bench_kernels.py --device "$DEV" \
+run_step bench_kernels script 60 "$PY" benchmarks/bench_kernels.py --device "$DEV" \
     "${KERNELS_SIZE[@]}" --out "$RESULTS/kernels.csv"
 run_step bench_cache_index script 20 "$PY" benchmarks/bench_cache_index.py --device "$DEV" \
     "${CACHE_INDEX_SIZE[@]}" --out "$RESULTS/cache_index.csv"
 run_step bench_pipeline script 30 "$PY" benchmarks/bench_pipeline.py --device "$DEV" \
     "${PIPELINE_SIZE[@]}" --out "$RESULTS/pipeline.csv"
-run_step bench_gpu_step script 30 "$PY" benchmarks/bench_gpu_step.py --device "$DEV" \
+run_step bench_gpu_step script 60 "$PY" benchmarks/bench_gpu_step.py --device "$DEV" \
     "${GPU_STEP_SIZE[@]}" --out "$RESULTS/gpu_step.csv"
+run_step gpu_profile script 40 "$PY" benchmarks/gpu_profile.py --device "$DEV" \
+    "${PROFILE_SIZE[@]}" --out "$RESULTS/gpu_profile.csv"
 
 write_summary
 failed=$?

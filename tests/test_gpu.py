@@ -432,8 +432,12 @@ def test_host_syncs_do_not_grow_with_tables() -> None:
         )
     with sync_warnings() as caught:  # the counter is not blind
         torch.ones(1, device=DEVICE).item()
-    assert syncs(caught) == 1
+    # torch 2.11 warns twice for one .item() (the copy and the stream's sync), older torch once:
+    # the counts below are in warnings, compared with each other.
+    per_item = syncs(caught)
+    assert per_item >= 1
     two, many = count_syncs(2), count_syncs(26)
+    print(f"sync warnings per phase (one .item() = {per_item}): 2 tables {two}; 26 tables {many}")
     assert two == many, f"2 tables: {two}; 26 tables: {many}"
 
 

@@ -37,7 +37,7 @@ _ASSIGN_MAX_BLOCK_T = 128
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
 def _set_index_kernel(
     ids_ptr,
     sets_ptr,
@@ -63,7 +63,7 @@ def _set_index_kernel(
     tl.store(sets_ptr + o_n, b_set, mask=m_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
 def _cache_lookup_kernel(
     keys_ptr,
     ids_ptr,
@@ -101,7 +101,7 @@ def _cache_lookup_kernel(
     tl.store(ways_ptr + o_n, b_way, mask=m_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # per-batch values: one variant
 def _assign_ways_kernel(
     scores_ptr,
     blocked_ptr,
@@ -194,7 +194,7 @@ def cache_lookup_triton(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tenso
     ways = torch.empty_like(ids)
     if n:
         block_w = min(triton.next_power_of_2(W), _LOOKUP_MAX_BLOCK_W)
-        block_n = min(_LOOKUP_ELEMS // block_w, triton.next_power_of_2(n))
+        block_n = _LOOKUP_ELEMS // block_w  # fixed per layout: never a batch's count
         grid = (triton.cdiv(n, block_n),)
         _cache_lookup_kernel[grid](
             keys,
@@ -228,7 +228,6 @@ def assign_ways_triton(
         block_w = triton.next_power_of_2(W)
         block_i = min(block_w, _ASSIGN_MAX_BLOCK_I)
         block_t = max(1, min(_ASSIGN_ELEMS // (block_w * block_i), _ASSIGN_MAX_BLOCK_T))
-        block_t = min(block_t, triton.next_power_of_2(m))
         grid = (triton.cdiv(m, block_t),)
         _assign_ways_kernel[grid](
             scores,

@@ -33,7 +33,7 @@ _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nnz"])  # per-batch values: one variant
 def _gather_rows_kernel(
     rows_ptr,
     slots_ptr,
@@ -67,7 +67,7 @@ def _gather_rows_kernel(
     tl.store(p_out, b_x, mask=m_x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_unique"])  # per-batch values: one variant
 def _gather_backward_kernel(
     grad_out_ptr,
     order_ptr,

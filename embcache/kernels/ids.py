@@ -41,7 +41,7 @@ _BLOCK_N = 1024
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nnz"])  # per-batch values: one variant
 def _fuse_ids_kernel(
     values_ptr,
     value_features_ptr,
@@ -84,7 +84,7 @@ def _fuse_ids_kernel(
     tl.store(verdict_ptr + o_n, b_verdict.to(tl.int8), mask=m_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
 def _unfuse_ids_kernel(fused_ptr, table_idx_ptr, ids_ptr, n, fusion_k, BLOCK_N: tl.constexpr):
     """``table = fused >> fusion_k``, ``id = fused & (2**fusion_k - 1)``."""
     i_n = tl.program_id(0).to(tl.int64)
@@ -96,7 +96,7 @@ def _unfuse_ids_kernel(fused_ptr, table_idx_ptr, ids_ptr, n, fusion_k, BLOCK_N: 
     tl.store(ids_ptr + o_n, b_fused & b_mask, mask=m_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
 def _segment_starts_kernel(sorted_ptr, is_start_ptr, n, BLOCK_N: tl.constexpr):
     """``is_start[i] = i == 0 or sorted[i] != sorted[i - 1]``."""
     i_n = tl.program_id(0).to(tl.int64)
@@ -109,7 +109,7 @@ def _segment_starts_kernel(sorted_ptr, is_start_ptr, n, BLOCK_N: tl.constexpr):
     tl.store(is_start_ptr + o_n, b_start.to(tl.int32), mask=m_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
 def _dedup_scatter_kernel(
     sorted_ptr,
     order_ptr,

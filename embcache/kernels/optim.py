@@ -165,7 +165,7 @@ def _axpy(a, x, y):
     return tl.fma(tl.zeros_like(x) + a, x, y)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "key"])  # per-batch values: one variant
 def _row_update_kernel(
     weights_ptr,
     state_ptr,
@@ -186,7 +186,7 @@ def _row_update_kernel(
     one_minus_beta2,
     weight_decay,
     decay,
-    key,
+    key: tl.int64,  # 32 unsigned bits, always passed as i64
     RULE: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr,
     DECOUPLED: tl.constexpr,
@@ -291,7 +291,7 @@ def _row_update_kernel(
             store_weights(p_w, b_w, m_nd, b_row, o_d, STOCHASTIC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_unique"])  # per-batch values: one variant
 def _segment_sum_kernel(
     grads_ptr,
     order_ptr,
@@ -367,7 +367,7 @@ def row_update_triton(
     if n == 0:
         return
     block_d = min(triton.next_power_of_2(dim), _ROW_MAX_BLOCK_D)
-    block_n = min(max(_ROW_ELEMS // block_d, 1), triton.next_power_of_2(n))
+    block_n = max(_ROW_ELEMS // block_d, 1)  # fixed per dim: never a batch's count
     grid = (triton.cdiv(n, block_n),)
     stochastic = ids is not None and weights.dtype != torch.float32
     _row_update_kernel[grid](

@@ -35,6 +35,9 @@ from embcache.kernels.backend import use_triton
 from embcache.kernels.checks import as_index, require
 
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Tiles (of BLOCK_N values) in one chunk of an id's values in the backward: an id with more
+# values than that is summed by several programs, then their partial sums in order.
+_CHUNK_TILES = 4
 
 
 class PoolingMode(enum.IntEnum):
@@ -50,7 +53,7 @@ class PoolingMode(enum.IntEnum):
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch_size"])  # per-batch values: one variant
 def _pool_forward_kernel(
     rows_ptr,
     slots_ptr,
@@ -121,17 +124,21 @@ def _pool_forward_kernel(
     tl.store(p_out, b_acc, mask=m_d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_unique", "batch_size"])  # per batch: one variant
 def _pool_backward_kernel(
     grad_out_ptr,
     order_ptr,
     segment_starts_ptr,
+    chunk_unique_ptr,
+    chunk_first_ptr,
     bag_of_value_ptr,
     offsets_ptr,
     weights_ptr,
     col_offsets_ptr,
     argmax_ptr,
     grad_unique_ptr,
+    partial_ptr,
+    num_chunks,
     num_unique,
     batch_size,
     dim,
@@ -139,25 +146,36 @@ def _pool_backward_kernel(
     stride_grad_col,
     MODE: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_U: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """BLOCK_U unique ids, BLOCK_D columns: ``grad_unique[u] = Σ_{j: inverse[j] = u} s_j g_bag(j)``.
+    """BLOCK_U chunks, BLOCK_D columns: the part of ``grad_unique[u] = Σ_{j: inverse[j] = u}
+    s_j g_bag(j)`` over one chunk of at most CHUNK of u's values.
 
     ``order[segment_starts[u] : segment_starts[u + 1]]`` are the value positions j of unique id u,
-    ascending; ``s_j`` is ``w_j`` (SUM), ``w_j / L`` (MEAN) or ``w_j [argmax[bag, d] == j]``
-    (MAX). The fixed walk order makes the sum bit-reproducible. Accumulates in fp32.
+    ascending, cut into chunks of CHUNK values: chunk c is the ``k = c - chunk_first[u]``-th of
+    ``u = chunk_unique[c]`` (``u >= num_unique``: a padding chunk, skipped). So a hot id's values
+    are summed by many programs side by side instead of one walking them all. An id of one
+    chunk gets its sum stored in ``grad_unique[u]``; the chunks of a longer id store theirs in
+    ``partial[c]``, which `_chunk_sum_kernel` adds up in chunk order. ``s_j`` is ``w_j`` (SUM),
+    ``w_j / L`` (MEAN) or ``w_j [argmax[bag, d] == j]`` (MAX). Every sum runs in a fixed order,
+    so the result is bit-reproducible. Accumulates in fp32.
     """
-    i_u = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     m_d = o_d < dim
     for k in range(BLOCK_U):
-        o_u = i_u * BLOCK_U + k
-        m_u = o_u < num_unique
-        seg_start = tl.load(segment_starts_ptr + o_u, mask=m_u, other=0)
-        seg_end = tl.load(segment_starts_ptr + o_u + 1, mask=m_u, other=0)
+        o_c = i_c * BLOCK_U + k
+        u = tl.load(chunk_unique_ptr + o_c, mask=o_c < num_chunks, other=num_unique)
+        m_u = u < num_unique
+        first = tl.load(chunk_first_ptr + u, mask=m_u, other=0)
+        last = tl.load(chunk_first_ptr + u + 1, mask=m_u, other=0)
+        seg_end = tl.load(segment_starts_ptr + u + 1, mask=m_u, other=0)
+        seg_start = tl.load(segment_starts_ptr + u, mask=m_u, other=0) + (o_c - first) * CHUNK
+        seg_end = tl.minimum(seg_end, seg_start + CHUNK)
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
             o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -186,7 +204,38 @@ def _pool_backward_kernel(
                 b_w = tl.load(weights_ptr + b_j, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
                 b_g = b_g * b_w[:, None]
             b_acc += tl.sum(b_g, axis=0)
-        tl.store(grad_unique_ptr + o_u * dim + o_d, b_acc, mask=m_u & m_d)
+        single = last - first == 1
+        tl.store(grad_unique_ptr + u * dim + o_d, b_acc, mask=m_u & m_d & single)
+        tl.store(partial_ptr + o_c * dim + o_d, b_acc, mask=m_u & m_d & ~single)
+
+
+@triton.jit(do_not_specialize=["num_unique"])  # per batch: one variant
+def _chunk_sum_kernel(
+    partial_ptr,
+    chunk_first_ptr,
+    grad_unique_ptr,
+    num_unique,
+    dim,
+    BLOCK_U: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``grad_unique[u] = Σ_{c ∈ [chunk_first[u], chunk_first[u + 1])} partial[c]``, in chunk
+    order, for the ids of more than one chunk (the others are already stored)."""
+    i_u = tl.program_id(0).to(tl.int64)
+    i_d = tl.program_id(1).to(tl.int64)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    m_d = o_d < dim
+    for k in range(BLOCK_U):
+        o_u = i_u * BLOCK_U + k
+        m_u = o_u < num_unique
+        first = tl.load(chunk_first_ptr + o_u, mask=m_u, other=0)
+        last = tl.load(chunk_first_ptr + o_u + 1, mask=m_u, other=0)
+        many = last - first > 1
+        last = tl.where(many, last, first)  # an id of one chunk: nothing to add
+        b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for c in range(first, last):
+            b_acc += tl.load(partial_ptr + c * dim + o_d, mask=m_d, other=0.0)
+        tl.store(grad_unique_ptr + o_u * dim + o_d, b_acc, mask=m_u & m_d & many)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,19 +321,35 @@ def pool_backward_triton(
     bags = torch.arange(num_bags, dtype=torch.int64, device=device)
     bag_of_value = torch.repeat_interleave(bags, offsets[1:] - offsets[:-1], output_size=nnz)
     block_n, block_d = tile_blocks(dim)
-    # One id per program on a GPU; the interpreter pays per program, so it gets wide ones.
+    # A hot id's values are cut into chunks of `_CHUNK_TILES` tiles, summed side by side. The
+    # chunk count is bounded on the host (every id one chunk, plus one per CHUNK values), so
+    # nothing is read back: chunks past the last real one are padding and skipped.
+    chunk = block_n * _CHUNK_TILES
+    seg_len = segment_starts[1:] - segment_starts[:-1]  # [U]
+    chunks_of = torch.clamp((seg_len + (chunk - 1)) // chunk, min=1)
+    chunk_first = torch.nn.functional.pad(torch.cumsum(chunks_of, 0), (1, 0))  # [U + 1]
+    num_chunks = num_unique + triton.cdiv(nnz, chunk)
+    chunk_unique = torch.searchsorted(
+        chunk_first[1:], torch.arange(num_chunks, dtype=torch.int64, device=device), right=True
+    )  # [num_chunks]: the id of each chunk, num_unique for padding
+    partial = torch.empty(num_chunks, dim, dtype=torch.float32, device=device)
+    # One chunk (or id) per program on a GPU; the interpreter pays per program: wide ones.
     block_u = 1 if device.type == "cuda" else 64
-    grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
+    grid = (triton.cdiv(num_chunks, block_u), triton.cdiv(dim, block_d))
     _pool_backward_kernel[grid](
         grad_out,
         order,
         segment_starts,
+        chunk_unique,
+        chunk_first,
         bag_of_value,
         offsets,
         per_sample_weights if per_sample_weights is not None else grad_out,
         col_offsets,
         argmax if argmax is not None else offsets,
         grad_unique,
+        partial,
+        num_chunks,
         num_unique,
         batch_size,
         dim,
@@ -292,9 +357,14 @@ def pool_backward_triton(
         grad_out.stride(1),
         MODE=int(mode),
         HAS_WEIGHTS=per_sample_weights is not None,
+        CHUNK=chunk,
         BLOCK_U=block_u,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+    )
+    grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
+    _chunk_sum_kernel[grid](
+        partial, chunk_first, grad_unique, num_unique, dim, BLOCK_U=block_u, BLOCK_D=block_d
     )
     return grad_unique
 

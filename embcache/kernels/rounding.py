@@ -91,14 +91,14 @@ def store_weights(p_w, b_w, m_nd, b_row, o_d, STOCHASTIC: tl.constexpr):
         tl.store(p_w, _round(b_w, b_w, out_dtype, False), mask=m_nd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "key"])  # per-batch values: one variant
 def _stochastic_round_kernel(
     x_ptr,
     ids_ptr,
     out_ptr,
     n,
     dim,
-    key,
+    key: tl.int64,  # 32 unsigned bits, always passed as i64
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):

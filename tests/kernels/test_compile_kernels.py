@@ -79,7 +79,11 @@ def test_block_u_variants_compile_for_sm90(
         pool_backward(torch.ones(2, 4), 4, inverse, 2, offsets, None, PoolingMode.SUM, 2,
                       torch.tensor([0]), None)  # fmt: skip
     kernels = {e["kernel"]: e["constexprs"]["BLOCK_U"] for e in launches}
-    assert kernels == {"_segment_sum_kernel": 64, "_pool_backward_kernel": 64}
+    assert kernels == {
+        "_segment_sum_kernel": 64,
+        "_pool_backward_kernel": 64,
+        "_chunk_sum_kernel": 64,
+    }
     recorded, results = tmp_path / "launches.json", tmp_path / "results.json"
     recorded.write_text(json.dumps(launches))
 
@@ -93,6 +97,7 @@ def test_block_u_variants_compile_for_sm90(
     assert {r["kernel"]: r["constexprs"]["BLOCK_U"] for r in compiled} == {
         "_segment_sum_kernel": 1,
         "_pool_backward_kernel": 1,
+        "_chunk_sum_kernel": 1,
     }
     for r in compiled:
         assert r["ok"] and r["cubin_bytes"] > 0, r
@@ -100,7 +105,7 @@ def test_block_u_variants_compile_for_sm90(
         assert (r["triton"], r["arch"]) == (triton.__version__, "sm_90")
     # The output says which Triton compiled what.
     lines = [line for line in run.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert all(f"triton {triton.__version__} sm_90" in line and "BLOCK_U=1" in line
                for line in lines)  # fmt: skip
-    assert f"summary: triton {triton.__version__} compiled for sm_90 2 variants" in run.stdout
+    assert f"summary: triton {triton.__version__} compiled for sm_90 3 variants" in run.stdout

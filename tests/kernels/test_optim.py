@@ -477,8 +477,10 @@ def test_half_weights_update_in_float32_and_round_to_a_neighbour(
     assert_bits_equal(s[untouched], before_s[untouched], "untouched state")
 
     monkeypatch.setenv("EMBCACHE_BACKEND", "torch" if backend == "triton" else "triton")
-    w2, s2 = weights.clone(), state.clone()
-    apply_row_update(w2, s2, slots, grads, update, 4, ids=ids, seed=9)
+    w2, s2 = weights.clone().to(device), state.clone().to(device)
+    apply_row_update(w2, s2, slots.to(device), grads.to(device), update, 4, ids=ids.to(device),
+                     seed=9)  # fmt: skip
+    w2, s2 = w2.cpu(), s2.cpu()
     same = w2.view(torch.int16) == w.view(torch.int16)
     assert int((~same).sum()) <= 1, f"backends differ in {int((~same).sum())} weights"
     assert bool(((w2.double() - w.double()).abs() <= 2 * HALF[dtype] * w.double().abs()).all())

@@ -341,11 +341,11 @@ def test_pool_backward_with_grouping_matches_autograd(
     )  # fmt: skip
     plain = run_backward(bags, mode, grad_out, col_offsets, None)
 
-    x = unique_rows64(bags).requires_grad_()
+    x = unique_rows64(bags).requires_grad_()  # on the CPU, as the reference is
     pooled = reference_pool(bags, x, mode)
+    grad64 = grad_out.double().cpu()
     loss = sum(
-        (pooled[q] * grad_out[b, cols].double()).sum()
-        for q, b, cols in feature_columns(bags, col_offsets)
+        (pooled[q] * grad64[b, cols]).sum() for q, b, cols in feature_columns(bags, col_offsets)
     )
     loss.backward()
     assert_close(grouped, x.grad, "grouped grad of unique rows")
@@ -374,3 +374,42 @@ def test_pool_forward_reads_half_rows_in_float32_and_negative_slots_as_zeros(
     expected = reference_pool(bags, unique, mode)
     for q, b, cols in feature_columns(bags, col_offsets):
         assert_close(out[b, cols], expected[q], f"bag {q}")
+
+
+@pytest.mark.parametrize("share", [0.5, 0.9], ids=["hot50", "hot90"])
+@pytest.mark.parametrize("mode", [PoolingMode.SUM, PoolingMode.MEAN], ids=lambda m: m.name)
+def test_pool_backward_splits_a_hot_id_and_stays_exact(
+    backend: str, device: torch.device, mode: PoolingMode, share: float
+) -> None:
+    """One id holding half or nine tenths of ~1,300 values (several of the backward's chunks
+    of 256 values): its gradient, summed by several programs then in chunk order, matches the
+    float64 sum, and two runs give the same bits."""
+    dim, batch, features, num_unique = 17, 64, 2, 40
+    gen = torch.Generator().manual_seed(seed_of("hot", mode, share))
+    lengths = torch.randint(0, 21, (features * batch,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    nnz = int(offsets[-1])
+    hot = torch.rand(nnz, generator=gen) < share
+    inverse = torch.where(hot, 0, torch.randint(1, num_unique, (nnz,), generator=gen))
+    assert int(hot.sum()) > 2 * 256, "the hot id must span several chunks"
+    weights = torch.randn(nnz, generator=gen)
+    grad_out = torch.randn(batch, features * dim, generator=gen)
+    col_offsets = torch.tensor([0, dim])
+
+    def run() -> torch.Tensor:
+        return pool_backward(
+            grad_out.to(device), dim, inverse.to(device), num_unique, offsets.to(device),
+            weights.to(device), mode, batch, col_offsets.to(device), None,
+        ).cpu()  # fmt: skip
+
+    got, again = run(), run()
+    assert torch.equal(got.view(torch.int32), again.view(torch.int32)), "not bit-reproducible"
+
+    bag = torch.repeat_interleave(torch.arange(features * batch), lengths)
+    feature, sample = bag // batch, bag % batch
+    cols = (col_offsets[feature].unsqueeze(1) + torch.arange(dim)).long()
+    g = grad_out.double()[sample.unsqueeze(1), cols] * weights.double().unsqueeze(1)
+    if mode == PoolingMode.MEAN:
+        g = g / lengths[bag].clamp(min=1).double().unsqueeze(1)
+    expected = torch.zeros(num_unique, dim, dtype=torch.float64).index_add_(0, inverse, g)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
