@@ -41,7 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 # Constexprs the launchers choose by device: the value a CUDA device launches, where the
-# interpreter (CPU tensors) is given a wider one. BLOCK_U, unique ids per program of the
+# interpreter (CPU tensors) is given a wider one. BLOCK_U, chunks (or ids) per program of the
 # segment walks (`kernels.optim.aggregate_grads_triton`, `kernels.pooling.pool_backward_triton`,
 # `kernels.gather.gather_backward_triton`: ``block_u = 1 if <cuda> else 64``): one on a GPU.
 DEVICE_CONSTEXPRS = {"BLOCK_U": 1}

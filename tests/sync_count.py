@@ -10,10 +10,10 @@ test on the CPU can bound what the same code would cost on a GPU.
 from __future__ import annotations
 
 import sys
+import threading
 from collections import Counter
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
@@ -45,16 +45,35 @@ _DATA_DEPENDENT = {
 }
 
 
-class _Reads(TorchFunctionMode):
-    def __init__(self, counts: Counter) -> None:
-        super().__init__()
-        self.counts = counts
+class _Reads:
+    """Host reads, counted by patching `torch.Tensor`'s methods while active: a
+    ``TorchFunctionMode`` would miss those made in autograd's backward, whose engine does not
+    carry the mode (a read in a custom Function's backward went uncounted that way)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in _HOST_READS and not _on_host_side():
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
+    def __init__(self, counts: Counter) -> None:
+        self.counts = counts
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> None:
+        # The entering thread's reads only, as the dispatch mode (thread-local) counts ops: a
+        # prefetch worker's reads stall the worker, not the training (on the CPU, autograd
+        # runs the backward on the thread that called it).
+        thread = threading.get_ident()
+        for name in _HOST_READS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def counted(t, *args, _name=name, _original=original, **kwargs):
+                if threading.get_ident() == thread and not _on_host_side():
+                    self.counts[_name] += 1
+                return _original(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved.clear()
 
 
 class _Ops(TorchDispatchMode):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import pytest
@@ -311,9 +311,11 @@ PIPELINE_TABLES = [
 ]
 
 
-def pipeline_run(device: torch.device, backend: str, prefetch: bool):
+def pipeline_run(device: torch.device, backend: str, prefetch: bool, side_stream: bool = False):
     """Train through `TrainPipeline`; returns the losses, the touched rows after each step and
-    the whole tables at the end."""
+    the whole tables at the end. ``side_stream``: train under a stream of the caller's own
+    (CUDA), as a user overlapping other work does; the prefetch worker must order its work
+    with that stream, not with the default one."""
     torch.manual_seed(0)
     sparse = embcache.CachedEmbeddingBagCollection(
         tables=PIPELINE_TABLES,
@@ -346,19 +348,29 @@ def pipeline_run(device: torch.device, backend: str, prefetch: bool):
         loss=lambda m, b: m["head"](m["sparse"](b[0]).values()).square().mean(),
         prefetch=prefetch,
     )
-    with on_backend(backend):
+    stream = torch.cuda.Stream(device) if side_stream else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))  # the batches' copies
+    with on_backend(backend), torch.cuda.stream(stream) if stream else nullcontext():
         losses = pipe.run(data, on_step=after_step)
+    if stream is not None:
+        torch.cuda.current_stream(device).wait_stream(stream)
     tables = {t.name: sparse.table_rows(t.name) for t in PIPELINE_TABLES}
     return losses, rows_per_step, tables
 
 
-def test_prefetch_pipeline_matches_the_cpu_path() -> None:
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default_stream", "caller_stream"])
+def test_prefetch_pipeline_matches_the_cpu_path(side_stream: bool) -> None:
     """On the device, prefetch (a worker thread, a side stream) is bit-identical to the same
-    pipeline without it (I5), and both follow the CPU path step by step."""
+    pipeline without it (I5), and both follow the CPU path step by step; also when the
+    training runs under a stream of its own (the worker orders its work after that stream's,
+    and that stream waits for the worker's before using the slots)."""
+    if side_stream and DEVICE.type != "cuda":
+        pytest.skip("EMBCACHE_TEST_DEVICE=cpu: the CPU has no streams to order")
     # Off CUDA the twins: Triton's interpreter keeps the launch grid in process-wide state,
     # so the prefetch thread's kernels and the training thread's would corrupt each other.
     backend = "auto" if DEVICE.type == "cuda" else "torch"
-    prefetched = pipeline_run(DEVICE, backend, prefetch=True)
+    prefetched = pipeline_run(DEVICE, backend, prefetch=True, side_stream=side_stream)
     synchronous = pipeline_run(DEVICE, backend, prefetch=False)
     reference = pipeline_run(CPU, "torch", prefetch=False)
 

@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STEPS = ["preflight", "gpu_tests", "kernel_tests", "bench_kernels", "bench_cache_index"]
-STEPS += ["bench_pipeline", "bench_gpu_step"]
+STEPS += ["bench_pipeline", "bench_gpu_step", "gpu_profile"]
 KERNEL_FILES = sorted((ROOT / "tests" / "kernels").glob("test_*.py"))
 
 
@@ -79,6 +79,7 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
         expected = {f"{s}.log" for s in STEPS} | {"summary.txt"}
         for bench in ("kernels", "cache_index", "pipeline", "gpu_step"):
             expected |= {f"{bench}.csv", f"{bench}.png"}
+        expected |= {"gpu_profile.csv", "gpu_profile_top.txt"}
         assert set(files) == expected
         # It unpacks into the checkout's results folder.
         assert all(m.name.startswith("benchmarks/results/gpu-rehearsal/") for m in files.values())
@@ -92,9 +93,14 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
     assert "passed" in gpu_tests and "ModuleNotFoundError" not in gpu_tests
     # Only what needs CUDA itself was skipped.
     skipped = re.findall(r"^SKIPPED \[\d+\] ([^:]+):\d+: (.*)$", gpu_tests, re.MULTILINE)
-    assert [path for path, _ in skipped] == ["tests/test_gpu.py"] * 2, skipped
-    assert "auto picks the twins off CUDA" in skipped[0][1]
-    assert "no host synchronisations to count" in skipped[1][1]
+    assert [path for path, _ in skipped] == ["tests/test_gpu.py"] * 3, skipped
+    reasons = " | ".join(reason for _, reason in skipped)
+    for reason in (
+        "auto picks the twins off CUDA",
+        "no host synchronisations to count",
+        "the CPU has no streams to order",
+    ):
+        assert reason in reasons, skipped
     # Every kernel test file and the cache invariants ran side by side, by path, all of each
     # file collected and the first of each test function per backend run, under the guard.
     for path in [*KERNEL_FILES, ROOT / "tests" / "cache" / "test_hot_cache.py"]:

@@ -70,6 +70,9 @@ class Prefetched:
     prepared: list[Prepared | None]
     payload: Any = None
     error: Exception | None = None
+    # On a GPU: the event after the prefetch's last kernel on the worker's side stream (the
+    # stream that takes the result waits for it; `engine.prefetch.StreamHandoff`).
+    ready: Any = None
 
 
 @dataclass(eq=False)

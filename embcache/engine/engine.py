@@ -429,10 +429,17 @@ class CacheEngine:
 
     @profiled("engine.trace")
     def trace_entries(
-        self, unique: torch.Tensor, grads: torch.Tensor, index: int, batch: InFlight | None
+        self,
+        unique: torch.Tensor,
+        grads: torch.Tensor,
+        index: int,
+        batch: InFlight | None,
+        bounds: list[int] | None = None,
     ) -> list[TraceEntry]:
-        """``(table_name, raw ids, grads)`` per table of this cache, for the trace."""
-        bounds = self.layout.table_bounds(unique, self.fusion_k)
+        """``(table_name, raw ids, grads)`` per table of this cache, for the trace; ``bounds``:
+        `CacheLayout.table_bounds` of ``unique`` when the caller read them already."""
+        if bounds is None:
+            bounds = self.layout.table_bounds(unique, self.fusion_k)
         return [
             TraceEntry(t.name, unique[lo:hi] & self.mask, grads[lo:hi], index, batch)
             for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False)

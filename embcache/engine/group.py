@@ -40,7 +40,7 @@ from embcache.engine.batch_state import (
 from embcache.engine.claim import StepClaim
 from embcache.engine.engine import CacheEngine, dedup_together
 from embcache.engine.inputs import JaggedBatch
-from embcache.engine.layout import CacheLayout
+from embcache.engine.layout import CacheLayout, bounds_together
 from embcache.engine.optimizer import AttachedOptimizer, StepOptimizer
 from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
@@ -306,7 +306,7 @@ class EngineGroup:
             return
         self.claim.check_backward(batch)
         batch.backward_done = True
-        entries, pending = [], []
+        entries, pending, rows = [], [], []
         for i, (engine, p, grads) in enumerate(
             zip(self.engines, batch.prepared, grad_rows, strict=True)
         ):
@@ -314,7 +314,11 @@ class EngineGroup:
                 pending.append(grads)
             else:
                 assert p.unique is not None  # a share not on the TBE step has its ids
-                entries += engine.trace_entries(p.unique, grads, i, batch)
+                rows.append((i, engine, p.unique, grads))
+        # Every cache's per-table cut of its ids in one host read (none with a table a cache).
+        bounds = bounds_together([(e.layout, unique, e.fusion_k) for _, e, unique, _ in rows])
+        for (i, engine, unique, grads), cut in zip(rows, bounds, strict=True):
+            entries += engine.trace_entries(unique, grads, i, batch, cut)
         self._entries += entries
         self._pending += pending
         if self.update_in_backward:
@@ -524,7 +528,7 @@ class EngineGroup:
         self.claim.take("prefetch")  # part of the step its forward starts
         handle = self.prefetches.issue(owner_id, self.generation, batch, job, source)
         if then_write_back:
-            self.prefetches.worker.submit(self.write_deferred)
+            self.prefetches.submit_after(self.write_deferred)
         return handle
 
     def checked_prefetch(self, features: object) -> JaggedBatch | None:

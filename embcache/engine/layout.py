@@ -8,6 +8,7 @@ key it writes (``feature@table`` for such a feature, as torchrec names it)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -121,9 +122,17 @@ class CacheLayout:
 
     def table_bounds(self, unique: torch.Tensor, fusion_k: int) -> list[int]:
         """Where each table's ids start in ascending fused ``unique`` ids (``[T + 1]``, the last
-        entry ``len(unique)``): table i owns ``unique[bounds[i] : bounds[i + 1]]``."""
+        entry ``len(unique)``): table i owns ``unique[bounds[i] : bounds[i + 1]]``. One host
+        read, none for a cache of one table; `bounds_together` reads several caches' at once."""
+        return bounds_together([(self, unique, fusion_k)])[0]
+
+    def table_starts(self, unique: torch.Tensor, fusion_k: int) -> torch.Tensor | None:
+        """The first ``T`` entries of `table_bounds` as a device tensor (no host read), or
+        None for a cache of one table (they are ``[0]``)."""
+        if len(self.tables) == 1:
+            return None
         starts = self._tensors(unique.device)[2] << fusion_k
-        return [*torch.searchsorted(unique, starts).tolist(), unique.numel()]
+        return torch.searchsorted(unique, starts)
 
     def bags(
         self,
@@ -169,3 +178,21 @@ class CacheLayout:
                 )
             )
         return out
+
+
+def bounds_together(
+    items: Sequence[tuple[CacheLayout, torch.Tensor, int]],
+) -> list[list[int]]:
+    """`CacheLayout.table_bounds` of several ``(layout, unique, fusion_k)`` in one host read
+    (none when every cache holds one table): a backward's trace cuts every cache's ids."""
+    starts = [layout.table_starts(unique, k) for layout, unique, k in items]
+    read = [t for t in starts if t is not None]
+    values = torch.cat(read).tolist() if read else []
+    out, at = [], 0
+    for (_, unique, _), t in zip(items, starts, strict=True):
+        if t is None:
+            out.append([0, unique.numel()])
+        else:
+            out.append([*values[at : at + t.numel()], unique.numel()])
+            at += t.numel()
+    return out

@@ -24,14 +24,22 @@ any scratch rows) forever. Every way of leaving one behind releases it instead:
 Releasing a handle whose prefetch is still running waits for it first. The worker runs one
 prefetch at a time, in issue order (the sharded collection's prefetches are collectives, which
 every rank must make in the same order), on a thread that exists only while there is work.
+
+On a GPU the worker's device work is ordered with the caller's, whatever stream the caller
+trains on (`StreamHandoff`): a prefetch runs on the worker's side stream, which first waits for
+what the caller's current stream had queued when it issued the prefetch; the stream of the
+forward (or release) that takes the result waits for the prefetch's last kernel; and tensors
+that cross between the two streams are marked used on the other one (``record_stream``), so
+the caching allocator never hands their memory out while the other stream may still read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -130,6 +138,87 @@ def _fail(futures: list[Future], error: BaseException) -> None:
             future.set_exception(error)
 
 
+def _tensors(obj: object, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj``: itself, or inside its lists, tuples, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth <= 0 or obj is None:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item, depth - 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, depth - 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, field.name), depth - 1)
+
+
+class StreamHandoff:
+    """Orders a worker's device work between the submitting thread's stream and the stream
+    that later takes its result (a GPU only; see the module docstring).
+
+    `wrap` is called on the submitting thread: it records an event on the caller's current
+    stream and returns a job that, on the worker, waits for that event on a side stream, runs
+    there, and records its own event in the result (`Prefetched.ready`). `take` is called on
+    the thread that uses the result: its current stream waits for that event and every tensor
+    of the result is marked used on it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._side: torch.cuda.Stream | None = None
+
+    def side(self) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
+    def wrap(
+        self, job: Callable[[int], Prefetched], inputs: tuple[Any, ...]
+    ) -> Callable[[int], Prefetched]:
+        side = self.side()
+        issued = torch.cuda.Event()
+        issued.record(torch.cuda.current_stream(self.device))
+        for t in _tensors(inputs):
+            if t.is_cuda:  # read on the side stream: not reused until that read is done
+                t.record_stream(side)
+
+        def run(seq: int) -> Prefetched:
+            side.wait_event(issued)
+            try:
+                with torch.cuda.stream(side):
+                    result = job(seq)
+                    done = torch.cuda.Event()
+                    done.record(side)
+            except BaseException:
+                side.synchronize()  # a failed prefetch leaves no kernel behind it (error path)
+                raise
+            result.ready = done
+            return result
+
+        return run
+
+    def on_side(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn`` made to run on the side stream (after the prefetches queued before it)."""
+
+        def run() -> Any:
+            with torch.cuda.stream(self.side()):
+                return fn()
+
+        return run
+
+    def take(self, result: Prefetched) -> None:
+        if result.ready is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(result.ready)
+        for t in _tensors((result.prepared, result.payload)):
+            if t.is_cuda:  # made on the side stream, used and freed on this one
+                t.record_stream(stream)
+        result.ready = None
+
+
 class Prefetcher:
     """The prefetch handles of one collection (see the module docstring for the rules).
 
@@ -144,6 +233,9 @@ class Prefetcher:
         device: torch.device,
     ) -> None:
         self.worker = SerialWorker("embcache-prefetch", device)
+        cuda = self.worker.device
+        usable = cuda is not None and torch.cuda.is_available()
+        self.streams = StreamHandoff(cuda) if usable else None
         self.recorded: FusedPrefetchHandle | None = None  # the handle the next forward uses
         self.explicit = False  # recorded by set_fused_prefetch_handle, not by issuing
         self.issued: list[PrefetchState] = []  # neither used nor released, in issue order
@@ -152,9 +244,24 @@ class Prefetcher:
         self._passed_by = 0  # the last seq issued before the previous forward
         self._release_shares = release_shares
 
-    def _submit(self, job: Callable[[int], Prefetched]) -> PrefetchState:
+    def _submit(
+        self, job: Callable[[int], Prefetched], inputs: tuple[Any, ...] = ()
+    ) -> PrefetchState:
         self.seq += 1
+        if self.streams is not None:
+            job = self.streams.wrap(job, inputs)
         return PrefetchState(self.seq, self.worker.submit(job, self.seq))
+
+    def submit_after(self, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn()`` on the worker after the prefetches issued so far, on their stream."""
+        return self.worker.submit(self.streams.on_side(fn) if self.streams else fn)
+
+    def _result(self, state: PrefetchState) -> Prefetched:
+        """The prefetch's result, its device work ordered before this thread's stream."""
+        result = state.result()
+        if self.streams is not None:
+            self.streams.take(result)
+        return result
 
     def issue(
         self,
@@ -167,7 +274,7 @@ class Prefetcher:
         """Queue ``job(seq)`` on the worker and record its handle for the next forward
         (``batch`` is the checked batch, ``source`` the features object it was made of)."""
         self.collect_dropped()
-        state = self._submit(job)
+        state = self._submit(job, (batch.values(), batch.lengths(), batch.weights_or_none()))
         handle = FusedPrefetchHandle(
             module_id, generation, list(batch.keys()), batch.lengths(), batch.values(), state,
             source, batch,
@@ -211,7 +318,7 @@ class Prefetcher:
         used = 0  # the seq of the prefetch this forward uses
         if handle is not None:
             state = handle.state
-            result = state.result()
+            result = self._result(state)
             if result.error is not None:
                 self.release(state)
                 result = None
@@ -232,7 +339,7 @@ class Prefetcher:
             return
         self._forget(state)
         state.released = True
-        self._release_shares(state.result().prepared)
+        self._release_shares(self._result(state).prepared)
         if self.recorded is not None and self.recorded.state is state:
             self.recorded, self.explicit = None, False
 

@@ -10,9 +10,10 @@ KeyedJaggedTensor's values, one table per call).
 The backward sums, per unique id u, the gradient rows of every value j with ``inverse[j] == u``
 (an id that occurs k times in the batch collects k rows), in float32. It is deterministic:
 value positions are stably sorted by unique id (or taken from `ids.dedup_grouped`'s grouping
-when the caller has it), and one program per block of unique ids walks each id's segment in
-that fixed order, so the same inputs give the same bits on every run; no float atomics, and
-nothing of table size is allocated.
+when the caller has it), each id's segment is cut into fixed-size chunks summed by separate
+programs (a hot id's side by side), and the chunk sums of an id of several are added in chunk
+order, so the same inputs give the same bits on every run; no float atomics, and nothing of
+table size is allocated.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton.language as tl
 from embcache.kernels import gather_ref
 from embcache.kernels.backend import use_triton
 from embcache.kernels.checks import as_index, check_int, require
-from embcache.kernels.pooling import tile_blocks
+from embcache.kernels.pooling import _chunk_sum_kernel, split_segments, tile_blocks
 
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -67,37 +68,51 @@ def _gather_rows_kernel(
     tl.store(p_out, b_x, mask=m_x)
 
 
-@triton.jit(do_not_specialize=["num_unique"])  # per-batch values: one variant
+@triton.jit(do_not_specialize=["num_chunks", "num_unique"])  # per-batch values: one variant
 def _gather_backward_kernel(
     grad_out_ptr,
     order_ptr,
     segment_starts_ptr,
+    chunk_unique_ptr,
+    chunk_first_ptr,
     grad_unique_ptr,
+    partial_ptr,
+    num_chunks,
     num_unique,
     dim,
     stride_grad_n,
     stride_grad_col,
+    CHUNK: tl.constexpr,
     BLOCK_U: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """BLOCK_U unique ids, BLOCK_D columns: ``grad_unique[u] = Σ_{j: inverse[j] = u} grad_out[j]``.
+    """BLOCK_U chunks, BLOCK_D columns: the part of ``grad_unique[u] = Σ_{j: inverse[j] = u}
+    grad_out[j]`` over one chunk of at most CHUNK of u's values.
 
     ``order[segment_starts[u] : segment_starts[u + 1]]`` are the value positions j of unique id
-    u, ascending. Each id's rows are read BLOCK_N at a time in that order, each tile reduced by
-    ``tl.sum`` (a fixed tree for given block sizes) into an fp32 running sum: the order of the
-    additions depends only on the inputs and the block sizes, so every run gives the same bits.
-    An id with an empty segment gets zeros.
+    u, ascending, cut into chunks of CHUNK values: chunk c is the ``c - chunk_first[u]``-th of
+    ``u = chunk_unique[c]`` (``u >= num_unique``: a padding chunk, skipped), so a hot id's
+    values are summed by many programs side by side. A chunk's rows are read BLOCK_N at a time
+    in that order, each tile reduced by ``tl.sum`` (a fixed tree for given block sizes) into an
+    fp32 running sum. An id of one chunk gets its sum stored in ``grad_unique[u]`` (zeros for
+    an empty segment); the chunks of a longer id store theirs in ``partial[c]``, which
+    `pooling._chunk_sum_kernel` adds up in chunk order. The order of every addition depends
+    only on the inputs and the block sizes, so every run gives the same bits.
     """
-    i_u = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     m_d = o_d < dim
     for k in range(BLOCK_U):
-        o_u = i_u * BLOCK_U + k
-        m_u = o_u < num_unique
-        seg_start = tl.load(segment_starts_ptr + o_u, mask=m_u, other=0)
-        seg_end = tl.load(segment_starts_ptr + o_u + 1, mask=m_u, other=0)
+        o_c = i_c * BLOCK_U + k
+        u = tl.load(chunk_unique_ptr + o_c, mask=o_c < num_chunks, other=num_unique)
+        m_u = u < num_unique
+        first = tl.load(chunk_first_ptr + u, mask=m_u, other=0)
+        last = tl.load(chunk_first_ptr + u + 1, mask=m_u, other=0)
+        seg_end = tl.load(segment_starts_ptr + u + 1, mask=m_u, other=0)
+        seg_start = tl.load(segment_starts_ptr + u, mask=m_u, other=0) + (o_c - first) * CHUNK
+        seg_end = tl.minimum(seg_end, seg_start + CHUNK)
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
             o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -107,7 +122,9 @@ def _gather_backward_kernel(
             p_g = grad_out_ptr + b_j[:, None] * stride_grad_n + o_d[None, :] * stride_grad_col
             b_g = tl.load(p_g, mask=m_g, other=0.0)  # [BLOCK_N, BLOCK_D]
             b_acc += tl.sum(b_g, axis=0)
-        tl.store(grad_unique_ptr + o_u * dim + o_d, b_acc, mask=m_u & m_d)
+        single = last - first == 1
+        tl.store(grad_unique_ptr + u * dim + o_d, b_acc, mask=m_u & m_d & single)
+        tl.store(partial_ptr + o_c * dim + o_d, b_acc, mask=m_u & m_d & ~single)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +169,8 @@ def gather_backward_triton(
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `gather_ref.gather_backward_ref`: stable sort by unique id (or the
-    caller's grouping, which is that very order), then one segment walk per id."""
+    caller's grouping, which is that very order), then each id's values summed in chunks
+    (`pooling.split_segments`) and the chunk sums in order."""
     device = grad_out.device
     nnz, dim = grad_out.shape
     grad_unique = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
@@ -168,21 +186,33 @@ def gather_backward_triton(
             sorted_inverse, torch.arange(num_unique + 1, dtype=torch.int64, device=device)
         )  # [U + 1]
     block_n, block_d = tile_blocks(dim)
-    # One id per program on a GPU; the interpreter pays per program, so it gets wide ones.
+    # A hot id's values are cut into chunks, summed side by side, then in chunk order.
+    chunk, chunk_first, chunk_unique, num_chunks = split_segments(segment_starts, nnz, block_n)
+    partial = torch.empty(num_chunks, dim, dtype=torch.float32, device=device)
+    # One chunk (or id) per program on a GPU; the interpreter pays per program: wide ones.
     block_u = 1 if device.type == "cuda" else 64
-    grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
+    grid = (triton.cdiv(num_chunks, block_u), triton.cdiv(dim, block_d))
     _gather_backward_kernel[grid](
         grad_out,
         order,
         segment_starts,
+        chunk_unique,
+        chunk_first,
         grad_unique,
+        partial,
+        num_chunks,
         num_unique,
         dim,
         grad_out.stride(0),
         grad_out.stride(1),
+        CHUNK=chunk,
         BLOCK_U=block_u,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+    )
+    grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
+    _chunk_sum_kernel[grid](
+        partial, chunk_first, grad_unique, num_unique, dim, BLOCK_U=block_u, BLOCK_D=block_d
     )
     return grad_unique
 

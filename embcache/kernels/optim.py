@@ -68,6 +68,7 @@ from embcache.kernels.optim_ref import (
     sgd_update_ref,
 )
 from embcache.kernels.optim_rules import RULES, OptimRule
+from embcache.kernels.pooling import _chunk_sum_kernel, split_segments
 from embcache.kernels.rounding import rounding_key, row_hash, store_weights
 
 
@@ -291,39 +292,52 @@ def _row_update_kernel(
             store_weights(p_w, b_w, m_nd, b_row, o_d, STOCHASTIC)
 
 
-@triton.jit(do_not_specialize=["num_unique"])  # per-batch values: one variant
+@triton.jit(do_not_specialize=["num_chunks", "num_unique"])  # per-batch values: one variant
 def _segment_sum_kernel(
     grads_ptr,
     order_ptr,
     offsets_ptr,
+    chunk_unique_ptr,
+    chunk_first_ptr,
     out_ptr,
+    partial_ptr,
+    num_chunks,
     num_unique,
     dim,
     stride_gn,
     stride_gd,
     stride_on,
     stride_od,
+    CHUNK: tl.constexpr,
     BLOCK_U: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """``out[u] = Σ_{k ∈ [offsets[u], offsets[u + 1])} grads[order[k]]``, BLOCK_D columns.
+    """BLOCK_U chunks, BLOCK_D columns: the part of ``out[u] = Σ_{k ∈ [offsets[u],
+    offsets[u + 1])} grads[order[k]]`` over one chunk of at most CHUNK of those k.
 
-    Each id's rows are read ``BLOCK_N`` at a time in ``k`` order; a tile is reduced by
-    ``tl.sum`` (a fixed tree for given block sizes) and added to an fp32 running sum. So a hot
-    id of L rows costs ``L / BLOCK_N`` dependent steps instead of L, and the order of the
-    additions depends only on the inputs and the block sizes: every run gives the same bits.
-    One program per ``BLOCK_U`` unique ids and ``BLOCK_D`` columns.
+    Id u's k are cut into chunks of CHUNK: chunk c is the ``c - chunk_first[u]``-th of ``u =
+    chunk_unique[c]`` (``u >= num_unique``: a padding chunk, skipped), so a hot id's rows are
+    summed by many programs side by side. A chunk's rows are read ``BLOCK_N`` at a time in
+    ``k`` order; a tile is reduced by ``tl.sum`` (a fixed tree for given block sizes) and added
+    to an fp32 running sum. An id of one chunk gets its sum stored in ``out[u]``; the chunks of
+    a longer id store theirs in ``partial[c]`` (contiguous ``[num_chunks, dim]``), which
+    `pooling._chunk_sum_kernel` adds up in chunk order. The order of every addition depends
+    only on the inputs and the block sizes: every run gives the same bits.
     """
-    i_u = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
     m_d = o_d < dim
     for k in range(BLOCK_U):
-        o_u = i_u * BLOCK_U + k
-        m_u = o_u < num_unique
-        seg_start = tl.load(offsets_ptr + o_u, mask=m_u, other=0)
-        seg_end = tl.load(offsets_ptr + o_u + 1, mask=m_u, other=0)
+        o_c = i_c * BLOCK_U + k
+        u = tl.load(chunk_unique_ptr + o_c, mask=o_c < num_chunks, other=num_unique)
+        m_u = u < num_unique
+        first = tl.load(chunk_first_ptr + u, mask=m_u, other=0)
+        last = tl.load(chunk_first_ptr + u + 1, mask=m_u, other=0)
+        seg_end = tl.load(offsets_ptr + u + 1, mask=m_u, other=0)
+        seg_start = tl.load(offsets_ptr + u, mask=m_u, other=0) + (o_c - first) * CHUNK
+        seg_end = tl.minimum(seg_end, seg_start + CHUNK)
         b_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
             o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -333,7 +347,9 @@ def _segment_sum_kernel(
             m_g = m_n[:, None] & m_d[None, :]  # [BLOCK_N, BLOCK_D]
             b_g = tl.load(p_g, mask=m_g, other=0.0)  # [BLOCK_N, BLOCK_D]
             b_sum += tl.sum(b_g, axis=0)
-        tl.store(out_ptr + o_u * stride_on + o_d * stride_od, b_sum, mask=m_u & m_d)
+        single = last - first == 1
+        tl.store(out_ptr + u * stride_on + o_d * stride_od, b_sum, mask=m_u & m_d & single)
+        tl.store(partial_ptr + o_c * dim + o_d, b_sum, mask=m_u & m_d & ~single)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,7 +422,9 @@ def row_update_triton(
 def aggregate_grads_triton(
     ids: torch.Tensor, grads: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable-sort ``ids``, then launch `_segment_sum_kernel` (see `aggregate_grads`)."""
+    """Stable-sort ``ids``, then launch `_segment_sum_kernel` over chunks of each id's rows
+    (`pooling.split_segments`) and `pooling._chunk_sum_kernel` over the chunk sums of the ids
+    of several (see `aggregate_grads`)."""
     sorted_ids, order = torch.sort(ids, stable=True)
     unique_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     u, dim = unique_ids.numel(), grads.shape[1]
@@ -415,23 +433,35 @@ def aggregate_grads_triton(
     if u and dim:
         block_d = min(max(triton.next_power_of_2(dim), 16), _SUM_MAX_BLOCK_D)
         block_n = min(max(_SUM_ELEMS // block_d, 1), _SUM_MAX_BLOCK_N)
-        # One id per program on a GPU; the interpreter pays per program, so it gets wide ones.
+        # A hot id's rows are cut into chunks, summed side by side, then in chunk order.
+        chunk, chunk_first, chunk_unique, num_chunks = split_segments(offsets, ids.numel(), block_n)
+        partial = torch.empty(num_chunks, dim, dtype=torch.float32, device=grads.device)
+        # One chunk (or id) per program on a GPU; the interpreter pays per program: wide ones.
         block_u = 1 if grads.is_cuda else 64
-        grid = (triton.cdiv(u, block_u), triton.cdiv(dim, block_d))
+        grid = (triton.cdiv(num_chunks, block_u), triton.cdiv(dim, block_d))
         _segment_sum_kernel[grid](
             grads,
             order,
             offsets,
+            chunk_unique,
+            chunk_first,
             summed,
+            partial,
+            num_chunks,
             u,
             dim,
             grads.stride(0),
             grads.stride(1),
             summed.stride(0),
             summed.stride(1),
+            CHUNK=chunk,
             BLOCK_U=block_u,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
+        )
+        grid = (triton.cdiv(u, block_u), triton.cdiv(dim, block_d))
+        _chunk_sum_kernel[grid](
+            partial, chunk_first, summed, u, dim, BLOCK_U=block_u, BLOCK_D=block_d
         )
     else:
         summed.zero_()
@@ -602,8 +632,9 @@ def aggregate_grads(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tenso
 
     No float atomics on either backend, so each gives the same bits on every run: the CPU twin
     adds each id's rows one by one in their order in ``ids`` (``index_add_``); the Triton
-    kernel sums tiles of each id's rows in that order (a hot id of thousands of rows takes a few
-    dozen steps, not thousands). The two agree to float32 rounding of the summation order.
+    kernel sums each id's rows in that order in chunks of a few tiles, one program a chunk (a
+    hot id of thousands of rows is summed by many programs side by side), then the chunk sums
+    in order. The two agree to float32 rounding of the summation order.
 
     Args:
         ids: int64 ``[n]``, any values, duplicates allowed.

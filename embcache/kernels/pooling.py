@@ -17,9 +17,11 @@ Modes, with per-sample weights ``w_j`` (1 when absent) over the values j of a ba
 
 An empty bag gives zeros in every mode.
 
-The backward is deterministic: value positions are stably sorted by unique id, and one program
-per block of unique ids walks each id's segment in that fixed order, so the same inputs give
-the same bits on every run; no float atomics, and nothing of table size is allocated.
+The backward is deterministic: value positions are stably sorted by unique id and each id's
+values are cut into chunks of a few tiles (`split_segments`); a program sums one chunk, so a
+hot id's chunks run side by side instead of one program walking them all, and the chunk sums
+of an id are then added in chunk order. The same inputs give the same bits on every run; no
+float atomics, no host read, and nothing of table size is allocated.
 """
 
 from __future__ import annotations
@@ -251,6 +253,43 @@ def tile_blocks(dim: int) -> tuple[int, int]:
     return block_n, block_d
 
 
+def split_segments(
+    segment_starts: torch.Tensor, nnz: int, block_n: int
+) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+    """Cut each unique id's values into chunks of `_CHUNK_TILES` tiles of ``block_n`` values.
+
+    The segment-sum backwards (pooling's, the gather's, the optimizer's `aggregate_grads`) give
+    each chunk its own program, so a hot id's chunks are summed side by side; then
+    `_chunk_sum_kernel` adds the chunk sums of each id of several, in chunk order. The chunk
+    count is bounded on the host (every id one chunk, plus one per chunk of values), so nothing
+    is read back from the device: chunks past the last real one are padding.
+
+    Args:
+        segment_starts: int64 or int32 ``[U + 1]``: id u's values are positions
+            ``[segment_starts[u], segment_starts[u + 1])`` of the grouped order.
+        nnz: the number of values, ``segment_starts[U]``.
+        block_n: values per tile, the kernel's BLOCK_N.
+
+    Returns:
+        ``(chunk, chunk_first, chunk_unique, num_chunks)``: values per chunk (the kernels'
+        CHUNK); int64 ``[U + 1]``, id u's chunks are ``[chunk_first[u], chunk_first[u + 1])``
+        (an id with no values has one, empty); int64 ``[num_chunks]``, the id of each chunk,
+        ``U`` for padding; ``num_chunks = U + cdiv(nnz, chunk)``.
+    """
+    chunk = block_n * _CHUNK_TILES
+    num_unique = segment_starts.numel() - 1
+    seg_len = segment_starts[1:] - segment_starts[:-1]  # [U]
+    chunks_of = torch.clamp((seg_len + (chunk - 1)) // chunk, min=1)
+    chunk_first = torch.nn.functional.pad(torch.cumsum(chunks_of, 0), (1, 0))  # [U + 1]
+    num_chunks = num_unique + triton.cdiv(nnz, chunk)
+    chunk_unique = torch.searchsorted(
+        chunk_first[1:],
+        torch.arange(num_chunks, dtype=torch.int64, device=segment_starts.device),
+        right=True,
+    )  # [num_chunks]
+    return chunk, chunk_first, chunk_unique, num_chunks
+
+
 def pool_forward_triton(
     rows: torch.Tensor,
     dim: int,
@@ -307,7 +346,8 @@ def pool_backward_triton(
     col_offsets: torch.Tensor,
     argmax: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Triton twin of `pooling_ref.pool_backward_ref`: stable sort by unique id, segment walk."""
+    """Triton twin of `pooling_ref.pool_backward_ref`: stable sort by unique id, then each id's
+    values summed in chunks (`split_segments`) and the chunk sums in order."""
     device = grad_out.device
     nnz = inverse.numel()
     grad_unique = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
@@ -321,17 +361,8 @@ def pool_backward_triton(
     bags = torch.arange(num_bags, dtype=torch.int64, device=device)
     bag_of_value = torch.repeat_interleave(bags, offsets[1:] - offsets[:-1], output_size=nnz)
     block_n, block_d = tile_blocks(dim)
-    # A hot id's values are cut into chunks of `_CHUNK_TILES` tiles, summed side by side. The
-    # chunk count is bounded on the host (every id one chunk, plus one per CHUNK values), so
-    # nothing is read back: chunks past the last real one are padding and skipped.
-    chunk = block_n * _CHUNK_TILES
-    seg_len = segment_starts[1:] - segment_starts[:-1]  # [U]
-    chunks_of = torch.clamp((seg_len + (chunk - 1)) // chunk, min=1)
-    chunk_first = torch.nn.functional.pad(torch.cumsum(chunks_of, 0), (1, 0))  # [U + 1]
-    num_chunks = num_unique + triton.cdiv(nnz, chunk)
-    chunk_unique = torch.searchsorted(
-        chunk_first[1:], torch.arange(num_chunks, dtype=torch.int64, device=device), right=True
-    )  # [num_chunks]: the id of each chunk, num_unique for padding
+    # A hot id's values are cut into chunks, summed side by side, then in chunk order.
+    chunk, chunk_first, chunk_unique, num_chunks = split_segments(segment_starts, nnz, block_n)
     partial = torch.empty(num_chunks, dim, dtype=torch.float32, device=device)
     # One chunk (or id) per program on a GPU; the interpreter pays per program: wide ones.
     block_u = 1 if device.type == "cuda" else 64

@@ -83,7 +83,7 @@ def test_syncs_per_step_do_not_grow_with_tables(
     many = _counts(26, policy, load_factor, prefetch)
     assert two == many, f"2 tables: {two}\n26 tables: {many}"
     assert two["forward"] <= MAX_FORWARD, two
-    assert two["backward"] == 0, two
+    assert two["backward"] <= 1, two  # every cache's per-table cut of its ids, in one read
     assert two["step"] <= MAX_STEP, two
 
 
@@ -175,10 +175,12 @@ def test_checking_a_batch_syncs_once_for_all_dims(
 ) -> None:
     """Validating and fusing every cache's ids (`EngineGroup.check`) makes the same host reads
     for 1, 3 and 5 distinct dims (one read of the values per key, one `fuse_ids` over all
-    caches), and backward none."""
+    caches), and backward one (every cache's per-table cut of its ids for the trace, read
+    together; the counter sees autograd's backward since it patches `torch.Tensor`'s reads:
+    it used to miss this read, once per cache)."""
     counts = {d: _dims_counts(d, policy, load_factor, prefetch) for d in (1, 3, 5)}
     assert len({c["check"] for c in counts.values()}) == 1, counts
-    assert all(c["backward"] == 0 for c in counts.values()), counts
+    assert all(c["backward"] == 1 for c in counts.values()), counts
 
 
 @PREFETCH
@@ -194,7 +196,7 @@ def test_syncs_per_step_do_not_grow_with_dims(
     the caches)."""
     one, three, five = (_dims_counts(d, policy, load_factor, prefetch) for d in (1, 3, 5))
     assert one["forward"] <= MAX_FORWARD and one["step"] <= MAX_STEP, one
-    assert one["backward"] == 0, one
+    assert one["backward"] <= 1, one
     assert one == three == five, f"1 dim: {one}\n3 dims: {three}\n5 dims: {five}"
 
 

@@ -1,6 +1,6 @@
 """`benchmarks/compile_kernels.py`: the GPU's kernel variants compiled ahead of time, no GPU.
 
-The launchers give the interpreter wider programs than a GPU (``BLOCK_U=64`` unique ids per
+The launchers give the interpreter wider programs than a GPU (``BLOCK_U=64`` chunks of ids per
 program against one on CUDA), so the variants recorded on a CPU are not all the GPU's: the
 script must compile the GPU's (``BLOCK_U=1``), and say which Triton compiled each.
 """
@@ -53,7 +53,7 @@ def test_the_launchers_give_a_gpu_the_block_u_compiled(compile_kernels) -> None:
     """`DEVICE_CONSTEXPRS` states what the launchers choose on CUDA (which no CPU run can
     observe): each ``block_u = <cuda> if ... else <cpu>`` in the kernels must agree with it."""
     found = {}
-    for name in ("optim", "pooling"):
+    for name in ("optim", "pooling", "gather"):
         source = (ROOT / "embcache" / "kernels" / f"{name}.py").read_text()
         found[name] = re.findall(r"block_u = (\d+) if .*cuda.* else (\d+)", source)
     assert all(found.values()), f"a launcher no longer picks BLOCK_U by device: {found}"

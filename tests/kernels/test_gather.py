@@ -320,3 +320,36 @@ def test_gather_rejects_bad_arguments_and_changes_nothing(device: torch.device, 
     assert out.isnan().all(), "out was written"
     for t, b in zip((v.rows, v.slots, v.inverse, grad_out), before, strict=True):
         assert torch.equal(t.nan_to_num(), b.nan_to_num()) and torch.equal(t.isnan(), b.isnan())
+
+
+# ----------------------------------------------------------------------------------------------
+# a hot id split across programs
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [pytest.param(17, id="dim17"), pytest.param(130, id="dim130")])
+@pytest.mark.parametrize("share", [0.5, 0.9], ids=["hot50", "hot90"])
+def test_gather_backward_splits_a_hot_id_and_stays_exact(
+    backend: str, device: torch.device, share: float, dim: int
+) -> None:
+    """One id holding half or nine tenths of 1,300 values (several of the backward's chunks,
+    of 256 values at dim 17 and 64 at dim 130, on a GPU and under the interpreter alike): its
+    gradient, summed by several programs then in chunk order, matches the float64 sum; two
+    runs give the same bits, with the caller's grouping or without."""
+    nnz, num_ids = 1300, 40
+    gen = torch.Generator().manual_seed(seed_of("hot", share, dim))
+    hot = torch.rand(nnz, generator=gen) < share
+    ids = torch.where(hot, 7, torch.randint(0, num_ids, (nnz,), generator=gen)) * 1009 + (1 << 33)
+    assert int(hot.sum()) > 2 * 256, "the hot id must span several chunks"
+    grad_out = torch.randn(nnz, dim, generator=gen).to(device)
+    _, inverse, order, segments = dedup_grouped(ids.to(device))
+    num_unique = segments.numel() - 1
+
+    plain, again = (gather_backward(grad_out, inverse, num_unique) for _ in range(2))
+    grouped = gather_backward(grad_out, inverse, num_unique, (order, segments))
+    assert torch.equal(plain.view(torch.int32), again.view(torch.int32)), "not bit-reproducible"
+    assert torch.equal(grouped.view(torch.int32), plain.view(torch.int32)), "grouped differs"
+
+    expected = torch.zeros(num_unique, dim, dtype=torch.float64)
+    expected.index_add_(0, inverse.cpu(), grad_out.cpu().double())
+    torch.testing.assert_close(plain.cpu().double(), expected, atol=1e-4, rtol=1e-5)

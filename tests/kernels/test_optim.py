@@ -325,6 +325,30 @@ def test_aggregate_grads_is_deterministic(backend: str, device: torch.device) ->
     assert_close(first[1], float64_segment_sums(ids.cpu(), grads.cpu()), "summed grads")
 
 
+@pytest.mark.parametrize("dim", [17, 130])
+@pytest.mark.parametrize("share", [0.5, 0.9], ids=["hot50", "hot90"])
+def test_aggregate_grads_splits_a_hot_id_and_stays_exact(
+    backend: str, device: torch.device, share: float, dim: int
+) -> None:
+    """One id holding half or nine tenths of 1,300 rows (several of the segment sum's chunks,
+    of 256 rows at dim 17 and 64 at dim 130, on a GPU and under the interpreter alike): its
+    sum, taken by several programs then in chunk order, matches the float64 sum, and two runs
+    give the same bits."""
+    n = 1300
+    gen = torch.Generator().manual_seed(int(share * 100) + dim)
+    hot = torch.rand(n, generator=gen) < share
+    ids = torch.where(hot, 2**40 + 7, torch.randint(-5, 60, (n,), generator=gen))
+    assert int(hot.sum()) > 2 * 256, "the hot id must span several chunks"
+    grads = torch.randn(n, dim, generator=gen)
+    expected = float64_segment_sums(ids, grads)
+    ids, grads = ids.to(device), grads.to(device)
+    (unique_ids, summed), (_, again) = (aggregate_grads(ids, grads) for _ in range(2))
+    assert torch.equal(unique_ids.cpu(), torch.unique(ids.cpu()))
+    torch.testing.assert_close(summed.double().cpu(), expected, rtol=1e-5, atol=1e-4)
+    if not twin_uses_atomics(backend, device):
+        assert_bits_equal(again, summed, "second run")
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input: raise, name the problem, change nothing
 # ----------------------------------------------------------------------------------------------
