@@ -14,12 +14,14 @@ linear head; `SparseAdaGrad` updates the rows, ``torch.optim.SGD`` the head. The
 Reported per latency (0, 1 ms, 5 ms): steps/s each way over the steps after ``--warmup``, the
 speedup, the tier time of each run, and the fraction of the tier's time hidden by the overlap,
 ``(t_sync - t_prefetch) / tier_time_sync`` clamped to [0, 1], beside its bound (a tier slower
-than the rest of the step can hide only behind that rest). The two modes run ``--repeats``
-times, alternated, and each mode's median-time run is reported, so a shared machine's load
-falls on both alike. The final weights and optimizer
-state of both runs must be bit-identical (invariant I5 of docs/design.md): the script asserts it and
-prints ``identical: True``. Prints a table; writes ``pipeline.csv`` and
-``pipeline.png``.
+than the rest of the step can hide only behind that rest). Before any timed run the process
+runs each mode once, untimed, over every batch at no tier latency, so that its one-time costs
+(Triton compiles, cuBLAS and the allocator's set-up) fall on neither mode's measurement. Then,
+per latency, the two modes run ``--repeats`` times, alternated (the mode that goes first swaps
+every repeat), and each mode's median-time run is reported, so a shared machine's load falls on
+both alike. The final weights and optimizer state of both runs must be bit-identical
+(invariant I5 of docs/design.md): the script asserts it and prints ``identical: True``. Prints
+a table; writes ``pipeline.csv`` and ``pipeline.png``.
 
     python benchmarks/bench_pipeline.py [--quick] [--device cpu|cuda] [--threads N]
 """
@@ -252,14 +254,26 @@ def _same(a: RunResult, b: RunResult) -> bool:
     )
 
 
+def warm_up(cfg: Config, batches: list[Batch], device: torch.device) -> float:
+    """Run each mode once over every batch at no tier latency, untimed: the process's one-time
+    costs (Triton compiles of every variant these batches need, cuBLAS and the allocator's
+    set-up) land here, not in the first timed run. Returns its seconds."""
+    t0 = time.perf_counter()
+    for prefetch in (False, True):
+        train(cfg, batches, 0.0, prefetch, device)
+    return time.perf_counter() - t0
+
+
 def bench_latency(
     cfg: Config, batches: list[Batch], latency_ms: float, repeats: int, device: torch.device
 ) -> Row:
-    """Alternate synchronous and prefetch runs ``repeats`` times; report each mode's run of
-    median wall time (a neighbour's load then falls on both modes alike)."""
+    """Alternate synchronous and prefetch runs ``repeats`` times, the first mode swapping each
+    repeat (sync first on even repeats); report each mode's run of median wall time (a
+    neighbour's load and any drift over the runs then fall on both modes alike). Call after
+    `warm_up`."""
     runs: dict[bool, list[RunResult]] = {False: [], True: []}
-    for _ in range(repeats):
-        for prefetch in (False, True):
+    for repeat in range(repeats):
+        for prefetch in (False, True) if repeat % 2 == 0 else (True, False):
             runs[prefetch].append(train(cfg, batches, latency_ms * 1e-3, prefetch, device))
     first = runs[False][0]
     identical = all(_same(first, r) for r in runs[False][1:] + runs[True])
@@ -385,7 +399,14 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# model: {cfg.tables} tables x {cfg.rows} rows, dim {cfg.dim}, cache {cfg.cache:.0%}; "
         f"B={cfg.batch}, pooling~{cfg.pooling}; {cfg.steps} steps, first {cfg.warmup} untimed; "
-        f"{repeats} alternated run(s) of each mode, median reported; baseline: prefetch=False"
+        f"{repeats} alternated run(s) of each mode (the first swapping each repeat), median "
+        "reported; baseline: prefetch=False"
+    )
+    warm_s = warm_up(cfg, batches, device)
+    print(
+        f"# warm-up: one untimed run of each mode (prefetch=False, then True; {cfg.steps} steps, "
+        f"tier latency 0) in {warm_s:.1f} s before any timed run, so Triton compiles, cuBLAS and "
+        "allocator set-up fall outside every latency's measurement"
     )
     print(
         "# tier s: wall time with a tier call in flight (concurrent calls count once); share: "

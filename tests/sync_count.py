@@ -18,17 +18,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
 _HOST_SIDE = ("embcache.kv.", "embcache.cache.transfer", "embcache.checkpoint")
+_SHARED = ("embcache.indexing", "embcache.backend", "embcache.hashing")
 
 
 def _on_host_side() -> bool:
     """Whether the op runs in code that only ever sees host tensors: the tiers (their ids and
     rows are on the host by the `Store` contract). The innermost embcache frame decides, past
-    `embcache.indexing` and `embcache.backend`, whose helpers run for both sides (their caller
-    decides)."""
+    `embcache.indexing`, `embcache.backend` and `embcache.hashing`, whose helpers run for both
+    sides (their caller decides)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.startswith("embcache.") and name not in ("embcache.indexing", "embcache.backend"):
+        if name.startswith("embcache.") and name not in _SHARED:
             return name.startswith(_HOST_SIDE)
         frame = frame.f_back
     return False

@@ -440,8 +440,9 @@ class CacheEngine:
         `CacheLayout.table_bounds` of ``unique`` when the caller read them already."""
         if bounds is None:
             bounds = self.layout.table_bounds(unique, self.fusion_k)
+        raw = unique & self.mask  # one op for every table; each entry holds a slice of it
         return [
-            TraceEntry(t.name, unique[lo:hi] & self.mask, grads[lo:hi], index, batch)
+            TraceEntry(t.name, raw[lo:hi], grads[lo:hi], index, batch)
             for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False)
         ]
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from embcache.kernels import gather_ref
 from embcache.kernels.backend import use_triton
 from embcache.kernels.checks import as_index, check_int, require
-from embcache.kernels.pooling import _chunk_sum_kernel, split_segments, tile_blocks
+from embcache.kernels.pooling import chunk_sum_kernel, split_segments, tile_blocks
 
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -97,7 +97,7 @@ def _gather_backward_kernel(
     in that order, each tile reduced by ``tl.sum`` (a fixed tree for given block sizes) into an
     fp32 running sum. An id of one chunk gets its sum stored in ``grad_unique[u]`` (zeros for
     an empty segment); the chunks of a longer id store theirs in ``partial[c]``, which
-    `pooling._chunk_sum_kernel` adds up in chunk order. The order of every addition depends
+    `pooling.chunk_sum_kernel` adds up in chunk order. The order of every addition depends
     only on the inputs and the block sizes, so every run gives the same bits.
     """
     i_c = tl.program_id(0).to(tl.int64)
@@ -211,7 +211,7 @@ def gather_backward_triton(
         BLOCK_D=block_d,
     )
     grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
-    _chunk_sum_kernel[grid](
+    chunk_sum_kernel[grid](
         partial, chunk_first, grad_unique, num_unique, dim, BLOCK_U=block_u, BLOCK_D=block_d
     )
     return grad_unique

@@ -68,7 +68,7 @@ from embcache.kernels.optim_ref import (
     sgd_update_ref,
 )
 from embcache.kernels.optim_rules import RULES, OptimRule
-from embcache.kernels.pooling import _chunk_sum_kernel, split_segments
+from embcache.kernels.pooling import chunk_sum_kernel, split_segments
 from embcache.kernels.rounding import rounding_key, row_hash, store_weights
 
 
@@ -322,7 +322,7 @@ def _segment_sum_kernel(
     ``k`` order; a tile is reduced by ``tl.sum`` (a fixed tree for given block sizes) and added
     to an fp32 running sum. An id of one chunk gets its sum stored in ``out[u]``; the chunks of
     a longer id store theirs in ``partial[c]`` (contiguous ``[num_chunks, dim]``), which
-    `pooling._chunk_sum_kernel` adds up in chunk order. The order of every addition depends
+    `pooling.chunk_sum_kernel` adds up in chunk order. The order of every addition depends
     only on the inputs and the block sizes: every run gives the same bits.
     """
     i_c = tl.program_id(0).to(tl.int64)
@@ -423,7 +423,7 @@ def aggregate_grads_triton(
     ids: torch.Tensor, grads: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable-sort ``ids``, then launch `_segment_sum_kernel` over chunks of each id's rows
-    (`pooling.split_segments`) and `pooling._chunk_sum_kernel` over the chunk sums of the ids
+    (`pooling.split_segments`) and `pooling.chunk_sum_kernel` over the chunk sums of the ids
     of several (see `aggregate_grads`)."""
     sorted_ids, order = torch.sort(ids, stable=True)
     unique_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
@@ -460,7 +460,7 @@ def aggregate_grads_triton(
             BLOCK_D=block_d,
         )
         grid = (triton.cdiv(u, block_u), triton.cdiv(dim, block_d))
-        _chunk_sum_kernel[grid](
+        chunk_sum_kernel[grid](
             partial, chunk_first, summed, u, dim, BLOCK_U=block_u, BLOCK_D=block_d
         )
     else:

@@ -161,7 +161,7 @@ def _pool_backward_kernel(
     ``u = chunk_unique[c]`` (``u >= num_unique``: a padding chunk, skipped). So a hot id's values
     are summed by many programs side by side instead of one walking them all. An id of one
     chunk gets its sum stored in ``grad_unique[u]``; the chunks of a longer id store theirs in
-    ``partial[c]``, which `_chunk_sum_kernel` adds up in chunk order. ``s_j`` is ``w_j`` (SUM),
+    ``partial[c]``, which `chunk_sum_kernel` adds up in chunk order. ``s_j`` is ``w_j`` (SUM),
     ``w_j / L`` (MEAN) or ``w_j [argmax[bag, d] == j]`` (MAX). Every sum runs in a fixed order,
     so the result is bit-reproducible. Accumulates in fp32.
     """
@@ -212,7 +212,7 @@ def _pool_backward_kernel(
 
 
 @triton.jit(do_not_specialize=["num_unique"])  # per batch: one variant
-def _chunk_sum_kernel(
+def chunk_sum_kernel(
     partial_ptr,
     chunk_first_ptr,
     grad_unique_ptr,
@@ -260,7 +260,7 @@ def split_segments(
 
     The segment-sum backwards (pooling's, the gather's, the optimizer's `aggregate_grads`) give
     each chunk its own program, so a hot id's chunks are summed side by side; then
-    `_chunk_sum_kernel` adds the chunk sums of each id of several, in chunk order. The chunk
+    `chunk_sum_kernel` adds the chunk sums of each id of several, in chunk order. The chunk
     count is bounded on the host (every id one chunk, plus one per chunk of values), so nothing
     is read back from the device: chunks past the last real one are padding.
 
@@ -394,7 +394,7 @@ def pool_backward_triton(
         BLOCK_D=block_d,
     )
     grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
-    _chunk_sum_kernel[grid](
+    chunk_sum_kernel[grid](
         partial, chunk_first, grad_unique, num_unique, dim, BLOCK_U=block_u, BLOCK_D=block_d
     )
     return grad_unique

@@ -82,7 +82,7 @@ def test_block_u_variants_compile_for_sm90(
     assert kernels == {
         "_segment_sum_kernel": 64,
         "_pool_backward_kernel": 64,
-        "_chunk_sum_kernel": 64,
+        "chunk_sum_kernel": 64,
     }
     recorded, results = tmp_path / "launches.json", tmp_path / "results.json"
     recorded.write_text(json.dumps(launches))
@@ -97,7 +97,7 @@ def test_block_u_variants_compile_for_sm90(
     assert {r["kernel"]: r["constexprs"]["BLOCK_U"] for r in compiled} == {
         "_segment_sum_kernel": 1,
         "_pool_backward_kernel": 1,
-        "_chunk_sum_kernel": 1,
+        "chunk_sum_kernel": 1,
     }
     for r in compiled:
         assert r["ok"] and r["cubin_bytes"] > 0, r

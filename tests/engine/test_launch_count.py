@@ -1,0 +1,88 @@
+"""Device launches per training step do not grow with the number of tables.
+
+Counted on the CPU on the device path (``EMBCACHE_BACKEND=triton``, Triton's interpreter) with
+`tests.launch_count.LaunchCounter`: Triton launches plus the aten ops that would run a kernel
+on a GPU. Each launch costs the host a few microseconds on a GPU whatever its size, so a launch
+per table makes a wide model's step host-bound. The counts are printed (``pytest -s``); the
+figures of the day are in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import embcache
+from tests.launch_count import LaunchCounter
+
+
+def _counts(num_tables: int, num_dims: int, load_factor: float) -> dict[str, int]:
+    tables = [
+        embcache.TableConfig(
+            name=f"t{i}",
+            embedding_dim=8 * (1 + i % num_dims),
+            num_embeddings=1000,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(num_tables)
+    ]
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=tables, cache=embcache.CacheConfig(load_factor=load_factor, ways=4)
+    )
+    opt = embcache.SparseAdaGrad([ebc], lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    keys = [f"f{i}" for i in range(num_tables)]
+
+    def batch() -> embcache.JaggedBatch:
+        lengths = torch.randint(1, 5, (num_tables * 16,), generator=gen)
+        values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
+        return embcache.JaggedBatch.from_lengths(keys, values, lengths)
+
+    for _ in range(2):  # the cache filled: the counted step has hits, misses and victims
+        ebc(batch()).values().sum().backward()
+        opt.step()
+    counted = batch()
+    with LaunchCounter() as forward:
+        out = ebc(counted).values()
+    with LaunchCounter() as backward:
+        out.sum().backward()
+    with LaunchCounter() as step:
+        opt.step()
+    counts = {"forward": forward.total, "backward": backward.total, "step": step.total}
+    counts["triton"] = forward.triton + backward.triton + step.triton
+    return counts
+
+
+@pytest.mark.parametrize("load_factor", [1.0, 0.1], ids=["whole-table", "lru-10pct"])
+def test_launches_per_step_do_not_grow_with_tables(
+    monkeypatch: pytest.MonkeyPatch, load_factor: float
+) -> None:
+    """2 and 26 tables of one dim: the same launches with the whole table resident; at 10%
+    cached, within a few (the misses differ with the data), where one op per table would add
+    24 or more."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
+    two, many = _counts(2, 1, load_factor), _counts(26, 1, load_factor)
+    print(f"launches per step, {load_factor:.0%} cached: 2 tables {two}; 26 tables {many}")
+    assert two["triton"] >= 3, f"the counter saw no Triton launch: {two}"
+    total = sum(two[p] for p in ("forward", "backward", "step"))
+    total_many = sum(many[p] for p in ("forward", "backward", "step"))
+    if load_factor == 1.0:
+        assert two == many, f"2 tables: {two}\n26 tables: {many}"
+    else:
+        assert abs(total_many - total) <= 12, f"2 tables: {two}\n26 tables: {many}"
+    assert two["backward"] == many["backward"], f"2 tables: {two}\n26 tables: {many}"
+
+
+def test_the_counter_counts_kernels_not_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counter is not blind: an add launches, a view and a slice do not, and a Triton
+    kernel counts once."""
+    from embcache.kernels.cache_index import set_index
+
+    monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
+    x = torch.arange(12)
+    with LaunchCounter() as c:
+        y = x.view(3, 4)[1:]
+        y = y + 1
+        set_index(torch.arange(5), 7)
+    assert c.counts["aten.add"] == 1 and c.triton == 1, dict(c.counts)
+    assert "aten.view" not in c.counts and "aten.slice" not in c.counts
