@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol, TypeGuard
 
@@ -79,6 +79,9 @@ class JaggedBatch:
     _lengths: torch.Tensor
     _weights: torch.Tensor | None = None
     _offsets: torch.Tensor | None = None
+    # Values per feature, once a check has read them (`checked_batch`): then
+    # `length_per_key` needs no host read of its own.
+    _per_key: list[int] | None = field(default=None, repr=False)
 
     @classmethod
     def from_lengths(
@@ -140,7 +143,10 @@ class JaggedBatch:
         return False
 
     def length_per_key(self) -> list[int]:
-        """Values per feature (one host synchronisation)."""
+        """Values per feature (one host synchronisation, none once a collection has checked
+        the batch)."""
+        if self._per_key is not None:
+            return list(self._per_key)
         B = self.stride()
         return (
             self._lengths.reshape(len(self._keys), B).sum(dim=1).tolist()
@@ -314,11 +320,17 @@ def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool
         raise ValueError(
             f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} features"
         )
+    # One host read for every fact: the lowest length and the values per feature (their sum
+    # is the total; the forward then cuts the values by feature without reading again).
     lowest = lengths.min() if lengths.numel() else lengths.new_zeros(())
-    if lengths.device.type == "cpu":  # nothing to synchronise: two reads beat a stack
-        low, total = int(lowest), int(lengths.sum())
-    else:  # one host synchronisation for all three facts
-        low, total = torch.stack([lowest, lengths.sum()]).tolist()
+    stride = lengths.numel() // max(len(keys), 1)
+    per_key = (
+        lengths.reshape(len(keys), stride).sum(dim=1)
+        if stride
+        else lengths.new_zeros(len(keys))
+    )
+    low, *per_key_list = torch.cat([lowest.reshape(1), per_key.to(lowest.dtype)]).tolist()
+    total = sum(per_key_list)
     if low < 0:
         raise ValueError("lengths must be >= 0")
     if total != values.numel():
@@ -331,9 +343,10 @@ def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool
             raise TypeError(f"weights must be floating point, got {weights.dtype}")
         if weights.numel() != values.numel():
             raise ValueError(f"the input has {weights.numel()} weights for {values.numel()} values")
-        if not is_weighted:
-            return JaggedBatch(keys, values, lengths, None, batch._offsets)
-    return batch
+    # A new batch over the same tensors, carrying what the check read (the caller's object is
+    # left as it was: a loader may refill its tensors in place for the next step).
+    kept = weights if is_weighted else None
+    return JaggedBatch(keys, values, lengths, kept, batch._offsets, per_key_list)
 
 
 def group_inputs(

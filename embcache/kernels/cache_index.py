@@ -101,7 +101,7 @@ def _cache_lookup_kernel(
     tl.store(ways_ptr + o_n, b_way, mask=m_n)
 
 
-@triton.jit(do_not_specialize=["m"])  # per-batch values: one variant
+@triton.jit(do_not_specialize=["m", "S"])  # per-batch values (S: the sets passed): one variant
 def _assign_ways_kernel(
     scores_ptr,
     blocked_ptr,
