@@ -325,9 +325,7 @@ def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool
     lowest = lengths.min() if lengths.numel() else lengths.new_zeros(())
     stride = lengths.numel() // max(len(keys), 1)
     per_key = (
-        lengths.reshape(len(keys), stride).sum(dim=1)
-        if stride
-        else lengths.new_zeros(len(keys))
+        lengths.reshape(len(keys), stride).sum(dim=1) if stride else lengths.new_zeros(len(keys))
     )
     low, *per_key_list = torch.cat([lowest.reshape(1), per_key.to(lowest.dtype)]).tolist()
     total = sum(per_key_list)

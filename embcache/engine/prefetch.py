@@ -26,11 +26,14 @@ prefetch at a time, in issue order (the sharded collection's prefetches are coll
 every rank must make in the same order), on a thread that exists only while there is work.
 
 On a GPU the worker's device work is ordered with the caller's, whatever stream the caller
-trains on (`StreamHandoff`): a prefetch runs on the worker's side stream, which first waits for
-what the caller's current stream had queued when it issued the prefetch; the stream of the
-forward (or release) that takes the result waits for the prefetch's last kernel; and tensors
-that cross between the two streams are marked used on the other one (``record_stream``), so
-the caching allocator never hands their memory out while the other stream may still read it.
+trains on (`StreamHandoff`): a prefetch's kernels run on the stream that was current on the
+thread that issued it (the worker's own thread would otherwise use the default stream, and a
+model trained under another stream would read slots before the worker's writes land). On one
+stream, the worker's kernels and the training thread's run in the order their host calls take
+the cache's lock, so the cache's shared tensors are never written by two streams at once; the
+tier copies alone overlap, on `TierTransfer`'s copy stream. The stream of the forward (or
+release) that takes the result waits for the prefetch's last kernel, and the result's tensors
+are marked used on it (``record_stream``), in case it is another stream than the issue's.
 """
 
 from __future__ import annotations
@@ -156,54 +159,41 @@ def _tensors(obj: object, depth: int = 3) -> Iterator[torch.Tensor]:
 
 
 class StreamHandoff:
-    """Orders a worker's device work between the submitting thread's stream and the stream
-    that later takes its result (a GPU only; see the module docstring).
+    """Orders a worker's device work with the stream of the thread that submitted it, and with
+    the stream that later takes its result (a GPU only; see the module docstring).
 
-    `wrap` is called on the submitting thread: it records an event on the caller's current
-    stream and returns a job that, on the worker, waits for that event on a side stream, runs
-    there, and records its own event in the result (`Prefetched.ready`). `take` is called on
-    the thread that uses the result: its current stream waits for that event and every tensor
-    of the result is marked used on it."""
+    `wrap` is called on the submitting thread: it notes that thread's current stream and
+    returns a job that, on the worker, runs with that stream current, so the job's kernels
+    queue behind the caller's earlier work and ahead of its later work in the order the
+    cache's lock gives their host calls: the cache's shared tensors (keys, scores, locks) are
+    never written by two streams at once (the tier copies still run on `TierTransfer`'s copy
+    stream, which waits for the current one). The job records an event in its result
+    (`Prefetched.ready`); `take`, on the thread that uses the result, makes that thread's
+    current stream wait for it (a forward under another stream than the issue's) and marks the
+    result's tensors used on it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._side: torch.cuda.Stream | None = None
 
-    def side(self) -> torch.cuda.Stream:
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        return self._side
-
-    def wrap(
-        self, job: Callable[[int], Prefetched], inputs: tuple[Any, ...]
-    ) -> Callable[[int], Prefetched]:
-        side = self.side()
-        issued = torch.cuda.Event()
-        issued.record(torch.cuda.current_stream(self.device))
-        for t in _tensors(inputs):
-            if t.is_cuda:  # read on the side stream: not reused until that read is done
-                t.record_stream(side)
+    def wrap(self, job: Callable[[int], Prefetched]) -> Callable[[int], Prefetched]:
+        caller = torch.cuda.current_stream(self.device)
 
         def run(seq: int) -> Prefetched:
-            side.wait_event(issued)
-            try:
-                with torch.cuda.stream(side):
-                    result = job(seq)
-                    done = torch.cuda.Event()
-                    done.record(side)
-            except BaseException:
-                side.synchronize()  # a failed prefetch leaves no kernel behind it (error path)
-                raise
+            with torch.cuda.stream(caller):
+                result = job(seq)
+                done = torch.cuda.Event()
+                done.record(caller)
             result.ready = done
             return result
 
         return run
 
-    def on_side(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """``fn`` made to run on the side stream (after the prefetches queued before it)."""
+    def on_caller(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn`` made to run on the submitting thread's current stream."""
+        caller = torch.cuda.current_stream(self.device)
 
         def run() -> Any:
-            with torch.cuda.stream(self.side()):
+            with torch.cuda.stream(caller):
                 return fn()
 
         return run
@@ -214,7 +204,7 @@ class StreamHandoff:
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(result.ready)
         for t in _tensors((result.prepared, result.payload)):
-            if t.is_cuda:  # made on the side stream, used and freed on this one
+            if t.is_cuda:  # made on the issuing stream, maybe used and freed on another
                 t.record_stream(stream)
         result.ready = None
 
@@ -234,8 +224,9 @@ class Prefetcher:
     ) -> None:
         self.worker = SerialWorker("embcache-prefetch", device)
         cuda = self.worker.device
-        usable = cuda is not None and torch.cuda.is_available()
-        self.streams = StreamHandoff(cuda) if usable else None
+        self.streams: StreamHandoff | None = None
+        if cuda is not None and torch.cuda.is_available():
+            self.streams = StreamHandoff(cuda)
         self.recorded: FusedPrefetchHandle | None = None  # the handle the next forward uses
         self.explicit = False  # recorded by set_fused_prefetch_handle, not by issuing
         self.issued: list[PrefetchState] = []  # neither used nor released, in issue order
@@ -244,17 +235,15 @@ class Prefetcher:
         self._passed_by = 0  # the last seq issued before the previous forward
         self._release_shares = release_shares
 
-    def _submit(
-        self, job: Callable[[int], Prefetched], inputs: tuple[Any, ...] = ()
-    ) -> PrefetchState:
+    def _submit(self, job: Callable[[int], Prefetched]) -> PrefetchState:
         self.seq += 1
         if self.streams is not None:
-            job = self.streams.wrap(job, inputs)
+            job = self.streams.wrap(job)
         return PrefetchState(self.seq, self.worker.submit(job, self.seq))
 
     def submit_after(self, fn: Callable[[], Any]) -> Future:
         """Queue ``fn()`` on the worker after the prefetches issued so far, on their stream."""
-        return self.worker.submit(self.streams.on_side(fn) if self.streams else fn)
+        return self.worker.submit(self.streams.on_caller(fn) if self.streams else fn)
 
     def _result(self, state: PrefetchState) -> Prefetched:
         """The prefetch's result, its device work ordered before this thread's stream."""
@@ -274,7 +263,7 @@ class Prefetcher:
         """Queue ``job(seq)`` on the worker and record its handle for the next forward
         (``batch`` is the checked batch, ``source`` the features object it was made of)."""
         self.collect_dropped()
-        state = self._submit(job, (batch.values(), batch.lengths(), batch.weights_or_none()))
+        state = self._submit(job)
         handle = FusedPrefetchHandle(
             module_id, generation, list(batch.keys()), batch.lengths(), batch.values(), state,
             source, batch,

@@ -6,6 +6,19 @@ them on ``ids``' device; backward sums the gradient rows of equal ids on the gra
 `SparseSGD` then updates in Python: read the rows, ``w - lr * g``, write them back. Its rows
 are its ``state_dict()`` (``weight``, ``[num_embeddings, embedding_dim]``) and go into
 `embcache.save` checkpoints with whatever optimizer state its tensor keeps beside them.
+
+One table, never one per rank. RecStore's table is one parameter-server table that every worker
+reads and updates; a DistEmbedding's is a tensor of this process's KV client. In a process
+group of several ranks each rank's would be its own copy, trained on that rank's batches only,
+so a DistEmbedding refuses to be built there (and to run a forward there, for a group
+initialised after it), before it declares any row, naming what is one table over the ranks:
+`embcache.distributed.ShardedEmbeddingCollection` (one row per id, rows sharded over the
+ranks, trained by the same `SparseSGD`) or `embcache.distributed.ShardedKVClient` (RecStore's KV
+calls over sharded rows). A Redis tier shared by the ranks does not make the copies one table:
+each rank's step reads its rows, subtracts its own gradient and writes them back, so the ranks'
+steps overwrite each other's updates (and a host tier is each process's own). With
+``allow_unsharded_replicas=True`` each rank keeps its own table on purpose, as the collections
+allow.
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ class DistEmbedding(nn.Module):
     name: the table's name in the KV tier.
     init_func: ``init_func(shape, dtype)``; None: zeros (as in RecStore).
     lr: the learning rate `SparseSGD` uses when given none.
+    allow_unsharded_replicas: in a process group of several ranks, let each rank train its own
+        table (otherwise refused: `check_not_replicated`).
     """
 
     def __init__(
@@ -37,18 +52,23 @@ class DistEmbedding(nn.Module):
         name: str,
         init_func: InitFunc | None = None,
         lr: float = 0.01,
+        *,
+        allow_unsharded_replicas: bool = False,
     ) -> None:
         super().__init__()
         self.name = name
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.lr = lr
+        self.allow_unsharded_replicas = bool(allow_unsharded_replicas)
+        self.check_not_replicated()  # before the tensor (and its rows) is declared
         self.weight = DistTensor((num_embeddings, embedding_dim), torch.float32, name, init_func)
         self._trace: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grad_anchor = torch.empty(0, requires_grad=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``[*ids.shape, embedding_dim]``, on ``ids``' device."""
+        self.check_not_replicated()
         if torch.is_grad_enabled() and self._trace:
             raise RuntimeError(
                 f"DistEmbedding {self.name!r}: forward while the previous backward's gradients "
@@ -59,6 +79,38 @@ class DistEmbedding(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         del set_to_none
         self._trace = []
+
+    def check_not_replicated(self) -> None:
+        """Refuse to be one rank's copy of the table (unless built with
+        ``allow_unsharded_replicas=True``): in an initialised process group of more than one
+        rank, each rank's DistEmbedding would be a table of its own (see the module docstring).
+        A process group of one rank is fine.
+
+        Raises:
+            RuntimeError: naming `embcache.distributed.ShardedEmbeddingCollection` and
+                `embcache.distributed.ShardedKVClient`.
+        """
+        dist = torch.distributed
+        if self.allow_unsharded_replicas or not dist.is_available() or not dist.is_initialized():
+            return
+        world = dist.get_world_size()
+        if world > 1:
+            raise RuntimeError(
+                f"DistEmbedding {self.name!r} is one tensor of this process's KV client, but the "
+                f"process group has {world} ranks: each rank would train its own copy of the "
+                "table and the copies would silently diverge (a Redis tier shared by the ranks "
+                "does not join them: each rank's SparseSGD step reads its rows, subtracts its "
+                "own gradient and writes them back over the other ranks' updates). For one "
+                "table over the ranks use embcache.distributed.ShardedEmbeddingCollection (one "
+                "row per id, as DistEmbedding; rows sharded over the ranks; trained by "
+                f"embcache.SparseSGD): tables=[EmbeddingConfig(name={self.name!r}, "
+                f"embedding_dim={self.embedding_dim}, num_embeddings={self.num_embeddings}, "
+                f"feature_names=[{self.name!r}])], the ids as a KeyedJaggedTensor of that "
+                f"feature, the rows in out[{self.name!r}].values(); or "
+                "embcache.distributed.ShardedKVClient for RecStore's KV calls (pull, "
+                "update_async) over sharded rows. To keep one independent table per rank on "
+                "purpose, build it with allow_unsharded_replicas=True."
+            )
 
     # -- what a sparse optimizer drives (embcache.optim.SparseParameters) ------------------
 
