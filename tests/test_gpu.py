@@ -361,7 +361,7 @@ def pipeline_run(device: torch.device, backend: str, prefetch: bool, side_stream
 
 @pytest.mark.parametrize("side_stream", [False, True], ids=["default_stream", "caller_stream"])
 def test_prefetch_pipeline_matches_the_cpu_path(side_stream: bool) -> None:
-    """On the device, prefetch (a worker thread, a side stream) is bit-identical to the same
+    """On the device, prefetch (a worker thread on the caller's stream) is bit-identical to the same
     pipeline without it (I5), and both follow the CPU path step by step; also when the
     training runs under a stream of its own (the worker orders its work after that stream's,
     and that stream waits for the worker's before using the slots)."""
