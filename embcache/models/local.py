@@ -27,6 +27,7 @@ from embcache.engine.interface import FUSION_K, CachedCollectionInterface
 from embcache.engine.lookup import GroupLookup, lookup
 from embcache.engine.tables import Table
 from embcache.kv.base import Store
+from embcache.models.row_grads import GradAnchor, RowGradients
 from embcache.models.torch_optim import FusedRowOptimizer, keyed_optimizer, register_anchor
 
 
@@ -74,9 +75,13 @@ class LocalCollection(CachedCollectionInterface):
             seed,
         )
         self.allow_unsharded_replicas = bool(allow_unsharded_replicas)
-        # The tables' stand-in in model.parameters(): a torch optimizer holding it trains them.
-        # Zero rows of a 2-D "table", as optimizers written for embedding weights expect.
-        self.grad_anchor = nn.Parameter(torch.empty(0, 1, device=self.device))
+        # The tables' stand-in in model.parameters(): a torch optimizer holding it trains them,
+        # and its .grad is their gradient (`models.row_grads`). Zero rows of a 2-D "table", as
+        # optimizers written for embedding weights expect.
+        self.row_grads = RowGradients(self)
+        self.grad_anchor = GradAnchor(torch.empty(0, 1, device=self.device))
+        self.grad_anchor.rows = self.row_grads
+        self.grad_anchor.register_post_accumulate_grad_hook(_backward_done(self.row_grads))
         clash = [t.name for t in self.tables if hasattr(nn.ModuleDict, t.name) or "." in t.name]
         if clash:  # torchrec's ModuleDict of tables refuses them too, less clearly
             raise ValueError(
@@ -145,6 +150,7 @@ class LocalCollection(CachedCollectionInterface):
                         "(embcache.SparseAdaGrad([collection], lr=...)) and call step()"
                     )
                 engines.begin_batch()
+                self.row_grads.forward_started()
             except RuntimeError:
                 engines.prefetches.release_all()  # its locks would belong to no batch
                 raise
@@ -332,3 +338,12 @@ class TableWeights(nn.Module):
         t = self.table
         mode = "none" if t.pooling is None else t.pooling.name.lower()
         return f"{t.num_embeddings}, {t.dim}, mode={mode}"
+
+
+def _backward_done(rows: RowGradients) -> Any:
+    """The anchor's post-accumulate-grad hook (holding ``rows``, not the collection)."""
+
+    def hook(anchor: torch.Tensor) -> None:
+        rows.backward_done()
+
+    return hook

@@ -7,9 +7,11 @@ The rows live in caches and tiers, not in parameters, so a collection stands in
 holding it steps, a step pre-hook (registered once, for every optimizer of the process) applies
 the collection's recorded gradients with the same rule and the hyper-parameters of the
 anchor's param group, read at every step (so an LR scheduler drives them); the optimizer state
-lives beside each row, as with embcache's own optimizers. That reproduces the torch optimizer
-on the rows exactly where it leaves untouched rows alone, as torchrec's dense-gradient training
-does for:
+lives beside each row, as with embcache's own optimizers. The gradients it applies are the
+anchor's ``.grad`` (`models.row_grads`), so ``GradScaler`` (unscale, skipped steps) and
+``clip_grad_norm_``/``clip_grad_value_`` act on them first, as on torchrec's weights. That
+reproduces the torch optimizer on the rows exactly where it leaves untouched rows alone, as
+torchrec's dense-gradient training does for:
 
 * ``torch.optim.SGD`` (no momentum, no weight decay),
 * ``torch.optim.Adagrad`` (no weight decay),
@@ -198,10 +200,12 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
         for p in group["params"]:
             collection = anchors.get(id(p))
             if collection is not None and collection.grad_anchor is p:
-                torch_step(collection, optimizer, group, has_grad=p.grad is not None)
-                # Consumed: the optimizer's own update skips the anchor, whatever gradient
-                # layout (dense, sparse) it insists on.
-                p.grad = None
+                # Asked without making the rows' gradient (`models.row_grads`): a loop that
+                # never reads .grad keeps the TBE step's speed.
+                torch_step(collection, optimizer, group, has_grad=collection.row_grads.pending())
+                # Taken: the optimizer's own update skips the anchor, whatever gradient layout
+                # (dense, sparse) it insists on.
+                collection.row_grads.take()
 
 
 def torch_step(
@@ -209,8 +213,10 @@ def torch_step(
 ) -> None:
     """Apply ``collection``'s recorded gradients as ``optimizer`` with ``group``'s
     hyper-parameters would on the touched rows; nothing when an embcache optimizer (or a fused
-    one) trains the collection already. Without a gradient on the anchor (``zero_grad()`` ran
-    since the backward), the recorded gradients are dropped, as torch drops a parameter's.
+    one) trains the collection already. The gradients are the anchor's ``.grad`` as torch's
+    utilities left it (GradScaler's unscale, clipping: `models.row_grads`). Without a gradient
+    on the anchor (``zero_grad()`` ran since the backward, or another optimizer's step took
+    it), the locks of forwards never backpropagated are released.
 
     Raises:
         TypeError, ValueError: the optimizer has no row-wise equivalent; nothing is changed.
