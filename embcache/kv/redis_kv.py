@@ -54,6 +54,7 @@ from embcache.kv.redis_wire import (
     meta_key,
     spec_record,
     table_layout,
+    view_layout,
 )
 from embcache.kv.tier_state import TableState, TierState, WrittenIds
 from embcache.kv.write_marks import MarkGuard
@@ -80,8 +81,9 @@ class RedisKV(RedisRowIO, Store):
             count recorded on the server).
         shared: open tables read-only, beside the job that trains them: no lease is taken,
             rows missing on the server read as their initial values without being created,
-            and every write (`put`, `import_rows`, `remove`, a state-layout change) raises
-            `TierOwnershipError`. Two jobs writing one table would each overwrite the other's
+            and every write (`put`, `import_rows`, `remove`) raises `TierOwnershipError`; a
+            table of any state layout opens (its weights read, with this client's fresh
+            state: `init_table`). Two jobs writing one table would each overwrite the other's
             updates with whole rows; ranks of one job share the ``owner`` token instead.
         owner: this job's token for exclusive leases (None: a new random one, `owner`). Give
             the token of an earlier run to reopen its tables at once (a resumed job), or the
@@ -105,8 +107,9 @@ class RedisKV(RedisRowIO, Store):
 
     Thread-safe: redis-py's clients pool their connections, each call builds its own pipelines,
     and the table registry and counters sit behind a lock. ``init_table`` must not race with
-    writers of the same table in other processes (it rewrites rows when the state layout
-    changes); a client that still holds the old layout then gets a ``RuntimeError`` on `get`.
+    writers of the same table in other processes (it rewrites rows when a writer declares
+    another optimizer's state layout); a client that still holds the old layout then gets a
+    ``RuntimeError`` on `get`.
     `tables` lists the tables declared through this client, not all those on the server.
 
     Example:
@@ -199,9 +202,18 @@ class RedisKV(RedisRowIO, Store):
 
         The first client to declare a table records its spec on the server (``SET NX``). A
         later declaration, from this client or another, with another ``dim`` or
-        ``num_embeddings`` is a ``ValueError``; with another ``state_dim``/``state_init`` every
-        row on the server keeps its weights and gets fresh state columns (rewritten in chunks
-        found by SCAN); another ``seed`` is recorded and applies to rows created from then on.
+        ``num_embeddings`` is a ``ValueError``; another ``seed`` is recorded and applies to
+        rows created from then on. The state layout (``state_dim``, ``state_init``):
+
+        * the server's: nothing is rewritten, every row keeps its weights and state (a new
+          run of the same optimizer continues from the state the last one left);
+        * ``state_dim=0`` (a model whose optimizer is not attached yet), or any layout on a
+          read-only (``shared``) client: a view. Rows keep the server's layout and state;
+          reads give their weights (with this client's fresh state), rows created get the
+          server's fresh state, and a write keeps each row's state on the server;
+        * another one with state columns, from a writer (another optimizer): every row on the
+          server keeps its weights and gets fresh state columns (rewritten in chunks found by
+          SCAN), and the new layout is recorded.
         """
         if not isinstance(spec, TableSpec):
             raise TypeError(f"init_table expects a TableSpec, got {type(spec).__name__}")
@@ -234,12 +246,14 @@ class RedisKV(RedisRowIO, Store):
             if stored is not None:
                 self._check_compatible(spec, stored, "on the server")
                 table = self._layout(spec, int(stored["buckets"]))
-                if (stored["state_dim"], stored["state_init"]) != (
-                    spec.state_dim,
-                    spec.state_init,
-                ):
-                    self._check_writable("init_table (a new optimizer state layout)", spec.name)
-                    self._reset_state(table)
+                server_state = (stored["state_dim"], float(stored["state_init"]))
+                if server_state != (spec.state_dim, float(spec.state_init)):
+                    if self.shared or spec.state_dim == 0:
+                        # A view: the rows keep the server's state (`view_layout`).
+                        table = view_layout(table, spec, *server_state)
+                        record.update(state_dim=server_state[0], state_init=server_state[1])
+                    else:
+                        self._reset_state(table)
                 if self.shared:
                     pass  # a reader records nothing
                 elif any(stored[k] != record[k] for k in ("state_dim", "state_init", "seed")):

@@ -22,6 +22,7 @@ from embcache.kv.redis_calls import RedisCalls
 from embcache.kv.redis_wire import (
     ROW_DTYPE,
     TableLayout,
+    decode_blobs,
     from_blobs,
     key_batch,
     set_nx,
@@ -109,7 +110,8 @@ class RedisRowIO(RedisCalls):
         created = 0
         if missing:
             self._check_not_lost(t, ids[torch.tensor(missing)], "a read")
-            fresh = to_blobs(t.spec.initial_rows(ids[torch.tensor(missing)]))
+            # Created in the server's layout: a weights-only view must not make short rows.
+            fresh = to_blobs(t.server.initial_rows(ids[torch.tensor(missing)]))
             won = set_nx(self._client, batch, missing, fresh)
             lost = []
             for k, blob, ok in zip(missing, fresh, won, strict=True):
@@ -161,8 +163,28 @@ class RedisRowIO(RedisCalls):
         rows = checked_rows(t.spec, ids, rows)
         for start in range(0, ids.numel(), self.chunk_rows):
             part = slice(start, start + self.chunk_rows)
-            blobs = to_blobs(rows[part])
-            self._call(op, t.spec.name, partial(self._put_blobs, t, ids[part], blobs))
+            if t.stored is None:
+                blobs = to_blobs(rows[part])
+                self._call(op, t.spec.name, partial(self._put_blobs, t, ids[part], blobs))
+            else:
+                self._call(
+                    op, t.spec.name, partial(self._put_keeping_state, t, ids[part], rows[part])
+                )
+
+    def _put_keeping_state(self, t: TableLayout, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write a view's rows (a weights-only client's) with the state the server holds for
+        them, fresh state where it holds none: the optimizer state survives a client that
+        does not know it (one writer per table, so nothing writes between the read and the
+        write)."""
+        server = t.server
+        values = self._mget_in_order(t, ids)
+        state = torch.full((ids.numel(), server.state_dim), float(server.state_init))
+        present = [k for k, value in enumerate(values) if value is not None]
+        if present:
+            _, kept = server.unpack(decode_blobs([values[k] for k in present], server))
+            state[torch.tensor(present, dtype=torch.int64)] = kept
+        weights, _ = t.spec.unpack(rows)
+        self._put_blobs(t, ids, to_blobs(server.pack(weights, state)))
 
     def _scan_ids(self, t: TableLayout) -> torch.Tensor:
         """Ids of every row of the table on the server, ascending (SCAN over all primaries)."""

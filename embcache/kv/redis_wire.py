@@ -176,10 +176,18 @@ class TableLayout:
     mark_keys: list[bytes]  # write marks: one (single server) or one per bucket (cluster)
     mark_slots: list[int]  # cluster slot of each mark (-1 on a single server)
     slot_units: dict[int, list[int]]  # slot (-1: single server) -> marks of its buckets
+    # The server's row layout when this client's differs (`view_layout`); None: the same.
+    stored: TableSpec | None = None
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of a row as this client sees it (`spec`)."""
         return self.spec.row_bytes
+
+    @property
+    def server(self) -> TableSpec:
+        """The spec whose layout the rows have on the server."""
+        return self.spec if self.stored is None else self.stored
 
 
 @dataclasses.dataclass
@@ -325,21 +333,44 @@ def to_blobs(rows: torch.Tensor) -> list[bytes]:
     return [data[k : k + width] for k in range(0, len(data), width)]
 
 
-def from_blobs(values: list[Any], t: TableLayout) -> torch.Tensor:
-    """Stored rows ``[n, stored_width]`` of the table's dtype from ``n`` row blobs, checking
-    each has the table's width."""
+def view_layout(t: TableLayout, spec: TableSpec, state_dim: int, state_init: float) -> TableLayout:
+    """``t`` seen by a client that declared ``spec`` while the rows on the server keep the
+    state layout ``(state_dim, state_init)``: `from_blobs` gives the client its own layout
+    (the server's weights, its own fresh state: none for a weights-only client), and the
+    server's rows, state included, stay as they are."""
+    if (spec.state_dim, float(spec.state_init)) == (state_dim, float(state_init)):
+        return dataclasses.replace(t, spec=spec, stored=None)
+    stored = dataclasses.replace(spec, state_dim=state_dim, state_init=state_init)
+    return dataclasses.replace(t, spec=spec, stored=stored)
+
+
+def decode_blobs(values: list[Any], spec: TableSpec) -> torch.Tensor:
+    """Stored rows ``[n, stored_width]`` of ``spec``'s layout from ``n`` row blobs, checking
+    each has its width."""
     data = b"".join(values)
-    if len(data) != len(values) * t.row_bytes:
-        bad = next(v for v in values if len(v) != t.row_bytes)
+    if len(data) != len(values) * spec.row_bytes:
+        bad = next(v for v in values if len(v) != spec.row_bytes)
         raise RuntimeError(
-            f"table {t.spec.name!r}: a row on the server has {len(bad)} bytes, expected "
-            f"{t.row_bytes} (dim={t.spec.dim} {t.spec.dtype} + state_dim={t.spec.state_dim} "
+            f"table {spec.name!r}: a row on the server has {len(bad)} bytes, expected "
+            f"{spec.row_bytes} (dim={spec.dim} {spec.dtype} + state_dim={spec.state_dim} "
             f"float32); was the table re-declared with another state layout by another client?"
         )
-    _, wire = _wire(t.spec.dtype)
+    _, wire = _wire(spec.dtype)
     flat = np.frombuffer(data, dtype=wire).astype(wire.newbyteorder("="))
-    rows = torch.from_numpy(flat).view(t.spec.dtype)
-    return rows.reshape(len(values), t.spec.stored_width)
+    rows = torch.from_numpy(flat).view(spec.dtype)
+    return rows.reshape(len(values), spec.stored_width)
+
+
+def from_blobs(values: list[Any], t: TableLayout) -> torch.Tensor:
+    """Stored rows ``[n, stored_width]`` of the client's layout (``t.spec``) from ``n`` row
+    blobs of the server's (``t.server``): the same rows, or, for a view, the server's weights
+    with the client's fresh state."""
+    rows = decode_blobs(values, t.server)
+    if t.stored is None:
+        return rows
+    weights, _ = t.stored.unpack(rows)
+    state = torch.full((len(values), t.spec.state_dim), float(t.spec.state_init))
+    return t.spec.pack(weights, state)
 
 
 def run_commands(client: Client, commands: list[Command]) -> list[Any]:

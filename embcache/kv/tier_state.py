@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from embcache.kv.id_set import IdSet
+
 if TYPE_CHECKING:
     from embcache.kv.base import Store
 
@@ -159,63 +161,57 @@ def expect_tier_state(store: Store, state: TierState | dict[str, Any] | None) ->
 
 class WrittenIds:
     """Ids of one table whose rows the tier acknowledged as written: a row of these found
-    missing was lost, not never created. Bounded tables keep a flag per row (1 byte a row);
-    unbounded ones a sorted id tensor (8 bytes a written row) with appends merged lazily.
-    Thread-safe."""
+    missing was lost, not never created. Bounded tables keep a flag per row (1 byte a row of
+    the table); unbounded ones an `IdSet` (a hash set: 16 to 32 bytes a written id, each call
+    constant in the ids written). Thread-safe."""
 
     def __init__(self, num_embeddings: int | None) -> None:
         self._num_embeddings = num_embeddings
         self._flags: torch.Tensor | None = None
-        self._sorted = torch.empty(0, dtype=torch.int64)
-        self._pending: list[torch.Tensor] = []
-        self._pending_rows = 0
+        self._set = IdSet() if num_embeddings is None else None
         self._lock = threading.Lock()
 
     def add(self, ids: torch.Tensor) -> None:
         with self._lock:
-            if self._num_embeddings is not None:
-                if self._flags is None:
-                    self._flags = torch.zeros(self._num_embeddings, dtype=torch.bool)
-                self._flags[ids] = True
+            if self._set is not None:
+                self._set.add(ids)
                 return
-            self._pending.append(ids.to(torch.int64).clone())
-            self._pending_rows += ids.numel()
-            if self._pending_rows > max(4096, self._sorted.numel()):
-                self._merge()
+            if self._flags is None:
+                self._flags = torch.zeros(self._num_embeddings or 0, dtype=torch.bool)
+            self._flags[ids] = True
 
     def discard(self, ids: torch.Tensor) -> None:
         with self._lock:
-            if self._num_embeddings is not None:
-                if self._flags is not None:
-                    self._flags[ids] = False
-                return
-            self._merge()
-            self._sorted = self._sorted[~torch.isin(self._sorted, ids)]
+            if self._set is not None:
+                self._set.discard(ids)
+            elif self._flags is not None:
+                self._flags[ids] = False
 
     def contains(self, ids: torch.Tensor) -> torch.Tensor:
         """bool ``[n]``: which of ``ids`` were written."""
         with self._lock:
-            if self._num_embeddings is not None:
-                if self._flags is None:
-                    return torch.zeros(ids.numel(), dtype=torch.bool)
-                return self._flags[ids]
-            self._merge()
-            return torch.isin(ids, self._sorted)
+            if self._set is not None:
+                return self._set.contains(ids)
+            if self._flags is None:
+                return torch.zeros(ids.numel(), dtype=torch.bool)
+            return self._flags[ids]
 
     def ids(self) -> torch.Tensor:
         """Every written id, ascending."""
         with self._lock:
-            if self._num_embeddings is not None:
-                if self._flags is None:
-                    return torch.empty(0, dtype=torch.int64)
-                return self._flags.nonzero().flatten()
-            self._merge()
-            return self._sorted.clone()
+            if self._set is not None:
+                return self._set.sorted()
+            if self._flags is None:
+                return torch.empty(0, dtype=torch.int64)
+            return self._flags.nonzero().flatten()
 
-    def _merge(self) -> None:
-        if self._pending:
-            self._sorted = torch.unique(torch.cat([self._sorted, *self._pending]))
-            self._pending, self._pending_rows = [], 0
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for the ids (the flags, or the hash set's slots)."""
+        with self._lock:
+            if self._set is not None:
+                return self._set.nbytes
+            return 0 if self._flags is None else self._flags.nbytes
 
 
 def missing_rows_message(describe: str, table: str, lost: torch.Tensor, how: str) -> str:

@@ -99,10 +99,10 @@ def test_shared_is_read_only(server: RedisServer) -> None:
         assert op in message and "owner" in message and "namespace" in message, message
     writer.put("t0", torch.tensor([3]), torch.full((1, 2), 6.0))
     assert torch.equal(reader.get("t0", torch.tensor([3])), torch.full((1, 2), 6.0))
-    with pytest.raises(embcache.TierOwnershipError, match="state layout"):
-        RedisKV(server.url, shared=True).init_table(
-            TableSpec("t0", dim=2, num_embeddings=10, state_dim=1)
-        )
+    # Another state layout opens too (issue 45, finding 3): the weights, its own fresh state.
+    other = RedisKV(server.url, shared=True)
+    other.init_table(TableSpec("t0", dim=2, num_embeddings=10, state_dim=1, state_init=0.5))
+    assert torch.equal(other.get("t0", torch.tensor([3])), torch.tensor([[6.0, 6.0, 0.5]]))
     assert embcache.open_store(f"{server.url}?shared=1").shared  # type: ignore[attr-defined]
 
 

@@ -217,11 +217,15 @@ def test_redeclare_with_state_keeps_weights(
     assert torch.equal(_export(kv, "t0")[1], _export(host, "t0")[1])
     assert torch.equal(kv.get("t0", ids)[:, :5], rows[:, :5])
     # Another client attaching with the old layout resets the state again (the protocol's
-    # re-declare); one still holding the old layout is told, not handed misshapen rows.
+    # re-declare); one still holding the old layout is told, not handed misshapen rows. A
+    # weights-only declaration ("drop") is a view of the rows, which keep their layout and
+    # state (issue 45, finding 3): its client reads the weights whatever the layout.
     stale = RedisKV(url, namespace=namespace, owner=kv.owner)
     stale.init_table(new)
     stale.init_table(old)
-    if new.row_width != old.row_width:
+    if new.state_dim == 0:
+        assert torch.equal(kv.get("t0", ids[:3]), rows[:3, :5])
+    elif new.row_width != old.row_width:
         with pytest.raises(RuntimeError, match="re-declared"):
             kv.get("t0", ids[:3])
     else:  # same width: the rows read fine, with the state the last declaration set
