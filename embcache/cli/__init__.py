@@ -166,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
         "they end)",
     )
     data.add_argument(
+        "--total-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train until step N, counted from the start of the first run: with --resume, "
+        "the steps its checkpoint has not done yet (none: exit 0 at once), so a job requeued "
+        "after a preemption with the same --resume DIR --checkpoint DIR --total-steps N "
+        "ends at step N however often it was stopped (not with --steps or --epochs, which "
+        "count from where this run starts)",
+    )
+    data.add_argument(
         "--epochs",
         type=int,
         default=None,

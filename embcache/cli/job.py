@@ -4,10 +4,14 @@ sharded by row over the ranks, MLPs under DistributedDataParallel, when there ar
 with ``--model seq``, a `SequenceRecommender` over MovieLens histories (likewise), trained
 on the data, evaluated on its held-out split, flushed, saved, summarised.
 
-A job stops early and cleanly on SIGTERM or SIGINT (`GracefulStop`): the step in flight (and
-one already prefetched) finishes, the ranks agree on the step to stop after, the rows are
-flushed, the checkpoint written, the tier closed (its leases released); the exit status is
-128 + the signal's number. A second signal exits at once. ``--checkpoint-every`` also saves
+A job stops early and cleanly on SIGTERM or SIGINT (`GracefulStop`), whether the signal reaches
+the one process, the ``--nproc`` launcher or any single rank: the step in flight (and one
+already prefetched) finishes, the ranks agree on the step to stop after and on the signal, the
+rows are flushed, the checkpoint written, the tier closed (its leases released), rank 0 says
+"stopped by SIGNAL after step N of TOTAL" on one line; there is no final evaluation, and the
+exit status is 128 + the signal's number. A signal that comes after the last step (during the
+evaluation or the final save) stops nothing: the run finishes, saves and exits 0. A second
+signal exits at once. ``--checkpoint-every`` also saves
 every N steps and keeps the last ``--keep-checkpoints`` of them under ``DIR/steps/``."""
 
 from __future__ import annotations
@@ -90,7 +94,9 @@ class GracefulStop:
 
     The first signal sets `signum` (the training loop asks `requested` before each batch and
     stops after the steps begun); a second exits at once with status 128 + its number, without
-    flushing (the tier's leases then lapse after their TTL).
+    flushing (the tier's leases then lapse after their TTL). With several ranks, a signal that
+    reached another rank is recorded by `agreed_stop` as `peer_signum`: it names the stop
+    (`stop_signum`, `name`) but does not count as this process's first signal.
 
     Args:
         signals: the signals handled.
@@ -103,6 +109,7 @@ class GracefulStop:
         self.signals = tuple(signals)
         self.announce = announce
         self.signum: int | None = None
+        self.peer_signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> GracefulStop:
@@ -123,8 +130,15 @@ class GracefulStop:
         return self.signum is not None
 
     @property
+    def stop_signum(self) -> int | None:
+        """The signal that stops the job: this process's, else another rank's."""
+        return self.signum if self.signum is not None else self.peer_signum
+
+    @property
     def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else ""
+        """The stopping signal's name ("SIGTERM"), or "" before any."""
+        signum = self.stop_signum
+        return signal.Signals(signum).name if signum is not None else ""
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
@@ -142,7 +156,9 @@ class GracefulStop:
 
 def agreed_stop(stopper: GracefulStop, world: int, device: torch.device) -> Callable[[], bool]:
     """``stop()`` for the training loop: the local flag, or with several ranks the flag of any
-    rank (an all-reduce per batch taken, so that every rank stops after the same step)."""
+    rank (an all-reduce per batch taken, so that every rank stops after the same step); a rank
+    that was not signalled learns the signal (the highest number, when ranks got different
+    ones) as ``stopper.peer_signum``, to name it and to exit with its status."""
     if world == 1:
         return lambda: stopper.requested
 
@@ -151,9 +167,12 @@ def agreed_stop(stopper: GracefulStop, world: int, device: torch.device) -> Call
     where = device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def stop() -> bool:
-        flag = torch.tensor([1 if stopper.requested else 0], device=where)
+        flag = torch.tensor([stopper.signum or 0], device=where)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        signum = int(flag.item())
+        if signum and stopper.signum is None:
+            stopper.peer_signum = signum
+        return signum != 0
 
     return stop
 
@@ -262,8 +281,10 @@ def run_job(
     a tier error ends the process with a one-line message; ranks raise them.
 
     Returns:
-        The exit status: 0, or 128 + the signal's number when ``stopper`` saw SIGTERM/SIGINT
-        (the run stopped after the step in flight, flushed and checkpointed).
+        The exit status: 0 when the run trained all its steps (a signal that came after the
+        last one included), or 128 + the signal's number when SIGTERM/SIGINT stopped it early
+        (after the step in flight, flushed and checkpointed; on every rank, whichever rank
+        the signal reached).
     """
     t_start = time.perf_counter()
     stopper = stopper or GracefulStop(signals=())
@@ -392,7 +413,7 @@ def run_job(
             save(first_step + len(result.losses))  # fewer than --steps after an early stop
         else:
             record.save(store, first_step + len(result.losses))
-        if args.plot is not None and rank == 0:
+        if args.plot is not None and rank == 0 and result.losses:
             write_plot(result, args.plot)
         failed = False
     except (ConnectionError, TierError, DataError, DivergedError, ResourceError) as err:
@@ -403,6 +424,7 @@ def run_job(
     finally:
         close_store(store, parser, failed)
     steps_done = first_step + len(result.losses)
+    target = first_step + args.steps  # where this run was to end
     if rank == 0:
         shown_store = args.store if world == 1 else f"{args.store} (per rank), {world} ranks"
         notes = []
@@ -429,26 +451,40 @@ def run_job(
                 )
             )
         if result.interrupted:
-            notes.append(("stopped", f"by {stopper.name} after step {steps_done}"))
-        print_summary(
-            args, data, model, result, lr, dense_lr, time.perf_counter() - t_start,
-            store=shown_store, prefetch=args.prefetch, notes=notes,
-        )  # fmt: skip
-    if not stopper.requested:
+            notes.append(("stopped", f"by {stopper.name} after step {steps_done} of {target}"))
+        if result.losses:  # a stop before the first step has nothing to summarise
+            print_summary(
+                args, data, model, result, lr, dense_lr, time.perf_counter() - t_start,
+                store=shown_store, prefetch=args.prefetch, notes=notes,
+            )  # fmt: skip
+    if not result.interrupted:
+        if stopper.requested and rank == 0:
+            print(
+                f"embcache train: {stopper.name} came after the last step: the run finished "
+                "and was saved",
+                file=sys.stderr,
+                flush=True,
+            )
         return 0
     if rank == 0:
+        print(f"embcache train: {_stop_line(args, stopper.name, steps_done, target)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return 128 + int(stopper.stop_signum or 0)
+
+
+def _stop_line(args: argparse.Namespace, name: str, steps_done: int, target: int) -> str:
+    """What a run stopped by a signal says: where it stopped, and how to finish it."""
+    if args.checkpoint is None:
+        saved = "no --checkpoint given"
+    else:
+        ckpt = args.checkpoint
         saved = (
-            f"checkpoint in {args.checkpoint} (continue with --resume {args.checkpoint})"
-            if args.checkpoint is not None
-            else "no --checkpoint given"
+            f"checkpoint in {ckpt} (continue with --resume {ckpt} --checkpoint {ckpt} "
+            f"--total-steps {target} to end at step {target})"
         )
-        print(
-            f"embcache train: stopped by {stopper.name} after step {steps_done}: rows flushed "
-            f"to the tier, {saved}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return 128 + int(stopper.signum or 0)
+    return (
+        f"stopped by {name} after step {steps_done} of {target}: rows flushed to the tier, " + saved
+    )
 
 
 class DivergedError(ValueError):

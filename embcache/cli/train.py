@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import NoReturn
@@ -23,6 +24,7 @@ from embcache.cli.job import (
 )
 from embcache.cli.ranks import spawn_ranks
 from embcache.cli.settings import check_memory, open_data, resolve_steps
+from embcache.data import ClickDataset
 from embcache.engine.interface import MAX_FUSION_K
 
 MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
@@ -88,6 +90,13 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         fail(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
     if args.steps is not None and args.epochs is not None:
         fail("--steps and --epochs: give one (--epochs N trains N passes over the training split)")
+    if args.total_steps is not None:
+        if args.total_steps < 1:
+            fail(f"--total-steps must be >= 1, got {args.total_steps}")
+        for flag, value in (("--steps", args.steps), ("--epochs", args.epochs)):
+            if value is not None:
+                fail(f"{flag} and --total-steps: give one (--total-steps N ends at step N, "
+                     "counted from the first run's start; --steps N trains N more)")  # fmt: skip
     if args.early_stop and (not args.eval_every or args.eval_batches == 0):
         fail(
             f"--early-stop {args.early_stop} counts evaluations during the run: give "
@@ -114,11 +123,13 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         fail("--device cuda: torch sees no CUDA device here; use --device cpu")
     if args.plot is not None and not args.plot.resolve().parent.is_dir():
         fail(f"--plot {args.plot}: directory {args.plot.resolve().parent} does not exist")
+    args.resumed_at = 0
     if args.resume is not None:
         try:
-            check_resume(args.resume, world, args.fusion_k, args.model)
+            resumed = check_resume(args.resume, world, args.fusion_k, args.model)
         except ValueError as err:
             fail(one_line(err))
+        args.resumed_at = int(resumed.get("steps_done", 0))
     if args.checkpoint is not None:
         try:
             check_checkpoint_path(args.checkpoint)
@@ -173,25 +184,47 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``embcache train``; returns the exit status (128 + a signal's number when SIGTERM or
-    SIGINT stopped it: see `embcache.cli.job.GracefulStop`)."""
+    SIGINT stopped it before its last step: see `embcache.cli.job.GracefulStop`).
+
+    The signal handlers go in first, so that a signal during the checks, the data's opening
+    or the model's building stops the run cleanly at its first step (with one line, no
+    traceback); the ``--nproc`` launcher's own handlers take over while its ranks run."""
     shown = warnings.formatwarning
     warnings.formatwarning = _one_line_warning
     try:
-        return _train(args, parser)
+        with GracefulStop(announce=os.environ.get("RANK", "0") == "0") as stopper:
+            return _train(args, parser, stopper)
     finally:
         warnings.formatwarning = shown
 
 
-def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _steps_to_train(args: argparse.Namespace, data: ClickDataset) -> int | None:
+    """This run's steps: --steps/--epochs (`resolve_steps`), or what is left of
+    --total-steps after the --resume checkpoint's step; None when nothing is left."""
+    if args.total_steps is None:
+        return resolve_steps(args, data)
+    left = args.total_steps - args.resumed_at
+    return left if left > 0 else None
+
+
+def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, stopper: GracefulStop) -> int:
     _check_train_args(args, parser)
     try:
         data = open_data(args, progress=not args.no_progress)
     except DATA_ERRORS as err:
         parser.error(f"--data {args.data}: {one_line(err)}")
     try:
-        args.steps = resolve_steps(args, data)  # the ranks are sent the number
+        steps = _steps_to_train(args, data)
     except ValueError as err:
         parser.error(one_line(err))
+    if steps is None:  # a requeued run that had already finished: nothing to do
+        print(
+            f"embcache train: --resume {args.resume} is at step {args.resumed_at}, "
+            f"--total-steps {args.total_steps}: nothing left to train",
+            file=sys.stderr,
+        )
+        return 0
+    args.steps = steps  # the ranks are sent the number
     widest = max((rows for rows in data.rows if rows is not None), default=1)
     if widest > 1 << args.fusion_k:
         parser.error(
@@ -203,6 +236,10 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as err:
         parser.error(one_line(err))
     if args.nproc > 1:
+        if stopper.requested:  # before the ranks were started: nothing to stop but this
+            print(f"embcache train: stopped by {stopper.name} before training began",
+                  file=sys.stderr)  # fmt: skip
+            return 128 + int(stopper.signum or 0)
         return spawn_ranks(args, parser)  # the parent forwards SIGTERM/SIGINT to the ranks
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # started by torchrun
@@ -211,9 +248,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         rank = dist.get_rank()
         try:
-            with GracefulStop(announce=rank == 0) as stopper:
-                return run_job(args, rank, world, data=data, stopper=stopper)
+            return run_job(args, rank, world, data=data, stopper=stopper)
         finally:
             dist.destroy_process_group()
-    with GracefulStop() as stopper:
-        return run_job(args, parser=parser, data=data, stopper=stopper)
+    return run_job(args, parser=parser, data=data, stopper=stopper)

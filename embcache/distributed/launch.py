@@ -25,8 +25,17 @@ rank that hangs fail after ``timeout``. As soon as one rank fails the parent giv
 a peer did are listed after it). `SpawnError.elapsed_s` says how long after that first failure
 the parent raised; `SpawnError.headline` is that rank's exception as one line ("Type: message").
 
-Signals. A rank gets SIGTERM when the process it was forked from dies (Linux), so none
-outlives a launcher that was killed. With ``on_signal``, the parent handles SIGTERM and SIGINT
+Dying with the launcher. No rank outlives the process that called `spawn`, however it dies:
+each rank watches that process from a daemon thread (`_watch_launcher`: a pidfd on Linux, its pid
+checked twice a second elsewhere) and kills itself with SIGKILL as soon as it is gone, with no
+flush and no checkpoint, as if the whole job had been killed: the launcher's SIGKILL means
+someone wanted the job gone at once (an out-of-memory killer, a scheduler past its grace time),
+and a rank that stopped gracefully without its launcher would still be writing the tier and the
+checkpoint while a requeued job resumes. The fork server (which lives while any process it
+forked holds its "alive" pipe) and the resource tracker (while any process holds its pipe) end
+when the ranks do. A rank also gets SIGTERM when the process it was forked from dies (Linux).
+
+Signals. With ``on_signal``, the parent handles SIGTERM and SIGINT
 while it waits: the first is sent on to every rank (each in its own process group, so a
 terminal's Ctrl-C reaches them only this way), ``on_signal(signum)`` is called, and the parent
 keeps waiting for the ranks (which are expected to stop soon, cleanly); a second kills them
@@ -41,6 +50,7 @@ import multiprocessing.util
 import os
 import pickle
 import queue as queue_module
+import select
 import signal
 import socket
 import sys
@@ -49,6 +59,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -190,6 +201,7 @@ def spawn(
         ctx.Process(
             target=_run_rank,
             args=(
+                _Launcher.this_process(),
                 rank,
                 nproc,
                 backend,
@@ -206,8 +218,6 @@ def spawn(
         )
         for rank in range(nproc)
     ]
-    import threading
-
     handled = on_signal is not None and threading.current_thread() is threading.main_thread()
     previous: dict[int, Any] = {}
     got: list[int] = []
@@ -325,6 +335,7 @@ def _is_peer_failure(e: BaseException) -> bool:
 
 
 def _run_rank(
+    launcher: _Launcher,
     rank: int,
     world_size: int,
     backend: str,
@@ -339,6 +350,7 @@ def _run_rank(
 ) -> None:
     """One rank: join the group, run ``fn``, report, and exit without waiting on peers."""
     _die_with_parent()
+    _watch_launcher(launcher)
     if own_group:  # signals reach it from the parent alone, not from a terminal's Ctrl-C
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
@@ -415,3 +427,78 @@ def _die_with_parent() -> None:
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class _Launcher:
+    """The process that called `spawn`, as its ranks identify it: its pid and, on Linux, its
+    start time in clock ticks since boot (``/proc/PID/stat``), so that a pid the kernel gave
+    to another process after the launcher died is not taken for it."""
+
+    pid: int
+    start_ticks: int | None
+
+    @staticmethod
+    def this_process() -> _Launcher:
+        return _Launcher(os.getpid(), _start_ticks(os.getpid()))
+
+    def alive(self) -> bool:
+        """Whether the launcher is still running (a zombie, dead but not yet reaped by its
+        parent, counts as gone)."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        except OSError:  # no /proc (not Linux): the pid alone
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+        fields = stat.rsplit(")", 1)[1].split()
+        return fields[0] not in ("Z", "X") and (
+            self.start_ticks is None or int(fields[19]) == self.start_ticks
+        )
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Field 22 of ``/proc/PID/stat``: when the process started; None without /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _watch_launcher(launcher: _Launcher) -> None:
+    """Kill this rank (SIGKILL) as soon as ``launcher`` is gone, from a daemon thread.
+
+    PR_SET_PDEATHSIG cannot do it: a rank's parent is the fork server, which outlives the
+    launcher for as long as the ranks hold its pipe. The thread waits on a pidfd of the
+    launcher (Linux 5.3+: readable once it exits, nothing polled), opened and then checked
+    against the launcher's start time, so a launcher that died before the pidfd was opened is
+    not mistaken for a new process with its pid; elsewhere it checks twice a second."""
+    pidfd = None
+    with contextlib.suppress(AttributeError, OSError):
+        pidfd = os.pidfd_open(launcher.pid)
+    if not launcher.alive():  # died before the watch began (or its pid is another's now)
+        _kill_self()
+
+    def watch() -> None:
+        if pidfd is not None:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            while not poller.poll():
+                pass
+        else:
+            while launcher.alive():
+                time.sleep(0.5)
+        _kill_self()
+
+    threading.Thread(target=watch, name="embcache-launcher-watch", daemon=True).start()
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
