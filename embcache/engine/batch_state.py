@@ -55,10 +55,18 @@ class Prepared:
 @dataclass
 class InFlight:
     """A forward in flight: each cache's share (slots locked until the step) and whether its
-    backward ran."""
+    backward ran.
+
+    A forward whose backward has not run gives its slots back at the next training forward,
+    `flush` (and so ``embcache.save``) or ``zero_grad`` (``released``): a validation pass with
+    gradients enabled never holds the cache. (A forward under ``torch.no_grad()`` leaves them:
+    it may run between a training forward and its backward.) Should its backward come after
+    all, the step resolves its rows again (`CacheEngine.locate`), so the update is the
+    same."""
 
     prepared: list[Prepared]
     backward_done: bool = False
+    released: bool = False
 
 
 @dataclass

@@ -8,9 +8,13 @@ backward hands each engine's gradient rows to `record_backward`, which appends
 ``update_in_backward``). The optimizer's ``step()`` calls `apply_trace`, which asks each engine
 to apply the optimizer's rule to its entries, then releases the slots.
 
-Rules for a batch that is never backpropagated: its locks last until the next training forward
-(`begin_batch`), `zero_grad` or `release_all`. A forward while an un-stepped trace exists is an
-error unless the collection accumulates gradients.
+Rules for a batch that is never backpropagated (a validation pass with gradients enabled, in
+``eval()`` or not): its locks last until the next training forward (`begin_batch`), `flush`
+(`release_forward_only`), `zero_grad` or `release_all`; a backward that comes after that is
+still applied exactly (`InFlight.released`). A forward under ``torch.no_grad()`` locks nothing
+and leaves them (it may run between a training forward and its backward). A training
+forward while an un-stepped trace exists is an error unless the collection accumulates
+gradients.
 
 A batch prefetched ahead of its forward (`issue`) is resolved on the `Prefetcher`'s worker
 thread; its forward takes what it resolved (`take_prefetch`). The rules that release a
@@ -179,16 +183,31 @@ class EngineGroup:
         if self.has_gradients and not self.accumulate_grads:
             raise RuntimeError(
                 "forward called while the previous backward's gradients are still in _trace: "
-                "call optimizer.step() (or zero_grad()) first, or build the collection with "
-                "accumulate_grads=True to sum gradients over several passes"
+                "call optimizer.step() first (or drop them with zero_grad(): the optimizer's "
+                "or model.zero_grad()), or build the collection with accumulate_grads=True to "
+                "sum the gradients of several backwards before one step"
             )
         kept = []
         for batch in self.inflight:
             if not batch.backward_done:
                 self.release(batch)
+                batch.released = True
             elif any(p.locked for p in batch.prepared):
                 kept.append(batch)  # backpropagated, waiting for step (accumulate_grads)
         self.inflight = kept
+
+    def release_forward_only(self) -> None:
+        """Give back the slots of forwards whose backward has not run (at a flush): nothing
+        is left locked by a pass that only read. Not while another thread trains the
+        collection (its forward awaits its backward)."""
+        if self.claim.held_elsewhere() or all(b.backward_done for b in self.inflight):
+            return
+        for batch in self.inflight:
+            if not batch.backward_done:
+                self.release(batch)
+                batch.released = True
+        self.inflight = [b for b in self.inflight if b.backward_done]
+        self.release_claim_if_idle()
 
     def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
         """Every engine's share of a checked batch; every id is validated (fused) before any
@@ -402,7 +421,9 @@ class EngineGroup:
         if release:
             self.claim.take("optimizer step")
         try:
-            if any(not self._tbe_applies(u, optimizer) for u in self._pending):
+            # A batch released before its backward holds no slots: its rows are located
+            # again, as entries.
+            if any(u.batch.released or not self._tbe_applies(u, optimizer) for u in self._pending):
                 self.entries()  # materialises every pending update as entries
             if self._entries:
                 self.apply(self._entries, optimizer)
@@ -446,6 +467,7 @@ class EngineGroup:
     def release_all(self) -> None:
         for batch in self.inflight:
             self.release(batch)
+            batch.released = True
         self.inflight = []
 
     # -- prefetch ----------------------------------------------------------------------------
@@ -593,6 +615,10 @@ class EngineGroup:
         self.generation += 1
 
     def flush(self) -> None:
+        """Write every dirty row back, after releasing the forwards never backpropagated
+        (`release_forward_only`), so that a save after a validation pass finds no slot
+        locked."""
+        self.release_forward_only()
         for cache in self.caches():
             cache.flush()
 

@@ -233,7 +233,8 @@ RULES: dict[OptimRule, RuleSpec] = {
             cli="rowwise_adagrad",
             sparse_class="SparseRowWiseAdaGrad",
             state=(StatePart("sum", per_weight=False),),
-            hyper={"weight_decay": 0.0, "eps": 1e-10},
+            # FBGEMM's default eps (SplitTableBatchedEmbeddingBagsCodegen's), the rule's origin.
+            hyper={"weight_decay": 0.0, "eps": 1e-8},
             state_init="initial_accumulator_value",
             torch_class="torchrec.optim.rowwise_adagrad.RowWiseAdagrad",
             fbgemm_cpu="EXACT_ROWWISE_ADAGRAD",

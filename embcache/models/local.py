@@ -137,17 +137,22 @@ class LocalCollection(CachedCollectionInterface):
         engines = self.engines
         if training:
             try:
+                self.row_grads.drop_if_zeroed()  # zero_grad(set_to_none=False) ran
                 if (
                     engines.has_gradients
                     and not self.accumulate_grads
                     and engines.optimizer is None
                 ):
                     raise RuntimeError(
-                        "the previous backward's gradients of this collection were never "
-                        "applied: nothing trains its tables. Give its parameters "
-                        "(model.parameters()) to the torch optimizer, build it with "
-                        "optimizer_type=..., or attach an embcache optimizer "
-                        "(embcache.SparseAdaGrad([collection], lr=...)) and call step()"
+                        "forward called while the previous backward's gradients of this "
+                        "collection await a step, and no optimizer has stepped them yet. To "
+                        "sum the gradients of several backwards before one step, build the "
+                        "collection with accumulate_grads=True; to drop them, call "
+                        "zero_grad() (the optimizer's, or model.zero_grad()). If nothing "
+                        "trains its tables, give its parameters (model.parameters()) to the "
+                        "torch optimizer, build it with optimizer_type=..., or attach an "
+                        "embcache optimizer (embcache.SparseAdaGrad([collection], lr=...)) "
+                        "and call step()"
                     )
                 engines.begin_batch()
                 self.row_grads.forward_started()

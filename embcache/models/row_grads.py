@@ -102,6 +102,25 @@ class RowGradients:
         """A training forward: the gradient its backward records is nobody's yet."""
         self.taken = self.applied = False
 
+    def drop_if_zeroed(self) -> None:
+        """Before a training forward: a gradient made and then zeroed in place
+        (``zero_grad(set_to_none=False)``) is dropped, as torch's next backward would start
+        from it; so is its step's claim on the slots. One host read, only when ``.grad`` was
+        made for the trace that awaits its step."""
+        flat, made_of = self._flat, self._made_of
+        engines = self._owner().engines
+        if (
+            flat is None
+            or made_of is None
+            or not engines.has_gradients
+            or made_of[0] is not engines.entries()
+            or made_of[1] != len(made_of[0])
+        ):
+            return
+        if not bool(flat.any()):
+            self._owner().zero_grad()
+            self._flat = self._made_of = None
+
     def backward_done(self) -> None:
         """A backward reached the anchor (its post-accumulate-grad hook)."""
         self.applied = self._owner().engines.update_in_backward

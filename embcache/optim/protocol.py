@@ -27,7 +27,9 @@ class SparseParameters(Protocol):
       hyper-parameters) to its rows, taking step numbers from ``optimizer.advance_steps``,
       and clears its gradients;
     * `zero_grad` to drop gradients; `sparse_tables`, `table_rows` and `write_table_rows` for
-      the optimizer's ``state_dict`` (the state columns beside each row).
+      the optimizer's ``state_dict`` (the state columns beside each row);
+    * `flush` (the optimizer's ``flush()``, RecStore's call after training): every update
+      applied so far written to the tier (a cache's dirty rows, a KV client's queued calls).
     """
 
     def attach_sparse_optimizer(self, optimizer: Any) -> None: ...
@@ -43,3 +45,5 @@ class SparseParameters(Protocol):
     def table_rows(self, table: str) -> torch.Tensor: ...
 
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None: ...
+
+    def flush(self) -> None: ...

@@ -218,6 +218,15 @@ class SparseOptimizer(torch.optim.Optimizer):
         for m in self.modules:
             m.apply_sparse_gradients(self)
 
+    def flush(self) -> None:
+        """Write every update applied so far to the tier (RecStore's ``optimizer.flush()``,
+        which its training loop calls at the end of an epoch): each module's dirty cached
+        rows, or for a `DistEmbedding` its KV client's queued calls. Gradients that await a
+        ``step()`` are not applied (call ``step()`` first); forwards never backpropagated
+        give their slots back."""
+        for m in self.modules:
+            m.flush()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop recorded gradients (and release the slots of batches in flight)."""
         del set_to_none  # accepted for torch.optim compatibility; traces are always dropped
@@ -442,13 +451,14 @@ class SparseAdaGrad(SparseOptimizer):
 
 class SparseRowWiseAdaGrad(SparseOptimizer):
     """FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, ``acc += mean(g*g)``,
-    ``w -= lr * g / (sqrt(acc) + eps)``."""
+    ``w -= lr * g / (sqrt(acc) + eps)``, with FBGEMM's default ``eps=1e-8`` (torchrec's
+    non-fused ``RowWiseAdagrad`` defaults to 1e-10: pass ``eps=1e-10`` to match that one)."""
 
     def __init__(
         self,
         modules=None,
         lr: float | None = None,
-        eps: float = 1e-10,
+        eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
         params=None,

@@ -139,6 +139,11 @@ class DistEmbedding(nn.Module):
     def sparse_tables(self) -> list[Any]:
         return []  # SGD keeps no state beside the rows
 
+    def flush(self) -> None:
+        """Every write of its KV client applied (`KVClient.flush`; the rows are written at
+        each step)."""
+        self.weight.client.flush()
+
     def table_rows(self, table: str) -> torch.Tensor:
         return self.weight[torch.arange(self.num_embeddings)]
 

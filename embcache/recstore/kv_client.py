@@ -93,8 +93,8 @@ class KVOptimizer:
         type: a rule's RecStore name: ``"SGD"``, ``"AdaGrad"``, ``"RowWiseAdaGrad"``,
             ``"Adam"`` or ``"AdamW"`` (case, ``_`` and ``-`` ignored).
         lr: learning rate.
-        eps: added to the root in the denominators (None: the rule's default, 1e-10 for the
-            AdaGrads, 1e-8 for Adam and AdamW).
+        eps: added to the root in the denominators (None: the rule's default, 1e-10 for
+            AdaGrad, 1e-8 for RowWiseAdaGrad (FBGEMM's), Adam and AdamW).
         weight_decay: L2 coefficient added to the gradient of the updated rows (AdamW: its
             decoupled decay); None: the rule's default (AdamW 1e-2, others 0).
         initial_accumulator_value: AdaGrad's accumulator of a fresh row.
