@@ -1,4 +1,5 @@
-# Two entry points on a fresh machine: `make demo` and `make test`. Both create .venv when missing.
+# Entry points on a fresh machine: `make demo`, `make check` (after every change) and `make test`
+# (the whole suite, what CI runs). Each creates .venv when missing.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ EXTRAS := dev,cpu,metrics,torchrec,redis,plots
 TYPED := embcache/backend.py embcache/indexing.py embcache/kv embcache/kernels embcache/cache \
 	embcache/checkpoint embcache/engine
 
-.PHONY: venv test test-fast demo bench lint format clean
+.PHONY: venv check test demo bench lint format clean
 
 venv: $(STAMP)
 
@@ -31,11 +32,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps --no-warn-conflicts $(NODEPS_PINS)
 	touch $(STAMP)
 
+# The check to run after every change, about 2 minutes on 2 cores: lint, then the in-process
+# tests, each test function's first case per backend (EMBCACHE_TEST_SUBSET). Left to `make test`:
+# the tests marked `integration` (tests/conftest.py marks every test that starts a process or a
+# server) or `slow`.
+check: lint
+	EMBCACHE_TEST_SUBSET=first-per-function $(BIN)/python -m pytest -q --disable-warnings \
+		-m "not integration and not slow"
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(BIN)/embcache train
@@ -58,9 +64,10 @@ clean:
 # The GPU check rehearsed on this CPU: benchmarks/gpu_check.sh --rehearsal in a Python built like
 # the GPU image's, once, under ~/.cache/embcache/gpu-image-py3.12 (tests/gpu_image/build.sh:
 # Python 3.12, torch 2.11.0+cu130, triton 3.6.0; ~5 GB, 1-3 minutes the first time).
-# gpu-rehearsal: every step and every test the GPU runs, Triton in its interpreter; run it before
-# a GPU is lent and after changing kernels or their tests. gpu-rehearsal-ci: the same steps, every
-# kernel test collected, the first of each test function run per backend (.ci/run).
+# gpu-rehearsal: every step and every test the GPU check runs, Triton in its interpreter; run it
+# after changing kernels or their tests, and before a first run on a new GPU machine
+# (docs/gpu-check.md). gpu-rehearsal-ci: the same steps, every kernel test collected, the first of
+# each test function run per backend (.ci/run).
 .PHONY: gpu-image gpu-rehearsal gpu-rehearsal-ci
 
 gpu-image:
