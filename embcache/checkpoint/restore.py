@@ -33,6 +33,7 @@ from embcache.checkpoint.verify import (
 )
 from embcache.engine.row_init import DrawnInit
 from embcache.kv.base import HashedInit, RowInit, TableSpec
+from embcache.kv.bucket_index import check_scores
 from embcache.optim.sparse import SparseOptimizer
 from embcache.recstore.kv_client import KVClient
 
@@ -341,6 +342,11 @@ def _verify_tables(
                     f"expected {f['rows']} ids and {dtype} rows of width {spec.stored_width}"
                     + (" with a score each" if "scores" in keys else "")
                 )
+            if "scores" in keys:
+                try:
+                    check_scores(chunk["scores"])
+                except ValueError as err:
+                    raise CheckpointError(f"{where}: eviction {err}") from None
             if ids.numel():
                 ascending = bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) > last
                 limit = spec.num_embeddings

@@ -41,7 +41,7 @@ from embcache.data.movielens import DEFAULT_HISTORY
 from embcache.devices import resolve_device
 from embcache.engine.interface import FUSION_K
 from embcache.kv.base import Store
-from embcache.kv.errors import TierDataLossError, TierError
+from embcache.kv.errors import TierDataLossError, TierError, TierFullError
 from embcache.kv.redact import redact_text, redact_url
 from embcache.kv.tier_state import TierState
 from embcache.kv.url import open_store
@@ -180,6 +180,21 @@ def agreed_stop(stopper: GracefulStop, world: int, device: torch.device) -> Call
 def one_line(err: BaseException) -> str:
     """An error as one line of text, any URL in it without its password."""
     return redact_text(" ".join(str(err).split()) or type(err).__name__)
+
+
+def ended_by(err: BaseException, checkpoint: Path | None) -> BaseException:
+    """The error that ended a run, as the CLI reports it. A full tier's "nothing was lost"
+    holds for a caller that can repeat the call; this process exits and its cache's unwritten
+    rows go with it, so the message says what was lost and where to resume."""
+    if not isinstance(err, TierFullError):
+        return err
+    refused = str(err).partition(" Nothing was lost")[0]
+    resume = f"--resume {checkpoint}" if checkpoint is not None else "a new run"
+    return TierFullError(
+        f"{refused} The rows this run updated since its last checkpoint and not yet written "
+        f"to the tier are lost with this process; raise the server's maxmemory (or bound the "
+        f"tables: a tier capacity), then continue with {resume}"
+    )
 
 
 def _fail(parser: argparse.ArgumentParser | None, code: int, err: BaseException) -> NoReturn:
@@ -420,7 +435,7 @@ def run_job(
         # The tier went away, lost writes or was taken over mid-run, the data stream broke,
         # the loss diverged or memory ran out: its own one-line message (the tier's names the
         # URL, table and what to do).
-        _fail(parser, 1, err)
+        _fail(parser, 1, ended_by(err, args.checkpoint))
     finally:
         close_store(store, parser, failed)
     steps_done = first_step + len(result.losses)

@@ -51,6 +51,7 @@ class StepClaim:
         self.name = name
         self.thread: threading.Thread | None = None
         self.batches: list[InFlight] = []
+        self.closed = False  # set by the collection's close(): it trains no more
         self._lock = threading.Lock()
 
     def take(self, what: str) -> bool:
@@ -60,8 +61,11 @@ class StepClaim:
             Whether the claim is new (the caller releases it if its call fails).
 
         Raises:
-            RuntimeError: another thread, still running, holds the claim.
+            RuntimeError: another thread, still running, holds the claim; or the collection
+                was closed.
         """
+        if self.closed:
+            self._refuse_closed(what)
         me = threading.current_thread()
         # Already this thread's (every call of a step after its forward): no lock needed, as
         # no other thread takes a claim whose thread is alive.
@@ -75,7 +79,10 @@ class StepClaim:
             return True
 
     def check(self, what: str) -> None:
-        """Refuse ``what`` from the calling thread if another thread holds the claim."""
+        """Refuse ``what`` from the calling thread if another thread holds the claim, or
+        after the collection was closed."""
+        if self.closed:
+            self._refuse_closed(what)
         me = threading.current_thread()
         if self.thread is me or _in_backward():
             return
@@ -114,6 +121,14 @@ class StepClaim:
         with self._lock:
             self.thread = None
             self.batches = []
+
+    def _refuse_closed(self, what: str) -> None:
+        # Its rows were written back and its store closed or flushed: an update now would stay
+        # in the cache, never written.
+        raise RuntimeError(
+            f"{what} on a closed {self.name}: close() ended its training (its rows were written "
+            "back); build a new collection to train again"
+        )
 
     def _refuse(self, what: str, me: threading.Thread) -> None:
         owner = self.thread

@@ -453,8 +453,9 @@ class EngineGroup:
 
     def zero_grad(self) -> None:
         """Drop the recorded gradients and the locks of every forward in flight, prefetched
-        ones included; ends the step's claim."""
-        self.claim.take("zero_grad")
+        ones included; ends the step's claim. Allowed after close (there is nothing to drop)."""
+        if not self.claim.closed:
+            self.claim.take("zero_grad")
         self._entries, self._pending = [], []
         self.release_all()
         self.prefetches.release_all()

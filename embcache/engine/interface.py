@@ -387,7 +387,9 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         interpreter's exit for a collection still alive then.
 
         Idempotent. If the write-back fails nothing is closed, the rows stay dirty in the
-        cache, and the call (or the exit) may try again. Later lookups on a closed store fail.
+        cache, and the call (or the exit) may try again. Later training calls (a forward with
+        gradients, a prefetch, an optimizer step) raise `RuntimeError`; lookups on a closed
+        store fail.
         """
         if self._closed:
             return
@@ -399,6 +401,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         else:
             self.store.flush()
         self._closed = True
+        self.engines.claim.closed = True  # training calls are refused from now on
         atexit.unregister(self._exit_hook)
 
     def __enter__(self) -> CachedCollectionInterface:

@@ -60,6 +60,15 @@ FREE_SCORE = (1 << 63) - 1  # score of a free position: after every held one in 
 _GROWABLE_SETS = 2  # buckets of a new growable index
 
 
+def check_scores(scores: torch.Tensor) -> None:
+    """Raise `ValueError` unless ``scores`` are eviction scores a bounded table could hold:
+    int64 in ``[0, FREE_SCORE)`` (what `BucketIndex.set_scores` restores)."""
+    if scores.dtype != torch.int64:
+        raise ValueError(f"scores must be int64, got {scores.dtype}")
+    if scores.numel() and not bool(((scores >= 0) & (scores < FREE_SCORE)).all()):
+        raise ValueError(f"scores must be in [0, {FREE_SCORE}), got {scores.tolist()[:8]}")
+
+
 class TierCapacityError(ValueError):
     """A bounded table cannot take new rows: their buckets hold only pinned rows."""
 
@@ -364,8 +373,7 @@ class BucketIndex:
     def set_scores(self, positions: torch.Tensor, scores: torch.Tensor) -> None:
         """Restore checkpointed scores of held positions; the LRU clock moves past them, so
         later uses order after every restored one, as they did when the scores were saved."""
-        if scores.numel() and not bool(((scores >= 0) & (scores < FREE_SCORE)).all()):
-            raise ValueError(f"scores must be in [0, {FREE_SCORE}), got {scores.tolist()[:8]}")
+        check_scores(scores)
         self.scores[positions] = scores
         if scores.numel():
             self.clock.advance(int(scores.max()))

@@ -24,6 +24,8 @@ SHOWN_AFTER_SECRET = frozenset(
 )  # fmt: skip
 # A URL inside free text: a scheme, "://", then anything up to white space or a quote.
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+# A scheme whose "://" was mistyped: the scheme word, the ':' and '/' typed instead, the rest.
+_MISTYPED_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*|)([:/]*)(.*)", re.DOTALL)
 
 
 def redact_url(url: str) -> str:
@@ -34,15 +36,23 @@ def redact_url(url: str) -> str:
     the parser would: everything up to the last ``@`` is user information, a fragment
     (``#...``) is hidden whole, and query segments after a secret parameter that are not
     known options (`SHOWN_AFTER_SECRET`) are taken for the rest of it (``?password=Wr&ngPw``,
-    ``?password=Wr&ng=Pw``) and hidden with it. Text that is not a URL comes back
-    unchanged.
+    ``?password=Wr&ng=Pw``) and hidden with it. A spec whose ``://`` was mistyped
+    (``redis:/:pw@host``, ``rediss//:pw@host``) is redacted as the URL it was meant to be,
+    keeping the typo. Text with no ``://`` and no ``@``, ``?`` or ``#`` comes back unchanged.
 
     Example:
         >>> redact_url("redis://:hunter2@127.0.0.1:6379/0?password=x&namespace=m")
         'redis://:***@127.0.0.1:6379/0?password=***&namespace=m'
     """
-    if not isinstance(url, str) or "://" not in url:
+    if not isinstance(url, str):
         return url
+    if "://" not in url:
+        if not any(c in url for c in "@?#"):
+            return url
+        typed = _MISTYPED_SCHEME.fullmatch(url)
+        assert typed is not None  # the pattern matches any text
+        scheme, separator, rest = typed.groups()
+        return redact_url(f"x://{rest}").replace("x://", scheme + separator, 1)
     scheme, _, rest = url.partition("://")
     prefix = ""
     if "@" in rest:

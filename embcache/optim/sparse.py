@@ -315,6 +315,17 @@ class SparseOptimizer(torch.optim.Optimizer):
                 f"optimizer state covers {len(state['state'])} modules, this optimizer "
                 f"{len(self.modules)}"
             )
+        for group in state.get("param_groups", ())[:1]:
+            # The rules the live optimizer enforces (`RowUpdate`), before anything is applied:
+            # an lr of -1 loaded would fail every later step, save and load.
+            hyper = {k: group[k] for k in self._update_keys if k in group}
+            betas = hyper.pop("betas", None)
+            try:
+                if betas is not None:
+                    hyper["beta1"], hyper["beta2"] = betas
+                dataclasses.replace(self.update, **hyper)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"optimizer state: {err}") from None
 
     def state_dict(self) -> dict[str, Any]:
         """Hyper-parameters, step counts and the state of every row of every table.
