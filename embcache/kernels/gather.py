@@ -25,7 +25,7 @@ import triton.language as tl
 from embcache.kernels import gather_ref
 from embcache.kernels.backend import use_triton
 from embcache.kernels.checks import as_index, check_int, require
-from embcache.kernels.pooling import chunk_sum_kernel, split_segments, tile_blocks
+from embcache.kernels.pooling import chunk_span, chunk_sum_kernel, split_segments, tile_blocks
 
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -106,13 +106,15 @@ def _gather_backward_kernel(
     m_d = o_d < dim
     for k in range(BLOCK_U):
         o_c = i_c * BLOCK_U + k
-        u = tl.load(chunk_unique_ptr + o_c, mask=o_c < num_chunks, other=num_unique)
-        m_u = u < num_unique
-        first = tl.load(chunk_first_ptr + u, mask=m_u, other=0)
-        last = tl.load(chunk_first_ptr + u + 1, mask=m_u, other=0)
-        seg_end = tl.load(segment_starts_ptr + u + 1, mask=m_u, other=0)
-        seg_start = tl.load(segment_starts_ptr + u, mask=m_u, other=0) + (o_c - first) * CHUNK
-        seg_end = tl.minimum(seg_end, seg_start + CHUNK)
+        u, m_u, seg_start, seg_end, single = chunk_span(
+            chunk_unique_ptr,
+            chunk_first_ptr,
+            segment_starts_ptr,
+            o_c,
+            num_chunks,
+            num_unique,
+            CHUNK,
+        )
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
             o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -122,7 +124,6 @@ def _gather_backward_kernel(
             p_g = grad_out_ptr + b_j[:, None] * stride_grad_n + o_d[None, :] * stride_grad_col
             b_g = tl.load(p_g, mask=m_g, other=0.0)  # [BLOCK_N, BLOCK_D]
             b_acc += tl.sum(b_g, axis=0)
-        single = last - first == 1
         tl.store(grad_unique_ptr + u * dim + o_d, b_acc, mask=m_u & m_d & single)
         tl.store(partial_ptr + o_c * dim + o_d, b_acc, mask=m_u & m_d & ~single)
 

@@ -68,7 +68,7 @@ from embcache.kernels.optim_ref import (
     sgd_update_ref,
 )
 from embcache.kernels.optim_rules import RULES, OptimRule
-from embcache.kernels.pooling import chunk_sum_kernel, split_segments
+from embcache.kernels.pooling import chunk_span, chunk_sum_kernel, split_segments
 from embcache.kernels.rounding import rounding_key, row_hash, store_weights
 
 
@@ -331,13 +331,9 @@ def _segment_sum_kernel(
     m_d = o_d < dim
     for k in range(BLOCK_U):
         o_c = i_c * BLOCK_U + k
-        u = tl.load(chunk_unique_ptr + o_c, mask=o_c < num_chunks, other=num_unique)
-        m_u = u < num_unique
-        first = tl.load(chunk_first_ptr + u, mask=m_u, other=0)
-        last = tl.load(chunk_first_ptr + u + 1, mask=m_u, other=0)
-        seg_end = tl.load(offsets_ptr + u + 1, mask=m_u, other=0)
-        seg_start = tl.load(offsets_ptr + u, mask=m_u, other=0) + (o_c - first) * CHUNK
-        seg_end = tl.minimum(seg_end, seg_start + CHUNK)
+        u, m_u, seg_start, seg_end, single = chunk_span(
+            chunk_unique_ptr, chunk_first_ptr, offsets_ptr, o_c, num_chunks, num_unique, CHUNK
+        )
         b_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
             o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -347,7 +343,6 @@ def _segment_sum_kernel(
             m_g = m_n[:, None] & m_d[None, :]  # [BLOCK_N, BLOCK_D]
             b_g = tl.load(p_g, mask=m_g, other=0.0)  # [BLOCK_N, BLOCK_D]
             b_sum += tl.sum(b_g, axis=0)
-        single = last - first == 1
         tl.store(out_ptr + u * stride_on + o_d * stride_od, b_sum, mask=m_u & m_d & single)
         tl.store(partial_ptr + o_c * dim + o_d, b_sum, mask=m_u & m_d & ~single)
 

@@ -126,6 +126,25 @@ def _pool_forward_kernel(
     tl.store(p_out, b_acc, mask=m_d)
 
 
+@triton.jit
+def chunk_span(
+    chunk_unique_ptr, chunk_first_ptr, segment_starts_ptr, o_c, num_chunks, num_unique,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Chunk ``o_c`` of `split_segments`' table: ``(u, m_u, start, end, single)``, its unique
+    id, whether it is a real chunk (not padding), the span ``[start, end)`` of the grouped
+    order it sums, and whether it is its id's only chunk (its sum is then the id's). Shared by
+    the three segment-sum kernels (`_pool_backward_kernel`, `gather._gather_backward_kernel`,
+    `optim._segment_sum_kernel`)."""
+    u = tl.load(chunk_unique_ptr + o_c, mask=o_c < num_chunks, other=num_unique)
+    m_u = u < num_unique
+    first = tl.load(chunk_first_ptr + u, mask=m_u, other=0)
+    last = tl.load(chunk_first_ptr + u + 1, mask=m_u, other=0)
+    end = tl.load(segment_starts_ptr + u + 1, mask=m_u, other=0)
+    start = tl.load(segment_starts_ptr + u, mask=m_u, other=0) + (o_c - first) * CHUNK
+    return u, m_u, start, tl.minimum(end, start + CHUNK), last - first == 1
+
+
 @triton.jit(do_not_specialize=["num_chunks", "num_unique", "batch_size"])  # per batch: one variant
 def _pool_backward_kernel(
     grad_out_ptr,
@@ -171,13 +190,15 @@ def _pool_backward_kernel(
     m_d = o_d < dim
     for k in range(BLOCK_U):
         o_c = i_c * BLOCK_U + k
-        u = tl.load(chunk_unique_ptr + o_c, mask=o_c < num_chunks, other=num_unique)
-        m_u = u < num_unique
-        first = tl.load(chunk_first_ptr + u, mask=m_u, other=0)
-        last = tl.load(chunk_first_ptr + u + 1, mask=m_u, other=0)
-        seg_end = tl.load(segment_starts_ptr + u + 1, mask=m_u, other=0)
-        seg_start = tl.load(segment_starts_ptr + u, mask=m_u, other=0) + (o_c - first) * CHUNK
-        seg_end = tl.minimum(seg_end, seg_start + CHUNK)
+        u, m_u, seg_start, seg_end, single = chunk_span(
+            chunk_unique_ptr,
+            chunk_first_ptr,
+            segment_starts_ptr,
+            o_c,
+            num_chunks,
+            num_unique,
+            CHUNK,
+        )
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
             o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -206,7 +227,6 @@ def _pool_backward_kernel(
                 b_w = tl.load(weights_ptr + b_j, mask=m_n, other=0.0).to(tl.float32)  # [BLOCK_N]
                 b_g = b_g * b_w[:, None]
             b_acc += tl.sum(b_g, axis=0)
-        single = last - first == 1
         tl.store(grad_unique_ptr + u * dim + o_d, b_acc, mask=m_u & m_d & single)
         tl.store(partial_ptr + o_c * dim + o_d, b_acc, mask=m_u & m_d & ~single)
 
