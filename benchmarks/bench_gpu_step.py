@@ -137,6 +137,46 @@ class TorchSparse(nn.Module):
         return torch.cat(outs, dim=1)
 
 
+def torch_step(weights: list[torch.Tensor], batches: list[Batch], device: torch.device):
+    """The baseline's model and its training step on ``batches[i]``."""
+    base = TorchSparse(weights, device)
+    opt = torch.optim.Adagrad(base.parameters(), lr=LR, eps=EPS)
+
+    def step(i: int) -> None:
+        b = batches[i]
+        (base(b) * b.coeff).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return base, step
+
+
+def cached_step(cfg: Config, fraction: float, batches: list[Batch], device: torch.device):
+    """`CachedEmbeddingBagCollection` holding ``fraction`` of ``cfg``'s tables over `HostKV`,
+    and its training step (sparse AdaGrad) on ``batches[i]``."""
+    tables = [
+        embcache.TableConfig(
+            name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f"f{i}"]
+        )
+        for i in range(cfg.tables)
+    ]
+    ours = embcache.CachedEmbeddingBagCollection(
+        tables,
+        cache=embcache.CacheConfig(load_factor=fraction),
+        store=embcache.HostKV(),
+        device=device,
+        seed=0,
+    )
+    opt = embcache.SparseAdaGrad([ours], lr=LR, eps=EPS)
+
+    def step(i: int) -> None:
+        b = batches[i]
+        (ours(b.kjt).values() * b.coeff).sum().backward()
+        opt.step()
+
+    return ours, step
+
+
 class Compiles:
     """Counts Triton compiles in this process (0 where Triton has no such hook)."""
 
@@ -198,16 +238,9 @@ def run(cfg: Config, device: torch.device) -> list[Row]:
     unique = sum(b.unique for b in timed) / len(timed)
     _progress(f"{cfg.steps} batches made on {device}", t0)
 
-    base = TorchSparse(weights, device)
-    base_opt = torch.optim.Adagrad(base.parameters(), lr=LR, eps=EPS)
+    base, base_step = torch_step(weights, batches, device)
     with torch.no_grad():
         first = base(batches[0])
-
-    def base_step(i: int) -> None:
-        b = batches[i]
-        (base(b) * b.coeff).sum().backward()
-        base_opt.step()
-        base_opt.zero_grad(set_to_none=True)
 
     for i in range(cfg.steps):  # the pass whose weights are checked
         base_step(i)
@@ -223,33 +256,12 @@ def run(cfg: Config, device: torch.device) -> list[Row]:
     _progress(f"torch_sparse {base_s * 1e3:.2f} ms/step after {base_warm} warm-up steps", t0)
 
     for fraction in (1.0, 0.1):
-        tables = [
-            embcache.TableConfig(
-                name=f"t{i}",
-                embedding_dim=cfg.dim,
-                num_embeddings=cfg.rows,
-                feature_names=[f"f{i}"],
-            )
-            for i in range(cfg.tables)
-        ]
-        ours = embcache.CachedEmbeddingBagCollection(
-            tables,
-            cache=embcache.CacheConfig(load_factor=fraction),
-            store=embcache.HostKV(),
-            device=device,
-            seed=0,
-        )
+        ours, step = cached_step(cfg, fraction, batches, device)
         ours.load_state_dict({f"embedding_bags.t{i}.weight": w for i, w in enumerate(weights)})
-        opt = embcache.SparseAdaGrad([ours], lr=LR, eps=EPS)
         with torch.no_grad():
             got = ours(batches[0].kjt).values()
         torch.testing.assert_close(got, first, rtol=1e-5, atol=1e-6)
         _progress(f"embcache_{round(fraction * 100)} built and loaded", t0)
-
-        def step(i: int, ours=ours, opt=opt) -> None:
-            b = batches[i]
-            (ours(b.kjt).values() * b.coeff).sum().backward()
-            opt.step()
 
         for i in range(cfg.steps):  # the pass whose weights are checked
             step(i)
@@ -285,7 +297,7 @@ def run(cfg: Config, device: torch.device) -> list[Row]:
                 warm,
             )
         )
-        del ours, opt
+        del ours, step
     return rows
 
 

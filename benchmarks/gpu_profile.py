@@ -43,9 +43,7 @@ from _common import (
     set_threads,
     write_csv,
 )
-from bench_gpu_step import EPS, LR, SIZES, TorchSparse, make_batches
-
-import embcache
+from bench_gpu_step import SIZES, cached_step, make_batches, torch_step
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -187,41 +185,12 @@ def run(cfg_name: str, device: torch.device, steps: int, warmup: int) -> tuple[l
     rows: list[Row] = []
     top: list[str] = []
 
-    base = TorchSparse(weights, device)
-    base_opt = torch.optim.Adagrad(base.parameters(), lr=LR, eps=EPS)
-
-    def base_step(i: int) -> None:
-        b = batches[i]
-        (base(b) * b.coeff).sum().backward()
-        base_opt.step()
-        base_opt.zero_grad(set_to_none=True)
+    _, base_step = torch_step(weights, batches, device)
 
     with CompileCounter() as compiles:
         rows.append(measure("torch_sparse", base_step, steps, warmup, device, compiles, top))
         for fraction in (1.0, 0.1):
-            tables = [
-                embcache.TableConfig(
-                    name=f"t{i}",
-                    embedding_dim=cfg.dim,
-                    num_embeddings=cfg.rows,
-                    feature_names=[f"f{i}"],
-                )
-                for i in range(cfg.tables)
-            ]
-            ours = embcache.CachedEmbeddingBagCollection(
-                tables,
-                cache=embcache.CacheConfig(load_factor=fraction),
-                store=embcache.HostKV(),
-                device=device,
-                seed=0,
-            )
-            opt = embcache.SparseAdaGrad([ours], lr=LR, eps=EPS)
-
-            def step(i: int, ours=ours, opt=opt) -> None:
-                b = batches[i]
-                (ours(b.kjt).values() * b.coeff).sum().backward()
-                opt.step()
-
+            _, step = cached_step(cfg, fraction, batches, device)
             compiles.by_step.clear()
             impl = f"embcache_{round(fraction * 100)}"
             rows.append(measure(impl, step, steps, warmup, device, compiles, top))
