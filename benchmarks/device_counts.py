@@ -29,8 +29,6 @@ import torch
 from _common import add_output_options, parse_args, write_csv
 from compile_kernels import compile_key
 
-import embcache
-
 STEPS, WARMUP = 6, 2
 
 
@@ -53,24 +51,11 @@ class Row:
 def count(num_tables: int, num_dims: int, load_factor: float) -> Row:
     from triton.runtime import interpreter
 
-    from tests.launch_count import LaunchCounter
+    from tests.launch_count import LaunchCounter, counted_collection
     from tests.sync_count import SyncCounter
 
-    tables = [
-        embcache.TableConfig(
-            name=f"t{i}",
-            embedding_dim=8 * (1 + i % num_dims),
-            num_embeddings=1000,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(num_tables)
-    ]
-    ebc = embcache.CachedEmbeddingBagCollection(
-        tables=tables, cache=embcache.CacheConfig(load_factor=load_factor, ways=4)
-    )
-    opt = embcache.SparseAdaGrad([ebc], lr=0.1)
+    ebc, opt, make_batch = counted_collection(num_tables, num_dims, load_factor)
     gen = torch.Generator().manual_seed(0)
-    keys = [f"f{i}" for i in range(num_tables)]
     first: dict[tuple, int] = {}
     step_now = [0]
     run = interpreter.InterpretedFunction.run
@@ -83,10 +68,7 @@ def count(num_tables: int, num_dims: int, load_factor: float) -> Row:
     try:
         for step in range(STEPS):
             step_now[0] = step
-            batch = [1, 16, 7, 33, 16, 48][step % 6]
-            lengths = torch.randint(1, 5, (num_tables * batch,), generator=gen)
-            values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
-            kjt = embcache.JaggedBatch.from_lengths(keys, values, lengths)
+            kjt = make_batch([1, 16, 7, 33, 16, 48][step % 6], gen)
             last = step == STEPS - 1
             with SyncCounter() as sf, LaunchCounter() as lf:
                 out = ebc(kjt).values()

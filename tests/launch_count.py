@@ -13,8 +13,10 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import embcache
 from tests.sync_count import _on_host_side
 
 # Ops that launch nothing on a GPU: views, metadata, and allocations without a fill.
@@ -74,3 +76,31 @@ class LaunchCounter:
     @property
     def triton(self) -> int:
         return sum(v for k, v in self.counts.items() if k.startswith("triton."))
+
+
+def counted_collection(num_tables: int, num_dims: int, load_factor: float):
+    """What the device-path counts run (`tests/engine/test_launch_count.py`,
+    `benchmarks/device_counts.py`): a collection of ``num_tables`` tables of 1,000 rows over
+    ``num_dims`` dims (8, 16, ...), ``load_factor`` of them cached in 4-way sets, with sparse
+    AdaGrad; and ``batch(samples, gen)``, random bags of 1 to 4 ids for each of its features."""
+    tables = [
+        embcache.TableConfig(
+            name=f"t{i}",
+            embedding_dim=8 * (1 + i % num_dims),
+            num_embeddings=1000,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(num_tables)
+    ]
+    ebc = embcache.CachedEmbeddingBagCollection(
+        tables=tables, cache=embcache.CacheConfig(load_factor=load_factor, ways=4)
+    )
+    opt = embcache.SparseAdaGrad([ebc], lr=0.1)
+    keys = [f"f{i}" for i in range(num_tables)]
+
+    def batch(samples: int, gen: torch.Generator) -> embcache.JaggedBatch:
+        lengths = torch.randint(1, 5, (num_tables * samples,), generator=gen)
+        values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
+        return embcache.JaggedBatch.from_lengths(keys, values, lengths)
+
+    return ebc, opt, batch

@@ -12,36 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import embcache
-from tests.launch_count import LaunchCounter
+from tests.launch_count import LaunchCounter, counted_collection
 
 
 def _counts(num_tables: int, num_dims: int, load_factor: float) -> dict[str, int]:
-    tables = [
-        embcache.TableConfig(
-            name=f"t{i}",
-            embedding_dim=8 * (1 + i % num_dims),
-            num_embeddings=1000,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(num_tables)
-    ]
-    ebc = embcache.CachedEmbeddingBagCollection(
-        tables=tables, cache=embcache.CacheConfig(load_factor=load_factor, ways=4)
-    )
-    opt = embcache.SparseAdaGrad([ebc], lr=0.1)
+    ebc, opt, batch = counted_collection(num_tables, num_dims, load_factor)
     gen = torch.Generator().manual_seed(0)
-    keys = [f"f{i}" for i in range(num_tables)]
-
-    def batch() -> embcache.JaggedBatch:
-        lengths = torch.randint(1, 5, (num_tables * 16,), generator=gen)
-        values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
-        return embcache.JaggedBatch.from_lengths(keys, values, lengths)
-
     for _ in range(2):  # the cache filled: the counted step has hits, misses and victims
-        ebc(batch()).values().sum().backward()
+        ebc(batch(16, gen)).values().sum().backward()
         opt.step()
-    counted = batch()
+    counted = batch(16, gen)
     with LaunchCounter() as forward:
         out = ebc(counted).values()
     with LaunchCounter() as backward:
