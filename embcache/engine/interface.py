@@ -24,6 +24,7 @@ import abc
 import atexit
 import functools
 import gc
+import os
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
@@ -131,12 +132,18 @@ def _as_config(table: Table, cfg: Any) -> Any:
 
 class _CloseAtExit:
     """The exit hook of one collection: `CachedCollectionInterface.close` if the collection is
-    still alive (a weak reference: a collection garbage-collected before is skipped)."""
+    still alive (a weak reference: a collection garbage-collected before is skipped), in the
+    process that built it only. A child forked from that process inherits the hook with a copy
+    of the cache, whose dirty rows are older than what the parent has written since: writing
+    them back at the child's exit would roll the parent's rows back."""
 
     def __init__(self, collection: CachedCollectionInterface) -> None:
         self._collection = weakref.ref(collection)
+        self._pid = os.getpid()
 
     def __call__(self) -> None:
+        if os.getpid() != self._pid:
+            return
         _collect_garbage_once()
         collection = self._collection()
         if collection is not None:

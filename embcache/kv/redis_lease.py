@@ -72,9 +72,12 @@ def lease_key(namespace: bytes, table: str) -> bytes:
     return namespace + b":lease:" + table.encode()
 
 
-def _close_at_exit(leases: weakref.ref[TableLeases]) -> None:
+def _close_at_exit(leases: weakref.ref[TableLeases], pid: int) -> None:
+    """Release the leases at exit, in the process that took them only: a child forked from
+    it shares the owner token, and deleting the leases at its exit would free the tables
+    while the parent still writes them."""
     held = leases()
-    if held is not None:
+    if held is not None and os.getpid() == pid:
         held.close()
 
 
@@ -120,7 +123,7 @@ class TableLeases:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._exit_hook = functools.partial(_close_at_exit, weakref.ref(self))
+        self._exit_hook = functools.partial(_close_at_exit, weakref.ref(self), os.getpid())
         atexit.register(self._exit_hook)
 
     # -- taking and checking ----------------------------------------------------------------
