@@ -63,6 +63,7 @@ _HOMES = {
     "RecStoreEmbeddingCollection": "embcache.recstore",
     "get_kv_client": "embcache.recstore",
     "reset_kv_client": "embcache.recstore",
+    "flush_on_signal": "embcache.signals",
     "PrefetchFallbackWarning": "embcache.train.pipeline",
     "TrainPipeline": "embcache.train.pipeline",
 }

@@ -14,10 +14,11 @@ Layers, lowest first (a module may import its own package and lower layers only)
     cache, optim                    the device cache and its transfers; the optimizer rules
     engine                          one step's data path per cache, inputs, tables
     models, data                    the collection and DLRM; training data
-    recstore                        RecStore's names over the above
+    recstore, tbe                   RecStore's names over the above; FBGEMM's TBE call shape
     torchrec_kv                     RecStore's torchrec_kv module path over recstore
-    distributed                     several processes
-    train, checkpoint               the training loop and pipeline; checkpoints
+    distributed, torchrec           several processes: embcache's own sharding; torchrec's DMP
+    train, checkpoint, signals      the training loop and pipeline; checkpoints; a script's
+                                     flush at SIGTERM
     cli                             the command line
     embcache (__init__)             the public names
 """
@@ -40,10 +41,10 @@ LAYERS = [
     ["cache", "optim"],
     ["engine"],
     ["models", "data"],
-    ["recstore"],
+    ["recstore", "tbe"],
     ["torchrec_kv"],
-    ["distributed"],
-    ["train", "checkpoint"],
+    ["distributed", "torchrec"],
+    ["train", "checkpoint", "signals"],
     ["cli"],
     ["__init__"],
 ]

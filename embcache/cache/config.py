@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,8 +59,12 @@ class CacheConfig:
 
     Attributes:
         capacity: rows held on the device, per cache. Mutually exclusive with ``load_factor``.
-        load_factor: capacity as a fraction of the rows of the tables a cache serves.
-            With neither given, the whole table is cached when its slots fit
+            A dict by table name (``{"t0": 4096, "t1": 512}``) gives each table it names a
+            cache of its own of that many rows (see "Per-table sizes" below).
+        load_factor: capacity as a fraction of the rows of the tables a cache serves; a dict
+            by table name (``{"t0": 0.1, "t1": 0.5}``, as FBGEMM's and dynamicemb's per-table
+            cache sizes) gives each table it names a cache of its own holding that fraction of
+            its rows. With neither given, the whole table is cached when its slots fit
             ``memory_budget``; otherwise the cache holds the rows that fit (a load factor
             below 1, said once in the log).
         memory_budget: bytes the slots of a cache may take when neither ``capacity`` nor
@@ -104,10 +109,18 @@ class CacheConfig:
 
     A capacity at least the number of rows of a cache's (bounded) tables maps every row to its
     own slot: nothing is ever evicted and no lookup is needed (unless the tier is bounded).
+
+    Per-table sizes. Tables of one dim share one cache, sized for all of them, unless
+    ``capacity`` or ``load_factor`` is a dict: then each table it names gets its own cache
+    (rows of other tables never evict its rows, nor its rows theirs) of the size given, and the
+    tables it does not name share their dim's cache as with neither given (whole when it fits
+    ``memory_budget``). Each cache costs its own lookups per step, so name only the tables
+    whose size matters. A name that is no table of the collection is refused when the
+    collection is built (`check_tables`).
     """
 
-    capacity: int | None = None
-    load_factor: float | None = None
+    capacity: int | Mapping[str, int] | None = None
+    load_factor: float | Mapping[str, float] | None = None
     policy: CachePolicy | str = CachePolicy.LRU
     ways: int = 32
     memory_budget: int | None = None
@@ -127,14 +140,18 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.capacity is not None and self.load_factor is not None:
             raise ValueError("CacheConfig: give capacity or load_factor, not both")
-        if self.capacity is not None and (
-            isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
-        ):
-            raise TypeError(f"CacheConfig.capacity must be an int, got {self.capacity!r}")
-        if self.capacity is not None and self.capacity < 1:
-            raise ValueError(f"CacheConfig.capacity must be >= 1 row, got {self.capacity}")
-        if self.load_factor is not None and not (0.0 < float(self.load_factor) <= 1.0):
-            raise ValueError(f"CacheConfig.load_factor must be in (0, 1], got {self.load_factor}")
+        if isinstance(self.capacity, Mapping):
+            self.capacity = dict(self.capacity)
+            for table, value in self.capacity.items():
+                _check_capacity(value, f"CacheConfig.capacity[{table!r}]")
+        elif self.capacity is not None:
+            _check_capacity(self.capacity, "CacheConfig.capacity")
+        if isinstance(self.load_factor, Mapping):
+            self.load_factor = dict(self.load_factor)
+            for table, fraction in self.load_factor.items():
+                _check_load_factor(fraction, f"CacheConfig.load_factor[{table!r}]")
+        elif self.load_factor is not None:
+            _check_load_factor(self.load_factor, "CacheConfig.load_factor")
         try:
             self.policy = CachePolicy(
                 self.policy.lower() if isinstance(self.policy, str) else self.policy
@@ -204,6 +221,55 @@ class CacheConfig:
                     f"None; got {value!r}"
                 )
 
+    @property
+    def per_table(self) -> Mapping[str, int] | Mapping[str, float] | None:
+        """The dict of ``capacity`` or ``load_factor`` by table name, if one was given."""
+        for value in (self.capacity, self.load_factor):
+            if isinstance(value, Mapping):
+                return value
+        return None
+
+    def check_tables(self, names: list[str]) -> None:
+        """Refuse (ValueError) a per-table size naming no table of ``names``."""
+        sizes = self.per_table
+        if sizes is None:
+            return
+        field_name = "capacity" if isinstance(self.capacity, Mapping) else "load_factor"
+        unknown = [k for k in sizes if k not in names]
+        if unknown:
+            raise ValueError(
+                f"CacheConfig.{field_name} names table {unknown[0]!r}, which the collection "
+                f"does not have (tables: {names})"
+            )
+
+    def split(self, tables: Sequence[Any]) -> list[tuple[CacheConfig, list[Any]]]:
+        """The caches of ``tables`` (objects with ``name`` and ``dim``), by ascending dim: per
+        dim, one cache for the tables no per-table size names, then one per table named (in
+        table order), each with its own config (a plain ``capacity`` or ``load_factor``)."""
+        sizes = self.per_table
+        out: list[tuple[CacheConfig, list[Any]]] = []
+        for dim in sorted({t.dim for t in tables}):
+            mine = [t for t in tables if t.dim == dim]
+            if sizes is None:
+                out.append((self, mine))
+                continue
+            shared = [t for t in mine if t.name not in sizes]
+            if shared:
+                out.append((replace(self, capacity=None, load_factor=None), shared))
+            for t in mine:
+                if t.name in sizes:
+                    out.append((self.for_table(t.name), [t]))
+        return out
+
+    def for_table(self, table: str) -> CacheConfig:
+        """The config of a cache of ``table`` alone: its per-table size (or neither, when the
+        dicts do not name it); a plain size is kept."""
+        if self.per_table is None:
+            return self
+        capacity = self.capacity.get(table) if isinstance(self.capacity, Mapping) else None
+        load_factor = self.load_factor.get(table) if isinstance(self.load_factor, Mapping) else None
+        return replace(self, capacity=capacity, load_factor=load_factor)
+
     def rows_for(
         self,
         table_rows: int | None,
@@ -216,7 +282,17 @@ class CacheConfig:
         whose slots fit `budget` on ``device``, each slot counted at its widest (weights and
         Adam's two state values per weight) so that attaching any optimizer keeps to it: all
         of them when they fit, at least one. Without ``dim``: all of them.
+
+        Raises:
+            ValueError: a per-table size (`split` gives each cache its own config).
         """
+        if self.per_table is not None:
+            raise ValueError(
+                "CacheConfig.rows_for: capacity/load_factor by table name size one cache per "
+                "table: ask the config of each cache (CacheConfig.split or for_table)"
+            )
+        assert not isinstance(self.capacity, Mapping)
+        assert not isinstance(self.load_factor, Mapping)
         if self.capacity is not None:
             return self.capacity if table_rows is None else min(self.capacity, table_rows)
         if table_rows is None:
@@ -257,6 +333,20 @@ class CacheConfig:
         if device.type == "cuda":
             return int(GPU_MEMORY_FRACTION * device_memory(device))
         return CPU_MEMORY_BUDGET
+
+
+def _check_capacity(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where} must be an int (rows), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{where} must be >= 1 row, got {value}")
+
+
+def _check_load_factor(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a float in (0, 1], got {value!r}")
+    if not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"{where} must be in (0, 1], got {value}")
 
 
 def device_memory(device: torch.device | str) -> int:

@@ -59,7 +59,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,8 @@ from embcache.engine.interface import FUSION_K, CachedCollectionInterface
 from embcache.engine.lookup import lookup
 from embcache.kernels.optim import aggregate_grads
 from embcache.kv.base import Store
+from embcache.models.row_grads import GradAnchor, RowGradients
+from embcache.models.torch_optim import FusedRowOptimizer, keyed_optimizer, register_anchor
 
 __all__ = [
     "OWNER_SALT",
@@ -160,11 +162,24 @@ def _one_source(counts: list[int]) -> bool:
 
 def _shard_cache_config(cache: CacheConfig | None, world_size: int) -> CacheConfig:
     """Each rank's cache config: capacity as given (rows per rank and cache), load_factor as a
-    fraction of the rows a rank owns (about 1/world_size of the table), None: every row."""
+    fraction of the rows a rank owns (about 1/world_size of the table; a dict by table name
+    likewise, table by table), None: every row."""
     cache = cache or CacheConfig()
-    if cache.load_factor is not None:
-        return dataclasses.replace(cache, load_factor=cache.load_factor / world_size)
+    lf = cache.load_factor
+    if isinstance(lf, Mapping):
+        return dataclasses.replace(cache, load_factor={k: v / world_size for k, v in lf.items()})
+    if lf is not None:
+        return dataclasses.replace(cache, load_factor=lf / world_size)
     return cache
+
+
+def _backward_done(rows: RowGradients) -> Callable[[torch.Tensor], None]:
+    """The anchor's post-accumulate-grad hook (holding ``rows``, not the collection)."""
+
+    def hook(anchor: torch.Tensor) -> None:
+        rows.backward_done()
+
+    return hook
 
 
 class ShardedCollection(CachedCollectionInterface):
@@ -190,9 +205,17 @@ class ShardedCollection(CachedCollectionInterface):
         update_in_backward: bool,
         accumulate_grads: bool,
         lr: float | None,
-        seed: int,
+        seed: int | None,
         process_group: dist.ProcessGroup | None,
+        optimizer_type: type | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        if optimizer_type is None and optimizer_kwargs:
+            raise ValueError("optimizer_kwargs needs an optimizer_type (e.g. torch.optim.SGD)")
+        if cache is not None and not isinstance(cache, CacheConfig):
+            raise TypeError(
+                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__}"
+            )
         comm = Comm(process_group)
         if callable(store) and not isinstance(store, Store):
             store = store(comm.rank)
@@ -205,11 +228,15 @@ class ShardedCollection(CachedCollectionInterface):
             device,
             enable_fusion,
             fusion_k,
-            update_in_backward,
+            update_in_backward or optimizer_type is not None,
             accumulate_grads,
             lr,
             seed,
+            # The rows start as one process's would (torchrec's draws when every row is
+            # cached): decided by the whole tables' config, not this rank's share of it.
+            init_cache=cache,
         )
+        self._setup_torch_training(optimizer_type, optimizer_kwargs)
         self._comm = comm
         self._prefetch_comm = comm.new_comm()  # the prefetch worker's collectives
         self.rank, self.world_size = comm.rank, comm.world_size
@@ -218,6 +245,47 @@ class ShardedCollection(CachedCollectionInterface):
         self._table_engine = torch.tensor(
             [engine_of[t.name] for t in self.tables], device=self.device
         )
+
+    def _setup_torch_training(
+        self, optimizer_type: type | None, optimizer_kwargs: Mapping[str, Any] | None
+    ) -> None:
+        """What lets torchrec's ways train the rows, as on one process (`models.torch_optim`):
+        the ``grad_anchor`` parameter a torch optimizer over ``parameters()`` holds (its step
+        applies this rank's owned rows' gradients with the same row rule), and the fused
+        ``optimizer_type`` applied inside backward."""
+        self.row_grads = RowGradients(self)
+        self.grad_anchor = GradAnchor(torch.empty(0, 1, device=self.device))
+        self.grad_anchor.rows = self.row_grads
+        self.grad_anchor.register_post_accumulate_grad_hook(_backward_done(self.row_grads))
+        self.torch_optimizer_rule: Any = None  # set by the first torch optimizer step
+        self._optimizer_type = optimizer_type
+        self._optimizer_kwargs = dict(optimizer_kwargs or {})
+        self._fused = (
+            FusedRowOptimizer(self, optimizer_type, self._optimizer_kwargs)
+            if optimizer_type is not None
+            else None
+        )
+        self._keyed_optimizer: Any = None
+        register_anchor(self)
+
+    def fused_optimizer(self) -> Any:
+        """The optimizer applied inside backward, as a torchrec ``KeyedOptimizer`` (its
+        ``state_dict()`` gathers every row's state: a collective). Needs torchrec and
+        ``optimizer_type=``."""
+        if self._fused is None:
+            raise RuntimeError(
+                "this collection has no fused optimizer: build it with optimizer_type=... and "
+                "optimizer_kwargs=... (as torchrec's FusedEmbeddingBagCollection)"
+            )
+        if self._keyed_optimizer is None:
+            self._keyed_optimizer = keyed_optimizer(self, self._fused)
+        return self._keyed_optimizer
+
+    def optimizer_type(self) -> type | None:
+        return self._optimizer_type
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(self._optimizer_kwargs)
 
     # ------------------------------------------------------------------------------------------
     # the outputs (each collection's own)
@@ -253,8 +321,11 @@ class ShardedCollection(CachedCollectionInterface):
         mine: _Exchange | None = None
         prefetched: Prefetched | None = None
         try:
-            if training and self.engines.has_gradients and not self.accumulate_grads:
-                self.engines.begin_batch()  # raises: an un-stepped trace
+            if training:
+                self.row_grads.drop_if_zeroed()  # zero_grad(set_to_none=False) ran
+                if self.engines.has_gradients and not self.accumulate_grads:
+                    self.engines.begin_batch()  # raises: an un-stepped trace
+                self.row_grads.forward_started()
             features = self.checked_input(features)
             prefetched = self.engines.take_prefetch(features)
             if prefetched is not None:
@@ -531,9 +602,22 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     (``SparseAdaGrad([ebc], lr=...)``); ``step()`` updates, on each rank, the rows it owns.
     See the module docstring for the exchanges (the owner hash: `embcache.distributed.exchange`).
 
+    Takes every argument `CachedEmbeddingBagCollection` takes, with the same meaning and
+    defaults, plus ``process_group``. Built without a ``seed`` after the same
+    ``torch.manual_seed`` on every rank, its rows start where one process's collection (and
+    torchrec's ``EmbeddingBagCollection``) start. Besides embcache's optimizers, the torchrec
+    ways train it as on one process: a torch optimizer over ``parameters()`` (``grad_anchor``;
+    its step updates, on each rank, the rows it owns with the same row rule, and refuses
+    optimizers that have none) or ``optimizer_type=`` (applied inside backward). Gradient
+    utilities (``clip_grad_norm_``, ``GradScaler``) see ``grad_anchor.grad``, the gradient of the
+    rows this rank owns, not the global one.
+
     Args:
         tables, is_weighted, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr,
-            seed: as in `CachedEmbeddingBagCollection` (every rank must give the same).
+            seed, optimizer_type, optimizer_kwargs: as in `CachedEmbeddingBagCollection`
+            (every rank must give the same).
+        location, allow_unsharded_replicas: accepted for `CachedEmbeddingBagCollection`'s
+            signature; the cache decides placement, and a sharded collection is no replica.
         cache: per rank: ``capacity`` is the rows of each of this rank's caches;
             ``load_factor`` a fraction of the rows this rank owns (about ``1/world_size`` of the
             tables); None keeps every owned row resident (direct-mapped slots sized by the whole
@@ -560,9 +644,14 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         update_in_backward: bool = False,
         accumulate_grads: bool = False,
         lr: float | None = None,
-        seed: int = 0,
+        seed: int | None = None,
+        optimizer_type: type | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        location: Any = None,
+        allow_unsharded_replicas: bool = False,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
+        del location, allow_unsharded_replicas  # see the docstring
         super().__init__(
             tables,
             is_weighted,
@@ -576,6 +665,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             lr,
             seed,
             process_group,
+            optimizer_type,
+            optimizer_kwargs,
         )
         column, col = {}, 0
         for f, d in zip(self.output_keys, self.output_dims, strict=True):
@@ -606,9 +697,10 @@ class _ShardedStep:
     """The exchanges and the reductions of one training forward, as
     `engine.lookup.CachedLookup` runs it; backward sends the gradient rows to their owners. One
     step for all caches, so that a backward makes its exchanges in one place, in cache order,
-    on every rank."""
+    on every rank. The anchor gets its (zero-size) gradient, so its post-accumulate hook runs
+    and a torch optimizer over ``parameters()`` sees it used."""
 
-    anchor_grad = False
+    anchor_grad = True
 
     def __init__(self, module: ShardedCollection, features: Any) -> None:
         self.module = module

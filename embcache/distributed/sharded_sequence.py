@@ -77,7 +77,7 @@ class ShardedEmbeddingCollection(SequenceCollection, ShardedCollection):
         update_in_backward: bool = False,
         accumulate_grads: bool = False,
         lr: float | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(

@@ -92,13 +92,13 @@ class EngineGroup:
         self.accumulate_grads = accumulate_grads
         self.table_index = {t.name: t.index for t in tables}
         self.engines: list[CacheEngine] = []
-        for dim in sorted({t.dim for t in tables}):
-            mine = [t for t in tables if t.dim == dim]
+        # One cache per dim, and one per table a per-table size names (`CacheConfig.split`).
+        for config, mine in cache_config.split(tables):
             cache = HotCache(
-                [(t.index, specs[t.name]) for t in mine], cache_config, store, device, fusion_k
+                [(t.index, specs[t.name]) for t in mine], config, store, device, fusion_k
             )
             self.engines.append(
-                CacheEngine(CacheLayout.of_tables(dim, mine), cache, fusion_k, device)
+                CacheEngine(CacheLayout.of_tables(mine[0].dim, mine), cache, fusion_k, device)
             )
         # Each engine's table names (the step counts' keys), and joined (a gradient's name).
         self._names = [[t.name for t in e.layout.tables] for e in self.engines]

@@ -102,13 +102,14 @@ class WeightedFlag:
 
 
 def _whole_tables(tables: Sequence[Table], cache: CacheConfig, device: torch.device) -> bool:
-    """Whether every cache (one per dim) holds all the rows of its tables."""
-    for dim in {t.dim for t in tables}:
-        mine = [t.num_embeddings for t in tables if t.dim == dim]
-        if None in mine:
+    """Whether every cache (one per dim, or per table: `CacheConfig.split`) holds all the rows
+    of its tables."""
+    for config, mine in cache.split(tables):
+        sizes = [t.num_embeddings for t in mine]
+        if None in sizes:
             return False
-        rows = sum(mine)  # type: ignore[arg-type]
-        if cache.rows_for(rows, dim, device) < rows:
+        rows = sum(s for s in sizes if s is not None)
+        if config.rows_for(rows, mine[0].dim, device) < rows:
             return False
     return True
 
@@ -192,11 +193,15 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         accumulate_grads: bool,
         lr: float | None,
         seed: int | None,
+        init_cache: CacheConfig | None = None,
     ) -> None:
         """Build what both collections share: tables, store, initialisers, engines.
 
         ``device=None`` is torch's default device (``with torch.device("meta"):`` included);
         ``seed=None`` takes the rows' randomness from torch's generator (`engine.row_init`).
+        ``init_cache``: the config that says whether every row is cached, for the rows'
+        initialisation (a sharded collection's whole config: ``cache`` is a rank's share);
+        None: ``cache``.
         """
         self.tables = normalize_tables(tables, self.pooled)
         self._configs = [_as_config(t, cfg) for t, cfg in zip(self.tables, tables, strict=True)]
@@ -208,6 +213,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
         self.cache_config = cache or CacheConfig()
+        self.cache_config.check_tables([t.name for t in self.tables])  # before the store opens
         # A store the collection opened (a URL, None) is its own: `close` closes it.
         self._owns_store = not isinstance(store, Store)
         self.store = open_store(store)
@@ -218,7 +224,10 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self.output_keys = [k for t in self.tables for k in t.key_names]
         self.output_dims = [t.dim for t in self.tables for _ in t.key_names]
         cfg = self.cache_config
-        whole = cfg.tier_capacity is None and _whole_tables(self.tables, cfg, self.device)
+        whole_cfg = cfg if init_cache is None else init_cache
+        whole = whole_cfg.tier_capacity is None and _whole_tables(
+            self.tables, whole_cfg, self.device
+        )
         inits = table_inits(self.tables, seed, whole, self.device, per_table=not self.pooled)
         weight_dtype = cfg.weight_dtype
         assert weight_dtype is None or isinstance(weight_dtype, torch.dtype)  # __post_init__
@@ -450,7 +459,8 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self.engines.invalidate()
 
     def caches(self) -> list[HotCache]:
-        """The caches, one per distinct embedding dim."""
+        """The caches: one per distinct embedding dim, and one per table a per-table
+        ``capacity``/``load_factor`` names (`CacheConfig.split`)."""
         return self.engines.caches()
 
     def cache_stats(self) -> dict[str, float]:

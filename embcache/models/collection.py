@@ -16,8 +16,9 @@ Example::
 One training step, top to bottom (`embcache.engine` holds each piece):
 
 1. ``forward`` checks the input (`engine.inputs`), then `EngineGroup.prepare` has each
-   `CacheEngine` (one per embedding dim) fuse its features' ids
-   (``fused = id | (table_idx << fusion_k)``; a bad id raises before anything changes), dedup
+   `CacheEngine` (one per embedding dim, or per table given a size of its own) fuse its
+   features' ids (``fused = id | (table_idx << fusion_k)``; a bad id raises before anything
+   changes), dedup
    them and resolve them to cache slots, locked until the step (nothing is locked under
    ``torch.no_grad()``);
 2. `engine.lookup.GroupLookup` (run as one autograd node, `CachedLookup`) pools each bag
@@ -47,6 +48,7 @@ them, the update then running inside backward, with ``fused_optimizer()`` a torc
 
 from __future__ import annotations
 
+import gc
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
@@ -75,7 +77,9 @@ class CachedEmbeddingBagCollection(LocalCollection):
             ``embedding_dim``, ``num_embeddings``, ``feature_names``, optional ``pooling``:
             SUM, MEAN or MAX, ``init_fn``, ``data_type``). May be empty.
         is_weighted: the inputs carry per-sample weights.
-        cache: capacity and policy of each cache (one per distinct dim); None caches everything.
+        cache: capacity and policy of each cache (one per distinct dim; a ``capacity`` or
+            ``load_factor`` dict by table name gives those tables a cache each); None caches
+            everything that fits the memory budget.
         store: the tier: a `Store`, a URL (``"redis://127.0.0.1:6379/0"``) or None for an
             in-process `HostKV`.
         device: where the caches live; None: torch's default device (``with
@@ -145,6 +149,31 @@ class CachedEmbeddingBagCollection(LocalCollection):
             allow_unsharded_replicas,
         )
         register_with_torchrec()
+        self._export_name: str | None = None
+        _LIVE.add(self)
+
+    # -- the name an exported program calls it by ---------------------------------------------
+
+    @property
+    def export_name(self) -> str:
+        """The name a ``torch.export`` program of this collection calls it by when it runs:
+        its tables (name, rows, dim, features) unless set. A program saved with
+        ``torch.export.save`` runs in any process holding one live collection of that name (a
+        serving process builds the same model and loads its weights, then
+        ``torch.export.load``); set distinct names on collections of the same tables that
+        live in one process."""
+        if self._export_name is not None:
+            return self._export_name
+        return ";".join(
+            f"{t.name}[{t.num_embeddings}x{t.dim}]({','.join(t.feature_names)})"
+            for t in self.tables
+        )
+
+    @export_name.setter
+    def export_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"export_name must be a non-empty str, got {name!r}")
+        self._export_name = name
 
     # -- the data path -----------------------------------------------------------------------
 
@@ -207,15 +236,27 @@ class CachedEmbeddingBagCollection(LocalCollection):
 
     def _exported_forward(self, features: Any) -> Any:
         """The forward as ``torch.export`` records it: one ``embcache::pooled_lookup`` op that
-        calls this live collection when the exported program runs (inference: the op records
-        no gradient)."""
-        _EXPORTED[id(self)] = self
+        calls the live collection named `export_name` when the exported program runs, in this
+        process or another (inference: the op records no gradient).
+
+        Raises:
+            ValueError: another live collection has the same `export_name`.
+        """
+        name = self.export_name
+        live = len(_live_named(name))
+        if live > 1:
+            raise ValueError(
+                f"torch.export: {live} live collections are named "
+                f"{name!r} (the same tables): set a distinct export_name on each "
+                "(collection.export_name = 'user_tower'), and the same in the process that "
+                "runs the program"
+            )
         keys = features.keys()
         if keys != self.features:
             features = features.permute([keys.index(f) for f in self.features])
         weights = features.weights_or_none() if self._is_weighted else None
         values = pooled_lookup(
-            id(self),
+            name,
             features.values(),
             features.lengths(),
             weights,
@@ -225,26 +266,47 @@ class CachedEmbeddingBagCollection(LocalCollection):
         return pooled_output(features, self.output_keys, self.output_dims, values)
 
 
-_EXPORTED: weakref.WeakValueDictionary[int, CachedEmbeddingBagCollection] = (
-    weakref.WeakValueDictionary()
-)
+# Every live collection, for the exported programs that name one (`export_name`).
+_LIVE: weakref.WeakSet[CachedEmbeddingBagCollection] = weakref.WeakSet()
+
+
+def _live_named(name: str) -> list[CachedEmbeddingBagCollection]:
+    """The live collections whose `export_name` is ``name`` (garbage ones collected first when
+    there is more than one: modules hold reference cycles)."""
+    found = [c for c in list(_LIVE) if c.export_name == name]
+    if len(found) > 1:
+        del found
+        gc.collect()
+        found = [c for c in list(_LIVE) if c.export_name == name]
+    return found
 
 
 @torch.library.custom_op("embcache::pooled_lookup", mutates_args=())
 def pooled_lookup(
-    collection: int,
+    collection: str,
     values: torch.Tensor,
     lengths: torch.Tensor,
     weights: torch.Tensor | None,
     batch_size: int,
     width: int,
 ) -> torch.Tensor:
-    """The pooled lookup of the live collection ``id(collection)`` as one op, for programs
-    ``torch.export`` recorded: ``values``, ``lengths`` (``[F * B]``) and ``weights`` hold the
-    collection's features in its order; returns ``[B, width]``."""
-    owner = _EXPORTED.get(collection)
-    if owner is None:
-        raise RuntimeError("this exported program's embedding collection no longer exists")
+    """The pooled lookup of the live collection whose `export_name` is ``collection``, as one
+    op, for programs ``torch.export`` recorded: ``values``, ``lengths`` (``[F * B]``) and
+    ``weights`` hold the collection's features in its order; returns ``[B, width]``."""
+    found = _live_named(collection)
+    if len(found) != 1:
+        raise RuntimeError(
+            f"this exported program looks up the embedding collection {collection!r}, and "
+            f"{len(found)} live collections have that export_name in this process: build the "
+            "model (the same tables) and load its weights before running the program"
+            + (", and give each collection a distinct export_name" if found else "")
+        )
+    owner = found[0]
+    if owner.output_dims and sum(owner.output_dims) != width:
+        raise RuntimeError(
+            f"this exported program expects {width} pooled columns from {collection!r}, "
+            f"the live collection gives {sum(owner.output_dims)}"
+        )
     batch = JaggedBatch.from_lengths(owner.features, values, lengths, weights)
     with torch.no_grad():
         return owner(batch).values().clone()

@@ -34,6 +34,7 @@ from embcache.recstore.dist_tensor import DistTensor
 from embcache.recstore.kv_client import (
     KVClient,
     KVHandle,
+    KVLearningRateWarning,
     KVOptimizer,
     get_kv_client,
     reset_kv_client,
@@ -44,6 +45,7 @@ __all__ = [
     "DistTensor",
     "KVClient",
     "KVHandle",
+    "KVLearningRateWarning",
     "KVOptimizer",
     "RecStoreEmbeddingBagCollection",
     "RecStoreEmbeddingCollection",

@@ -367,6 +367,12 @@ class CollectionTable:
             self.name, unique.to(engine.device), summed.to(engine.device), index, None
         )
         optimizer = group.optimizer or _CollectionSGD(float(module.lr or 0.01))
+        source = (
+            f"its collection's {type(group.optimizer).__name__}"
+            if group.optimizer is not None
+            else "its collection's lr"
+        )
+        module.kv_client.check_learning_rate(self.name, optimizer.update.lr, source)
         group.apply([entry], optimizer)
 
     def add(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:

@@ -28,6 +28,15 @@ the tier (``[dim | state]``, as the caches keep it). A tensor's optimizer is giv
 `init_data`, else it is the client's (``KVClient(optimizer=...)``: a `KVOptimizer`, or a mapping
 with RecStore's configuration keys ``type``, ``learning_rate``, ``epsilon``, ``weight_decay``,
 ``beta1``, ``beta2``); the default is SGD at lr 0.01.
+One learning rate per client (`KVClient.learning_rate`): its optimizer's, 0.01 unless given.
+`update_async` applies it to every tensor declared without an optimizer of its own and, on a
+client with a backend optimizer, to the collections' tables too. What else may ask for another
+one is warned about (`KVLearningRateWarning`, once per tensor, naming both values): a tensor
+declared with an optimizer of another lr (which it keeps: `init_data`), and, on a client
+without a backend optimizer, a collection's table, which ``update_async`` steps as its
+collection's ``step()`` does (its attached sparse optimizer's rule and lr, else SGD at the
+collection's ``lr``). Give the client the optimizer (``get_kv_client(optimizer=...)``) to have
+one learning rate everywhere.
 A client given an optimizer has a *backend optimizer* (`KVClient.backend_optimizer`): the
 collections on it are updated by it too, whatever sparse optimizer steps them (see
 `RecStoreEmbeddingBagCollection`; `RecStoreEmbeddingCollection`, its unpooled twin, alike).
@@ -53,6 +62,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -205,6 +215,11 @@ class _Tensor:
     steps: int = 0  # update_async calls applied (AdaGrad's step count)
 
 
+class KVLearningRateWarning(UserWarning):
+    """``update_async`` on a tensor applies another learning rate than its client's
+    (`KVClient.learning_rate`); said once per tensor."""
+
+
 class KVHandle:
     """A pending asynchronous operation; `KVClient.wait` / `wait_and_get` resolve it."""
 
@@ -245,6 +260,31 @@ class KVClient:
         self._views: dict[str, tuple[weakref.ReferenceType, TableView]] = {}
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcache-kv")
+        self._lr_warned: set[str] = set()
+
+    @property
+    def learning_rate(self) -> float:
+        """The client's one learning rate (see the module docstring): its optimizer's lr,
+        0.01 unless ``optimizer=`` gave another."""
+        return float(self.optimizer.lr)
+
+    def check_learning_rate(self, name: str, lr: float, source: str) -> None:
+        """Warn (`KVLearningRateWarning`, once per tensor) when ``update_async`` on tensor
+        ``name`` applies ``lr`` (``source``'s) rather than the client's `learning_rate`."""
+        if float(lr) == self.learning_rate:
+            return
+        with self._lock:
+            if name in self._lr_warned:
+                return
+            self._lr_warned.add(name)
+        warnings.warn(
+            f"KV tensor {name!r}: update_async applies {source}'s learning rate {float(lr):g}, "
+            f"not the KV client's {self.learning_rate:g}; for one learning rate everywhere, "
+            "give the client the optimizer (get_kv_client(optimizer={'type': 'SGD', "
+            "'learning_rate': ...})) or use the client's",
+            KVLearningRateWarning,
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------------------------------------
     # declarations
@@ -311,6 +351,8 @@ class KVClient:
         if not initialize_values:
             init_func = None
         opt = self.optimizer if optimizer is None else as_kv_optimizer(optimizer)
+        if optimizer is not None and name not in self._tensors:
+            self.check_learning_rate(name, opt.lr, "its own optimizer (init_data)")
         meta = _Tensor((int(shape[0]), int(shape[1])), dtype, opt, base_offset, part_policy)
         with self._lock:
             if self._view(name) is not None:

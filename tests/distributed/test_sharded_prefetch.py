@@ -89,7 +89,8 @@ class RecordingKV(embcache.HostKV):
 class Model(nn.Module):
     def __init__(self, cache: embcache.CacheConfig, store: embcache.HostKV) -> None:
         super().__init__()
-        self.sparse = ShardedEmbeddingBagCollection(TABLES, cache=cache, store=store)
+        # A seed: both runs (with and without prefetch) start from the same rows.
+        self.sparse = ShardedEmbeddingBagCollection(TABLES, cache=cache, store=store, seed=0)
 
     def forward(self, batch) -> torch.Tensor:
         kjt, coeff = batch
