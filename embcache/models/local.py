@@ -184,7 +184,8 @@ class LocalCollection(CachedCollectionInterface):
         neither tells the module it wraps.
 
         Raises:
-            RuntimeError: naming `embcache.distributed.ShardedEmbeddingBagCollection`.
+            RuntimeError: naming `embcache.torchrec.CachedEmbeddingBagCollectionSharder` (for
+                DistributedModelParallel) and `embcache.distributed.ShardedEmbeddingBagCollection`.
         """
         if self.allow_unsharded_replicas:
             return
@@ -196,10 +197,14 @@ class LocalCollection(CachedCollectionInterface):
             raise RuntimeError(
                 f"{type(self).__name__} is not sharded, but the process group has {world} "
                 "ranks: each rank would train its own copy of the tables and they would "
-                "silently diverge (DistributedModelParallel has no sharding plan for it, and "
-                "DistributedDataParallel averages only dense parameters). Shard the rows over "
-                "the ranks with embcache.distributed.ShardedEmbeddingBagCollection (same "
-                "arguments; DLRM(..., collection_cls=ShardedEmbeddingBagCollection)), or run "
+                "silently diverge (DistributedDataParallel averages only dense parameters, and "
+                "DistributedModelParallel leaves it unsharded without embcache's sharder). "
+                "Under DistributedModelParallel, a CachedEmbeddingBagCollection takes "
+                "sharders=[embcache.torchrec.CachedEmbeddingBagCollectionSharder(...)] and a "
+                "plan from embcache.torchrec.CachedEmbeddingShardingPlanner (README: Scaling "
+                "out with torchrec). Without torchrec's engine, shard the rows with "
+                "embcache.distributed.ShardedEmbeddingBagCollection (same arguments; "
+                "DLRM(..., collection_cls=ShardedEmbeddingBagCollection)), or run "
                 "`embcache train --nproc N`, which does. To keep one independent replica per "
                 "rank on purpose, build the collection with allow_unsharded_replicas=True."
             )
