@@ -192,6 +192,6 @@ def _keep_first_per_function(config: pytest.Config, items: list[pytest.Item], su
 
 @pytest.fixture(autouse=True)
 def _tier_records_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`embcache train` records a Redis tier's state in ./.embcache/tiers/ (where it runs); a
+    """`embcache train` records a Redis tier's state in the user's ~/.local/state/embcache; a
     test's runs keep theirs in its own folder, so a record never outlives its test's server."""
     monkeypatch.setenv("EMBCACHE_TIER_RECORDS", str(tmp_path / "tier-records"))

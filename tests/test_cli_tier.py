@@ -18,8 +18,6 @@ import redis
 import torch
 
 from embcache.cli import main
-from embcache.kv.base import TableSpec
-from embcache.kv.redis_kv import RedisKV
 from tests.kv.redis_servers import RedisServer, running_server
 
 SECRET = "hunter2-secret"
@@ -148,7 +146,7 @@ def test_no_output_ever_shows_the_password(tmp_path: Path) -> None:
             assert SECRET.encode() not in path.read_bytes(), path
 
 
-def test_a_second_job_is_refused_and_a_resumed_one_reopens(
+def test_a_second_job_is_refused_and_a_resumed_one_takes_over(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with running_server(tmp_path) as server:
@@ -156,15 +154,29 @@ def test_a_second_job_is_refused_and_a_resumed_one_reopens(
         ckpt = tmp_path / "ckpt"
         assert main([*TINY, "--store", url, "--checkpoint", str(ckpt)]) == 0
         owner = json.loads(next(ckpt.glob("snap-*/manifest.json")).read_text())["extra"]
-        # The first run's process "was killed": its lease on a table is still live.
+        # The first run's process, still holding a table's lease (its token), alive...
         record = json.loads(server.client().get("jobs:meta:t_cat_0"))
-        spec = TableSpec("t_cat_0", dim=record["dim"], num_embeddings=record["num_embeddings"])
-        killed = RedisKV(server.url, namespace="jobs", owner=owner["tier_owner"])
-        killed.init_table(spec)
-        capsys.readouterr()
-        assert _exit_code([*TINY, "--store", url]) == 2  # another job: refused
-        line = _one_line_error(capsys.readouterr().err)
-        assert "in use by another job" in line and "namespace" in line, line
-        # The same job resumed from its checkpoint reopens its tables at once.
+        hold = (
+            "import sys, time; from embcache.kv.base import TableSpec; "
+            "from embcache.kv.redis_kv import RedisKV; "
+            "kv = RedisKV(sys.argv[1], namespace='jobs', owner=sys.argv[2]); "
+            f"kv.init_table(TableSpec('t_cat_0', dim={record['dim']}, "
+            f"num_embeddings={record['num_embeddings']})); print('ready', flush=True); "
+            "time.sleep(600)"
+        )
+        first = subprocess.Popen(
+            [sys.executable, "-c", hold, server.url, owner["tier_owner"]],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert first.stdout is not None and first.stdout.readline().strip() == "ready"
+            capsys.readouterr()
+            assert _exit_code([*TINY, "--store", url]) == 2  # another job: refused
+            line = _one_line_error(capsys.readouterr().err)
+            assert "in use by another job" in line and "namespace" in line, line
+        finally:
+            first.kill()  # ...then killed: its lease is still live, for lease_ttl_s
+            first.wait()
+        # The same job resumed from its checkpoint takes its tables over at once.
         assert main([*TINY, "--store", url, "--resume", str(ckpt)]) == 0
-        killed.close()

@@ -30,7 +30,8 @@ TRAIN = [
 
 
 def _train(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
-    """``embcache train`` as its own process in ``cwd`` (where its run record goes)."""
+    """``embcache train`` as its own process in ``cwd``, its local run record in
+    ``cwd/state`` (as ``$XDG_STATE_HOME``, for a user's ``~/.local/state``)."""
     return subprocess.run(
         [sys.executable, "-m", "embcache.cli", *TRAIN, *argv],
         cwd=cwd,
@@ -41,6 +42,7 @@ def _train(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
             **{k: v for k, v in os.environ.items() if k != "EMBCACHE_TIER_RECORDS"},
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
+            "XDG_STATE_HOME": str(cwd / "state"),
         },
     )
 
@@ -81,7 +83,7 @@ def test_the_same_command_again_continues_from_the_rows_left(tmp_path: Path) -> 
     with running_server(tmp_path) as server:
         url = server.url + "?namespace=memory"
         _ok(_train(tmp_path, "--store", url, "--checkpoint", str(ckpt)))
-        record = record_path(url, root=tmp_path)
+        record = record_path(url, directory=tmp_path / "state" / "embcache" / "tiers")
         assert record is not None and record.is_file()
         saved = json.loads(record.read_text())["state"]
         rows = sum(t["rows"] for t in saved["tables"].values())

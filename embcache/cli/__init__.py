@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
         "such as redis://127.0.0.1:6379/0, or tiered+redis://... (a host row cache in front "
         "of Redis). Rows persist there under ?namespace=... (default 'embcache'), and a later "
         "run with the same namespace continues from them, checked against the run record "
-        "this run leaves in ./.embcache/tiers/ (see --fresh-tier). While this run lives its "
+        "this run leaves on the tier, in its checkpoint and in ~/.local/state/embcache/tiers/ "
+        "(see --fresh-tier). While this run lives its "
         "tables are leased to it: another job on the same namespace is refused. ?shared=1 "
         "opens the tables read-only (no lease taken, every write refused), to read beside "
         "the job that trains them; it is not a way for two jobs to train one namespace. "
@@ -318,9 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh-tier",
         action="store_true",
         help="a Redis tier: start over on what the namespace holds now. Without it, a run on "
-        "a namespace an earlier run left (recorded after its flush and at each checkpoint in "
-        "./.embcache/tiers/<key>.json under the current directory, or in $EMBCACHE_TIER_RECORDS, "
-        "and in the checkpoint) is "
+        "a namespace an earlier run left (recorded after its flush and at each checkpoint on "
+        "the tier, in $XDG_STATE_HOME/embcache/tiers/<key>.json, default ~/.local/state, or in "
+        "$EMBCACHE_TIER_RECORDS, and in the checkpoint; the newest copy is checked, with "
+        "--checkpoint DIR's too) is "
         "refused when the tier lost rows since (restarted empty, an older snapshot, rows "
         "deleted): resume from a checkpoint (--resume DIR), use a new ?namespace=NAME, or "
         "give this flag, and the lost rows start from their initial values",

@@ -221,22 +221,24 @@ def rank_dir(path: Path, rank: int, world: int) -> Path:
     return Path(path) if world == 1 else Path(path) / f"rank-{rank}"
 
 
-def _tier_owner(args: argparse.Namespace, rank: int, world: int) -> str | None:
-    """The tier owner token: the one ``--resume``'s checkpoint recorded, so the resumed job
-    reopens its tables at once even while the killed run's leases are live; with several
-    ranks one token for all of them (they are one job), sent from rank 0."""
-    owner = None
+def _tier_owner(args: argparse.Namespace, rank: int, world: int) -> tuple[str | None, str | None]:
+    """``(owner, takeover)``: this job's tier owner token (with several ranks one token for
+    all of them, they are one job, sent from rank 0) and the one ``--resume``'s checkpoint
+    recorded, whose tables this job takes over once that job is dead, never while it runs
+    (`embcache.kv.redis_lease`)."""
+    takeover = None
     if args.resume is not None and rank == 0:
-        owner = read_extra(rank_dir(args.resume, 0, world)).get("tier_owner")
+        takeover = read_extra(rank_dir(args.resume, 0, world)).get("tier_owner")
+    takeover = takeover if isinstance(takeover, str) else None
     if world == 1:
-        return owner if isinstance(owner, str) else None
+        return None, takeover
     import uuid
 
     import torch.distributed as dist
 
-    shared = [owner or uuid.uuid4().hex]
+    shared = [uuid.uuid4().hex, takeover]
     dist.broadcast_object_list(shared, src=0)
-    return str(shared[0])
+    return str(shared[0]), shared[1]
 
 
 def _tier_record(args: argparse.Namespace, rank: int, world: int) -> TierRecord:
@@ -250,7 +252,7 @@ def _tier_record(args: argparse.Namespace, rank: int, world: int) -> TierRecord:
     if args.resume is not None:
         resume_extra = read_extra(rank_dir(args.resume, rank, world))
     fresh = bool(getattr(args, "fresh_tier", False))
-    return TierRecord.for_job(args.store, rank, world, resume_extra, fresh)
+    return TierRecord.for_job(args.store, rank, world, resume_extra, fresh, args.checkpoint)
 
 
 def _rank_batches(batches: Iterator[Batch], rank: int, world: int) -> Iterator[Batch]:
@@ -313,13 +315,13 @@ def run_job(
     if data is None:
         data = open_data(args, progress=rank == 0 and not args.no_progress)
     data = model_data(args, data)
-    owner = _tier_owner(args, rank, world)  # (the checkpoint was checked before: its error)
+    owner, takeover = _tier_owner(args, rank, world)  # (the checkpoint was checked before)
     try:
         record = _tier_record(args, rank, world)
     except ValueError as err:
         _fail(parser, 2, err)
     try:
-        store = open_store(args.store, owner=owner)
+        store = open_store(args.store, owner=owner, takeover=takeover)
     except ValueError as err:
         first = redact_text(str(err).splitlines()[0])
         if parser is None:

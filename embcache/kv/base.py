@@ -419,6 +419,8 @@ class Store(abc.ABC):
       that write through).
     * ``lease_owner``: the token under which this client holds its tables (None when the tier
       has no leases).
+    * `unclean_ends`, `save_run_record`, `run_record`: what a persistent tier remembers of the
+      jobs on it (nothing, by default).
     * `keeps_scores`: whether `export_rows` can give a table's eviction scores (bounded tables).
     * `remove`, `row_count`: drop rows, count them (not every tier can).
     * `get_grouped` / `put_grouped`: several tables in one call (here, one call per table; an
@@ -585,6 +587,20 @@ class Store(abc.ABC):
         """Continue from ``state`` (an earlier run's `tier_state`): a tier that lost what it
         recorded raises `TierDataLossError` (see `embcache.kv.tier_state`). The default keeps
         nothing between processes, so there is nothing to check."""
+
+    def unclean_ends(self) -> list[dict[str, Any]]:
+        """Jobs that used this tier before and ended without closing it (their caches' dirty
+        rows never reached it); none for a tier that keeps nothing between processes."""
+        return []
+
+    def save_run_record(self, name: str, record: dict[str, Any]) -> None:  # noqa: B027
+        """Keep a run record (JSON-able) with the tier itself; the default keeps nothing."""
+
+    def run_record(self, name: str) -> dict[str, Any] | None:
+        """The run record ``name`` kept with the tier (None: none, or a tier that keeps
+        nothing between processes)."""
+        del name
+        return None
 
 
 class IOStats(dict):

@@ -29,15 +29,17 @@ from embcache.kv.errors import (
 )
 from embcache.kv.redact import check_url, redact_url
 from embcache.kv.redis_identity import TierIdentity, eviction_problem
-from embcache.kv.redis_lease import TableLeases
+from embcache.kv.redis_lease import RAISE_FENCE, TableLeases
 from embcache.kv.redis_wire import (
     NAMESPACE_RE,
     TRANSIENT,
+    Fenced,
     TableLayout,
     auth_message,
     error_text,
     parse_spec_record,
     redis_url_params,
+    run_commands,
 )
 from embcache.kv.write_marks import MarkGuard
 
@@ -53,6 +55,7 @@ def check_options(
     lease_ttl_s: object,
     counts: dict[str, object],
     durations: dict[str, object],
+    takeover: object = None,
 ) -> None:
     """`RedisKV`'s constructor arguments, checked before anything connects.
 
@@ -84,8 +87,14 @@ def check_options(
         raise ValueError(f"lease_ttl_s must be a number > 0, got {lease_ttl_s!r}")
     if not isinstance(shared, bool):
         raise TypeError(f"shared must be a bool, got {shared!r}")
-    if owner is not None and (not isinstance(owner, str) or not owner or "\n" in owner):
-        raise ValueError(f"owner must be a non-empty one-line string or None, got {owner!r}")
+    for name, token in (("owner", owner), ("takeover", takeover)):
+        if token is not None and (not isinstance(token, str) or not token or "\n" in token):
+            raise ValueError(f"{name} must be a non-empty one-line string or None, got {token!r}")
+    if takeover is not None and takeover == owner:
+        raise ValueError(
+            f"takeover names the job this one continues, not this job: got owner=takeover="
+            f"{owner!r} (give the resumed job its own owner token, or none)"
+        )
 
 
 class RedisCalls:
@@ -94,6 +103,7 @@ class RedisCalls:
     # Set by `RedisKV.__init__`.
     url: str
     namespace: str
+    cluster: bool
     retry_timeout_s: float
     backoff_s: float
     max_backoff_s: float
@@ -132,14 +142,16 @@ class RedisCalls:
         """``fn()``, retried on connection errors with exponential backoff for up to
         ``retry_timeout_s``; then `TierUnavailableError` naming URL, table and operation.
 
-        Before each try the table must still be ours (lease) and not known to be lost; after a
-        try that needed retries (a reconnect), and every ``verify_interval_s``, every write
-        mark this client wrote is read back.
+        Before each try the table must still be ours (lease) and not known to be lost; a try
+        that finds the table's epoch moved on (another job took it over) is
+        `TierOwnershipError`; after a try that needed retries (a reconnect), and every
+        ``verify_interval_s``, every write mark this client wrote is read back.
         """
         start = time.monotonic()
         deadline = start + self.retry_timeout_s
         pause = self.backoff_s
         attempts = 0
+        restored = False
         while True:
             self._check_open()
             self._check_usable(table)
@@ -148,6 +160,14 @@ class RedisCalls:
                 if self._config_error is not None:
                     self._recheck_config(table)
                 result = fn()
+            except Fenced as err:
+                if not err.found and not restored and self._leases.restore(table):
+                    # The epoch was gone with the server's keys, and nobody took the table:
+                    # this client's is back (lost rows are the write marks' business).
+                    restored = True
+                    self._raise_fences(table)
+                    continue
+                self._leases.deposed(table, err.found)
             except redis.exceptions.AuthenticationError as err:
                 raise TierAuthError(auth_message(self.url, err)) from None
             except TRANSIENT as err:
@@ -180,6 +200,22 @@ class RedisCalls:
                 self._reconnected.clear()
                 self._verify_tables()
             return result
+
+    def _raise_fences(self, table: str, t: TableLayout | None = None) -> None:
+        """On a cluster, raise every bucket's fence of ``table`` (laid out as ``t``, or as
+        declared) to this client's epoch (taken in bucket 0's), before this client writes; a
+        single server has one fence."""
+        if t is None:
+            with self._lock:
+                t = self._tables.get(table)
+        epoch = self._leases.epoch(table)
+        if not self.cluster or t is None or not epoch:
+            return
+        commands = [
+            (slot, ("EVAL", RAISE_FENCE, 1, key, epoch))
+            for key, slot in zip(t.fence_keys, t.mark_slots, strict=True)
+        ]
+        run_commands(self._client, commands)
 
     def _check_usable(self, table: str) -> None:
         self._identity.check_usable()

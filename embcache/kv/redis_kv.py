@@ -18,8 +18,10 @@ rows (idempotent), so a failed `put` is safe to repeat in full later.
 
 Two guards make a shared, restartable server safe to train on: write marks
 (`embcache.kv.write_marks`) turn a server that lost acknowledged writes into
-`TierDataLossError` instead of silently re-created rows, and owner leases
-(`embcache.kv.redis_lease`) refuse a second job that opens the tables of a live one.
+`TierDataLossError` instead of silently re-created rows, and owner leases with fencing
+(`embcache.kv.redis_lease`) refuse a second job that opens the tables of a live one and refuse
+every write of a job whose lease was taken over. The jobs that opened tables and never closed
+them are remembered on the server (`embcache.kv.redis_jobs`) and reported to the next one.
 
 The class reads top to bottom as its public calls; the retries and checks around each round
 trip are in `embcache.kv.redis_calls` (`RedisCalls`), the chunked row I/O under them in
@@ -35,6 +37,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -43,6 +46,7 @@ from embcache.kv.errors import TierUnavailableError
 from embcache.kv.redact import redact_url
 from embcache.kv.redis_calls import check_options
 from embcache.kv.redis_identity import TierIdentity
+from embcache.kv.redis_jobs import JobRegistry, read_record
 from embcache.kv.redis_lease import TableLeases
 from embcache.kv.redis_rows import RedisRowIO
 from embcache.kv.redis_wire import (
@@ -86,8 +90,13 @@ class RedisKV(RedisRowIO, Store):
             state: `init_table`). Two jobs writing one table would each overwrite the other's
             updates with whole rows; ranks of one job share the ``owner`` token instead.
         owner: this job's token for exclusive leases (None: a new random one, `owner`). Give
-            the token of an earlier run to reopen its tables at once (a resumed job), or the
-            same token to every rank of one distributed job.
+            the same token to every rank of one distributed job (they share its leases), and
+            never the token of another job, live or not: a resumed job names that one as
+            ``takeover``.
+        takeover: the token (`owner`) of the job this one continues, as its checkpoint
+            recorded: its tables are taken at once when the process holding them is dead (on
+            this host), else once its leases lapse (within ``lease_ttl_s``); a live job's are
+            refused. Its record of an unclean end is not reported (its rows are restored).
         lease_ttl_s: how long a table stays leased after its holder's last renewal (renewed
             every third of it): a job that dies frees its tables within this time.
         verify_interval_s: how often every write mark this client wrote is read back (they are
@@ -98,7 +107,8 @@ class RedisKV(RedisRowIO, Store):
             is not there at start is a configuration error, reported at once).
         TierAuthError: the server wants a password that was not given, or refused it.
         TierOwnershipError: (`init_table`) another live job holds the table; (a write) the
-            tables were opened shared (read-only).
+            tables were opened shared (read-only); (any call) another job took the table
+            over (this one's lease lapsed): fenced off, it writes nothing more.
         TierDataLossError: (any call) the server lost writes this client had acknowledged,
             rows it wrote are missing, or (`init_table`, after `expect_state`) the tier is not
             the one an earlier run left.
@@ -134,6 +144,7 @@ class RedisKV(RedisRowIO, Store):
         buckets: int = DEFAULT_BUCKETS,
         shared: bool = False,
         owner: str | None = None,
+        takeover: str | None = None,
         lease_ttl_s: float = 30.0,
         verify_interval_s: float = 5.0,
     ) -> None:
@@ -151,6 +162,7 @@ class RedisKV(RedisRowIO, Store):
                 "max_backoff_s": max_backoff_s,
                 "verify_interval_s": verify_interval_s,
             },
+            takeover,
         )
         self.url = redact_url(url)
         self.namespace = namespace
@@ -183,12 +195,21 @@ class RedisKV(RedisRowIO, Store):
             shared,
             float(lease_ttl_s),
             TRANSIENT,
+            self.cluster,
+            takeover,
         )
+        self._jobs: JobRegistry | None = None
+        if not shared:
+            self._jobs = JobRegistry(
+                self._client, self._ns, self.owner, self._leases.holder, takeover, self.cluster
+            )
+            # A clean end (close, or the interpreter's exit) deletes the job's field.
+            self._leases.before_close = self._jobs.close
 
     @property
     def owner(self) -> str:
-        """This client's owner token (give it to a later run as ``owner=`` to reopen its
-        tables while its leases are still live)."""
+        """This client's owner token (a later run that continues this one gives it as
+        ``takeover=``; ranks of this job give it as ``owner=``)."""
         return self._leases.owner
 
     @property
@@ -200,6 +221,8 @@ class RedisKV(RedisRowIO, Store):
     def init_table(self, spec: TableSpec) -> None:
         """Declare a table here and on the server (see `Store.init_table`).
 
+        A writer takes the table's lease first (refused: nothing changed), under a new epoch
+        when newly taken, so that an earlier writer is fenced off (`embcache.kv.redis_lease`).
         The first client to declare a table records its spec on the server (``SET NX``). A
         later declaration, from this client or another, with another ``dim`` or
         ``num_embeddings`` is a ``ValueError``; another ``seed`` is recorded and applies to
@@ -233,8 +256,10 @@ class RedisKV(RedisRowIO, Store):
                 self._check_compatible(spec, spec_record(known.spec, known.buckets), "here")
             self._call("init_table", spec.name, lambda: self._check_eviction_policy(spec.name))
             # The lease first: a job refused here has changed nothing on the server.
-            if not self.shared:
+            if self._jobs is not None:
+                jobs = self._jobs
                 self._call("init_table", spec.name, lambda: self._leases.take(spec.name))
+                self._call("init_table", spec.name, lambda: jobs.opened(spec.name))
             if self._identity.tier_id is None:
                 self._call("init_table", spec.name, self._identity.check_record)
             key = meta_key(self._ns, spec.name)
@@ -271,6 +296,10 @@ class RedisKV(RedisRowIO, Store):
         across re-declarations (the acknowledged writes stay acknowledged)."""
         table = table_layout(self._ns, spec, buckets, self.cluster)
         self._marks.register(table)
+        if self.cluster:
+            # The epoch was taken in bucket 0's fence; every bucket's fence follows it before
+            # this job writes (a fence is only ever raised: an older job's epoch never wins).
+            self._call("init_table", spec.name, lambda: self._raise_fences(spec.name, table))
         return table
 
     def table_spec(self, table: str) -> TableSpec:
@@ -363,7 +392,8 @@ class RedisKV(RedisRowIO, Store):
         self._written_ids(t).discard(ids)
         for part in ids.split(self.chunk_rows):
             batch = key_batch(t, part, self.cluster)
-            self._call("remove", table, partial(self._marks.write, t, batch, None))
+            fence = self._writer_fence(t)
+            self._call("remove", table, partial(self._marks.write, t, batch, None, fence))
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -465,6 +495,41 @@ class RedisKV(RedisRowIO, Store):
         for t in tables:
             self._call("expect_state", t.spec.name, partial(self._check_expected, t))
 
+    # -- jobs and run records ---------------------------------------------------------------
+
+    def unclean_ends(self) -> list[dict[str, Any]]:
+        """Jobs found, when this client took its first table, to have ended without closing
+        their store (killed, crashed, or their leases lapsed): rows dirty in their caches
+        never reached the tier. Each: ``owner``, ``holder`` ("pid N on HOST"), ``opened``
+        (unix time), ``tables``, and the newest ``checkpoint`` and ``steps_done`` it recorded
+        (None when it recorded none). Empty for a read-only client; said once: a clean
+        `close` forgets them (see `embcache.kv.redis_jobs`)."""
+        return [] if self._jobs is None else self._jobs.unclean()
+
+    def save_run_record(self, name: str, record: dict[str, Any]) -> None:
+        """Keep ``record`` (JSON-able: a run's tier state, steps, checkpoint) on the server as
+        run record ``name`` ("" or a rank's), and note its ``checkpoint`` and ``steps_done``
+        as this job's newest (the next job names them if this one dies uncleanly). A
+        read-only (``shared``) client records nothing."""
+        if self._jobs is None:
+            return
+        jobs = self._jobs
+        steps = int(record.get("steps_done") or 0)
+        checkpoint = record.get("checkpoint")
+        what = name or "(record)"
+        self._call("save_run_record", what, lambda: jobs.save_record(name, record))
+        self._call("save_run_record", what, lambda: jobs.note_checkpoint(checkpoint, steps))
+
+    def run_record(self, name: str) -> dict[str, Any] | None:
+        """The run record ``name`` kept on the server by `save_run_record` (None: none).
+
+        Raises:
+            ValueError: the record is damaged, naming its key.
+        """
+        return self._call(
+            "run_record", name or "(record)", lambda: read_record(self._client, self._ns, name)
+        )
+
     def _check_expected(self, t: TableLayout) -> None:
         self._identity.check_table(t, self._scan_ids, self._written_ids(t))
 
@@ -483,14 +548,15 @@ class RedisKV(RedisRowIO, Store):
             self._stats.reset()
 
     def close(self) -> None:
-        """Release this client's exclusive leases and close the connections. Any later call
-        but `close` raises ``RuntimeError``."""
+        """A clean end: delete this job's record of an open job on the server (and those of
+        the unclean ends it reported), release this client's exclusive leases and close the
+        connections. Any later call but `close` raises ``RuntimeError``."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._tables.clear()
-        self._leases.close()
+        self._leases.close()  # the job's field on the server first (`before_close`)
         self._client.close()
 
     def __enter__(self) -> RedisKV:

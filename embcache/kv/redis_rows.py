@@ -2,7 +2,8 @@
 run under `RedisCalls._call`: reads that create missing rows (``SET NX``, another client's
 value kept), reads that create nothing, whole-row writes, the SCAN of a table's ids, the
 export's fetches and the rewrite of a table's state columns. Every read and write goes
-through the write marks (`MarkGuard`), and rows this client wrote are remembered
+through the write marks (`MarkGuard`) and the table's fence (this writer's epoch, see
+`embcache.kv.redis_lease`), and rows this client wrote are remembered
 (`WrittenIds`) so that one found missing is a loss, never a row re-created.
 
 `RedisRowIO` is a base class of `RedisKV` only (after `RedisCalls`).
@@ -57,6 +58,16 @@ class RedisRowIO(RedisCalls):
                 self._call("export_rows", t.spec.name, lambda: self._marks.verify([t]))
             yield torch.cat(kept), torch.cat(rows)
 
+    def _fence(self, t: TableLayout) -> bytes | None:
+        """The epoch this client writes ``t`` under (None for a read-only client)."""
+        return self._leases.epoch(t.spec.name)
+
+    def _writer_fence(self, t: TableLayout) -> bytes:
+        fence = self._fence(t)
+        if fence is None:  # `_check_writable` refuses a read-only client's writes before
+            raise RuntimeError(f"table {t.spec.name!r}: a write without this client's lease")
+        return fence
+
     def _written_ids(self, t: TableLayout) -> WrittenIds:
         with self._lock:
             written = self._written.get(t.spec.name)
@@ -85,7 +96,7 @@ class RedisRowIO(RedisCalls):
     def _mget_in_order(self, t: TableLayout, ids: torch.Tensor) -> list[bytes | None]:
         """Values of the rows of ``ids`` (None where absent), in the order of ``ids``."""
         batch = key_batch(t, ids, self.cluster)
-        values = self._marks.read(t, batch)
+        values = self._marks.read(t, batch, self._fence(t))
         if batch.order is None:
             return values
         ordered: list[bytes | None] = [None] * len(values)
@@ -97,13 +108,13 @@ class RedisRowIO(RedisCalls):
         batch = key_batch(t, ids, self.cluster)
         if batch.order is not None:
             blobs = [blobs[k] for k in batch.order.tolist()]
-        self._marks.write(t, batch, blobs)
+        self._marks.write(t, batch, blobs, self._writer_fence(t))
         self._written_ids(t).add(ids)
 
     def _get_chunk(self, t: TableLayout, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Rows of one chunk of ids (creating the missing ones), and how many were created."""
         batch = key_batch(t, ids, self.cluster)
-        values = self._marks.read(t, batch)
+        values = self._marks.read(t, batch, self._fence(t))
         if batch.order is not None:
             ids = ids[batch.order]  # work in key order, restore the caller's at the end
         missing = [k for k, value in enumerate(values) if value is None]

@@ -9,7 +9,12 @@ Key layout, for namespace ``ns``, table ``T``, row id ``i``:
     ns:seq:T              write mark of the table (single server), see `embcache.kv.write_marks`
     ns:seq:{h.b}:T        write mark of bucket b (cluster: in the slot of the bucket's rows)
     ns:lease:T            the owner lease of the table, see `embcache.kv.redis_lease`
+                          (``ns:lease:{h.0}:T`` on a cluster: in the slot of its epoch)
+    ns:fence:T            the table's epoch, the fence every write checks (single server)
+    ns:fence:{h.b}:T      the same, per bucket b (cluster: in the slot of the bucket's rows)
     ns:tier               the namespace record (the tier's id), see `embcache.kv.tier_state`
+    ns:jobs               the jobs that opened tables and have not closed them, and
+    ns:record[:R]         the run record of the last save, see `embcache.kv.redis_jobs`
 
 with ``h = table_hash(T)`` (a CRC of the name) and ``b = i % B`` (B = 256 unless the server's
 record says otherwise). The braces are Redis Cluster's hash tag: the rows of one bucket share a
@@ -19,7 +24,10 @@ single server the tag is just part of the name and a chunk is one MGET/MSET.
 
 The multi-key commands (MGET, MSET, MSETNX) go out one per slot group of a `KeyBatch`, in one
 pipeline per node, each followed by the ``GET`` (reads) or ``INCR`` (writes) of the write marks
-of the buckets it touches. Nothing here retries: a connection error propagates to `RedisKV`,
+of the buckets it touches. A writer's writes are one Lua script per slot group that checks the
+table's epoch (the fence) before it writes the rows and bumps the marks, so a writer whose lease
+was taken over writes nothing (`Fenced`); its reads check the fence in the same round trip.
+Nothing here retries: a connection error propagates to `RedisKV`,
 which retries the whole chunk.
 """
 
@@ -176,6 +184,7 @@ class TableLayout:
     mark_keys: list[bytes]  # write marks: one (single server) or one per bucket (cluster)
     mark_slots: list[int]  # cluster slot of each mark (-1 on a single server)
     slot_units: dict[int, list[int]]  # slot (-1: single server) -> marks of its buckets
+    fence_keys: list[bytes]  # the table's epoch: one, or one per bucket (cluster), as marks
     # The server's row layout when this client's differs (`view_layout`); None: the same.
     stored: TableSpec | None = None
 
@@ -204,6 +213,27 @@ def meta_key(namespace: bytes, table: str) -> bytes:
     return namespace + b":meta:" + table.encode()
 
 
+def fence_key(namespace: bytes, table: str, bucket: int | None) -> bytes:
+    """Key of the table's epoch (`embcache.kv.redis_lease`): ``ns:fence:T`` on a single
+    server (``bucket`` None), ``ns:fence:{h.b}:T`` for bucket b on a cluster."""
+    if bucket is None:
+        return namespace + b":fence:" + table.encode()
+    tag = b"%d.%d" % (table_hash(table), bucket)
+    return namespace + b":fence:{" + tag + b"}:" + table.encode()
+
+
+class Fenced(Exception):  # noqa: N818 (a condition `RedisKV` turns into TierOwnershipError)
+    """A write or read found the table's epoch changed: another job took the table over.
+
+    Attributes:
+        found: the epoch the server holds (b"" when absent).
+    """
+
+    def __init__(self, found: bytes) -> None:
+        super().__init__(found)
+        self.found = found
+
+
 def tier_key(namespace: bytes) -> bytes:
     """Key of the namespace record (the tier's id), see `embcache.kv.tier_state`: ``ns:tier``."""
     return namespace + b":tier"
@@ -224,6 +254,10 @@ def table_layout(namespace: bytes, spec: TableSpec, buckets: int, cluster: bool)
             slot_units.setdefault(slot, []).append(b)
     else:
         mark_keys, mark_slots, slot_units = [namespace + b":seq:" + name], [-1], {-1: [0]}
+    if cluster:
+        fence_keys = [fence_key(namespace, spec.name, b) for b in range(buckets)]
+    else:
+        fence_keys = [fence_key(namespace, spec.name, None)]
     return TableLayout(
         spec=spec,
         buckets=buckets,
@@ -237,6 +271,7 @@ def table_layout(namespace: bytes, spec: TableSpec, buckets: int, cluster: bool)
         mark_keys=mark_keys,
         mark_slots=mark_slots,
         slot_units=slot_units,
+        fence_keys=fence_keys,
     )
 
 
@@ -436,27 +471,57 @@ def set_nx(client: Client, batch: KeyBatch, positions: list[int], blobs: list[by
     return created
 
 
+# One slot group of a fenced write. KEYS: the fence, the group's marks. ARGV: the writer's
+# epoch, "set" or "del", then the rows' keys and values interleaved ("set") or the keys ("del"),
+# all in the slot of KEYS (so passed as arguments: no Lua table is built per row). Returns the
+# marks' new values, or {"fenced", epoch found} having written nothing. MSET/DEL go in parts:
+# Lua's unpack has a bounded stack.
+_WRITE = """
+local fence = redis.call('GET', KEYS[1])
+if fence ~= ARGV[1] then
+  return {'fenced', fence or ''}
+end
+local command = ARGV[2] == 'del' and 'DEL' or 'MSET'
+local last = #ARGV
+for i = 3, last, 4000 do
+  redis.call(command, unpack(ARGV, i, math.min(i + 3999, last)))
+end
+local marks = {}
+for u = 2, #KEYS do
+  marks[u - 1] = redis.call('INCR', KEYS[u])
+end
+return marks
+"""
+
+
 def _group_units(t: TableLayout, batch: KeyBatch) -> list[list[int]]:
     """Write marks of each group's buckets (on a single server: the table's one mark)."""
     return [t.slot_units[slot] for slot, _, _ in batch.groups]
 
 
 def read_marked(
-    client: Client, t: TableLayout, batch: KeyBatch
+    client: Client, t: TableLayout, batch: KeyBatch, fence: bytes | None = None
 ) -> tuple[list[bytes | None], list[int], list[Any]]:
     """``(values, mark units, mark values)`` of ``batch.keys``: each group's marks are read
-    first, then its rows, in one round trip per node."""
+    first, then its rows, in one round trip per node. With ``fence`` (a writer's epoch), each
+    group's fence is read too, and one that differs raises `Fenced`."""
     if not batch.keys:
         return [], [], []
     commands: list[Command] = []
     units: list[int] = []
     for (slot, a, b), group_units in zip(batch.groups, _group_units(t, batch), strict=True):
+        if fence is not None:
+            commands.append((slot, ("GET", t.fence_keys[group_units[0]])))
         commands.extend((slot, ("GET", t.mark_keys[u])) for u in group_units)
         units.extend(group_units)
         commands.append((slot, ("MGET", *batch.keys[a:b])))
     replies = run_commands(client, commands)
     marks, values, k = [], [], 0
     for group_units in _group_units(t, batch):
+        if fence is not None:
+            if replies[k] != fence:
+                raise Fenced(replies[k] or b"")
+            k += 1
         marks.extend(replies[k : k + len(group_units)])
         values.extend(replies[k + len(group_units)])
         k += len(group_units) + 1
@@ -464,30 +529,34 @@ def read_marked(
 
 
 def write_marked(
-    client: Client, t: TableLayout, batch: KeyBatch, blobs: list[bytes] | None
+    client: Client, t: TableLayout, batch: KeyBatch, blobs: list[bytes] | None, fence: bytes
 ) -> tuple[list[int], list[Any]]:
     """Write ``blobs`` (in the batch's key order) to ``batch.keys`` (``None``: delete the
-    keys), each group followed by the ``INCR`` of its marks; returns ``(mark units, INCR
-    replies)``."""
+    keys) and ``INCR`` the group's marks, one script per group that first checks the table's
+    fence is ``fence`` (the writer's epoch); returns ``(mark units, INCR replies)``.
+
+    Raises:
+        Fenced: a group found another epoch (and wrote nothing; groups before it may have
+            been written, all with this writer's epoch still current when they ran).
+    """
     commands: list[Command] = []
     units: list[int] = []
     for (slot, a, b), group_units in zip(batch.groups, _group_units(t, batch), strict=True):
+        keys = [t.fence_keys[group_units[0]], *(t.mark_keys[u] for u in group_units)]
         if blobs is None:
-            commands.append((slot, ("DEL", *batch.keys[a:b])))
-            commands.extend((slot, ("INCR", t.mark_keys[u])) for u in group_units)
-            units.extend(group_units)
-            continue
-        args: list[bytes] = [b""] * (2 * (b - a))
-        args[0::2] = batch.keys[a:b]
-        args[1::2] = blobs[a:b]
-        commands.append((slot, ("MSET", *args)))
-        commands.extend((slot, ("INCR", t.mark_keys[u])) for u in group_units)
+            rows: list[bytes] = batch.keys[a:b]
+        else:
+            rows = [b""] * (2 * (b - a))
+            rows[0::2] = batch.keys[a:b]
+            rows[1::2] = blobs[a:b]
+        mode = b"del" if blobs is None else b"set"
+        commands.append((slot, ("EVAL", _WRITE, len(keys), *keys, fence, mode, *rows)))
         units.extend(group_units)
     if not commands:
         return [], []
-    replies = run_commands(client, commands)
-    incrs, k = [], 0
-    for group_units in _group_units(t, batch):
-        incrs.extend(replies[k + 1 : k + 1 + len(group_units)])
-        k += 1 + len(group_units)
+    incrs: list[Any] = []
+    for reply in run_commands(client, commands):
+        if reply and reply[0] == b"fenced":
+            raise Fenced(reply[1])
+        incrs.extend(reply)
     return units, incrs

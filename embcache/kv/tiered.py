@@ -403,6 +403,15 @@ class TieredKV(Store):
         """``back``'s (flush first: dirty rows here are not in it yet)."""
         return self.back.tier_state(count_rows)
 
+    def unclean_ends(self) -> list[dict[str, Any]]:
+        return self.back.unclean_ends()
+
+    def save_run_record(self, name: str, record: dict[str, Any]) -> None:
+        self.back.save_run_record(name, record)
+
+    def run_record(self, name: str) -> dict[str, Any] | None:
+        return self.back.run_record(name)
+
     def expect_state(self, state: Any) -> None:
         self.back.expect_state(state)
 

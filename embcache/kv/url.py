@@ -67,13 +67,17 @@ _STORE_OPTIONS: dict[str, Callable[[str], object]] = {
 }
 
 
-def open_store(spec: str | Store | None, *, owner: str | None = None) -> Store:
+def open_store(
+    spec: str | Store | None, *, owner: str | None = None, takeover: str | None = None
+) -> Store:
     """The `Store` that ``spec`` names (see the module docstring for the forms).
 
     Args:
         spec: the form.
-        owner: lease token of a Redis form (as its ``?owner=`` option; a resumed job passes
-            the one its checkpoint recorded). Ignored by the other forms.
+        owner: lease token of a Redis form (as its ``?owner=`` option; every rank of one job
+            passes the same). Ignored by the other forms.
+        takeover: the lease token of the job this one continues (a resumed job passes the one
+            its checkpoint recorded; see `RedisKV`). Ignored by the other forms.
 
     Raises:
         ValueError: an unknown form or a malformed option, with the accepted forms listed.
@@ -110,6 +114,8 @@ def open_store(spec: str | Store | None, *, owner: str | None = None) -> Store:
                 f"store {redact_url(spec)!r}: its owner option differs from owner={owner!r}"
             )
         options["owner"] = owner
+    if takeover is not None:
+        options["takeover"] = takeover
 
     back = redis_kv_class()(url, **options)
     if not tiered:

@@ -7,11 +7,11 @@ value: a silent reset of training. Write marks turn that into `TierDataLossError
 
 Each table has mark keys beside its rows: one per table on a single server
 (``ns:seq:T``), one per hash-tag bucket on a cluster (``ns:seq:{h.b}:T``, in the slot of the
-bucket's rows, so a node that lost its rows lost their marks too). Every write of rows is
-followed, in the same round trip and on the same connection, by ``INCR`` of the marks of the
-buckets it wrote: the server applies them in order, so any state of the server (live, AOF,
-RDB, replica) that holds a mark value also holds every row write that came before it. This
-client remembers, per mark, the highest value its acknowledged writes returned:
+bucket's rows, so a node that lost its rows lost their marks too). Every write of rows runs
+``INCR`` of the marks of the buckets it wrote in the same script (the fenced write of
+`embcache.kv.redis_wire`): the server applies them in order, so any state of the server
+(live, AOF, RDB, replica) that holds a mark value also holds every row write that came
+before it. This client remembers, per mark, the highest value its acknowledged writes returned:
 
 * a write whose ``INCR`` returns a value not above the one remembered when it was sent ran on a
   server that had lost writes (a missing mark counts as 0);
@@ -183,22 +183,27 @@ class MarkGuard:
         self.book(table).lost = message
         raise TierDataLossError(message)
 
-    def read(self, t: TableLayout, batch: KeyBatch) -> list[bytes | None]:
+    def read(
+        self, t: TableLayout, batch: KeyBatch, fence: bytes | None = None
+    ) -> list[bytes | None]:
         """Values of ``batch.keys`` (None where absent), after checking the marks of their
-        buckets, read in the same round trip just before them."""
+        buckets, read in the same round trip just before them (and, given ``fence``, the
+        writer's epoch: `Fenced` when the table was taken over)."""
         book = self._book(t)
         expected = book.snapshot()
-        values, units, marks = read_marked(self._client, t, batch)
+        values, units, marks = read_marked(self._client, t, batch, fence)
         self._check(t, book, units, expected, marks)
         return values
 
-    def write(self, t: TableLayout, batch: KeyBatch, blobs: list[bytes] | None) -> None:
+    def write(
+        self, t: TableLayout, batch: KeyBatch, blobs: list[bytes] | None, fence: bytes
+    ) -> None:
         """Write ``blobs`` (in the batch's key order; None deletes the keys), each group
-        followed by its marks' INCR; a reply not above the value remembered is
-        `TierDataLossError`."""
+        with its marks' INCR, if the table's epoch is still ``fence`` (else `Fenced`); a
+        mark not above the value remembered is `TierDataLossError`."""
         book = self._book(t)
         expected = book.snapshot()
-        units, replies = write_marked(self._client, t, batch, blobs)
+        units, replies = write_marked(self._client, t, batch, blobs, fence)
         self._check(t, book, units, expected, replies, wrote=True)
 
     def verify(self, tables: list[TableLayout], restore: bool = True) -> None:

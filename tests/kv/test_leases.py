@@ -32,9 +32,11 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
         yield started
 
 
-def _job(url: str, ttl_s: float) -> subprocess.Popen[str]:
+def job(url: str, ttl_s: float, namespace: str = "lease") -> tuple[subprocess.Popen[str], str]:
+    """`lease_job.py` holding table t0 of ``namespace`` in a process of its own, and its
+    owner token."""
     proc = subprocess.Popen(
-        [sys.executable, str(JOB), url, str(ttl_s)],
+        [sys.executable, str(JOB), url, str(ttl_s), namespace],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -43,7 +45,7 @@ def _job(url: str, ttl_s: float) -> subprocess.Popen[str]:
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()  # type: ignore[union-attr]
-    return proc
+    return proc, proc.stdout.readline().strip()
 
 
 def _collection(url: str, optimizer: type = embcache.SparseAdaGrad):
@@ -130,7 +132,7 @@ def test_a_second_training_job_on_shared_tables_is_refused_not_lost(server: Redi
 def test_the_same_owner_reopens_and_close_frees(server: RedisServer) -> None:
     first = RedisKV(server.url)
     first.init_table(SPEC)
-    again = RedisKV(server.url, owner=first.owner)  # e.g. a resumed job, or another rank
+    again = RedisKV(server.url, owner=first.owner)  # another rank of the same job
     again.init_table(SPEC)
     other = RedisKV(server.url)
     with pytest.raises(embcache.TierOwnershipError):
@@ -141,7 +143,7 @@ def test_the_same_owner_reopens_and_close_frees(server: RedisServer) -> None:
 
 def test_a_dead_job_frees_its_tables_within_the_ttl(server: RedisServer) -> None:
     ttl = 1.0
-    proc = _job(server.url, ttl)
+    proc, _ = job(server.url, ttl)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     kv = RedisKV(server.url, namespace="lease")
@@ -160,7 +162,7 @@ def test_a_dead_job_frees_its_tables_within_the_ttl(server: RedisServer) -> None
 def test_a_job_whose_lease_lapsed_is_told(server: RedisServer) -> None:
     """A job paused (SIGSTOP) past its TTL loses its tables to the next job; when it resumes,
     its next write is refused instead of clobbering the new owner's rows."""
-    proc = _job(server.url, 0.6)
+    proc, _ = job(server.url, 0.6)
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write("put\n")
     proc.stdin.flush()

@@ -282,12 +282,15 @@ def test_chunking_bounds_each_round_trip(server: RedisServer) -> None:
     assert torch.equal(kv.get("t0", ids), rows)
     stats = raw.info("commandstats")
     assert stats["cmdstat_mget"]["calls"] == 2 * 5  # two gets of ceil(23 / 5) chunks
-    assert stats["cmdstat_mset"]["calls"] == 5
+    assert stats["cmdstat_eval"]["calls"] == 5  # one fenced write script per written chunk
+    assert stats["cmdstat_mset"]["calls"] == 5  # (commands run by a script count too)
     assert stats["cmdstat_msetnx"]["calls"] == 5  # new rows created by chunk, MSETNX
     assert "cmdstat_set" not in stats  # no race, so no key-by-key creation
     assert stats["cmdstat_incr"]["calls"] == 5  # each written chunk bumps the write mark
-    assert stats["cmdstat_get"]["calls"] == 2 * 5  # each read chunk checks it first
-    assert raw.dbsize() == 23 + 4  # the rows, the table's spec, write mark, lease, tier id
+    # Each read chunk checks the mark and the fence first; each write script the fence.
+    assert stats["cmdstat_get"]["calls"] == 2 * 5 * 2 + 5
+    # The rows, the table's spec, write mark, fence and lease, the tier id, the open jobs.
+    assert raw.dbsize() == 23 + 7 - 1
 
 
 def test_key_layout(server: RedisServer) -> None:
@@ -295,8 +298,10 @@ def test_key_layout(server: RedisServer) -> None:
     kv.init_table(TableSpec("t0", dim=2, num_embeddings=1000, seed=7))
     kv.put("t0", torch.tensor([300]), torch.tensor([[1.5, -2.0]]))
     keys = sorted(server.client().keys("*"))
-    assert keys[:4] == [b"m1:lease:t0", b"m1:meta:t0", b"m1:seq:t0", b"m1:tier"]
-    keys = keys[1:]
+    assert keys[:6] == [
+        b"m1:fence:t0", b"m1:jobs", b"m1:lease:t0", b"m1:meta:t0", b"m1:seq:t0", b"m1:tier"
+    ]  # fmt: skip
+    keys = keys[3:]
     assert keys[3].startswith(b"m1:{") and keys[3].endswith(b".44}:t0:300")  # 300 % 256
     assert server.client().get(keys[3]) == torch.tensor([1.5, -2.0]).numpy().tobytes()
     assert server.client().get(b"m1:seq:t0") == b"1"  # one write acknowledged
@@ -394,8 +399,10 @@ def test_cluster_matches_single_server_and_spreads_keys(
     assert all(n > 0 for n in added), added  # keys on every node, not one hash tag
     marks = sum(len(node.client().keys(f"{namespace}:seq:*")) for node in cluster.nodes)
     assert 200 < marks <= 256  # a write mark per bucket written, beside its rows
-    # + the spec record, the lease and the namespace record
-    assert sum(added) == _export(spread, "t0")[0].numel() + marks + 3
+    fences = sum(len(node.client().keys(f"{namespace}:fence:*")) for node in cluster.nodes)
+    assert fences == 256  # the table's epoch, beside every bucket's rows
+    # + the spec record, the lease, the namespace record and the open jobs
+    assert sum(added) == _export(spread, "t0")[0].numel() + marks + fences + 4
 
 
 # -- open_store --------------------------------------------------------------------------------
