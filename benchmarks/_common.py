@@ -140,6 +140,18 @@ def start_cpu_bench(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+QUICK_NOTE = "quick: sizes too small for conclusions"
+
+
+def quick_note(quick: bool) -> str:
+    """Print and return `QUICK_NOTE` for a ``--quick`` run (a smoke test of the script, not a
+    measurement), else return "": scripts add it to their plot's title too."""
+    if not quick:
+        return ""
+    print(f"# {QUICK_NOTE}")
+    return QUICK_NOTE
+
+
 def pick_device(name: str | None) -> torch.device:
     """``name`` when given (refusing ``cuda`` without a GPU), else CUDA when present."""
     if name == "cuda" and not torch.cuda.is_available():

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from _common import add_output_options, parse_args
+from _common import add_output_options, parse_args, quick_note
 
 from embcache.kernels.cache_index import assign_ways_triton, cache_lookup_triton
 from embcache.kernels.cache_index_ref import assign_ways_ref, cache_lookup_ref, set_index_ref
@@ -231,7 +231,7 @@ def write_csv(rows: list[Row], path: Path) -> None:
             )
 
 
-def write_plot(rows: list[Row], path: Path) -> None:
+def write_plot(rows: list[Row], path: Path, note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,9 +251,20 @@ def write_plot(rows: list[Row], path: Path) -> None:
         ax.set_ylabel("throughput / baseline")
         ax.set_title(op)
         ax.legend()
+    if note:
+        fig.suptitle(note, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# (sets, batch): a cache of sets x 32 ways, looked up by a batch of ids; timed calls per median.
+SIZES = {
+    "tiny": [(64, 256)],
+    "quick": [(1024, 4096), (8192, 32768)],
+    "full": [(1024, 4096), (8192, 32768), (65536, 131072), (262144, 524288)],
+}
+REPS = {"tiny": 2, "quick": 5, "full": 20}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -272,31 +283,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    # (sets, batch): a cache of sets x 32 ways, looked up by a batch of ids.
-    sizes = (
-        [(64, 256)]
-        if args.tiny
-        else [(1024, 4096), (8192, 32768)]
-        if args.quick
-        else [
-            (1024, 4096),
-            (8192, 32768),
-            (65536, 131072),
-            (262144, 524288),
-        ]
-    )
-    reps = 2 if args.tiny else 5 if args.quick else 20
+    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    sizes, reps = SIZES[size], REPS[size]
     gen = torch.Generator().manual_seed(0)
     rows = [row for s, b in sizes for row in bench_size(s, b, device, reps, gen)]
     rows.sort(key=lambda r: (r.op != "cache_lookup", r.num_sets))
     print_table(rows)
+    note = quick_note(args.quick and device.type != "cuda")
     for op in ("cache_lookup", "assign_ways"):
         r = max((r for r in rows if r.op == op), key=lambda r: r.num_sets)
         ratio = r.triton_ratio if r.triton_ratio is not None else r.twin_ratio
         who = "triton" if r.triton_ratio is not None else "twin"
         print(f"summary: {op} sets={r.num_sets} {who} x{ratio:.2f} vs {r.baseline}")
     write_csv(rows, args.out)
-    write_plot(rows, args.out.with_suffix(".png"))
+    write_plot(rows, args.out.with_suffix(".png"), note)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

@@ -17,7 +17,7 @@ Then, side by side in this process:
 checkpoint.csv and checkpoint.png (bytes and seconds against ``f``).
 
     .venv/bin/python benchmarks/bench_checkpoint.py            # full (about a minute)
-    .venv/bin/python benchmarks/bench_checkpoint.py --quick    # 4 tables, seconds
+    .venv/bin/python benchmarks/bench_checkpoint.py --quick    # 3 small tables: a smoke test
 """
 
 from __future__ import annotations
@@ -38,6 +38,18 @@ FRACTIONS = (0.001, 0.01, 0.1, 0.5, 1.0)
 ROWS, DIM, BATCH = 65_536, 16, 4096
 
 
+@dataclass(frozen=True)
+class Sizes:
+    tables: int
+    rows: int  # per table
+    reps: int  # saves timed, the median kept
+    batch: int  # ids per table and step
+
+
+FULL = Sizes(26, ROWS, 3, BATCH)
+QUICK = Sizes(3, 16_384, 1, 1024)  # a smoke test of the script: too small for conclusions
+
+
 @dataclass
 class Row:
     fraction: float
@@ -48,7 +60,7 @@ class Row:
     save_after_reads_bytes: int
     save_after_reads_s: float
     state_dict_bytes: int  # the baseline
-    state_dict_s: float  # state_dict() + torch.save (median of 3, as each save)
+    state_dict_s: float  # state_dict() + torch.save (median of 3, --quick 1, as each save)
     all_rows_bytes: int
 
     @property
@@ -68,10 +80,10 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _trained(n_tables: int, fraction: float, gen: torch.Generator):
+def _trained(n_tables: int, rows: int, fraction: float, gen: torch.Generator, per_step: int):
     """A collection and its optimizer after training on exactly ``fraction`` of each table."""
     tables = [
-        embcache.TableConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS,
+        embcache.TableConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=rows,
                              feature_names=[f"f{i}"])
         for i in range(n_tables)
     ]  # fmt: skip
@@ -79,12 +91,12 @@ def _trained(n_tables: int, fraction: float, gen: torch.Generator):
         tables=tables, cache=embcache.CacheConfig(load_factor=0.1)
     )
     opt = embcache.SparseAdaGrad(ebc, lr=0.05)
-    touched = max(1, round(fraction * ROWS))
-    pools = [torch.randperm(ROWS, generator=gen)[:touched] for _ in range(n_tables)]
+    touched = max(1, round(fraction * rows))
+    pools = [torch.randperm(rows, generator=gen)[:touched] for _ in range(n_tables)]
     keys = [f"f{i}" for i in range(n_tables)]
-    for lo in range(0, touched, BATCH):  # every pooled id once, one id per bag
-        values = torch.cat([p[lo : lo + BATCH] for p in pools])
-        n = min(BATCH, touched - lo)
+    for lo in range(0, touched, per_step):  # every pooled id once, one id per bag
+        values = torch.cat([p[lo : lo + per_step] for p in pools])
+        n = min(per_step, touched - lo)
         batch = embcache.JaggedBatch.from_lengths(
             keys, values, torch.ones(n * n_tables, dtype=torch.int64)
         )
@@ -99,10 +111,11 @@ def _timed(fn, reps: int = 3) -> float:
     return _common.seconds(fn, torch.device("cpu"), reps, warmup=False)
 
 
-def measure(fraction: float, n_tables: int, root: Path, gen: torch.Generator) -> Row:
-    ebc, opt, touched = _trained(n_tables, fraction, gen)
+def measure(fraction: float, sizes: Sizes, root: Path, gen: torch.Generator) -> Row:
+    n_tables, rows, reps = sizes.tables, sizes.rows, sizes.reps
+    ebc, opt, touched = _trained(n_tables, rows, fraction, gen, sizes.batch)
     quiet, read, dense = root / "quiet", root / "read", root / "state_dict.pt"
-    save_s = _timed(lambda: embcache.save(quiet, ebc, [opt]))
+    save_s = _timed(lambda: embcache.save(quiet, ebc, [opt]), reps)
 
     def read_everything() -> None:
         state = ebc.state_dict()
@@ -111,8 +124,8 @@ def measure(fraction: float, n_tables: int, root: Path, gen: torch.Generator) ->
         ebc.load_state_dict(state)
 
     read_everything()
-    after_s = _timed(lambda: embcache.save(read, ebc, [opt]))
-    state_s = _timed(lambda: torch.save(ebc.state_dict(), dense))
+    after_s = _timed(lambda: embcache.save(read, ebc, [opt]), reps)
+    state_s = _timed(lambda: torch.save(ebc.state_dict(), dense), reps)
     saved = sum(ids.numel() for t in ebc.tables for ids, _ in ebc.store.export_rows(t.name))
     row = Row(
         fraction=fraction,
@@ -124,7 +137,7 @@ def measure(fraction: float, n_tables: int, root: Path, gen: torch.Generator) ->
         save_after_reads_s=after_s,
         state_dict_bytes=dense.stat().st_size,
         state_dict_s=state_s,
-        all_rows_bytes=n_tables * ROWS * (2 * DIM * 4 + 8),  # rows with state, and their ids
+        all_rows_bytes=n_tables * rows * (2 * DIM * 4 + 8),  # rows with state, and their ids
     )
     for p in (quiet, read, dense):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
@@ -158,20 +171,24 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 tables instead of 26")
+    parser.add_argument(
+        "--quick", action="store_true", help="3 tables x 16,384 rows, one save each: a smoke test"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1)")
     _common.add_output_options(parser, "checkpoint.csv")
     args = _common.parse_args(parser)
     _common.set_threads(args.threads)
-    n_tables = 4 if args.quick else 26
+    sizes = QUICK if args.quick else FULL
+    n_tables, n_rows = sizes.tables, sizes.rows
     header = _common.run_header(torch.device("cpu"))
     print(header)
-    print(f"# {n_tables} tables x {ROWS:,} rows, dim {DIM}, SparseAdaGrad, 10% cached")
+    print(f"# {n_tables} tables x {n_rows:,} rows, dim {DIM}, SparseAdaGrad, 10% cached")
+    note = _common.quick_note(args.quick)
     gen = torch.Generator().manual_seed(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for fraction in FRACTIONS:
-            rows.append(measure(fraction, n_tables, Path(tmp), gen))
+            rows.append(measure(fraction, sizes, Path(tmp), gen))
     print(
         f"{'trained':>8} {'rows saved':>11} {'save MB':>9} {'after reads':>12} "
         f"{'state_dict MB':>14} {'bytes vs sd':>12} {'vs all rows':>12} {'save s':>7} "
@@ -193,7 +210,8 @@ def main() -> None:
     )
     extra = ["bytes_vs_baseline", "bytes_vs_all_rows", "time_vs_baseline"]
     _common.write_csv(rows, args.out, extra)
-    title = f"{header[2:]}\n{n_tables} tables x {ROWS:,} rows, dim {DIM}, AdaGrad, 10% cached"
+    title = f"{header[2:]}\n{n_tables} tables x {n_rows:,} rows, dim {DIM}, AdaGrad, 10% cached"
+    title += f"; baseline torch.save(state_dict()){f'; {note}' if note else ''}"
     write_plot(rows, args.out.with_suffix(".png"), title)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

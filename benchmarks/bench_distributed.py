@@ -7,7 +7,8 @@ contend with the neighbours and the numbers swing by 10x; ``--threads`` changes 
 
 * ``single``     one process, `CachedEmbeddingBagCollection` on the whole global batch: the
                  named baseline every ratio is against;
-* ``sharded/1``  `ShardedEmbeddingBagCollection` on one rank (the exchange machinery, no peer);
+* ``sharded/1``  `ShardedEmbeddingBagCollection` on one rank (the exchange machinery, no peer;
+                 not with ``--quick``);
 * ``sharded/2``  two ranks, each on half of every global batch, each owning about half the rows;
 * ``prefetch/2`` the same two ranks with prefetch: each step's id exchange and owner resolve
                  (tier I/O) run on the prefetch worker during the step before. ``vs sharded/2``
@@ -26,21 +27,29 @@ are Zipf(1.0) per table, scattered over the rows. Prints a table; writes
 distributed.csv and distributed.png.
 
     .venv/bin/python benchmarks/bench_distributed.py                    # full
-    .venv/bin/python benchmarks/bench_distributed.py --quick            # < 1 min
+    .venv/bin/python benchmarks/bench_distributed.py --quick            # a smoke test
     .venv/bin/python benchmarks/bench_distributed.py --latency-ms 2     # a remote-like tier
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import SlowStore, ZipfIds, add_output_options, parse_args, pyplot, write_csv
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from _common import (
+    SlowStore,
+    ZipfIds,
+    add_output_options,
+    parse_args,
+    pyplot,
+    quick_note,
+    write_csv,
+)
 
 import embcache
 from embcache.distributed.launch import spawn
@@ -82,16 +91,16 @@ class Row:
     identical: bool  # trained to the same tables as sharded/2
 
 
-def table_configs(w: Workload) -> list[EmbeddingBagConfig]:
+def table_configs(w: Workload) -> list[embcache.TableConfig]:
     return [
-        EmbeddingBagConfig(
+        embcache.TableConfig(
             name=f"t{i}", embedding_dim=w.dim, num_embeddings=w.rows, feature_names=[f"f{i}"]
         )
         for i in range(w.tables)
     ]
 
 
-def part_kjt(w: Workload, step: int, parts: range) -> KeyedJaggedTensor:
+def part_kjt(w: Workload, step: int, parts: range) -> embcache.JaggedBatch:
     """The KJT of ``parts`` of a step's global batch (deterministic in (step, part))."""
     per_part = w.batch // PARTS
     values, lengths = [], []
@@ -102,7 +111,7 @@ def part_kjt(w: Workload, step: int, parts: range) -> KeyedJaggedTensor:
             values.append(zipf.sample(per_part * w.bag, gen))
             lengths.append(torch.full((per_part,), w.bag))
     keys = [f"f{t}" for t in range(w.tables)]
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+    return embcache.JaggedBatch.from_lengths(keys, torch.cat(values), torch.cat(lengths))
 
 
 def _rank_main(rank: int, run: str, w: Workload) -> dict:
@@ -144,13 +153,20 @@ def _rank_main(rank: int, run: str, w: Workload) -> dict:
     return {"seconds": elapsed, "comm": comm, "hit_rate": hit_rate, "checksum": checksum}
 
 
+FULL = Workload(tables=8, rows=100_000, dim=64, bag=4, batch=4096, steps=20, warmup=3,
+                load_factor=0.25, threads=1, repeats=3)  # fmt: skip
+# A smoke test of the script: too small for conclusions.
+QUICK = Workload(tables=4, rows=20_000, dim=32, bag=4, batch=512, steps=4, warmup=2,
+                 load_factor=0.25, threads=1, repeats=1)  # fmt: skip
+
 RUNS = ((BASELINE, 1), ("sharded", 1), ("sharded", 2), ("prefetch", 2))
+QUICK_RUNS = (RUNS[0], *RUNS[2:])  # --quick leaves out sharded/1: one process fewer
 
 
-def run(w: Workload) -> list[Row]:
+def run(w: Workload, runs: tuple[tuple[str, int], ...] = RUNS) -> list[Row]:
     best: dict[tuple[str, int], list[dict]] = {}
     for _ in range(w.repeats):
-        for name, ranks in RUNS:
+        for name, ranks in runs:
             results = spawn(
                 _rank_main, ranks, args=(name, w), timeout=600, threads_per_rank=w.threads
             )
@@ -162,7 +178,7 @@ def run(w: Workload) -> list[Row]:
     base = None
     sharded_2 = best[("sharded", 2)]
     sharded_speed = w.batch * w.steps / max(r["seconds"] for r in sharded_2)
-    for name, ranks in RUNS:
+    for name, ranks in runs:
         results = best[(name, ranks)]
         speed = w.batch * w.steps / max(r["seconds"] for r in results)
         base = base or speed
@@ -217,7 +233,7 @@ def report(rows: list[Row], w: Workload) -> None:
     )
 
 
-def write_plot(rows: list[Row], path: Path) -> None:
+def write_plot(rows: list[Row], path: Path, note: str = "") -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     names = [r.run for r in rows]
@@ -228,6 +244,8 @@ def write_plot(rows: list[Row], path: Path) -> None:
     right.bar(names, [r.bytes_to_peers_per_step / 1e6 for r in rows], color="tab:orange")
     right.set_ylabel("MB per step per rank")
     right.set_title("all_to_all bytes leaving a rank")
+    fig.suptitle("row-wise sharding over gloo against one process (baseline)"
+                 + (f"\n{note}" if note else ""), fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -235,26 +253,25 @@ def write_plot(rows: list[Row], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    parser.add_argument("--quick", action="store_true", help="small sizes, one round: a smoke test")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--repeats", type=int, default=None, help="rounds (default 3, quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds (default 3, quick 1)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="tier latency per call")
     add_output_options(parser, "distributed.csv")
     args = parse_args(parser)
-    if args.quick:
-        w = Workload(tables=4, rows=20_000, dim=32, bag=4, batch=1024, steps=5, warmup=2,
-                     load_factor=0.25, threads=args.threads, repeats=args.repeats or 2,
-                     latency_ms=args.latency_ms)  # fmt: skip
-    else:
-        w = Workload(tables=8, rows=100_000, dim=64, bag=4, batch=4096, steps=20, warmup=3,
-                     load_factor=0.25, threads=args.threads, repeats=args.repeats or 3,
-                     latency_ms=args.latency_ms)  # fmt: skip
-    rows = run(w)
+    note = quick_note(args.quick)
+    w = dataclasses.replace(
+        QUICK if args.quick else FULL,
+        threads=args.threads,
+        repeats=args.repeats or (QUICK if args.quick else FULL).repeats,
+        latency_ms=args.latency_ms,
+    )
+    rows = run(w, QUICK_RUNS if args.quick else RUNS)
     report(rows, w)
     prefetch = next(r for r in rows if r.run == "prefetch/2")
     assert prefetch.identical, "prefetch changed the numbers: the tables differ from sharded/2"
     write_csv(rows, args.out)
-    write_plot(rows, args.out.with_suffix(".png"))
+    write_plot(rows, args.out.with_suffix(".png"), note)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

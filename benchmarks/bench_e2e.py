@@ -68,8 +68,13 @@ medians would mix rounds run at different speeds). The quartiles of those per-ro
 glibc's malloc is told to keep freed memory for the next step (`_common.keep_freed_memory`, as
 a CPU training job does with jemalloc or tcmalloc), for every impl alike.
 
-Prints a table; writes ``e2e.csv`` and ``e2e.png``. ``--update-results`` with a subset of
-``--workloads`` replaces those workloads' committed rows and keeps the others'.
+``--quick`` is a smoke test, too small for conclusions: 2 tables x 20,000 rows x dim 32 (batch
+256, and 64 for ``batch256``), Criteo sizes x 0.001 at batch 256, ``sequence`` 2 x 10,000 rows
+x dim 32 at batch 32; 3 rounds of 2 steps after 2 to 5 warm-up batches.
+
+Prints a table; writes ``e2e.csv`` and ``e2e.png`` (one panel per workload, each impl's time
+over its family's baseline). ``--update-results`` with a subset of ``--workloads`` replaces
+those workloads' committed rows and keeps the others'.
 
     python benchmarks/bench_e2e.py [--quick] [--threads N] [--workloads a,b] [--out PATH]
 """
@@ -94,6 +99,7 @@ from _common import (
     keep_freed_memory,
     parse_args,
     pyplot,
+    quick_note,
     run_header,
     set_threads,
     write_csv,
@@ -193,9 +199,42 @@ class Workload:
     pooled: bool = True  # False: one row per id (`sequence`)
 
 
-def long_bags(name: str, batch: int, n: int, quick: bool) -> Workload:
-    """``n`` batches (and a probe) of bags of 20 Zipf(1.05) ids over 8 tables of 200k rows."""
-    tables_n, rows, dim, bag = (4, 200_000, 64, 20) if quick else (8, 200_000, 64, 20)
+@dataclass(frozen=True)
+class Sizes:
+    """The workloads' sizes and the steps each impl runs."""
+
+    bag_tables: int  # long_bags and batch256
+    bag_rows: int  # per table
+    bag_dim: int
+    bag_ids: int  # per bag
+    long_batch: int  # long_bags
+    short_batch: int  # batch256
+    criteo_scale: float  # of the Criteo Kaggle cardinalities
+    criteo_batch: int
+    seq_tables: int
+    seq_rows: int
+    seq_dim: int
+    seq_batch: int
+    seq_longest: int  # most ids in a history
+    warmup: int  # at least this many warm-up batches,
+    fill: int  # up to this many more until the caches are full (`bench`)
+    rounds: int
+    per_round: int  # steps
+
+    @property
+    def batches(self) -> int:
+        return self.warmup + self.fill + self.rounds * self.per_round
+
+
+FULL = Sizes(8, 200_000, 64, 20, 2048, 256, 0.01, 2048, 4, 50_000, 64, 256, 50, 5, 30, 8, 12)
+# --quick: a smoke test of the script (every impl, workload, check and plot), too small for
+# conclusions; the full sizes took 9 GB.
+QUICK = Sizes(2, 20_000, 32, 20, 256, 64, 0.001, 256, 2, 10_000, 32, 32, 50, 2, 3, 3, 2)
+
+
+def long_bags(name: str, batch: int, n: int, sizes: Sizes) -> Workload:
+    """``n`` batches (and a probe) of bags of Zipf(1.05) ids (20 ids, 8 tables of 200k rows)."""
+    tables_n, rows, dim, bag = sizes.bag_tables, sizes.bag_rows, sizes.bag_dim, sizes.bag_ids
     gen = torch.Generator().manual_seed(0)
     zipf = [ZipfIds(rows, 1.05, gen) for _ in range(tables_n)]
     keys = [f"f{i}" for i in range(tables_n)]
@@ -213,10 +252,10 @@ def long_bags(name: str, batch: int, n: int, quick: bool) -> Workload:
     return Workload(name, tables, [one() for _ in range(n)], one(), batch, bag)
 
 
-def criteo(n: int, quick: bool) -> Workload:
-    batch = 1024 if quick else 2048
+def criteo(n: int, sizes: Sizes) -> Workload:
+    batch = sizes.criteo_batch
     data = SyntheticCriteo(
-        SyntheticConfig(scale=0.002 if quick else 0.01, batch_size=batch, zipf=1.05, seed=0)
+        SyntheticConfig(scale=sizes.criteo_scale, batch_size=batch, zipf=1.05, seed=0)
     )
     batches = [data.batch(i).sparse_features.to_kjt() for i in range(n)]
     probe = data.batch(0, split="eval").sparse_features.to_kjt()
@@ -228,12 +267,11 @@ def criteo(n: int, quick: bool) -> Workload:
     return Workload("criteo", tables, batches, probe, batch, 1)
 
 
-def sequence(n: int, quick: bool) -> Workload:
+def sequence(n: int, sizes: Sizes) -> Workload:
     """``n`` batches (and a probe) of user histories, 0-50 Zipf(1.05) ids each (uniform
     lengths), one feature per table."""
-    tables_n, rows, dim, batch, longest = (
-        (2, 20_000, 64, 64, 50) if quick else (4, 50_000, 64, 256, 50)
-    )
+    tables_n, rows, dim = sizes.seq_tables, sizes.seq_rows, sizes.seq_dim
+    batch, longest = sizes.seq_batch, sizes.seq_longest
     gen = torch.Generator().manual_seed(0)
     zipf = [ZipfIds(rows, 1.05, gen) for _ in range(tables_n)]
     keys = [f"f{i}" for i in range(tables_n)]
@@ -618,53 +656,77 @@ def merged_rows(old: list[Row], new: list[Row]) -> list[Row]:
     return [r for w in order for r in by_workload[w]]
 
 
-def write_plot(rows: list[Row], path: Path) -> None:
+FAMILY_COLORS = {ADAGRAD_BASE: "tab:blue", ROWWISE_BASE: "tab:orange", SEQUENCE_BASE: "tab:green"}
+FAMILY_NAMES = {
+    ADAGRAD_BASE: f"AdaGrad, against {ADAGRAD_BASE}",
+    ROWWISE_BASE: f"row-wise AdaGrad, against {ROWWISE_BASE}",
+    SEQUENCE_BASE: f"sequence (unpooled), against {SEQUENCE_BASE}",
+}
+
+
+def family_ratio(r: Row) -> tuple[float, float, float] | None:
+    """``r``'s time over its family's baseline's, with the rounds' quartiles."""
+    if FAMILY[r.impl] == ROWWISE_BASE:
+        if r.vs_fbgemm_rowwise is None:
+            return None
+        return r.vs_fbgemm_rowwise, r.vs_fbgemm_rowwise_q1 or 0.0, r.vs_fbgemm_rowwise_q3 or 0.0
+    return r.vs_torchrec, r.vs_torchrec_q1, r.vs_torchrec_q3
+
+
+def write_plot(rows: list[Row], path: Path, note: str = "") -> None:
+    """One panel per workload (small multiples): a horizontal bar per impl, its time per step
+    over its family's baseline (colour: the family), whiskers at the rounds' quartiles, a
+    black tick at the impl's target where it has one. Impl names and ratios label the bars, so
+    the legend holds only the families and the target mark."""
     plt = pyplot()
     workloads = list(dict.fromkeys(r.workload for r in rows))
-    impls = list(dict.fromkeys(r.impl for r in rows))
-    colors = plt.get_cmap("tab20").colors  # more impls than the default cycle's 10 colours
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=False)
-    for ax, (attr, base) in zip(
-        axes, (("vs_torchrec", ADAGRAD_BASE), ("vs_fbgemm_rowwise", ROWWISE_BASE)), strict=True
-    ):
-        for k, w in enumerate(workloads):  # each workload's impls side by side (theirs only)
-            found = [r for r in rows if r.workload == w and getattr(r, attr) is not None]
-            width = 0.8 / max(len(found), 1)
-            for j, r in enumerate(found):
-                i = impls.index(r.impl)
-                ax.bar(k + (j - (len(found) - 1) / 2) * width, getattr(r, attr), width,
-                       label=r.impl, color=colors[i % len(colors)])  # fmt: skip
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        if not ax.patches:  # `sequence` alone: no FBGEMM baseline
-            ax.text(0.5, 0.5, f"no {base} here", transform=ax.transAxes, ha="center")
-        # The bounds of the targets whose impls ran (the sequence workload has none).
-        for limit in sorted({t[2] for t in TARGETS if t[1] == base and t[0] in impls}):
-            ax.axhline(limit, color="gray", linewidth=0.8, linestyle="--")
-            ax.annotate(f"target {limit:g}x", (len(workloads) - 0.5, limit), fontsize=7,
-                        ha="right", va="bottom", color="gray")  # fmt: skip
-        ax.set_xticks(range(len(workloads)))
-        ax.set_xticklabels(workloads)
-        ax.set_ylabel(f"time per step / {base}")
-        sequence = (
-            " (sequence: torchrec_ec)" if base == ADAGRAD_BASE and "sequence" in workloads else ""
-        )
-        ax.set_title(f"against {base}{sequence}")
-    labelled = {}  # impl -> its bar, once
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            labelled.setdefault(label, handle)
-    ncol = min(len(labelled), 6)
-    fig.legend(labelled.values(), labelled.keys(), fontsize=7, loc="lower center", ncol=ncol)
-    fig.suptitle("training step (forward + backward + sparse step), CPU, 1 thread")
-    legend_rows = -(-len(labelled) // ncol)
-    fig.tight_layout(rect=(0, 0.04 + 0.045 * legend_rows, 1, 1))  # the legend below the axes
-    fig.savefig(path, dpi=120)
+    ncols = min(2, len(workloads))
+    nrows = -(-len(workloads) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 0.5 + 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(workloads) :]:
+        ax.set_visible(False)
+    families: set[str] = set()
+    for ax, w in zip(axes.flat, workloads, strict=False):
+        found = [(r, ratio) for r in rows if r.workload == w and (ratio := family_ratio(r))]
+        top = 1.0
+        for y, (r, (mid, q1, q3)) in enumerate(found):
+            family = FAMILY[r.impl]
+            families.add(family)
+            ax.barh(y, mid, color=FAMILY_COLORS[family], height=0.7)
+            ax.errorbar(mid, y, xerr=[[max(mid - q1, 0)], [max(q3 - mid, 0)]], color="black",
+                        linewidth=0.8, capsize=2)  # fmt: skip
+            top = max(top, mid, q3)
+            for impl, _base, limit, where in TARGETS:
+                if impl == r.impl and (where is None or w in where):
+                    ax.plot([limit, limit], [y - 0.35, y + 0.35], color="black", linewidth=2)
+                    top = max(top, limit)
+        ax.axvline(1.0, color="gray", linewidth=0.8, linestyle="--")
+        ax.set_yticks(range(len(found)))
+        # The value beside the name: clear of the bars, whiskers and targets at any scale.
+        ax.set_yticklabels([f"{r.impl}  {mid:.2f}x" for r, (mid, _, _) in found], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, top * 1.05)
+        ax.set_xlabel("time per step / the family's baseline (< 1: faster)", fontsize=8)
+        ax.set_title(w, fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=FAMILY_COLORS[f]) for f in FAMILY_COLORS
+               if f in families]  # fmt: skip
+    labels = [FAMILY_NAMES[f] for f in FAMILY_COLORS if f in families]
+    handles.append(plt.Line2D([], [], color="black", linewidth=2))
+    labels.append("target (docs/design.md)")
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels))
+    title = "training step (forward + backward + sparse step), CPU, 1 thread; whiskers: rounds' "
+    title += "quartiles" + (f"\n{note}" if note else "")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.05 / nrows, 1, 1))  # the legend below the panels
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, < 2 min")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, few steps: a smoke test (see the doc)"
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default 1: stable numbers)"
     )
@@ -681,13 +743,13 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     # At least `warmup` warm-up batches, more until the caches are full (`bench`): up to
     # `fill` more.
-    warmup, fill, rounds, per_round = (3, 5, 5, 4) if args.quick else (5, 30, 8, 12)
-    n = warmup + fill + rounds * per_round
+    sizes = QUICK if args.quick else FULL
+    warmup, rounds, per_round, n = sizes.warmup, sizes.rounds, sizes.per_round, sizes.batches
     makers = {
-        "long_bags": lambda: long_bags("long_bags", 1024 if args.quick else 2048, n, args.quick),
-        "batch256": lambda: long_bags("batch256", 256, n, args.quick),
-        "criteo": lambda: criteo(n, args.quick),
-        "sequence": lambda: sequence(n, args.quick),
+        "long_bags": lambda: long_bags("long_bags", sizes.long_batch, n, sizes),
+        "batch256": lambda: long_bags("batch256", sizes.short_batch, n, sizes),
+        "criteo": lambda: criteo(n, sizes),
+        "sequence": lambda: sequence(n, sizes),
     }
     chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in makers]
@@ -695,13 +757,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--workloads: unknown {unknown}; choose from {sorted(makers)}")
     allocator = keep_freed_memory()
     print(run_header(torch.device("cpu")) + f"; {allocator}")
+    note = quick_note(args.quick)
     rows = [row for name in chosen for row in bench(makers[name](), warmup, rounds, per_round)]
     print_table(rows)
     if args.update_results and args.out.exists():
         rows = merged_rows(read_rows(args.out), rows)  # the other workloads' rows kept
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out)
-    write_plot(rows, args.out.with_suffix(".png"))
+    write_plot(rows, args.out.with_suffix(".png"), note)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     differ = [f"{r.impl} ({r.workload})" for r in rows if differs(r)]
     if differ:

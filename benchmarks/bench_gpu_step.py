@@ -18,7 +18,9 @@ are checked), then is timed over the batches after the first ``warmup`` in a pas
 no Triton kernel (``triton.knobs.runtime.jit_post_compile_hook``; passes that compiled one are
 repeated); ``warmup_steps`` says how many steps ran before the timed pass. ``lookups_per_s``
 counts every id of a step, ``unique_per_s`` the distinct (table, id) rows. Prints a table and
-``summary:`` lines; writes ``--out`` (CSV) and a PNG beside it.
+``summary:`` lines; writes ``--out`` (CSV) and a PNG beside it. ``--quick``: 8 x 200k rows
+and 20 steps on a GPU (the GPU check's size); without one, 4 x 20k rows x dim 32, batch 256,
+8 steps: a smoke test of the CPU path, too small for conclusions.
 
     python benchmarks/bench_gpu_step.py [--quick | --tiny] [--device cpu|cuda] [--out FILE.csv]
 """
@@ -38,6 +40,7 @@ from _common import (
     parse_args,
     pick_device,
     pyplot,
+    quick_note,
     run_header,
     set_threads,
     write_csv,
@@ -63,7 +66,10 @@ class Config:
 
 SIZES = {  # tables, rows per table, dim, batch, mean bag length, steps, warm-up steps
     "full": Config(8, 1_000_000, 64, 4096, 20, 50, 10),
-    "quick": Config(8, 200_000, 64, 2048, 20, 20, 5),
+    "quick": Config(8, 200_000, 64, 2048, 20, 20, 5),  # on a GPU (the GPU check's size)
+    # --quick without a GPU: a smoke test of the CPU path (the GPU size took about 6 GB and 39
+    # CPU-seconds there), too small for conclusions.
+    "quick_cpu": Config(4, 20_000, 32, 256, 8, 8, 2),
     "tiny": Config(2, 500, 8, 16, 3, 3, 1),
 }
 
@@ -301,13 +307,13 @@ def run(cfg: Config, device: torch.device) -> list[Row]:
     return rows
 
 
-def plot(rows: list[Row], path: Path, header: str) -> None:
+def plot(rows: list[Row], path: Path, header: str, note: str = "") -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar([r.impl for r in rows], [r.speedup for r in rows], color="tab:blue")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_ylabel("torch_sparse time / ours (> 1: faster)")
-    ax.set_title(header.lstrip("# ")[:90], fontsize=7)
+    ax.set_title(header.lstrip("# ")[:90] + (f"\n{note}" if note else ""), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -316,7 +322,11 @@ def plot(rows: list[Row], path: Path, header: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="8 x 200k rows, 20 steps")
+    size.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 x 200k rows, 20 steps on a GPU; on the CPU 4 x 20k rows, 8 steps (a smoke test)",
+    )
     size.add_argument("--tiny", action="store_true", help="toy sizes (the Triton interpreter)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
@@ -324,10 +334,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv)
     set_threads(args.threads)
     device = pick_device(args.device)
-    cfg = SIZES["tiny" if args.tiny else "quick" if args.quick else "full"]
+    quick = "quick" if device.type == "cuda" else "quick_cpu"
+    cfg = SIZES["tiny" if args.tiny else quick if args.quick else "full"]
     header = run_header(device)
     print(header)
     print(f"# {cfg}")
+    note = quick_note(args.quick and device.type != "cuda")
     rows = run(cfg, device)
     print(
         f"{'impl':<14} {'ms/step':>9} {'lookups/s':>11} {'unique/s':>11} {'warm-up':>8} "
@@ -345,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
             f"unique); timed after {r.warmup_steps} warm-up steps; weights match"
         )
     write_csv(rows, args.out, extra=["speedup"])
-    plot(rows, args.out.with_suffix(".png"), header)
+    plot(rows, args.out.with_suffix(".png"), header, note)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

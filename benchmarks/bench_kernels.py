@@ -42,7 +42,8 @@ the bandwidth figure. On every device it reports the unpooled gather's bandwidth
 bytes moved per second (forward: rows read + rows written, ``2 * 4 * nnz * D``; backward:
 gradient rows read + unique rows written, ``4 * (nnz + U) * D``; index reads not counted) of
 the baseline, the twin and Triton side by side. Prints a table; writes ``kernels.csv`` and
-``kernels.png``.
+``kernels.png``. ``--quick``: B=512, 20,000 rows, dims 16 and 128 on a GPU (the GPU check's
+size); without one B=256, 5,000 rows, dims 16 and 64: a smoke test, too small for conclusions.
 
     python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda] [--threads N]
 """
@@ -65,6 +66,7 @@ from _common import (
     parse_args,
     pick_device,
     pyplot,
+    quick_note,
     run_header,
     seconds,
     set_threads,
@@ -757,9 +759,31 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """What each option left out defaults to."""
+
+    batch: int
+    rows: int  # per table
+    dims: tuple[int, ...]
+    reps: int
+
+
+FULL = Sizes(2048, 100_000, (16, 64, 128), 7)
+QUICK = Sizes(512, 20_000, (16, 128), 3)  # on a GPU (the GPU check's size)
+# --quick without a GPU: a smoke test of the CPU path (QUICK took 1.4 GB there), too small for
+# conclusions.
+QUICK_CPU = Sizes(256, 5_000, (16, 64), 2)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, < 30 s on CPU")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="B=512, 20k rows, dims 16 128 on a GPU; on the CPU B=256, 5k rows, dims 16 64 "
+        "(a smoke test)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
     parser.add_argument("--batch", type=int, default=None, help="samples B (default 2048)")
@@ -775,13 +799,15 @@ def main(argv: list[str] | None = None) -> None:
     device = pick_device(args.device)
     # Our sparse gradients are built coalesced by construction; skip torch's re-validation.
     torch.sparse.check_sparse_tensor_invariants.disable()
-    batch = args.batch or (512 if args.quick else 2048)
-    rows = args.rows or (20_000 if args.quick else 100_000)
-    dims = args.dims or ([16, 128] if args.quick else [16, 64, 128])
-    reps = args.reps or (3 if args.quick else 7)
+    sizes = (QUICK if device.type == "cuda" else QUICK_CPU) if args.quick else FULL
+    batch = args.batch or sizes.batch
+    rows = args.rows or sizes.rows
+    dims = args.dims or list(sizes.dims)
+    reps = args.reps or sizes.reps
     t0 = time.perf_counter()
     header = run_header(device)
     print(header)
+    note = quick_note(args.quick and device.type != "cuda")
     w = make_workload(batch, args.features, rows, args.pooling, device)
     print(
         f"# workload: B={batch} F={args.features} rows/table={rows} pooling~{args.pooling} "
@@ -822,7 +848,8 @@ def main(argv: list[str] | None = None) -> None:
         f"x={slow.twin_x:.2f}"
     )
     write_csv(results, args.out, EXTRA)
-    write_plot(results, args.out.with_suffix(".png"), f"{header[2:]}\n{w.nnz} values, B={batch}")
+    title = f"{header[2:]}\n{w.nnz} values, B={batch}" + (f"; {note}" if note else "")
+    write_plot(results, args.out.with_suffix(".png"), title)
     elapsed = time.perf_counter() - t0
     print(f"wrote {args.out} and {args.out.with_suffix('.png')} in {elapsed:.0f} s")
 

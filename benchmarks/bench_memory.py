@@ -5,9 +5,11 @@ Setup: a `CachedEmbeddingBagCollection` of two unbounded tables (``num_embedding
 samples, a device cache of 131,072 slots (the CPU here). Each bag draws 55% of its ids
 Zipf(1.05) from a head of 2,000,000 recurring ids per table and 45% from a long tail of one-off
 ids never seen again (fresh 64-bit hashes), so 1,000 steps stream about 33 million distinct ids
-(``--quick``: 120 smaller steps, about 2 million, and a tier capacity of 80,000 rows).
+(``--quick``: 40 steps of 1,024 samples, a head of 100,000, a tier capacity of 20,000 rows:
+a smoke test, too small for conclusions).
 
-Three cases, each in a fresh process of its own (one after the other), fed the same stream:
+Three cases, each in a fresh process of its own (one after the other, forked from a server
+that imported the libraries once), fed the same stream:
 
 * ``bounded``: the host tier bounded to 1,000,000 rows per table (LRU scores), ids admitted at
   their second sighting (`CacheConfig.admit_after=2`), sightings counted in a count-min sketch
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import cpu_bench_parser, pyplot, set_threads, start_cpu_bench, write_csv
+from _common import cpu_bench_parser, pyplot, quick_note, set_threads, start_cpu_bench, write_csv
 
 import embcache
 from embcache.hashing import mix64
@@ -53,7 +55,6 @@ TABLES = ("user", "item")
 CASES = ("bounded", "never-aged", "baseline")
 NEVER = 1 << 62  # an admission window no run reaches
 MIB = 2**20
-WINDOW = 50  # steps per point of the windowed rates
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,14 @@ class Setup:
     tier_capacity: int
     cache_capacity: int
     sketch_width: int
+    window: int  # steps per point of the windowed rates
 
 
 FULL = Setup(steps=1000, batch=4096, head=2_000_000, tier_capacity=1_000_000,
-             cache_capacity=131_072, sketch_width=1 << 23)  # fmt: skip
-QUICK = Setup(steps=120, batch=2048, head=400_000, tier_capacity=80_000, cache_capacity=24_576,
-              sketch_width=1 << 20)  # fmt: skip
+             cache_capacity=131_072, sketch_width=1 << 23, window=50)  # fmt: skip
+# A smoke test of the script: too small for conclusions.
+QUICK = Setup(steps=40, batch=1024, head=100_000, tier_capacity=20_000, cache_capacity=8192,
+              sketch_width=1 << 18, window=10)  # fmt: skip
 
 
 @dataclass
@@ -172,7 +175,7 @@ def run_case(case: str, setup: Setup, steps: int, threads: int) -> list[Row]:
             hit_rate=stats["hit_rate"],
             seconds=time.perf_counter() - t_start,
         ))  # fmt: skip
-        if step % 50 == 0 or step == steps:
+        if step % setup.window == 0 or step == steps:
             r = rows[-1]
             print(f"{case:12s} step {step:4d}: {r.distinct_ids / 1e6:6.2f}M distinct ids, RSS "
                   f"{r.rss_mib:7.1f} MiB, tier rows {r.tier_rows_user:,}/{r.tier_rows_item:,}, "
@@ -186,15 +189,18 @@ def main() -> None:
     args = start_cpu_bench(parser)
     setup = QUICK if args.quick else FULL
     steps = args.steps or setup.steps
+    note = quick_note(args.quick)
     runs: dict[str, list[Row]] = {}
-    for case in CASES:  # one at a time, each in a fresh process: its RSS is its own
-        spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+    # One case at a time, each in a fresh process (its RSS is its own), forked from a server
+    # that imported torch and embcache once (not three times, as "spawn" would).
+    fresh = multiprocessing.get_context("forkserver")
+    for case in CASES:
+        with ProcessPoolExecutor(max_workers=1, mp_context=fresh) as pool:
             runs[case] = pool.submit(run_case, case, setup, steps, args.threads).result()
-    report(runs, setup, args.out)
+    report(runs, setup, args.out, note)
 
 
-def report(runs: dict[str, list[Row]], setup: Setup, out: Path) -> None:
+def report(runs: dict[str, list[Row]], setup: Setup, out: Path, note: str = "") -> None:
     bounded, baseline = runs["bounded"], runs["baseline"]
     # Warm-up ends where a bounded tier first fills (the aged sketch may keep it from filling).
     full = min((next((r for r in rows if min(r.tier_rows_user, r.tier_rows_item) >= 0.95
@@ -209,11 +215,11 @@ def report(runs: dict[str, list[Row]], setup: Setup, out: Path) -> None:
           f"{full.step}")  # fmt: skip
     print(f"{'case':>12} {'most rows':>11} {'RSS then':>9} {'RSS end':>8} {'growth':>9} "
           f"{'vs base':>8} {'tier MiB':>9} {'evictions':>11} {'refused':>11} {'refused':>8} "
-          f"{'hit rate':>9} {'last ' + str(WINDOW):>8} {'seconds':>8}")  # fmt: skip
+          f"{'hit rate':>9} {'last ' + str(setup.window):>8} {'seconds':>8}")  # fmt: skip
     for case, rows in runs.items():
         then, end = rows[full.step - 1], rows[-1]
         grew = end.rss_mib - then.rss_mib
-        window = windowed(rows)[-1]
+        window = windowed(rows, setup.window)[-1]
         print(f"{case:>12} {max(r.tier_rows for r in rows):11,} {then.rss_mib:9.0f} "
               f"{end.rss_mib:8.0f} {grew:+9.1f} {grew / base_grew:8.3f} {end.tier_mib:9.0f} "
               f"{end.tier_evictions:11,} {end.admissions_refused:11,} "
@@ -221,13 +227,13 @@ def report(runs: dict[str, list[Row]], setup: Setup, out: Path) -> None:
               f"{window[1]:8.3f} {end.seconds:8.0f}")  # fmt: skip
     print(f"(RSS in MiB at the warm-up end and at the last step; refused: unique ids of a batch "
           f"not admitted, per distinct id (above 100%: ids refused again after a halving); hit "
-          f"rate over the run and over the last {WINDOW} steps)")  # fmt: skip
+          f"rate over the run and over the last {setup.window} steps)")  # fmt: skip
     write_csv([r for rows in runs.values() for r in rows], out)
-    plot(runs, full.step, setup, out.with_suffix(".png"))
+    plot(runs, full.step, setup, out.with_suffix(".png"), note)
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
-def windowed(rows: list[Row], width: int = WINDOW) -> list[tuple[int, float, float]]:
+def windowed(rows: list[Row], width: int) -> list[tuple[int, float, float]]:
     """``(last step, hit rate, refusals per distinct id)`` of each ``width`` steps."""
     out = []
     for lo in range(0, len(rows) - width + 1, width):
@@ -241,7 +247,9 @@ def windowed(rows: list[Row], width: int = WINDOW) -> list[tuple[int, float, flo
     return out
 
 
-def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -> None:
+def plot(
+    runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path, note: str = ""
+) -> None:
     plt = pyplot()
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
     labels = {
@@ -257,7 +265,7 @@ def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -
         ax1.plot(steps, [r.rss_mib for r in rows], color=color, label=labels[case])
         ax2.plot(steps, [r.tier_rows / 1e6 for r in rows], color=color,
                  label=f"tier rows/table, {case}")  # fmt: skip
-        window = windowed(rows)
+        window = windowed(rows, setup.window)
         ax3.plot([w[0] for w in window], [w[1] for w in window], color=color, marker=".",
                  label=f"cache hit rate, {case}")  # fmt: skip
         if case != "baseline":
@@ -275,11 +283,12 @@ def plot(runs: dict[str, list[Row]], full_step: int, setup: Setup, path: Path) -
     ax2.axhline(setup.tier_capacity / 1e6, color="red", linestyle="--", label="tier capacity")
     ax2.set_ylabel("millions")
     ax2.legend(loc="upper left", fontsize=8)
-    ax3.set_ylabel(f"fraction, per {WINDOW} steps")
+    ax3.set_ylabel(f"fraction, per {setup.window} steps")
     ax3.set_ylim(0, 1.4)  # room for the legend above the curves
     ax3.set_xlabel("step")
     ax3.legend(loc="upper center", fontsize=7, ncol=2)
-    fig.suptitle("Bounded tier: memory flat while distinct ids grow")
+    fig.suptitle("Bounded tier against an unbounded one (baseline): memory flat while distinct "
+                 "ids grow" + (f"\n{note}" if note else ""))  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -21,7 +21,9 @@ per latency, the two modes run ``--repeats`` times, alternated (the mode that go
 every repeat), and each mode's median-time run is reported, so a shared machine's load falls on
 both alike. The final weights and optimizer state of both runs must be bit-identical
 (invariant I5 of docs/design.md): the script asserts it and prints ``identical: True``. Prints
-a table; writes ``pipeline.csv`` and ``pipeline.png``.
+a table; writes ``pipeline.csv`` and ``pipeline.png``. ``--quick``: 25 steps, one run of each
+mode; without a GPU also 4 tables x 20,000 rows, batch 256, 12 steps: a smoke test of the CPU
+path, too small for conclusions.
 
     python benchmarks/bench_pipeline.py [--quick] [--device cpu|cuda] [--threads N]
 """
@@ -29,6 +31,7 @@ a table; writes ``pipeline.csv`` and ``pipeline.png``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -42,6 +45,7 @@ from _common import (
     parse_args,
     pick_device,
     pyplot,
+    quick_note,
     run_header,
     set_threads,
     write_csv,
@@ -78,6 +82,14 @@ class Batch:
     sparse: embcache.JaggedBatch
     dense: torch.Tensor  # float32 [B, NUM_DENSE]
     labels: torch.Tensor  # float32 [B]
+
+
+# Each CLI option left out takes its value from one of these.
+FULL = Config(tables=8, rows=100_000, dim=32, batch=1024, pooling=3, cache=0.1, steps=100,
+              warmup=10)  # fmt: skip
+QUICK = dataclasses.replace(FULL, steps=25, warmup=5)  # on a GPU (the GPU check's size)
+# --quick without a GPU: a smoke test of the script, too small for conclusions.
+QUICK_CPU = dataclasses.replace(FULL, tables=4, rows=20_000, batch=256, steps=12, warmup=3)
 
 
 def feature_names(cfg: Config) -> list[str]:
@@ -356,18 +368,27 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps, < 60 s on CPU")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer steps (25, one run of each mode); on the CPU also 4 tables x 20k rows, "
+        "batch 256, 12 steps: a smoke test",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1)")
     parser.add_argument("--latencies-ms", type=float, nargs="+", default=[0.0, 1.0, 5.0])
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=100_000, help="rows per table")
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--pooling", type=int, default=3, help="mean bag length")
-    parser.add_argument("--cache", type=float, default=0.1, help="cache load factor")
-    parser.add_argument("--steps", type=int, default=None, help="default 100 (quick: 25)")
-    parser.add_argument("--warmup", type=int, default=None, help="default 10 (quick: 5)")
+    parser.add_argument("--tables", type=int, default=None, help="default 8")
+    parser.add_argument("--rows", type=int, default=None, help="rows per table (default 100k)")
+    parser.add_argument("--dim", type=int, default=None, help="default 32")
+    parser.add_argument("--batch", type=int, default=None, help="default 1024")
+    parser.add_argument("--pooling", type=int, default=None, help="mean bag length (default 3)")
+    parser.add_argument("--cache", type=float, default=None, help="cache load factor (0.1)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="default 100 (quick: 25; 12 on the CPU)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="default 10 (quick: 5; 3 on the CPU)"
+    )
     parser.add_argument(
         "--repeats",
         type=int,
@@ -379,22 +400,16 @@ def main(argv: list[str] | None = None) -> None:
 
     set_threads(args.threads)
     device = pick_device(args.device)
-    cfg = Config(
-        tables=args.tables,
-        rows=args.rows,
-        dim=args.dim,
-        batch=args.batch,
-        pooling=args.pooling,
-        cache=args.cache,
-        steps=args.steps or (25 if args.quick else 100),
-        warmup=args.warmup or (5 if args.quick else 10),
-    )
+    sizes = (QUICK if device.type == "cuda" else QUICK_CPU) if args.quick else FULL
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
+    cfg = dataclasses.replace(sizes, **{k: v for k, v in given.items() if v is not None})
     repeats = args.repeats or (1 if args.quick else 3)
     if not 0 < cfg.warmup < cfg.steps:
         raise SystemExit(f"--warmup must be in [1, steps), got {cfg.warmup} for {cfg.steps}")
     t0 = time.perf_counter()
     header = run_header(device)
     print(header)
+    note = quick_note(args.quick and device.type != "cuda")
     batches = make_batches(cfg, device)
     print(
         f"# model: {cfg.tables} tables x {cfg.rows} rows, dim {cfg.dim}, cache {cfg.cache:.0%}; "
@@ -430,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
             f"hidden={r.hidden_fraction:.2f} identical={r.identical}"
         )
     write_csv(rows, args.out, EXTRA)
-    write_plot(rows, args.out.with_suffix(".png"), header[2:])
+    write_plot(rows, args.out.with_suffix(".png"), header[2:] + (f"\n{note}" if note else ""))
     elapsed = time.perf_counter() - t0
     print(f"wrote {args.out} and {args.out.with_suffix('.png')} in {elapsed:.0f} s")
     assert identical, "prefetch changed the numbers: final rows differ from the synchronous run"

@@ -12,7 +12,8 @@ same seed on the same batches, on two data sets, one after the other in this run
   tab-separated line; some fields empty) written here from a hidden logistic model, read by
   `CriteoText` with ``buckets=0``: the raw hashes go into 26 unbounded tables, as they would
   from the real logs; batches of 512, 600 steps (one pass), a cache of 16,384 rows; held out:
-  its last 20% (76,800 samples). ``--quick``: 150 steps on each, smaller held-out sets.
+  its last 20% (76,800 samples). ``--quick``: 25 steps of 256 samples on each, held out 8
+  batches and 1,600 samples: a smoke test, too small for conclusions.
 
 Measured for each: the held-out AUC (torchmetrics) and log loss, and the bytes of rows moved
 between the tier and the cache (`Store.io_stats`: read on misses, written back on evictions and
@@ -20,7 +21,8 @@ the final flush). A bf16 row is 16 weights of 2 bytes and the row-wise state of 
 bytes, against 68 in fp32); the same ids miss in both runs, so the bytes moved fall by that
 ratio (0.53; the weights' bytes alone by 0.50).
 
-Prints a table and writes ``precision.csv``.
+Prints a table and writes ``precision.csv`` and ``precision.png`` (each half-precision run's
+AUC and bytes moved against the fp32 run's, the baseline).
 
     python benchmarks/bench_precision.py [--quick] [--threads N]
 """
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from _common import cpu_bench_parser, start_cpu_bench, write_csv
+from _common import cpu_bench_parser, pyplot, quick_note, start_cpu_bench, write_csv
 
 from embcache import DLRM, CacheConfig
 from embcache.data import ClickDataset, CriteoText, SyntheticConfig, SyntheticCriteo
@@ -44,6 +46,19 @@ from embcache.train.loop import evaluate, make_dense_optimizer, make_sparse_opti
 DIM = 16
 DTYPES = ("fp32", "bf16", "fp16")
 TOLERANCE = 0.002  # the most the AUC may lose with half-precision rows
+
+
+@dataclass(frozen=True)
+class Sizes:
+    synthetic_steps: int
+    synthetic_batch: int
+    synthetic_eval: int  # held-out batches
+    text_steps: int
+    text_batch: int  # a fifth as many samples again are written and held out
+
+
+FULL = Sizes(800, 1024, 50, 600, 512)
+QUICK = Sizes(25, 256, 8, 25, 256)  # a smoke test of the script: too small for conclusions
 
 
 @dataclass
@@ -152,17 +167,20 @@ def run(data_set: DataSet, weight_dtype: str) -> Row:
 
 def main() -> None:
     args = start_cpu_bench(cpu_bench_parser(__doc__, "precision.csv"))
-    synthetic_steps, text_steps = (150, 150) if args.quick else (800, 600)
-    text_batch = 512
+    note = quick_note(args.quick)
+    sizes = QUICK if args.quick else FULL
+    text_steps, text_batch = sizes.text_steps, sizes.text_batch
     with tempfile.TemporaryDirectory() as tmp:
         text_lines = text_steps * text_batch * 5 // 4  # a fifth held out
         path = write_criteo_text(Path(tmp) / "train.txt", text_lines)
         data_sets = [
             DataSet(
                 "synthetic",
-                lambda: SyntheticCriteo(SyntheticConfig(scale=0.01, batch_size=1024, seed=0)),
-                synthetic_steps,
-                20 if args.quick else 50,
+                lambda: SyntheticCriteo(
+                    SyntheticConfig(scale=0.01, batch_size=sizes.synthetic_batch, seed=0)
+                ),
+                sizes.synthetic_steps,
+                sizes.synthetic_eval,
                 {"load_factor": 0.1},
             ),
             DataSet(
@@ -183,7 +201,49 @@ def main() -> None:
                       f"{r.seconds:5.0f} s", flush=True)  # fmt: skip
     report(rows)
     write_csv(rows, args.out)
-    print(f"wrote {args.out}")
+    write_plot(rows, args.out.with_suffix(".png"), note)
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def write_plot(rows: list[Row], path: Path, note: str) -> None:
+    """Per data set and half-precision dtype: the held-out AUC minus fp32's (the tolerance
+    shaded) and the bytes of rows moved over fp32's (the 36/68 expected marked)."""
+    plt = pyplot()
+    data = list(dict.fromkeys(r.dataset for r in rows))
+    half = [d for d in DTYPES if d != "fp32"]
+    fig, (ax_auc, ax_bytes) = plt.subplots(1, 2, figsize=(9, 3.8))
+    width = 0.8 / len(half)
+    for j, dtype in enumerate(half):
+        x = [k + (j - (len(half) - 1) / 2) * width for k in range(len(data))]
+        found = [next(r for r in rows if r.dataset == d and r.weight_dtype == dtype) for d in data]
+        fp32 = [next(r for r in rows if r.dataset == d and r.weight_dtype == "fp32") for d in data]
+        ax_auc.bar(x, [r.auc - f.auc for r, f in zip(found, fp32, strict=True)], width,
+                   label=dtype, color=f"C{j}")  # fmt: skip
+        ax_bytes.bar(x, [r.bytes_moved / f.bytes_moved for r, f in zip(found, fp32, strict=True)],
+                     width, label=dtype, color=f"C{j}")  # fmt: skip
+    ax_auc.axhspan(-TOLERANCE, TOLERANCE, color="gray", alpha=0.2, label=f"±{TOLERANCE} (target)")
+    ax_auc.axhline(0.0, color="black", linewidth=0.8)
+    deltas = [abs(r.auc - f.auc) for r in rows for f in rows
+              if f.dataset == r.dataset and f.weight_dtype == "fp32"]  # fmt: skip
+    top = max(2 * TOLERANCE, 1.4 * max(deltas))  # room above the band for the legend
+    ax_auc.set_ylim(-top, top)
+    ax_auc.set_ylabel("held-out AUC - fp32's AUC")
+    ax_auc.set_title("accuracy against fp32 rows")
+    ax_bytes.axhline(1.0, color="black", linewidth=0.8)
+    ax_bytes.axhline(36 / 68, color="gray", linestyle="--", linewidth=0.8, label="36/68 bytes")
+    ax_bytes.set_ylim(0, 1.35)  # room above the fp32 line for the legend
+    ax_bytes.set_ylabel("bytes of rows moved / fp32's")
+    ax_bytes.set_title("tier <-> cache traffic against fp32 rows")
+    for ax in (ax_auc, ax_bytes):
+        ax.set_xticks(range(len(data)))
+        ax.set_xticklabels(data)
+        ax.set_xlabel("data set")
+        ax.legend(fontsize=7, loc="upper right", ncol=3)
+    fig.suptitle("DLRM with bf16 / fp16 rows against fp32 rows (baseline), same seed and batches"
+                 + (f"\n{note}" if note else ""), fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def report(rows: list[Row]) -> None:

@@ -36,6 +36,9 @@ forward (``engine.pool``) and update (``engine.tbe_update``), its wait for the w
 deferred write-back of the victims (``cache.deferred_write``) and ``idle``. Each thread's phases
 add up to the step.
 
+``--quick`` is a smoke test, too small for conclusions: 2 tables x 20,000 rows x dim 32 (batch
+256), Criteo sizes x 0.001 at batch 512, 3 steps per case.
+
 Prints a table; writes ``step_profile.csv`` and ``step_profile.png``.
 
     python benchmarks/bench_step_profile.py [--quick] [--steps N] [--out DIR]
@@ -56,6 +59,7 @@ from _common import (
     add_output_options,
     parse_args,
     pyplot,
+    quick_note,
     run_header,
     set_threads,
     write_csv,
@@ -113,8 +117,27 @@ class Workload:
     batch_size: int
 
 
-def long_bags(num_batches: int, quick: bool, batch: int, name: str) -> Workload:
-    tables, rows, dim, bag = (8, 200_000, 64, 20) if not quick else (4, 20_000, 64, 20)
+@dataclass(frozen=True)
+class Sizes:
+    """The workloads' sizes and the steps each case runs."""
+
+    bag_tables: int  # long_bags and batch256
+    bag_rows: int  # per table
+    bag_dim: int
+    long_batch: int  # long_bags; batch256 is 256
+    criteo_scale: float  # of the Criteo Kaggle cardinalities
+    criteo_batch: int
+    steps: int  # measured per case
+    warm: int  # at least this many warm-up batches,
+    fill: int  # up to this many more until the caches are full (`profile`)
+
+
+FULL = Sizes(8, 200_000, 64, 2048, 0.01, 2048, 10, 12, 30)
+QUICK = Sizes(2, 20_000, 32, 256, 0.001, 512, 3, 2, 2)  # a smoke test: too small for conclusions
+
+
+def long_bags(num_batches: int, sizes: Sizes, batch: int, name: str) -> Workload:
+    tables, rows, dim, bag = sizes.bag_tables, sizes.bag_rows, sizes.bag_dim, 20
     gen = torch.Generator().manual_seed(0)
     zipf = [ZipfIds(rows, 1.05, gen) for _ in range(tables)]
     keys = [f"f{i}" for i in range(tables)]
@@ -131,10 +154,8 @@ def long_bags(num_batches: int, quick: bool, batch: int, name: str) -> Workload:
     return Workload(name, configs, batches, batch)
 
 
-def criteo(num_batches: int, batch: int, quick: bool, name: str) -> Workload:
-    data = SyntheticCriteo(
-        SyntheticConfig(scale=0.001 if quick else 0.01, batch_size=batch, zipf=1.05, seed=0)
-    )
+def criteo(num_batches: int, batch: int, scale: float, name: str) -> Workload:
+    data = SyntheticCriteo(SyntheticConfig(scale=scale, batch_size=batch, zipf=1.05, seed=0))
     batches = [data.batch(i).sparse_features for i in range(num_batches)]
     return Workload(name, data.tables(16), batches, batch)
 
@@ -252,7 +273,7 @@ def profile_prefetch(w: Workload, warm: int, steps: int) -> tuple[float, dict[st
     }
 
 
-def plot(rows: list[Row], path: Path) -> None:
+def plot(rows: list[Row], path: Path, note: str = "") -> None:
     plt = pyplot()
     cases = sorted({(r.workload, r.cached) for r in rows}, key=lambda c: (c[0], c[1]))
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(cases) + 3.5))
@@ -268,7 +289,8 @@ def plot(rows: list[Row], path: Path) -> None:
                 label=phase)  # fmt: skip
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.set_xlabel("ms per step (1 torch thread; with prefetch, a bar per thread of one step)")
-    ax.set_title("Where a training step's time goes, per phase (SparseRowWiseAdaGrad, HostKV)")
+    ax.set_title("Where a training step's time goes, per phase (SparseRowWiseAdaGrad, HostKV)"
+                 + (f"\n{note}" if note else ""))  # fmt: skip
     # Below the axes: inside, it would hide the shortest bars.
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.07))
     fig.tight_layout()
@@ -277,22 +299,24 @@ def plot(rows: list[Row], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, few steps")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few steps: a smoke test")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per case")
     parser.add_argument("--threads", type=int, default=1)
     add_output_options(parser, "step_profile.csv")
     args = parse_args(parser)
     set_threads(args.threads)
-    steps = args.steps or (4 if args.quick else 10)
+    sizes = QUICK if args.quick else FULL
+    steps = args.steps or sizes.steps
     # At least `warm` warm-up batches, up to `fill` more until the caches are full (`profile`).
-    warm, fill = (2, 4) if args.quick else (12, 30)
+    warm, fill = sizes.warm, sizes.fill
     n = warm + fill + 2 * steps
     workloads = [
-        long_bags(n, args.quick, 256 if args.quick else 2048, "long_bags"),
-        long_bags(n, args.quick, 256, "batch256"),
-        criteo(n, 2048, args.quick, "criteo"),
+        long_bags(n, sizes, sizes.long_batch, "long_bags"),
+        long_bags(n, sizes, 256, "batch256"),
+        criteo(n, sizes.criteo_batch, sizes.criteo_scale, "criteo"),
     ]
     print(run_header(torch.device("cpu")))
+    note = quick_note(args.quick)
     rows: list[Row] = []
     for w in workloads:
         for cached, lf in (("whole", 1.0), ("10%", 0.1)):
@@ -315,7 +339,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out)
     png = args.out.with_suffix(".png")
-    plot(rows, png)
+    plot(rows, png, note)
     worst = max((r for r in rows if r.phase not in ("other", "idle")), key=lambda r: r.share)
     print(
         f"\nsummary: largest phase {worst.phase} {worst.share:.0%} of "

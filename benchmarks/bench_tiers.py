@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from _common import add_output_options, parse_args
+from _common import add_output_options, parse_args, quick_note
 
 from embcache.kv.base import Store, TableSpec
 from embcache.kv.host import HostKV
@@ -213,11 +213,11 @@ def report(results: list[Row], args: argparse.Namespace) -> None:
         writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
         writer.writeheader()
         writer.writerows(asdict(r) for r in results)
-    plot(results, args.out.with_suffix(".png"))
+    plot(results, args.out.with_suffix(".png"), quick_note(args.quick))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
-def plot(results: list[Row], path: Path) -> None:
+def plot(results: list[Row], path: Path, note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,14 +239,20 @@ def plot(results: list[Row], path: Path) -> None:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_title(f"{title} rows/s relative to HostKV")
     axes[0].legend()
+    if note:
+        fig.suptitle(note, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+FULL = (1_000_000, 40)  # rows (--num-embeddings), batches (--batches)
+QUICK = (50_000, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small run, under 20 s")
+    parser.add_argument("--quick", action="store_true", help="50k rows, 3 batches: a smoke test")
     parser.add_argument("--num-embeddings", type=int, default=None)
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--batches", type=int, default=None)
@@ -258,10 +264,11 @@ def main() -> None:
     add_output_options(parser, "tiers.csv")
     args = parse_args(parser)
     torch.set_num_threads(args.threads)
+    rows, batches = QUICK if args.quick else FULL
     if args.num_embeddings is None:
-        args.num_embeddings = 50_000 if args.quick else 1_000_000
+        args.num_embeddings = rows
     if args.batches is None:
-        args.batches = 3 if args.quick else 40
+        args.batches = batches
     report(run(args), args)
 
 

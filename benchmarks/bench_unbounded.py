@@ -9,16 +9,18 @@ Two measurements, each on its own data:
    rate is ``1 - distinct folded ids / n``, the share of ids that land on a row another id
    already took; beside it the rate of ``n`` ids thrown uniformly into ``2**fusion_k`` rows,
    ``1 - m (1 - exp(-n / m)) / n`` with ``m = 2**fusion_k``. For fusion_k 30 (the default)
-   and 40, n of 1, 10 and 100 million (``--quick``: up to 10 million).
+   and 40, n of 1, 10 and 100 million (``--quick``: 0.1 and 1 million).
 
 2. **LFU counted in a count-min sketch instead of per row.** The same Zipf(1.0) trace over
    1,000,000 rows (batches of 8,192 draws, deduplicated) through a `HotCache` of 16,384 slots
    whose LFU counts each row exactly (8 bytes a row: 8 MB), and through ones whose counts live
    in a 4-row sketch of 1,024 to 262,144 counters a row (16 KB to 4 MB); LRU on the same
    trace is the baseline. Hit rates over 200 batches after 300 warm-up batches
-   (``--quick``: 100,000 rows, 2,048 slots, batches of 2,048 draws, 100 + 60 batches).
+   (``--quick``: 100,000 rows, 2,048 slots, batches of 2,048 draws, 60 + 40 batches).
 
-Prints both tables and writes ``unbounded.csv``.
+``--quick`` is a smoke test, too small for conclusions. Prints both tables and writes
+``unbounded.csv`` and ``unbounded.png`` (the collision rates against uniform hashing's, the
+baseline; the hit rates against exact counts').
 
     python benchmarks/bench_unbounded.py [--quick] [--threads N]
 """
@@ -28,9 +30,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from _common import ZipfIds, cpu_bench_parser, start_cpu_bench, write_csv
+from _common import ZipfIds, cpu_bench_parser, pyplot, quick_note, start_cpu_bench, write_csv
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
@@ -41,6 +44,20 @@ from embcache.kv.host import HostKV
 
 CHUNK = 10_000_000  # raw ids fused per call
 SALT = 0x3C6EF372FE94F82B
+
+
+@dataclass(frozen=True)
+class Sizes:
+    folded: tuple[int, ...]  # distinct raw ids folded, per fusion_k
+    table_rows: int  # of the LFU trace
+    slots: int
+    draws: int  # per batch
+    warmup: int  # batches
+    measured: int  # batches
+
+
+FULL = Sizes((1_000_000, 10_000_000, 100_000_000), 1_000_000, 16384, 8192, 300, 200)
+QUICK = Sizes((100_000, 1_000_000), 100_000, 2048, 2048, 60, 40)  # a smoke test
 
 
 @dataclass
@@ -92,13 +109,14 @@ def lfu_hit_rate(
 
 def main() -> None:
     args = start_cpu_bench(cpu_bench_parser(__doc__, "unbounded.csv"))
+    note = quick_note(args.quick)
     rows: list[Row] = []
 
     print("\nraw 64-bit ids folded into fusion_k bits: share of ids sharing a row")
     print(f"{'fusion_k':>8} {'ids':>13} {'measured':>10} {'uniform':>10}")
-    sizes = (1_000_000, 10_000_000) if args.quick else (1_000_000, 10_000_000, 100_000_000)
+    sizes = QUICK if args.quick else FULL
     for fusion_k in (30, 40):
-        for n in sizes:
+        for n in sizes.folded:
             t0 = time.perf_counter()
             measured = folded_collisions(n, fusion_k)
             expected = uniform_collisions(n, fusion_k)
@@ -106,9 +124,8 @@ def main() -> None:
                             time.perf_counter() - t0))  # fmt: skip
             print(f"{fusion_k:8d} {n:13,} {measured:10.3e} {expected:10.3e}", flush=True)
 
-    table_rows, slots, draws, warmup, measured_batches = (
-        (100_000, 2048, 2048, 100, 60) if args.quick else (1_000_000, 16384, 8192, 300, 200)
-    )
+    table_rows, slots, draws = sizes.table_rows, sizes.slots, sizes.draws
+    warmup, measured_batches = sizes.warmup, sizes.measured
     gen = torch.Generator().manual_seed(0)
     zipf = ZipfIds(table_rows, 1.0, gen)
     trace = [zipf.sample(draws, gen).unique() for _ in range(warmup + measured_batches)]
@@ -129,7 +146,51 @@ def main() -> None:
                         time.perf_counter() - t0))  # fmt: skip
         print(f"{name:>18} {nbytes:14,} {rate:9.4f} {rate - exact:+9.4f}", flush=True)
     write_csv(rows, args.out)
-    print(f"\nwrote {args.out}")
+    write_plot(rows, args.out.with_suffix(".png"), note)
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def write_plot(rows: list[Row], path: Path, note: str) -> None:
+    """Left: collision rate against the ids folded, per fusion_k, measured (solid) and uniform
+    hashing's (dashed, the baseline). Right: each LFU counter's hit rate minus exact counts'."""
+    plt = pyplot()
+    fig, (ax_fold, ax_lfu) = plt.subplots(1, 2, figsize=(10, 4))
+    folding = [r for r in rows if r.measurement == "folding"]
+    for j, setting in enumerate(dict.fromkeys(r.setting for r in folding)):
+        mine = [r for r in folding if r.setting == setting]
+        n = [r.ids_or_rows for r in mine]
+        ax_fold.plot(n, [r.measured for r in mine], "o-", color=f"C{j}", label=f"{setting}")
+        ax_fold.plot(n, [r.expected for r in mine], "--", color=f"C{j}",
+                     label=f"{setting}, uniform hashing")  # fmt: skip
+    ax_fold.set_xscale("log")
+    ax_fold.set_yscale("symlog", linthresh=1e-6)  # fusion_k=40 may measure no collision
+    ax_fold.set_ylim(bottom=0)
+    ax_fold.set_xlabel("distinct raw 64-bit ids folded")
+    ax_fold.set_ylabel("share of ids on a row another took")
+    ax_fold.set_title("id folding against uniform hashing (baseline)")
+    ax_fold.grid(alpha=0.3, which="both")
+    ax_fold.legend(fontsize=7)
+    lfu = [r for r in rows if r.measurement == "lfu"]
+    exact = next(r.measured for r in lfu if r.setting == "exact")
+    names = [r.setting for r in lfu]
+    colors = ["gray" if r.setting in ("exact", "lru") else "C0" for r in lfu]
+    ax_lfu.barh(names, [r.measured - exact for r in lfu], color=colors)
+    ax_lfu.axvline(0.0, color="black", linewidth=0.8)
+    low = min(min(r.measured - exact for r in lfu), -0.01)
+    ax_lfu.set_xlim(1.05 * low, -0.45 * low)  # room right of 0 for the counters' sizes
+    ax_lfu.invert_yaxis()
+    ax_lfu.set_xlabel(f"hit rate - exact counts' ({exact:.3f})")
+    ax_lfu.xaxis.set_major_locator(plt.MaxNLocator(5))
+    ax_lfu.set_title(f"LFU counts against exact (baseline), {lfu[0].ids_or_rows:,} rows")
+    for y, r in enumerate(lfu):
+        kb = f"{r.counter_bytes / 1024:,.0f} KB" if r.counter_bytes else "no counters"
+        ax_lfu.annotate(kb, (0, y), xytext=(3, 0), textcoords="offset points", va="center",
+                        fontsize=7)  # fmt: skip
+    fig.suptitle("unbounded tables: collisions of folded ids, LFU in a sketch"
+                 + (f"\n{note}" if note else ""), fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

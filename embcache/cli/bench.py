@@ -5,7 +5,9 @@ and write plots, so they live beside the tests in the repository. Results go to 
 by default ``./embcache-bench/<timestamp>/`` under the current directory, one folder for the
 whole run; the committed ``benchmarks/results/`` change only with ``--update-results``, run
 inside the checkout. The scripts (``benchmarks/_common.py``) take the same defaults and
-refusal from here when run directly.
+refusal from here when run directly. ``--quick`` passes each script its smoke-test sizes (every
+impl, check, CSV and plot; figures too small for conclusions): benchmarks/README.md, "Quick
+runs", says what all of them together cost.
 """
 
 from __future__ import annotations
