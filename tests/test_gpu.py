@@ -13,7 +13,8 @@ write-backs, scratch rows), the whole table cached, all four optimizers and
 ``update_in_backward``. Then the prefetch pipeline on the device against the CPU path, the host
 synchronisations of a step for 2 and for 26 tables, `DistEmbedding` with device ids, and a
 sequence collection (`CachedEmbeddingCollection`: the gather and its backward).
-Nothing here imports torchrec (the GPU image has none): inputs are `embcache.JaggedBatch`.
+Nothing here imports torchrec (the GPU image has none): inputs are `embcache.JaggedBatch`;
+the one test of torchrec's DMP on a GPU imports it inside and is skipped where it is missing.
 
 Two switches let the check's dry run walk this file on a machine without a GPU:
 
@@ -519,3 +520,123 @@ def test_sequence_training_matches_the_cpu_path() -> None:
                 found.append(ec.table_rows(t.name))
         atol, rtol = PIPELINE_TOLERANCE  # several steps: rounding compounds
         torch.testing.assert_close(found[0], found[1], atol=atol, rtol=rtol, msg=t.name)
+
+
+DMP_TABLES = [
+    embcache.TableConfig(name="d0", embedding_dim=8, num_embeddings=300,
+                         feature_names=["f0", "f1"], pooling="sum"),
+    embcache.TableConfig(name="d1", embedding_dim=12, num_embeddings=200,
+                         feature_names=["f2"], pooling="mean"),
+]  # fmt: skip
+
+
+class DMPModel(nn.Module):
+    """The collection DMP shards (its forward takes a torchrec KeyedJaggedTensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = embcache.CachedEmbeddingBagCollection(DMP_TABLES)
+
+    def forward(self, kjt: object) -> torch.Tensor:
+        return self.ebc(kjt).values()
+
+
+def test_torchrec_dmp_on_one_gpu_matches_one_process() -> None:
+    """torchrec's DMP over a `CachedEmbeddingBagCollection` on one GPU (world size 1, NCCL),
+    planned by torchrec's own planner (``fused_uvm_caching``, half of each table cached by the
+    plan's ``cache_params``): three AdaGrad steps give the outputs and tables of one
+    `CachedEmbeddingBagCollection` on the same device, started from the rows DMP drew. Needs
+    torchrec and fbgemm_gpu, which the GPU image lacks (skipped there)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("EMBCACHE_TEST_DEVICE=cpu: NCCL runs on CUDA only")
+    pytest.importorskip("torchrec", reason="torchrec is not installed (the GPU image has none)")
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec import KeyedJaggedTensor
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import CacheParams, ShardingEnv
+
+    from embcache.torchrec import CachedEmbeddingBagCollectionSharder
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    lr, eps = 0.1, 1e-8
+    device = torch.device("cuda", DEVICE.index or 0)  # NCCL and DMP want an indexed device
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pg = dist.group.WORLD
+        model = DMPModel()
+        sharder = CachedEmbeddingBagCollectionSharder(
+            {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": lr, "eps": eps}
+        )
+        constraints = {
+            t.name: ParameterConstraints(
+                sharding_types=["table_wise"], cache_params=CacheParams(load_factor=0.5)
+            )
+            for t in DMP_TABLES
+        }
+        planner = EmbeddingShardingPlanner(
+            Topology(world_size=1, compute_device="cuda"), constraints=constraints
+        )
+        plan = planner.collective_plan(model, [sharder], pg)
+        kernels = {p.compute_kernel for p in plan.get_plan_for_module("ebc").values()}
+        assert kernels == {"fused_uvm_caching"}
+        dmp = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(pg),
+            device=device,
+            sharders=[sharder],
+            plan=plan,
+        )
+
+        def tables(state: dict, prefix: str) -> dict[str, torch.Tensor]:
+            out = {}
+            for t in DMP_TABLES:
+                value = state[f"{prefix}embedding_bags.{t.name}.weight"]
+                if isinstance(value, ShardedTensor):  # world size 1: one shard, the table
+                    (shard,) = value.local_shards()
+                    value = shard.tensor
+                out[t.name] = value.detach().cpu().clone()
+            return out
+
+        initial = tables(dmp.state_dict(), "ebc.")
+        ref = embcache.CachedEmbeddingBagCollection(
+            DMP_TABLES,
+            device=device,
+            optimizer_type=torch.optim.Adagrad,
+            optimizer_kwargs={"lr": lr, "eps": eps},
+        )
+        ref.load_state_dict({f"embedding_bags.{n}.weight": w for n, w in initial.items()})
+        gen = torch.Generator().manual_seed(5)
+        rows = {"f0": 300, "f1": 300, "f2": 200}
+        for step in range(3):
+            lengths, values = [], []
+            for n in rows.values():  # an empty bag, duplicate ids, the table's last row
+                length = torch.randint(1, 6, (8,), generator=gen)
+                length[0] = 0
+                ids = torch.randint(0, n, (int(length.sum()),), generator=gen)
+                ids[1], ids[2] = ids[0], n - 1
+                lengths.append(length)
+                values.append(ids)
+            kjt = KeyedJaggedTensor(
+                keys=list(rows), values=torch.cat(values), lengths=torch.cat(lengths)
+            ).to(device)
+            outs = []
+            for out in (dmp(kjt), ref(kjt).values()):
+                assert out.device.type == "cuda"
+                ((out * out).sum() + out[:, ::3].sum()).backward()
+                outs.append(out.detach().cpu())
+            dmp.fused_optimizer.step()
+            # the same kernels on both sides: what differs is the order of float32 sums
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5, msg=f"step {step}")
+        ref.flush()
+        got, want = tables(dmp.state_dict(), "ebc."), tables(ref.state_dict(), "")
+        for name in got:
+            assert not torch.equal(got[name], initial[name]), f"{name}: nothing trained"
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
+    finally:
+        dist.destroy_process_group()

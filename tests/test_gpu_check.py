@@ -93,7 +93,7 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
     assert "passed" in gpu_tests and "ModuleNotFoundError" not in gpu_tests
     # Only what needs CUDA itself was skipped.
     skipped = re.findall(r"^SKIPPED \[\d+\] ([^:]+):\d+: (.*)$", gpu_tests, re.MULTILINE)
-    assert [path for path, _ in skipped] == ["tests/test_gpu.py"] * 3, skipped
+    assert [path for path, _ in skipped] == ["tests/test_gpu.py"] * 4, skipped
     reasons = " | ".join(reason for _, reason in skipped)
     for reason in (
         "auto picks the twins off CUDA",
@@ -131,6 +131,7 @@ def test_a_step_that_passes_no_test_fails(tmp_path: Path) -> None:
 def preflight(monkeypatch: pytest.MonkeyPatch):
     """benchmarks/gpu_preflight.py imported in this process (its folder put on sys.path)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+        "NCCL runs on CUDA only",
     import gpu_preflight
 
     # setenv, not delenv: it records the variable's absence, so teardown restores it whatever

@@ -9,11 +9,16 @@ does not import this package).
   (load factor or rows, policy, ways, tier URL).
 * `CachedEmbeddingShardingPlanner`: torchrec's planner whose storage estimate counts each
   shard's cache on the compute device (`CachedStorageEstimator`), not the whole table.
+  torchrec's own ``EmbeddingShardingPlanner`` plans embcache's collections too: to it their
+  sharders name the kernel the cache stands in for (``fused`` on a CPU, ``fused_uvm_caching``
+  on CUDA; `CachedKernelSharder`), a plan's ``cache_params.load_factor`` sizes the caches, and
+  the tables train on the cache all the same.
 
 * `CachedEmbeddingCollectionSharder`: the same for `embcache.CachedEmbeddingCollection`
   (sequence embeddings, one row per id).
 * `CachingEmbeddingBagCollectionSharder`: torchrec's own ``EmbeddingBagCollection`` with the
-  tables its constraints name in the cache, the rest on torchrec's kernels.
+  tables its constraints name in the cache, the rest on torchrec's kernels (the cache there
+  needs `CachedEmbeddingShardingPlanner`; torchrec's planner plans torchrec's kernels only).
 
 Other sharders (torchrec's own for its ``EmbeddingBagCollection``) go in the same list, so one
 model can hold both kinds of collection.
@@ -23,6 +28,7 @@ from embcache.torchrec.constraints import (
     CACHED_KERNEL,
     CachedEmbeddingShardingPlanner,
     CachedEnumerator,
+    CachedKernelSharder,
     CachedParameterConstraints,
     CachedPerfEstimator,
     CachedStorageEstimator,
@@ -53,6 +59,7 @@ __all__ = [
     "CachedEmbeddingCollectionSharder",
     "CachedEmbeddingShardingPlanner",
     "CachedEnumerator",
+    "CachedKernelSharder",
     "CachedParameterConstraints",
     "CachedPerfEstimator",
     "CachedPooledLookup",

@@ -4,6 +4,15 @@ gets (`ShardCacheOptions`, resolved by `shard_cache_options`), and a storage est
 counts the cache, not the whole table, on the compute device (`CachedStorageEstimator`, which
 `CachedEmbeddingShardingPlanner` uses by default).
 
+Which kernel a plan names: torchrec's own planner knows no ``CUSTOMIZED_KERNEL`` (its perf
+estimator refuses it), so to that planner a sharder of embcache's collections
+(`CachedKernelSharder`) names the kernel the cache stands in for (`stand_in_kernel`: FBGEMM's
+``fused`` on a CPU, ``fused_uvm_caching`` on CUDA, whose storage estimate counts a device cache
+of ``cache_params.load_factor`` over the whole table in host memory), and the sharded module runs
+the tables on the cache whatever the plan names (`on_cached_kernel`). `CachedEnumerator` (in
+`CachedEmbeddingShardingPlanner`) plans with the sharders naming `CACHED_KERNEL`, so that its
+estimators count the cache as embcache sizes it.
+
 Where a shard's options come from, first match wins: the sharder's ``constraints`` for the
 table (a `CachedParameterConstraints`); the plan's ``cache_params`` (``load_factor`` and
 ``algorithm``: the planner copies them from the constraints, so a plan made elsewhere carries
@@ -13,10 +22,12 @@ them too); the sharder's ``cache`` and ``store``; the unsharded collection's own
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner
@@ -33,12 +44,53 @@ from torchrec.distributed.planner.types import (
     Storage,
     Topology,
 )
-from torchrec.distributed.types import CacheAlgorithm, CacheParams
+from torchrec.distributed.types import (
+    CacheAlgorithm,
+    CacheParams,
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+)
 
 from embcache.cache.config import CacheConfig, CachePolicy
 
 CACHED_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 _POLICIES = {"lru": CacheAlgorithm.LRU, "lfu": CacheAlgorithm.LFU}
+
+
+def stand_in_kernel(compute_device_type: str) -> str:
+    """The torchrec kernel embcache's cache stands in for on a compute device: FBGEMM's cached
+    kernel (``fused_uvm_caching``: a device cache over the table in host memory) on CUDA, its
+    fused one on a CPU (where the cache and its tier share the host's memory)."""
+    kernel = (
+        EmbeddingComputeKernel.FUSED_UVM_CACHING
+        if compute_device_type == "cuda"
+        else EmbeddingComputeKernel.FUSED
+    )
+    return kernel.value
+
+
+def on_cached_kernel(params: Mapping[str, ParameterSharding]) -> EmbeddingModuleShardingPlan:
+    """A copy of an embcache collection's plan with every table on `CACHED_KERNEL`, whatever
+    kernel the planner named (torchrec's planner names `stand_in_kernel`)."""
+    return EmbeddingModuleShardingPlan(
+        {n: dataclasses.replace(p, compute_kernel=CACHED_KERNEL) for n, p in params.items()}
+    )
+
+
+class CachedKernelSharder:
+    """A sharder of tables on embcache's cache, mixed into the sharders of
+    `embcache.torchrec`: its ``compute_kernels`` name `CACHED_KERNEL` when
+    ``names_cached_kernel`` (the twin `CachedEnumerator` plans with) and otherwise only kernels
+    torchrec's own planner can cost."""
+
+    names_cached_kernel: bool = False
+
+    def naming_cached_kernel(self) -> Self:
+        """A shallow copy whose ``compute_kernels`` name `CACHED_KERNEL`."""
+        twin = copy.copy(self)
+        twin.names_cached_kernel = True
+        return twin
+
 
 # Optimizer state columns per weight column (row-wise AdaGrad: one per row), by the fused
 # optimizer's name as torchrec's fused_params give it (``EmbOptimType`` or its value).
@@ -49,11 +101,13 @@ _STATE_COLUMNS = {"exact_sgd": 0.0, "sgd": 0.0, "exact_adagrad": 1.0, "adagrad":
 class CachedParameterConstraints(ParameterConstraints):
     """torchrec's ``ParameterConstraints`` for a table trained through embcache's cache.
 
-    Give it to the planner (``EmbeddingShardingPlanner(constraints={"t0": ...})``, or
-    `CachedEmbeddingShardingPlanner`, whose storage estimate counts the cache) and to the
-    sharder (``CachedEmbeddingBagCollectionSharder(constraints=...)``): the planner places
-    the table with embcache's kernel (``compute_kernels`` defaults to torchrec's
+    Give it to `CachedEmbeddingShardingPlanner` (whose storage estimate counts the cache) and
+    to the sharder (``CachedEmbeddingBagCollectionSharder(constraints=...)``): the planner
+    places the table with embcache's kernel (``compute_kernels`` defaults to torchrec's
     ``CUSTOMIZED_KERNEL``) and the sharder builds each shard's cache from these fields.
+    torchrec's own ``EmbeddingShardingPlanner`` plans no ``CUSTOMIZED_KERNEL``: with it, give
+    the planner torchrec's ``ParameterConstraints`` (``cache_params=CacheParams(load_factor=
+    ...)`` sizes the caches) and these to the sharder only.
 
     Attributes:
         cache_load_factor: fraction of each shard's rows its cache holds (0 < f <= 1).
@@ -202,11 +256,7 @@ class CachedPerfEstimator(EmbeddingPerfEstimator):
         self, sharding_options: list[ShardingOption], sharder_data_map: Any = None
     ) -> None:
         ours = [o for o in sharding_options if o.compute_kernel == CACHED_KERNEL]
-        stand_in = (
-            EmbeddingComputeKernel.FUSED
-            if self._topology.compute_device == "cpu"
-            else EmbeddingComputeKernel.FUSED_UVM_CACHING
-        ).value
+        stand_in = stand_in_kernel(self._topology.compute_device)
         for o in ours:
             o.compute_kernel = stand_in
         try:
@@ -278,12 +328,16 @@ def _fused_params_of(sharder_map: Any, option: ShardingOption) -> Mapping[str, A
 
 
 class CachedEnumerator(EmbeddingEnumerator):
-    """torchrec's enumerator that keeps a table off embcache's kernel unless its constraints
-    are `CachedParameterConstraints` (or the kernel is the table's only option): a sharder
-    that offers both torchrec's kernels and the cache (`CachingEmbeddingBagCollectionSharder`)
-    caches exactly the tables the constraints name."""
+    """torchrec's enumerator, with embcache's sharders naming `CACHED_KERNEL`
+    (`CachedKernelSharder.naming_cached_kernel`), that keeps a table off embcache's kernel
+    unless its constraints are `CachedParameterConstraints` (or the kernel is the table's only
+    option): a sharder that offers both torchrec's kernels and the cache
+    (`CachingEmbeddingBagCollectionSharder`) caches exactly the tables the constraints name."""
 
     def enumerate(self, module: Any, sharders: Any) -> list[ShardingOption]:
+        sharders = [
+            s.naming_cached_kernel() if isinstance(s, CachedKernelSharder) else s for s in sharders
+        ]
         options = super().enumerate(module, sharders)
         constraints = self._constraints or {}
         others = {o.fqn for o in options if o.compute_kernel != CACHED_KERNEL}
@@ -297,11 +351,13 @@ class CachedEnumerator(EmbeddingEnumerator):
 
 
 class CachedEmbeddingShardingPlanner(EmbeddingShardingPlanner):
-    """torchrec's ``EmbeddingShardingPlanner`` with embcache's estimators: the perf of a
-    cached table as torchrec costs FBGEMM's cached kernel (`CachedPerfEstimator`; torchrec's
-    own perf estimator refuses ``CUSTOMIZED_KERNEL``) and its storage as its cache
-    (`CachedStorageEstimator`). Every argument is torchrec's; given an ``enumerator``, give it
-    these estimators."""
+    """torchrec's ``EmbeddingShardingPlanner`` planning embcache's kernel by name
+    (`CachedEnumerator`) with embcache's estimators: the perf of a cached table as torchrec
+    costs FBGEMM's cached kernel (`CachedPerfEstimator`; torchrec's own perf estimator refuses
+    ``CUSTOMIZED_KERNEL``) and its storage as its cache (`CachedStorageEstimator`). Every
+    argument is torchrec's; given an ``enumerator``, make it a `CachedEnumerator` with these
+    estimators (torchrec's own enumerator plans the stand-in kernels, which they cost as
+    torchrec does)."""
 
     def __init__(
         self,

@@ -23,7 +23,14 @@ from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dty
 
 from embcache.cache.config import CacheConfig
 from embcache.models.sequence import CachedEmbeddingCollection
-from embcache.torchrec.constraints import CACHED_KERNEL, ShardCacheOptions, shard_cache_options
+from embcache.torchrec.constraints import (
+    CACHED_KERNEL,
+    CachedKernelSharder,
+    ShardCacheOptions,
+    on_cached_kernel,
+    shard_cache_options,
+    stand_in_kernel,
+)
 from embcache.torchrec.kernel import CachedSequenceLookup
 from embcache.torchrec.sharder import DTYPES
 from embcache.torchrec.state import CachedShards
@@ -182,10 +189,10 @@ def sequence_configs(module: CachedEmbeddingCollection) -> list[EmbeddingConfig]
     return out
 
 
-class CachedEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+class CachedEmbeddingCollectionSharder(CachedKernelSharder, EmbeddingCollectionSharder):
     """torchrec's sharder for embcache's `CachedEmbeddingCollection` (``module_type``):
-    table-, row- and column-wise shards of its tables on embcache's cache. Arguments as
-    `CachedEmbeddingBagCollectionSharder`'s."""
+    table-, row- and column-wise shards of its tables on embcache's cache, whichever kernel
+    the plan names. Arguments as `CachedEmbeddingBagCollectionSharder`'s."""
 
     def __init__(
         self,
@@ -216,7 +223,9 @@ class CachedEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         return list(_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [CACHED_KERNEL]
+        if self.names_cached_kernel:
+            return [CACHED_KERNEL]
+        return [stand_in_kernel(compute_device_type)]
 
     def shardable_parameters(self, module: Any) -> dict[str, nn.Parameter]:
         tables = _SequenceTablesOf(module)
@@ -230,16 +239,10 @@ class CachedEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedCachedEmbeddingCollection:
-        for name, p in params.items():
-            if p.compute_kernel != CACHED_KERNEL:
-                raise ValueError(
-                    f"table {name!r} is planned on kernel {p.compute_kernel!r}: a "
-                    f"CachedEmbeddingCollection's tables run on {CACHED_KERNEL!r}"
-                )
         cache = self._cache if self._cache is not None else module.cache_config
         return ShardedCachedEmbeddingCollection(
             module=_SequenceTablesOf(module),
-            table_name_to_parameter_sharding=params,
+            table_name_to_parameter_sharding=on_cached_kernel(params),
             env=env,
             cache_options=functools.partial(self._options, cache),
             fused_params=self.fused_params,

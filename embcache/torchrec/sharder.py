@@ -11,7 +11,13 @@ rank's own) instead of FBGEMM's. The sharded module is torchrec's
 ``load_state_dict()`` (torchrec skips a ``CUSTOMIZED_KERNEL`` table's state), and
 ``reset_parameters`` (a cached shard draws its own rows).
 
-Example (each rank; `CachedEmbeddingShardingPlanner` counts the caches in its estimate)::
+The plan may come from torchrec's own ``EmbeddingShardingPlanner``, which sees the tables on the
+kernel the cache stands in for (`embcache.torchrec.constraints.stand_in_kernel`; a
+``cache_params.load_factor`` in its constraints sizes the caches), or from
+`CachedEmbeddingShardingPlanner`, which names embcache's kernel and counts the caches in its
+storage estimate; either way every table of the collection trains on the cache.
+
+Example (each rank)::
 
     model = DLRM(...)   # holding an embcache.CachedEmbeddingBagCollection
     sharder = CachedEmbeddingBagCollectionSharder(
@@ -52,7 +58,15 @@ from torchrec.modules.embedding_configs import (
 from embcache.cache.config import CacheConfig
 from embcache.kernels.pooling import PoolingMode
 from embcache.models.collection import CachedEmbeddingBagCollection
-from embcache.torchrec.constraints import CACHED_KERNEL, ShardCacheOptions, shard_cache_options
+from embcache.torchrec.constraints import (
+    CACHED_KERNEL,
+    CachedKernelSharder,
+    CachedParameterConstraints,
+    ShardCacheOptions,
+    on_cached_kernel,
+    shard_cache_options,
+    stand_in_kernel,
+)
 from embcache.torchrec.kernel import CachedPooledLookup
 from embcache.torchrec.state import CachedShards
 
@@ -213,8 +227,10 @@ def torchrec_configs(module: CachedEmbeddingBagCollection) -> list[EmbeddingBagC
     return out
 
 
-class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+class CachedEmbeddingBagCollectionSharder(CachedKernelSharder, EmbeddingBagCollectionSharder):
     """torchrec's sharder for embcache's `CachedEmbeddingBagCollection` (``module_type``).
+    Every table trains on embcache's cache, whichever kernel the plan names (torchrec's planner
+    sees `stand_in_kernel`, `CachedEmbeddingShardingPlanner` embcache's own).
 
     Args:
         fused_params: torchrec's: the fused optimizer (``"optimizer"``: an ``EmbOptimType``
@@ -260,7 +276,9 @@ class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return list(_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [CACHED_KERNEL]
+        if self.names_cached_kernel:
+            return [CACHED_KERNEL]
+        return [stand_in_kernel(compute_device_type)]
 
     def shardable_parameters(self, module: Any) -> dict[str, nn.Parameter]:
         tables = _TablesOf(module)
@@ -274,16 +292,10 @@ class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedCachedEmbeddingBagCollection:
-        for name, p in params.items():
-            if p.compute_kernel != CACHED_KERNEL:
-                raise ValueError(
-                    f"table {name!r} is planned on kernel {p.compute_kernel!r}: a "
-                    f"CachedEmbeddingBagCollection's tables run on {CACHED_KERNEL!r}"
-                )
         cache = self._cache if self._cache is not None else module.cache_config
         return ShardedCachedEmbeddingBagCollection(
             module=_TablesOf(module),
-            table_name_to_parameter_sharding=params,
+            table_name_to_parameter_sharding=on_cached_kernel(params),
             env=env,
             cache_options=functools.partial(self._options, cache),
             fused_params=self.fused_params,
@@ -298,13 +310,18 @@ class CachedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return shard_cache_options(table, local_rows, fused, self._constraints, cache, self._store)
 
 
-class CachingEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+class CachingEmbeddingBagCollectionSharder(CachedKernelSharder, EmbeddingBagCollectionSharder):
     """torchrec's sharder for its own ``EmbeddingBagCollection`` (``module_type``), which can
     also put tables in embcache's cache: a table whose constraints are
     `CachedParameterConstraints` is planned on embcache's kernel (by
     `CachedEmbeddingShardingPlanner`, which keeps the other tables on torchrec's kernels) and
     trains in a cache over a tier of its rank's own; the rest are torchrec's, as its
     ``EmbeddingBagCollectionSharder`` shards them. Row-wise sharding is offered on a CPU too.
+
+    Here the plan's kernel is what tells a cached table from torchrec's, so the cache needs
+    `CachedEmbeddingShardingPlanner`: torchrec's own planner is offered torchrec's kernels only
+    and plans every table on them (``shard`` refuses a plan that leaves a table of this
+    sharder's `CachedParameterConstraints` off the cache).
 
     Args: as `CachedEmbeddingBagCollectionSharder`'s (``cache`` and ``store`` apply to cached
         tables without constraints of their own).
@@ -339,7 +356,7 @@ class CachingEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         kernels = list(super().compute_kernels(sharding_type, compute_device_type))
-        if sharding_type in _SHARDING_TYPES:
+        if self.names_cached_kernel and sharding_type in _SHARDING_TYPES:
             kernels.append(CACHED_KERNEL)
         return kernels
 
@@ -351,6 +368,14 @@ class CachingEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedCachedEmbeddingBagCollection:
+        for name, p in params.items():
+            wanted = isinstance(self._constraints.get(name), CachedParameterConstraints)
+            if wanted and p.compute_kernel != CACHED_KERNEL:
+                raise ValueError(
+                    f"table {name!r} has CachedParameterConstraints but is planned on "
+                    f"{p.compute_kernel!r}: plan with "
+                    "embcache.torchrec.CachedEmbeddingShardingPlanner to cache it"
+                )
         return ShardedCachedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,

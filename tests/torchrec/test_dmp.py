@@ -67,9 +67,18 @@ class Scenario:
     checkpoint: bool = False  # a DCP save and load into a new model
     # torchrec's EmbeddingBagCollection holds the tables; the constraints cache t0 only
     torchrec_ebc: bool = False
+    # "embcache": CachedEmbeddingShardingPlanner with CachedParameterConstraints; "torchrec":
+    # torchrec's own EmbeddingShardingPlanner with its ParameterConstraints (cache_params)
+    planner: str = "embcache"
+
+    def cached(self, table: str) -> bool:
+        return not (self.torchrec_ebc and table != "t0")
 
     def kernel(self, table: str) -> str:
-        return "fused" if self.torchrec_ebc and table != "t0" else "customized_kernel"
+        """The kernel the plan names (torchrec's planner: the one the cache stands in for)."""
+        if not self.cached(table) or self.planner == "torchrec":
+            return "fused"
+        return "customized_kernel"
 
 
 SCENARIOS = [
@@ -182,9 +191,9 @@ def _worker(
     """Each scenario on this rank; ``store``: the cached tables' tier (None: the host)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingEnv
+    from torchrec.distributed.types import CacheParams, ShardingEnv
 
     from embcache.torchrec import (
         CachedEmbeddingBagCollectionSharder,
@@ -205,6 +214,13 @@ def _worker(
                 store=store,
                 min_partition=4,  # column-wise: t0's 8 columns in two shards
             )
+            if sc.planner == "embcache"
+            # the same caches in torchrec's terms: the plan's cache_params size them
+            else ParameterConstraints(
+                sharding_types=[sc.sharding_type],
+                cache_params=CacheParams(load_factor=0.1),
+                min_partition=4,
+            )
             for t in TABLES
         }
         sharders = [CachedEmbeddingBagCollectionSharder(fused_params(sc), constraints=constraints)]
@@ -218,10 +234,13 @@ def _worker(
                 sharding_types=["table_wise"], compute_kernels=["fused"]
             )
             sharders.append(EmbeddingBagCollectionSharder(fused_params(sc)))
-        model = Model(sc.mixed, sc.torchrec_ebc)
-        planner = CachedEmbeddingShardingPlanner(
-            Topology(world_size=world_size, compute_device="cpu"), constraints
+        topology = Topology(world_size=world_size, compute_device="cpu")
+        planner = (
+            CachedEmbeddingShardingPlanner(topology, constraints)
+            if sc.planner == "embcache"
+            else EmbeddingShardingPlanner(topology, constraints=constraints)
         )
+        model = Model(sc.mixed, sc.torchrec_ebc)
         plan = planner.collective_plan(model, sharders, pg)
         dmp = DistributedModelParallel(
             model,
@@ -435,7 +454,7 @@ def test_dmp_trains_like_one_process(two_ranks: list[dict], sc: Scenario) -> Non
 def check_against_one_process(two_ranks: list[dict], sc: Scenario) -> None:
     """Outputs, tables, optimizer state, cache sizes, reloads (and DCP) of a scenario's run."""
     runs = [r[sc.name] for r in two_ranks]
-    for t in TABLES:  # the plan put the tables on embcache's kernel, sharded as asked
+    for t in TABLES:  # the plan put the tables on the kernel expected, sharded as asked
         assert runs[0]["plan"][t.name] == (sc.sharding_type, sc.kernel(t.name))
     if sc.sharding_type != "table_wise":  # t0 split over both ranks
         assert runs[0]["shards"]["t0"] == 2
@@ -474,7 +493,7 @@ def check_against_one_process(two_ranks: list[dict], sc: Scenario) -> None:
             assert slots == -(-rows // 10), (rows, slots)
     # the optimizer state, by torchrec's keys, each rank holding its shards' rows
     want_state = ref["opt"].state_dict()["state"]
-    cached = [t for t in TABLES if sc.kernel(t.name) == "customized_kernel"]
+    cached = [t for t in TABLES if sc.cached(t.name)]
     for t in cached if sc.optimizer != "sgd" else []:
         key = f"{t.name}.weight"
         # row-wise AdaGrad keeps one value per row: [rows], as FBGEMM's

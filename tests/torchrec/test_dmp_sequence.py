@@ -37,11 +37,14 @@ def loss_of(rows: dict) -> torch.Tensor:
     return sum((v * v).sum() + v[:, ::3].sum() for v in rows.values())
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, planner_name: str = "embcache") -> dict:
+    """Each sharding on this rank; ``planner_name``: "embcache" (CachedEmbeddingShardingPlanner
+    with CachedParameterConstraints) or "torchrec" (torchrec's planner, its cache_params)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.planner import Topology
-    from torchrec.distributed.types import ShardingEnv
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import CacheParams, ShardingEnv
 
     from embcache.torchrec import (
         CachedEmbeddingCollectionSharder,
@@ -54,15 +57,23 @@ def _worker(rank: int, world_size: int) -> dict:
     fused = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR, "eps": 1e-8}
     results = {}
     for sharding in SHARDINGS:
-        constraints = {
-            t.name: CachedParameterConstraints(sharding_types=[sharding], cache_load_factor=0.1)
-            for t in TABLES
-        }
+        topology = Topology(world_size=world_size, compute_device="cpu")
+        if planner_name == "embcache":
+            constraints = {
+                t.name: CachedParameterConstraints(sharding_types=[sharding], cache_load_factor=0.1)
+                for t in TABLES
+            }
+            planner = CachedEmbeddingShardingPlanner(topology, constraints)
+        else:
+            constraints = {
+                t.name: ParameterConstraints(
+                    sharding_types=[sharding], cache_params=CacheParams(load_factor=0.1)
+                )
+                for t in TABLES
+            }
+            planner = EmbeddingShardingPlanner(topology, constraints=constraints)
         sharder = CachedEmbeddingCollectionSharder(fused, constraints=constraints)
         model = Model()
-        planner = CachedEmbeddingShardingPlanner(
-            Topology(world_size=world_size, compute_device="cpu"), constraints
-        )
         plan = planner.collective_plan(model, [sharder], pg)
         dmp = DistributedModelParallel(
             model,
@@ -89,6 +100,11 @@ def _worker(rank: int, world_size: int) -> dict:
             "evictions": sum(
                 k.collection.cache_stats()["evictions"] for k in sharded.cached_kernels()
             ),
+            "slots": {
+                (shard.name, shard.local_rows): k.collection.engines.engine_of(n).cache.num_slots
+                for k in sharded.cached_kernels()
+                for shard, n in k.shards()
+            },
         }
     return results
 
@@ -100,9 +116,18 @@ def two_ranks() -> list[dict]:
 
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_sequence_dmp_trains_like_one_process(two_ranks: list[dict], sharding: str) -> None:
+    check_against_one_process(two_ranks, sharding, "customized_kernel")
+
+
+def check_against_one_process(two_ranks: list[dict], sharding: str, kernel: str) -> None:
+    """Outputs and final tables of a sharding's run against one process; the plan named
+    ``kernel`` and each shard cached a tenth of its rows."""
     runs = [r[sharding] for r in two_ranks]
     for t in TABLES:
-        assert runs[0]["plan"][t.name] == (sharding, "customized_kernel")
+        assert runs[0]["plan"][t.name] == (sharding, kernel)
+    for run in runs:
+        for (_, rows), slots in run["slots"].items():
+            assert slots == -(-rows // 10), (rows, slots)
     ref = embcache.CachedEmbeddingCollection(
         TABLES, optimizer_type=torch.optim.Adagrad, optimizer_kwargs={"lr": LR, "eps": 1e-8}
     )

@@ -10,7 +10,6 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.constants import BATCH_SIZE
-from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
 from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption
 
@@ -19,6 +18,7 @@ from embcache.torchrec import (
     CACHED_KERNEL,
     CachedEmbeddingBagCollectionSharder,
     CachedEmbeddingShardingPlanner,
+    CachedEnumerator,
     CachedParameterConstraints,
     CachedPerfEstimator,
     CachingEmbeddingBagCollectionSharder,
@@ -101,11 +101,12 @@ def test_storage_estimate_follows_the_cache(sharding_type: str, device: str) -> 
 
 
 class TorchrecStoragePlanner(EmbeddingShardingPlanner):
-    """torchrec's planner with torchrec's storage estimator (and embcache's perf estimator:
-    torchrec's own refuses a kernel it does not know)."""
+    """torchrec's planner with torchrec's storage estimator (and embcache's enumerator, which
+    plans `CACHED_KERNEL`, and perf estimator: torchrec's own refuses a kernel it does not
+    know)."""
 
     def __init__(self, topology: Topology, constraints: dict) -> None:
-        enumerator = EmbeddingEnumerator(
+        enumerator = CachedEnumerator(
             topology=topology,
             batch_size=BATCH_SIZE,
             constraints=constraints,
@@ -178,7 +179,10 @@ def test_constraints_default_to_the_cached_kernel() -> None:
 def test_sharder_shapes() -> None:
     sharder = CachedEmbeddingBagCollectionSharder()
     assert sharder.module_type is embcache.CachedEmbeddingBagCollection
-    assert sharder.compute_kernels("row_wise", "cpu") == [CACHED_KERNEL]
+    # torchrec's planner sees the kernel the cache stands in for, embcache's sees its own
+    assert sharder.compute_kernels("row_wise", "cpu") == ["fused"]
+    assert sharder.compute_kernels("row_wise", "cuda") == ["fused_uvm_caching"]
+    assert sharder.naming_cached_kernel().compute_kernels("row_wise", "cpu") == [CACHED_KERNEL]
     assert "row_wise" in sharder.sharding_types("cpu")
     params = sharder.shardable_parameters(Model().cached)
     assert {k: tuple(v.shape) for k, v in params.items()} == {
@@ -224,7 +228,8 @@ def test_caching_sharder_caches_only_the_tables_named() -> None:
         "t1": ParameterConstraints(sharding_types=["row_wise"]),
     }
     sharder = CachingEmbeddingBagCollectionSharder(constraints=constraints)
-    assert CACHED_KERNEL in sharder.compute_kernels("row_wise", "cpu")
+    assert CACHED_KERNEL not in sharder.compute_kernels("row_wise", "cpu")
+    assert CACHED_KERNEL in sharder.naming_cached_kernel().compute_kernels("row_wise", "cpu")
     planner = CachedEmbeddingShardingPlanner(
         Topology(world_size=2, compute_device="cpu"), constraints=constraints
     )
