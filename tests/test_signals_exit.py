@@ -278,7 +278,7 @@ def test_total_steps_resumes_to_the_same_end(tmp_path: Path) -> None:
     stopped = int(stop[2])
     assert 2 <= stopped < total
     requeue = ["--resume", str(ckpt), "--checkpoint", str(ckpt), "--total-steps", str(total)]
-    assert f"continue with {' '.join(requeue)}" in job.err
+    assert f"continue with --resume {ckpt}: it ends at step {total}" in job.err
     done = _command(*SMALL, *requeue, env=env)
     assert done.returncode == 0, done.stderr
     assert f"(this run: steps {stopped + 1}-{total})" in done.stdout, done.stdout

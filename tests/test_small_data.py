@@ -161,20 +161,102 @@ def test_epochs_and_the_best_step(ml_100k: Path, capsys: pytest.CaptureFixture[s
     assert re.match(r"3 evaluations \(every 5 steps\); best AUC 0\.\d+ at step \d+", during)
 
 
-def test_early_stop(ml_100k: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_early_stop_keeps_the_best_model(
+    ml_100k: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--early-stop 1: training ends at the first evaluation that is no better than the best
-    before it; the checkpoint records the steps done."""
+    before it, and the model kept, evaluated at the end and checkpointed is the best one (the
+    evaluation before), not the last; its checkpoint's run ends there."""
+    from embcache.checkpoint import read_extra
+
+    ckpt = tmp_path / "ckpt"
     argv = ["train", "--data", f"movielens:{ml_100k}", "--batch-size", "256", "--dim", "8",
             "--lr", "0.5", "--steps", "300", "--eval-every", "3", "--early-stop", "1",
-            "--no-progress"]  # fmt: skip
+            "--checkpoint", str(ckpt), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     steps = int(re.match(r"(\d+) steps", _summary(out, "training"))[1])
     assert steps < 300 and steps % 3 == 0, out
     during = _summary(out, "during run")
-    assert during.endswith("; stopped early: 1 evaluations without a better AUC"), during
+    best = re.search(r"best AUC (0\.\d+) at step (\d+)", during)
+    assert best and int(best[2]) == steps - 3, during
+    assert during.endswith(
+        f"; stopped early: 1 evaluations without a better AUC; kept the model of step "
+        f"{steps - 3} (the best), not the last"
+    ), during
     evaluations = int(re.match(r"(\d+) evaluations", during)[1])
     assert evaluations == steps // 3
+    held_out = _summary(out, "held-out")
+    assert held_out.startswith(f"AUC {best[1]}, "), held_out  # the kept model's own numbers
+    assert held_out.endswith(f"(the model of step {steps - 3})"), held_out
+    extra = read_extra(ckpt)
+    assert extra["steps_done"] == extra["target_steps"] == steps - 3
+    assert not list(ckpt.glob(".best-*"))  # the best model's scratch copy is gone
+    # --resume of an early-stopped run has nothing left to do.
+    assert main(["train", "--data", f"movielens:{ml_100k}", "--batch-size", "256", "--dim",
+                 "8", "--resume", str(ckpt), "--no-progress"]) == 0  # fmt: skip
+    assert "nothing left to train" in capsys.readouterr().err
+
+
+def test_a_full_disk_while_keeping_the_best_model_is_one_line(
+    ml_100k: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    import embcache.cli.saving as saving
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(saving, "embcache_save", full)
+    argv = ["train", "--data", f"movielens:{ml_100k}", "--batch-size", "256", "--dim", "8",
+            "--steps", "6", "--eval-every", "3", "--early-stop", "1", "--no-progress"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.fullmatch(
+        r"embcache train: error: --early-stop: saving the best model so far \(step 3 of this "
+        r"run\) into \S+ failed \(no space left on its device\)\n",
+        err,
+    ), err
+
+
+def test_the_default_length_is_epochs(ml_100k: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--data without --steps or --epochs: one pass, or on a split of fewer than 20 batches
+    the passes that make 20 steps; the summary says how many epochs ran. --steps on a file
+    says how many epochs those steps were."""
+    argv = ["train", "--data", f"movielens:{ml_100k}", "--dim", "8", "--eval-batches", "0",
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    batches = 12_000 * 9 // 10 // 1024  # 10 full batches: 2 epochs make 20 steps
+    assert _summary(capsys.readouterr().out, "training").startswith(
+        f"{2 * batches} steps (2 epochs of {batches} batches) in"
+    )
+    assert main([*argv, "--batch-size", "256"]) == 0  # 42 batches: one epoch
+    assert _summary(capsys.readouterr().out, "training").startswith(
+        "42 steps (1 epoch of 42 batches) in"
+    )
+    assert main([*argv, "--steps", "15"]) == 0
+    assert _summary(capsys.readouterr().out, "training").startswith(
+        f"15 steps (1.5 epochs of {batches} batches) in"
+    )
+
+
+def test_over_training_is_said(criteo_200: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Hundreds of passes over a small file: training loss near 0, held-out log loss high:
+    one warning line in the summary. The default length does not get there."""
+    argv = ["train", "--data", f"criteo:{criteo_200}", "--no-progress"]
+    assert main([*argv, "--steps", "200"]) == 0
+    out = capsys.readouterr().out
+    warning = _summary(out, "warning")
+    assert warning.startswith("over-trained: training loss 0.0"), warning
+    assert "(--epochs)" in warning and "--early-stop" in warning, warning
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "over-trained" not in out
+    assert "(5 epochs of 1 batch)" in _summary(out, "training"), out
 
 
 @pytest.mark.parametrize(

@@ -5,11 +5,12 @@ data or on Criteo and MovieLens files) and ``embcache bench`` (the scripts in ``
     embcache train --data criteo:train.txt.gz --buckets 1000000 --eval-every 500
     embcache train --data criteo:day_0.gz --buckets 0 --fusion-k 32 --cache-capacity 500000 \
         --tier-capacity 5000000 --admit-after 2 --weight-dtype bf16
-    embcache train --data movielens:ml-1m --batch-size 512 --steps 2000
+    embcache train --data movielens:ml-1m           # one epoch: the default with --data
     embcache train --data movielens:ml-1m --model seq --batch-size 512 --steps 2000
     embcache train --load-factor 0.05 --policy lfu --optimizer rowwise_adagrad --plot run.png
     embcache train --store redis://127.0.0.1:6379/0 --checkpoint ckpt/
-    embcache train --resume ckpt/ --steps 200
+    embcache train --resume ckpt/                   # finish the run ckpt/ was saved from
+    embcache train --resume ckpt/ --steps 200       # or 200 steps more
     embcache bench --list
     embcache bench e2e --quick
 """
@@ -33,6 +34,9 @@ DEFAULT_SCALE = 0.01  # embcache.cli.settings, as the six below
 DEFAULT_ZIPF = 1.05
 DEFAULT_DIM = 16
 DEFAULT_STEPS = 800
+DEFAULT_EPOCHS = 1
+DEFAULT_MIN_STEPS = 20
+DEFAULT_MAX_EPOCHS = 5
 DEFAULT_BATCH = 1024
 DEFAULT_LOAD_FACTOR = 0.1
 DEFAULT_EVAL_BATCHES = 20
@@ -162,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=int,
         default=None,
-        help=f"training steps (default {DEFAULT_STEPS}; files are read again from the start when "
-        "they end)",
+        help=f"training steps (default: the --epochs default with --data, {DEFAULT_STEPS} steps "
+        "of the synthetic data; with --resume, the steps its run had left); files are read again "
+        "from the start when they end",
     )
     data.add_argument(
         "--total-steps",
@@ -181,8 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="--data: train N passes over the training split instead of --steps (its full "
-        "batches; not with --steps)",
+        help=f"--data: train N passes over the training split (its full batches; not with "
+        f"--steps). Default {DEFAULT_EPOCHS} (more over-trains a CTR model's id rows), or on a "
+        f"split of fewer than {DEFAULT_MIN_STEPS} batches the passes that make "
+        f"{DEFAULT_MIN_STEPS} steps, at most {DEFAULT_MAX_EPOCHS}; the summary says how many "
+        "epochs and steps ran",
     )
     data.add_argument(
         "--eval-batches",
@@ -206,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="PATIENCE",
         help="with --eval-every: stop after PATIENCE evaluations in a row without a better "
-        "held-out AUC (0: never)",
+        "held-out AUC (0: never); the model kept (and checkpointed) is the one of the best "
+        "evaluation, not the last",
     )
     data.add_argument("--seed", type=int, default=0, help="seeds the data, the MLPs and the rows")
 
@@ -307,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
         "given again when its URL holds a password): 'host' (in-process memory), a Redis URL "
         "such as redis://127.0.0.1:6379/0, or tiered+redis://... (a host row cache in front "
         "of Redis). Rows persist there under ?namespace=... (default 'embcache'), and a later "
-        "run with the same namespace continues from them, checked against the run record "
+        "run with the same namespace starts from them (the rows only: new MLPs, the data from "
+        "its start; --resume DIR continues a whole run), checked against the run record "
         "this run leaves on the tier, in its checkpoint and in ~/.local/state/embcache/tiers/ "
         "(see --fresh-tier). While this run lives its "
         "tables are leased to it: another job on the same namespace is refused. ?shared=1 "
@@ -360,25 +370,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="before training, load a checkpoint written by --checkpoint with the same model "
-        "options (tables, dim, optimizer, --weight-dtype) and continue from its step, on its "
-        "run's tier unless --store is given; DIR/steps/step-N (--checkpoint-every) works too. "
+        "options (tables, dim, optimizer, --weight-dtype) and continue from its step to the "
+        "step its run was to end at (unless --steps, --epochs or --total-steps say otherwise), "
+        "on its run's tier unless --store is given, saving to its run's --checkpoint DIR with "
+        "its --checkpoint-every and --keep-checkpoints unless given; DIR/steps/step-N "
+        "(--checkpoint-every) works too. "
         "Its rows are written back into the tier, so a tier that lost rows since is not "
         "refused (the summary says what it held)",
     )
     run.add_argument(
         "--checkpoint-every",
         type=int,
-        default=0,
+        default=None,
         metavar="STEPS",
-        help="with --checkpoint: also save every STEPS steps of this run (0: only at the end); "
-        "each is kept as DIR/steps/step-N (hard links, no copy), a directory --resume takes",
+        help="with --checkpoint: also save every STEPS steps of this run (0: only at the end; "
+        "default 0, or with --resume its run's); each is kept as DIR/steps/step-N (hard "
+        "links, no copy), a directory --resume takes",
     )
     run.add_argument(
         "--keep-checkpoints",
         type=int,
-        default=3,
+        default=None,
         metavar="K",
-        help="with --checkpoint-every: how many of the newest DIR/steps/step-N to keep",
+        help="with --checkpoint-every: how many of the newest DIR/steps/step-N to keep "
+        "(default 3, or with --resume its run's)",
     )
     run.add_argument(
         "--nproc",

@@ -12,14 +12,16 @@ rows are flushed, the checkpoint written, the tier closed (its leases released),
 exit status is 128 + the signal's number. A signal that comes after the last step (during the
 evaluation or the final save) stops nothing: the run finishes, saves and exits 0. A second
 signal exits at once. ``--checkpoint-every`` also saves
-every N steps and keeps the last ``--keep-checkpoints`` of them under ``DIR/steps/``."""
+every N steps and keeps the last ``--keep-checkpoints`` of them under ``DIR/steps/``. Each
+checkpoint records the step its run is to end at and where and how often it saves
+(`run_facts`), so that ``--resume DIR`` alone finishes the run, saving as it did; a save that
+fails (a full disk) ends the run with one line (`SaveError`). With ``--early-stop`` the model
+kept, evaluated and saved is the best evaluation's (`BestModel`)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import shutil
 import signal
 import sys
 import time
@@ -34,6 +36,7 @@ from embcache.checkpoint import CheckpointError, check_checkpoint_dir, read_extr
 from embcache.checkpoint import load as embcache_load
 from embcache.checkpoint import save as embcache_save
 from embcache.cli.report import print_summary, write_plot
+from embcache.cli.saving import BestModel, SaveError, keep_history, rank_dir, run_facts, save_failed
 from embcache.cli.settings import default_cache, eval_batches, open_data, run_settings
 from embcache.cli.tier_record import TierRecord
 from embcache.data import Batch, ClickDataset, MovieLens, SyntheticCriteo
@@ -215,12 +218,6 @@ def close_store(store: Store, parser: argparse.ArgumentParser | None, failed: bo
             _fail(parser, 1, err)
 
 
-def rank_dir(path: Path, rank: int, world: int) -> Path:
-    """Where a rank checkpoints: ``path`` itself for one process, ``path/rank-<r>`` for each
-    of several ranks (the rows it owns, and the replicated MLPs)."""
-    return Path(path) if world == 1 else Path(path) / f"rank-{rank}"
-
-
 def _tier_owner(args: argparse.Namespace, rank: int, world: int) -> tuple[str | None, str | None]:
     """``(owner, takeover)``: this job's tier owner token (with several ranks one token for
     all of them, they are one job, sent from rank 0) and the one ``--resume``'s checkpoint
@@ -345,12 +342,16 @@ def run_job(
     except (ConnectionError, OSError, TierError) as err:
         close_store(store, parser, failed=True)  # leases taken before the refusal go back
         _fail(parser, 2, err)
+    except ValueError as err:  # a table the tier holds with another dim, dtype or state
+        close_store(store, parser, failed=True)
+        _fail(parser, 2, ValueError(f"--store {redact_url(args.store)}: {one_line(err)}"))
     except (MemoryError, RuntimeError) as err:
         close_store(store, parser, failed=True)
         _fail(parser, 1, _resource_error(err))
     extra: dict[str, Any] = {}
     failed = True
     first_step = 0
+    best: BestModel | None = None
     try:
         wrapper = None
         if world > 1:
@@ -370,15 +371,26 @@ def run_job(
         def held_out() -> Iterator[Batch]:  # every rank evaluates the same batches (collective)
             return _rank_batches(data.eval_batches(limit), 0, 1)
 
+        target = [first_step + args.steps]  # the step this run is to end at
+
         def save(steps_done: int) -> None:
             where = rank_dir(args.checkpoint, rank, world)
             model.sparse_arch.flush()  # the tier's state is recorded with the rows on it
             state = record.save(store, steps_done)
-            save_checkpoint(
-                where, model, dense_opt, sparse_opt, steps_done, world, args.store, state
-            )
-            if args.checkpoint_every:
-                keep_history(args.checkpoint, rank, world, steps_done, args.keep_checkpoints)
+            run = run_facts(args, target[0])
+            try:
+                save_checkpoint(
+                    where, model, dense_opt, sparse_opt, steps_done, world, args.store, state,
+                    run=run,
+                )  # fmt: skip
+                if args.checkpoint_every:
+                    keep_history(args.checkpoint, rank, world, steps_done, args.keep_checkpoints)
+            except OSError as err:
+                if isinstance(err, ConnectionError):
+                    raise
+                raise SaveError(save_failed(args, where, steps_done, err)) from None
+
+        best = BestModel(args, rank) if args.early_stop and limit != 0 else None
 
         def periodic(step_in_run: int) -> None:
             save(first_step + step_in_run)
@@ -407,6 +419,11 @@ def run_job(
                 stop=agreed_stop(stopper, world, device),
                 checkpoint_every=args.checkpoint_every if args.checkpoint is not None else 0,
                 on_checkpoint=periodic,
+                on_best=(
+                    (lambda step: best.keep(step, model, dense_opt, sparse_opt))
+                    if best is not None
+                    else None
+                ),
             )
         except (MemoryError, RuntimeError) as err:
             if isinstance(err, RuntimeError) and not _out_of_memory(err):
@@ -422,26 +439,32 @@ def run_job(
         result.samples *= world
         if limit != 0 and not result.interrupted:
             result.eval = evaluate(model, held_out())
+            if best is not None and best.restore(result, model, dense_opt, sparse_opt):
+                result.eval = evaluate(model, held_out())  # the kept model's, as saved
+                target[0] = first_step + (result.kept_step or 0)  # the run ends there
             if isinstance(data, SyntheticCriteo):  # the ceiling: the labels' own model
                 hidden = binary_metrics(*_hidden(data, limit))
                 result.eval["hidden_auc"] = hidden["auc"]
         model.sparse_arch.flush()
+        kept = len(result.losses) if result.kept_step is None else result.kept_step
         if args.checkpoint is not None:
-            save(first_step + len(result.losses))  # fewer than --steps after an early stop
+            save(first_step + kept)  # fewer than --steps after an early stop
         else:
-            record.save(store, first_step + len(result.losses))
+            record.save(store, first_step + kept)
         if args.plot is not None and rank == 0 and result.losses:
             write_plot(result, args.plot)
         failed = False
-    except (ConnectionError, TierError, DataError, DivergedError, ResourceError) as err:
+    except (ConnectionError, TierError, DataError, DivergedError, ResourceError, SaveError) as err:
         # The tier went away, lost writes or was taken over mid-run, the data stream broke,
         # the loss diverged or memory ran out: its own one-line message (the tier's names the
         # URL, table and what to do).
         _fail(parser, 1, ended_by(err, args.checkpoint))
     finally:
+        if best is not None:
+            best.close()
         close_store(store, parser, failed)
     steps_done = first_step + len(result.losses)
-    target = first_step + args.steps  # where this run was to end
+    end = first_step + args.steps  # where this run was to end
     if rank == 0:
         shown_store = args.store if world == 1 else f"{args.store} (per rank), {world} ranks"
         notes = []
@@ -455,6 +478,11 @@ def run_job(
                 )
             )
         tier_line = record.summary(args.resume)
+        if tier_line is not None and args.resume is None and _rows_continued(record):
+            tier_line += (
+                "; only the rows continue: the MLPs, the dense optimizer and the data start "
+                "over (--checkpoint DIR, then --resume DIR, continues the whole model)"
+            )
         if tier_line is not None:
             notes.append(("tier rows", tier_line))
         if isinstance(model, SequenceRecommender):
@@ -468,7 +496,7 @@ def run_job(
                 )
             )
         if result.interrupted:
-            notes.append(("stopped", f"by {stopper.name} after step {steps_done} of {target}"))
+            notes.append(("stopped", f"by {stopper.name} after step {steps_done} of {end}"))
         if result.losses:  # a stop before the first step has nothing to summarise
             print_summary(
                 args, data, model, result, lr, dense_lr, time.perf_counter() - t_start,
@@ -484,20 +512,27 @@ def run_job(
             )
         return 0
     if rank == 0:
-        print(f"embcache train: {_stop_line(args, stopper.name, steps_done, target)}",
+        print(f"embcache train: {_stop_line(args, stopper.name, steps_done, end)}",
               file=sys.stderr, flush=True)  # fmt: skip
     return 128 + int(stopper.stop_signum or 0)
 
 
+def _rows_continued(record: TierRecord) -> bool:
+    """Whether this run started on rows an earlier run left on its tier (not an empty one)."""
+    start = record.start
+    return start is not None and start.tier_id is not None and bool(start.generation or start.rows)
+
+
 def _stop_line(args: argparse.Namespace, name: str, steps_done: int, target: int) -> str:
-    """What a run stopped by a signal says: where it stopped, and how to finish it."""
+    """What a run stopped by a signal says: where it stopped, and how to finish it (the
+    checkpoint records the end and where to save: ``--resume DIR`` alone finishes it)."""
     if args.checkpoint is None:
         saved = "no --checkpoint given"
     else:
         ckpt = args.checkpoint
         saved = (
-            f"checkpoint in {ckpt} (continue with --resume {ckpt} --checkpoint {ckpt} "
-            f"--total-steps {target} to end at step {target})"
+            f"checkpoint in {ckpt} (continue with --resume {ckpt}: it ends at step {target}, "
+            f"saving to {ckpt} as this run did)"
         )
     return (
         f"stopped by {name} after step {steps_done} of {target}: rows flushed to the tier, " + saved
@@ -532,36 +567,6 @@ def _resource_error(err: BaseException) -> BaseException:
     return ResourceError(
         f"out of memory ({one_line(err)[:200]}): lower --batch-size, --dim or the cache's size"
     )
-
-
-def keep_history(root: Path, rank: int, world: int, steps_done: int, keep: int) -> None:
-    """Keep the checkpoint just saved as ``root/steps/step-<steps_done>`` (hard links to the
-    snapshot's files: no copy) and remove all but the ``keep`` newest such directories. Each
-    is a checkpoint directory that ``--resume`` takes (with its ``rank-<r>`` inside for
-    several ranks)."""
-    from embcache.checkpoint import latest_snapshot
-
-    source = rank_dir(root, rank, world)
-    history = Path(root) / "steps"
-    target = rank_dir(history / f"step-{steps_done:09d}", rank, world)
-    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(target, ignore_errors=True)
-    snap = latest_snapshot(source)
-    tmp.mkdir(parents=True)
-    try:
-        shutil.copytree(snap, tmp / snap.name, copy_function=os.link)
-    except OSError:  # a file system without hard links
-        shutil.rmtree(tmp / snap.name, ignore_errors=True)
-        shutil.copytree(snap, tmp / snap.name)
-    shutil.copy2(source / "CURRENT", tmp / "CURRENT")
-    os.rename(tmp, target)
-    steps = sorted(p for p in history.glob("step-*") if p.name[5:].isdigit())
-    for old in steps[: max(0, len(steps) - keep)]:
-        shutil.rmtree(rank_dir(old, rank, world), ignore_errors=True)
-        if world > 1:
-            with contextlib.suppress(OSError):
-                old.rmdir()  # the last rank to prune it removes it
 
 
 def check_resume(path: Path, world: int, fusion_k: int, model: str = "dlrm") -> dict[str, Any]:
@@ -693,14 +698,17 @@ def save_checkpoint(
     world: int = 1,
     store: str | None = None,
     tier_state: TierState | None = None,
+    run: dict[str, Any] | None = None,
 ) -> None:
     """`embcache.save` of the model with both optimizers (sparse first), the number of
     training batches consumed, so `--resume` continues with the next one, the number of ranks
     that wrote it, the model's kind (``--model``), the ids' ``fusion_k`` (a resumed run must
     fold raw ids alike), the tier's
     URL without its password (a resumed run keeps the tier unless told otherwise) and the
-    tier's owner token, so that a resumed run may reopen the tables its lease still holds, and
-    the tier's state (`embcache.kv.tier_state`) the rows were saved from."""
+    tier's owner token, so that a resumed run takes over this job's tables once it is dead, and
+    the tier's state (`embcache.kv.tier_state`) the rows were saved from; ``run``
+    (`run_facts`): the step the run is to end at and where and how often it saves, so that
+    ``--resume`` alone finishes it the same way."""
     extra: dict[str, Any] = {
         "steps_done": steps_done,
         "world_size": world,
@@ -714,4 +722,5 @@ def save_checkpoint(
         extra["tier_owner"] = owner
     if tier_state is not None:
         extra["tier_state"] = tier_state.to_dict()
+    extra.update(run or {})
     embcache_save(path, model, [sparse_opt, dense_opt], extra=extra)

@@ -103,8 +103,10 @@ def print_summary(
     if batch_rows(args, data) is not None:
         share += ", default sized to hold one batch's unique ids"
     training = f"{len(result.losses)} steps"
-    if args.epochs is not None:
-        training += f" ({args.epochs} epochs of {args.steps // args.epochs:,} batches)"
+    per_epoch = getattr(args, "epoch_batches", None)
+    if per_epoch:
+        batches = f"{per_epoch:,} batch{'es' if per_epoch != 1 else ''}"
+        training += f" ({_epochs(len(result.losses), per_epoch)} of {batches})"
     training += f" in {result.seconds:.1f} s"
     if result.compile_seconds is not None:
         training += f" (the first {result.compile_seconds:.1f} s compiling CPU kernels, once)"
@@ -148,8 +150,12 @@ def print_summary(
         auc = "AUC n/a (torchmetrics missing)" if math.isnan(e["auc"]) else f"AUC {e['auc']:.4f}"
         if "hidden_auc" in e:
             auc += f" (hidden model {e['hidden_auc']:.4f})"
+        of = "" if result.kept_step is None else f" (the model of step {result.kept_step})"
         rows.append(
-            ("held-out", f"{auc}, logloss {e['logloss']:.4f} on {int(e['samples']):,} samples")
+            (
+                "held-out",
+                f"{auc}, logloss {e['logloss']:.4f} on {int(e['samples']):,} samples{of}",
+            )
         )
     best = result.best_eval()
     if result.evals and best is not None:
@@ -160,7 +166,12 @@ def print_summary(
         )
         if result.stopped_early:
             during += f"; stopped early: {args.early_stop} evaluations without a better AUC"
+        if result.kept_step is not None:
+            during += f"; kept the model of step {result.kept_step} (the best), not the last"
         rows.append(("during run", during))
+    warning = overfit_warning(result)
+    if warning is not None:
+        rows.append(("warning", warning))
     rows.append(
         (
             "hit rate",
@@ -200,6 +211,9 @@ def print_summary(
         kept = (
             f" (every {every} steps, the last {args.keep_checkpoints} in steps/)" if every else ""
         )
+        source = getattr(args, "checkpoint_source", "--checkpoint")
+        if source != "--checkpoint":
+            kept += f" ({source})"
         rows.append(("checkpoint", f"{args.checkpoint}{kept}"))
     if args.plot is not None:
         rows.append(("plot", str(args.plot)))
@@ -207,6 +221,43 @@ def print_summary(
     print("\nembcache train: summary")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+
+
+def _epochs(steps: int, per_epoch: int) -> str:
+    """``steps`` as passes over a training split of ``per_epoch`` batches: "2 epochs",
+    "9.2 epochs"."""
+    if steps % per_epoch == 0:
+        n = steps // per_epoch
+        return f"{n} epoch{'s' if n != 1 else ''}"
+    return f"{steps / per_epoch:.1f} epochs"
+
+
+def overfit_warning(result: TrainResult) -> str | None:
+    """One line when the run over-trained: its training loss (the last 10% of steps) is
+    less than half the held-out log loss, by more than 0.1, and the held-out log loss either
+    rose above its lowest evaluation during the run or is worse than ln 2 (what predicting
+    0.5 for every sample scores). None otherwise, and when early stopping kept an earlier
+    model."""
+    final = result.eval
+    if not final or result.kept_step is not None or not result.losses:
+        return None
+    train, held = result.loss_window(last=True), final["logloss"]
+    if not (train < 0.5 * held and held - train > 0.1):
+        return None
+    lowest = min(result.evals, key=lambda e: e["logloss"], default=None)
+    rose = lowest is not None and lowest["logloss"] < 0.95 * held
+    if not (rose or held > math.log(2)):
+        return None
+    since = (
+        f", up from {lowest['logloss']:.4f} at step {int(lowest['step'])}"
+        if rose and lowest is not None
+        else ""
+    )
+    return (
+        f"over-trained: training loss {train:.4f} (last 10% of steps), held-out log loss "
+        f"{held:.4f}{since}: the model memorised the training split; train fewer epochs "
+        "(--epochs) or keep the best model with --eval-every N --early-stop P"
+    )
 
 
 def _mib(n: int) -> str:

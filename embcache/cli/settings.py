@@ -20,7 +20,14 @@ from embcache.kernels.optim_rules import DEFAULT_DENSE_LR, DEFAULT_LR
 DEFAULT_SCALE = 0.01
 DEFAULT_ZIPF = 1.05
 DEFAULT_DIM = 16
-DEFAULT_STEPS = 800
+DEFAULT_STEPS = 800  # synthetic data (endless)
+# --data without --steps/--epochs: one pass over the training split (a CTR model's id rows
+# memorise their samples from the second pass on: held-out AUC falls), or, on a split of
+# fewer than DEFAULT_MIN_STEPS batches, the passes that make that many steps, at most
+# DEFAULT_MAX_EPOCHS (`default_epochs`).
+DEFAULT_EPOCHS = 1
+DEFAULT_MIN_STEPS = 20
+DEFAULT_MAX_EPOCHS = 5
 DEFAULT_BATCH = 1024
 DEFAULT_LOAD_FACTOR = 0.1
 DEFAULT_EVAL_BATCHES = 20  # synthetic data: held-out batches (files: the whole held-out split)
@@ -92,21 +99,45 @@ def open_data(args: argparse.Namespace, progress: bool = False) -> ClickDataset:
     return data
 
 
+def batches_per_epoch(data: ClickDataset, count: bool = False) -> int | None:
+    """Full batches in one pass over the training split (at least 1); None for endless data,
+    or for files whose size is unknown without reading them through (unless ``count``)."""
+    samples = data.train_samples(count=count)
+    if samples is None:
+        return None
+    return max(1, samples // data.batch_size)
+
+
+def default_epochs(per_epoch: int) -> int:
+    """Passes over a training split of ``per_epoch`` batches when none is asked for:
+    `DEFAULT_EPOCHS`, or on a split too small for that to make `DEFAULT_MIN_STEPS` steps, the
+    passes that do, at most `DEFAULT_MAX_EPOCHS`."""
+    wanted = -(-DEFAULT_MIN_STEPS // per_epoch)
+    return max(DEFAULT_EPOCHS, min(DEFAULT_MAX_EPOCHS, wanted))
+
+
 def resolve_steps(args: argparse.Namespace, data: ClickDataset) -> int:
-    """Training steps: --steps, or --epochs passes over the training split (its full batches),
-    or `DEFAULT_STEPS`.
+    """Training steps: --steps, or --epochs passes over the training split (its full batches);
+    without either, `default_epochs` passes over ``--data`` (a length that fits the data: a
+    fixed step count over-trains a small file hundreds of times) or `DEFAULT_STEPS` of the
+    endless synthetic stream.
+
+    Sets ``args.epoch_batches`` (`batches_per_epoch`, counted when the length needs it) for
+    the summary's epoch count.
 
     Raises:
         ValueError: --epochs on endless (synthetic) data.
     """
+    args.epoch_batches = batches_per_epoch(data)
     if args.steps is not None:
         return args.steps
-    if args.epochs is None:
+    if args.epochs is None and args.data is None:
         return DEFAULT_STEPS
-    samples = data.train_samples(count=True)
-    if samples is None:
+    per_epoch = batches_per_epoch(data, count=True)
+    if per_epoch is None:
         raise ValueError("--epochs needs --data (the synthetic stream has no end; give --steps)")
-    return args.epochs * max(1, samples // data.batch_size)
+    args.epoch_batches = per_epoch
+    return (args.epochs or default_epochs(per_epoch)) * per_epoch
 
 
 def eval_batches(args: argparse.Namespace) -> int | None:

@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -23,7 +24,7 @@ from embcache.cli.job import (
     run_job,
 )
 from embcache.cli.ranks import spawn_ranks
-from embcache.cli.settings import check_memory, open_data, resolve_steps
+from embcache.cli.settings import batches_per_epoch, check_memory, open_data, resolve_steps
 from embcache.data import ClickDataset
 from embcache.engine.interface import MAX_FUSION_K
 
@@ -82,12 +83,6 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             fail(f"{flag} must be >= 0, got {value}")
     if args.threads > MAX_THREADS:
         fail(f"--threads must be at most {MAX_THREADS} (4 per CPU), got {args.threads}")
-    if args.checkpoint_every < 0:
-        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
-    if args.checkpoint_every and args.checkpoint is None:
-        fail("--checkpoint-every needs --checkpoint DIR (where the checkpoints go)")
-    if args.keep_checkpoints < 1:
-        fail(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
     if args.steps is not None and args.epochs is not None:
         fail("--steps and --epochs: give one (--epochs N trains N passes over the training split)")
     if args.total_steps is not None:
@@ -123,18 +118,44 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         fail("--device cuda: torch sees no CUDA device here; use --device cpu")
     if args.plot is not None and not args.plot.resolve().parent.is_dir():
         fail(f"--plot {args.plot}: directory {args.plot.resolve().parent} does not exist")
-    args.resumed_at = 0
+    args.resumed_at, args.resumed_target = 0, None
+    resumed: dict = {}
     if args.resume is not None:
         try:
             resumed = check_resume(args.resume, world, args.fusion_k, args.model)
         except ValueError as err:
             fail(one_line(err))
         args.resumed_at = int(resumed.get("steps_done", 0))
+        target = resumed.get("target_steps")
+        args.resumed_target = target if isinstance(target, int) else None
+    _resolve_checkpointing(args, resumed)
+    if args.checkpoint_every < 0:
+        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and args.checkpoint is None:
+        fail("--checkpoint-every needs --checkpoint DIR (where the checkpoints go)")
+    if args.keep_checkpoints < 1:
+        fail(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
     if args.checkpoint is not None:
         try:
             check_checkpoint_path(args.checkpoint)
         except ValueError as err:
             fail(one_line(err))
+
+
+def _resolve_checkpointing(args: argparse.Namespace, resumed: dict) -> None:
+    """--checkpoint, --checkpoint-every and --keep-checkpoints: as given, else (with
+    --resume) as the checkpoint's run had them, so a resumed run keeps saving where the
+    original did and a second interruption loses nothing; else none, 0 and 3.
+    ``args.checkpoint_source`` says which, for the summary."""
+    args.checkpoint_source = "--checkpoint"
+    saved = resumed.get("checkpoint")
+    if args.checkpoint is None and isinstance(saved, str):
+        args.checkpoint = Path(saved)
+        args.checkpoint_source = "the checkpoint's run's; --checkpoint changes it"
+    for option, default in (("checkpoint_every", 0), ("keep_checkpoints", 3)):
+        if getattr(args, option) is None:
+            value = resumed.get(option)
+            setattr(args, option, value if isinstance(value, int) else default)
 
 
 def _check_sequence_data(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
@@ -199,11 +220,18 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _steps_to_train(args: argparse.Namespace, data: ClickDataset) -> int | None:
-    """This run's steps: --steps/--epochs (`resolve_steps`), or what is left of
-    --total-steps after the --resume checkpoint's step; None when nothing is left."""
-    if args.total_steps is None:
+    """This run's steps: --steps/--epochs (`resolve_steps`); what is left of --total-steps
+    after the --resume checkpoint's step; with --resume alone, what is left of the steps its
+    run was to end at (its ``target_steps``); else the default length. None when nothing is
+    left."""
+    args.epoch_batches = batches_per_epoch(data)
+    if args.total_steps is not None:
+        target = args.total_steps
+    elif args.steps is None and args.epochs is None and args.resumed_target is not None:
+        target = args.resumed_target
+    else:
         return resolve_steps(args, data)
-    left = args.total_steps - args.resumed_at
+    left = target - args.resumed_at
     return left if left > 0 else None
 
 
@@ -218,9 +246,14 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, stopper: G
     except ValueError as err:
         parser.error(one_line(err))
     if steps is None:  # a requeued run that had already finished: nothing to do
+        end = (
+            f"--total-steps {args.total_steps}"
+            if args.total_steps is not None
+            else f"where its run was to end (step {args.resumed_target})"
+        )
         print(
-            f"embcache train: --resume {args.resume} is at step {args.resumed_at}, "
-            f"--total-steps {args.total_steps}: nothing left to train",
+            f"embcache train: --resume {args.resume} is at step {args.resumed_at}, {end}: "
+            "nothing left to train",
             file=sys.stderr,
         )
         return 0

@@ -149,6 +149,8 @@ class TrainResult:
         compile_seconds: the first step's seconds, when numba compiled kernels in it (None:
             nothing compiled).
         interrupted: the run ended before its steps because ``stop()`` said so (a signal).
+        kept_step: set by the caller when it kept the model of an earlier evaluation (the
+            best) in place of the last one: that evaluation's step.
     """
 
     losses: list[float]
@@ -162,6 +164,7 @@ class TrainResult:
     stopped_early: bool = False
     compile_seconds: float | None = None
     interrupted: bool = False
+    kept_step: int | None = None
 
     def best_eval(self) -> dict[str, float] | None:
         """The evaluation with the best AUC (the lowest log loss where AUC is NaN), the
@@ -233,6 +236,7 @@ def train(
     stop: Callable[[], bool] | None = None,
     checkpoint_every: int = 0,
     on_checkpoint: Callable[[int], None] | None = None,
+    on_best: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Train ``model`` on the first ``steps`` of ``batches``.
 
@@ -255,6 +259,9 @@ def train(
         checkpoint_every: call ``on_checkpoint(steps_done_in_this_run)`` every that many
             steps (not after the last: the caller saves at the end), between steps, with no
             prefetch in flight.
+        on_best: called as ``on_best(steps_done_in_this_run)`` after each evaluation during
+            the run that is better than every one before it (with no prefetch in flight), so
+            that the caller can keep that model (early stopping keeps the best, not the last).
     """
     from tqdm import tqdm
 
@@ -368,6 +375,10 @@ def train(
                 paused[0] += time.perf_counter() - t0
                 best = max(evals, key=_score)
                 since_best = 0 if best is evals[-1] else since_best + 1
+                if best is evals[-1] and on_best is not None:
+                    t0 = time.perf_counter()
+                    on_best(len(losses))
+                    paused[0] += time.perf_counter() - t0
                 if early_stop and since_best >= early_stop:
                     stopped_early = True
                     if progress:
