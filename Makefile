@@ -5,11 +5,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# Exact pins that work on a CPU-only machine (docs/design.md, "Installing"). torchrec and fbgemm-gpu-cpu
-# go in with --no-deps: their declared deps would pull the CUDA builds of torch and fbgemm-gpu.
-TORCH_PIN := torch==2.13.0
-TRITON_PIN := triton==3.8.0
-NODEPS_PINS := fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0
+# Exact pins for a CPU-only machine (README, "Install"; docs/design.md, "Installing").
+# torch is its CPU build (+cpu: PyPI's torch==2.13.0 is a multi-GB CUDA build). That build
+# requires no triton, and embcache's kernels need one (its interpreter runs them on a CPU):
+# triton 3.7.1 is the one torch 2.13.0 is built against (PyPI's CUDA build requires exactly it),
+# so the same pins resolve with either build. fbgemm-gpu-cpu 1.8.0 and torchrec 1.8.0 are built
+# against torch 2.13: pyproject.toml's [torchrec] extra pins torch==2.13.* and fbgemm-gpu-cpu,
+# and torchrec goes in last with --no-deps (its declared deps pull the CUDA fbgemm-gpu).
+# tests/test_pins.py runs pip's resolver over exactly these (`make -s install-args`).
+TORCH_PIN := torch==2.13.0+cpu
+TRITON_PIN := triton==3.7.1
+NODEPS_PINS := torchrec==1.8.0
+# Where torch's CPU build comes from: pip's own sources when they hold it (a local wheel
+# directory, as on these machines: `pip config list`), otherwise PyTorch's CPU wheel index.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+PIP = $(BIN)/python -m pip
+TORCH_SOURCE = $$($(PIP) install -q --dry-run --no-deps --ignore-installed '$(TORCH_PIN)' \
+	>/dev/null 2>&1 || echo --extra-index-url $(TORCH_CPU_INDEX))
 # Every optional part, so that `make test` and `make demo` have everything (pyproject.toml).
 EXTRAS := dev,cpu,metrics,torchrec,redis,plots
 # The packages `make lint` type-checks (mypy, configured in pyproject.toml); one joins the list
@@ -17,20 +29,26 @@ EXTRAS := dev,cpu,metrics,torchrec,redis,plots
 TYPED := embcache/backend.py embcache/indexing.py embcache/kv embcache/kernels embcache/cache \
 	embcache/checkpoint embcache/engine
 
-.PHONY: venv check test demo bench lint format clean
+.PHONY: venv check test demo bench lint format clean install-args
 
 venv: $(STAMP)
 
-# torchrec and fbgemm-gpu-cpu go in last, with --no-warn-conflicts: torchrec declares fbgemm-gpu
-# (the CUDA build; fbgemm-gpu-cpu provides the same modules) and torchmetrics==1.0.3 (it runs with
-# the newer one the extras install), so pip's check after any install that touches it prints a red
+# torchrec goes in last, with --no-deps and --no-warn-conflicts: it declares fbgemm-gpu (the CUDA
+# build; fbgemm-gpu-cpu provides the same modules) and torchmetrics==1.0.3 (it runs with the
+# newer one the extras install), so pip's check after any install that touches it prints a red
 # "ERROR: pip's dependency resolver ... torchrec 1.8.0 requires fbgemm-gpu" although nothing failed.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_PIN) $(TRITON_PIN) -e '.[$(EXTRAS)]'
-	$(BIN)/pip install -q --no-deps --no-warn-conflicts $(NODEPS_PINS)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_SOURCE) $(TORCH_PIN) $(TRITON_PIN) -e '.[$(EXTRAS)]'
+	$(PIP) install -q --no-deps --no-warn-conflicts $(NODEPS_PINS)
 	touch $(STAMP)
+
+# The first install's arguments on one line, the --no-deps install's on the next; PIP=... names
+# the pip that decides where torch comes from (tests/test_pins.py).
+install-args:
+	@echo $(TORCH_SOURCE) $(TORCH_PIN) $(TRITON_PIN) -e '.[$(EXTRAS)]'
+	@echo $(NODEPS_PINS)
 
 # The check to run after every change, about 2 minutes on 2 cores: lint, then the in-process
 # tests, each test function's first case per backend (EMBCACHE_TEST_SUBSET). Left to `make test`:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,13 @@ def pytest_configure(config: pytest.Config) -> None:
         "launch_guard_exempt: not checked by tests/triton_launch_guard.py (a test that never "
         "runs on the GPU, e.g. one that needs the interpreter)",
     )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # A Redis tier that a test leaves open releases its leases at interpreter exit (atexit),
+    # after the servers the tests started are gone; redis-py's cluster client logs each failed
+    # topology refresh then, after pytest's closing line. Nothing is left to check by then.
+    logging.getLogger("redis.cluster").disabled = True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

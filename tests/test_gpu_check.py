@@ -8,6 +8,10 @@ machine: the summary table and the tarball, also when a step is killed. A pytest
 passes no test must fail, a file whose tests are all skipped for a stated reason must not, the
 preflight must stop at a broken kernel and name it, and the launch guard must fail a test whose
 launches could not run on the GPU.
+
+The dry run here runs every step for real but the kernel tests' pytest runs, which it only
+records: `make test` runs those files itself, and CI's `make gpu-rehearsal-ci` runs the whole
+rehearsal, kernel tests included, in a Python built like the GPU image's (.ci/run).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STEPS = ["preflight", "gpu_tests", "kernel_tests", "bench_kernels", "bench_cache_index"]
 STEPS += ["bench_pipeline", "bench_gpu_step", "gpu_profile"]
 KERNEL_FILES = sorted((ROOT / "tests" / "kernels").glob("test_*.py"))
+HOT_CACHE = ROOT / "tests" / "cache" / "test_hot_cache.py"
 
 
 def _env(out: Path, **env: str) -> dict[str, str]:
@@ -55,14 +60,41 @@ def dry_run(out: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[li
     return done, rows
 
 
+# This Python, but for pytest over a kernel test file (or the cache invariants), which it
+# records with the environment the step gave it and passes at once.
+RECORDING_PYTHON = """#!/usr/bin/env bash
+file="${@: -1}"
+if [[ ${1:-} == -m && ${2:-} == pytest &&
+      ( $file == tests/kernels/test_*.py || $file == tests/cache/test_hot_cache.py ) ]]; then
+    line="$* |"
+    for name in EMBCACHE_BACKEND EMBCACHE_TEST_SUBSET TRITON_INTERPRET EMBCACHE_TEST_DEVICE \\
+        PYTHONPATH; do
+        line+=" $name=${!name:-}"
+    done
+    echo "$line" >>"$KERNEL_TEST_CALLS"
+    echo "1 passed in 0.01s"
+    exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
 @pytest.mark.slow
 def test_dry_run_walks_every_step(tmp_path: Path) -> None:
-    done, rows = dry_run(tmp_path)
+    python = tmp_path / "python"
+    python.write_text(RECORDING_PYTHON)
+    python.chmod(0o755)
+    calls = tmp_path / "kernel_test_calls.txt"
+    out = tmp_path / "out"
+    done, rows = dry_run(
+        out, PY=str(python), REAL_PYTHON=sys.executable, KERNEL_TEST_CALLS=str(calls)
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    summary = (tmp_path / "summary.txt").read_text()
+    summary = (out / "summary.txt").read_text()
     header = summary.splitlines()[0]
     for word in ("# GPU:", "torch 2.", "triton 3.", "rehearsal", "torchrec/", "numba blocked"):
         assert word in header, header
+    assert "kernel tests: all collected, first per test function run" in header, header
     assert [r[0] for r in rows] == STEPS, summary
     assert all(r[1] == "pass" for r in rows), summary
     assert summary.splitlines()[-1].endswith("all passed")
@@ -73,8 +105,8 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
     assert re.search(r"step embcache_10 .* vs torch_sparse .* weights match", summary), summary
 
     # Everything a person needs comes back in one tarball (the machine returns at most 8 files).
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.tar.gz", "summary.txt"]
-    with tarfile.open(tmp_path / "gpu_check.tar.gz") as tar:
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.txt"]
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
         files = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
         expected = {f"{s}.log" for s in STEPS} | {"summary.txt"}
         for bench in ("kernels", "cache_index", "pipeline", "gpu_step"):
@@ -99,21 +131,29 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
         "auto picks the twins off CUDA",
         "no host synchronisations to count",
         "the CPU has no streams to order",
+        "NCCL runs on CUDA only",
     ):
         assert reason in reasons, skipped
-    # Every kernel test file and the cache invariants ran side by side, by path, all of each
-    # file collected and the first of each test function per backend run, under the guard.
-    for path in [*KERNEL_FILES, ROOT / "tests" / "cache" / "test_hot_cache.py"]:
-        assert f"---- {path.relative_to(ROOT)}\n" in kernel_tests, path
     assert "-p tests.triton_launch_guard tests/test_gpu.py" in gpu_tests.splitlines()[1]
-    assert kernel_tests.count(" deselected") >= 5, kernel_tests[-3000:]
-    assert "ERROR collecting" not in kernel_tests
-    files = len(KERNEL_FILES) + 1
-    # numba is blocked, so test_native.py skips whole, for its stated reason: skipped, not failed.
-    assert re.search(
-        rf"[1-9]\d* passed, 0 failed, 0 errors \(0 collecting\), [1-9]\d* skipped; {files} "
-        r"files side by side; every test skipped in test_native\.py$",
-        results["kernel_tests"],
+
+    # Every kernel test file and the cache invariants, by path, side by side, each once, under
+    # the launch guard, with the Triton backend, the subset, the interpreter, the CPU standing
+    # in for the device and the GPU image's missing packages blocked.
+    paths = [str(p.relative_to(ROOT)) for p in [*KERNEL_FILES, HOT_CACHE]]
+    recorded = calls.read_text().splitlines()
+    assert sorted(line.split(" | ")[0].split()[-1] for line in recorded) == sorted(paths)
+    for line in recorded:
+        argv, env = line.split(" | ")
+        assert " -p tests.triton_launch_guard " in f" {argv} ", line
+        for word in ("EMBCACHE_BACKEND=triton", "EMBCACHE_TEST_SUBSET=first-per-function"):
+            assert word in env.split(), line
+        assert "TRITON_INTERPRET=1" in env.split() and "EMBCACHE_TEST_DEVICE=cpu" in env, line
+        assert f"PYTHONPATH={ROOT / 'tests' / 'gpu_image'}:" in env, line
+    for path in paths:
+        assert f"---- {path}\n" in kernel_tests, path
+    n = len(paths)
+    assert results["kernel_tests"] == (
+        f"{n} passed, 0 failed, 0 errors (0 collecting), 0 skipped; {n} files side by side"
     ), results["kernel_tests"]
 
 
@@ -131,7 +171,6 @@ def test_a_step_that_passes_no_test_fails(tmp_path: Path) -> None:
 def preflight(monkeypatch: pytest.MonkeyPatch):
     """benchmarks/gpu_preflight.py imported in this process (its folder put on sys.path)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-        "NCCL runs on CUDA only",
     import gpu_preflight
 
     # setenv, not delenv: it records the variable's absence, so teardown restores it whatever
