@@ -61,7 +61,7 @@ from embcache.engine.inputs import JaggedBatch, pooled_output
 from embcache.engine.interface import FUSION_K
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
-from embcache.models.local import LocalCollection
+from embcache.models.local import LocalCollection, opaque_to_compile
 
 
 class CachedEmbeddingBagCollection(LocalCollection):
@@ -180,7 +180,7 @@ class CachedEmbeddingBagCollection(LocalCollection):
     # Opaque to dynamo: the input checks and the cache resolve read host values (a graph break
     # each), so ``torch.compile`` of a model breaks its graph once, at this call, and runs the
     # lookup eagerly (its autograd function included) between the compiled parts.
-    @torch.compiler.disable
+    @opaque_to_compile
     def forward(self, features: JaggedBatch | Any) -> Any:
         """Pooled embeddings of every feature ``[B, sum of dims]``, keyed by the tables' feature
         names in table order (as torchrec orders them): a torchrec `KeyedTensor` for a KJT

@@ -13,8 +13,11 @@ training calls meanwhile raise, naming both threads, before anything changes
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,10 +34,69 @@ from embcache.models.row_grads import GradAnchor, RowGradients
 from embcache.models.torch_optim import FusedRowOptimizer, keyed_optimizer, register_anchor
 
 
+def opaque_to_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a `LocalCollection` subclass's method ``torch.compiler.disable``d: dynamo runs it
+    eagerly, one graph break, instead of breaking the graph at every host read inside it.
+
+    The mark is applied when ``torch._dynamo`` is loaded (at once if it already is): importing
+    it takes about a second, which a process that never compiles (a CLI run, a test's worker)
+    need not pay. ``torch.compile`` loads it before it traces anything, so every trace sees the
+    disabled method."""
+    fn._embcache_opaque = True  # type: ignore[attr-defined]
+    return fn
+
+
+_WHEN_DYNAMO_LOADS: list[Callable[[], None]] = []
+
+
+class _DynamoWatch(importlib.abc.MetaPathFinder):
+    """Runs `_WHEN_DYNAMO_LOADS` right after ``torch._dynamo`` is first imported, then leaves
+    ``sys.meta_path``."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def run(module: Any) -> None:
+            exec_module(module)
+            sys.modules.setdefault(name, module)
+            for action in _WHEN_DYNAMO_LOADS:
+                action()
+            _WHEN_DYNAMO_LOADS.clear()
+
+        loader.exec_module = run  # type: ignore[method-assign]
+        return spec
+
+
+def _when_dynamo_loads(action: Callable[[], None]) -> None:
+    if "torch._dynamo" in sys.modules:
+        action()
+        return
+    if not _WHEN_DYNAMO_LOADS:
+        sys.meta_path.insert(0, _DynamoWatch())
+    _WHEN_DYNAMO_LOADS.append(action)
+
+
+def _disable(cls: type, name: str, fn: Callable[..., Any]) -> None:
+    setattr(cls, name, torch.compiler.disable(fn))
+
+
 class LocalCollection(CachedCollectionInterface):
     """The rows of one process's tables in its device caches, over a write-back tier; the
     arguments are `CachedEmbeddingBagCollection`'s. Subclasses give ``forward`` its output,
     and hold the tables' `TableWeights` under their torchrec name (`weights_prefix`)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, value in list(vars(cls).items()):
+            if getattr(value, "_embcache_opaque", False):
+                _when_dynamo_loads(functools.partial(_disable, cls, name, value))
 
     def __init__(
         self,

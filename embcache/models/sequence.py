@@ -34,7 +34,7 @@ from embcache.engine.interface import FUSION_K
 from embcache.engine.jagged import SequenceCollection
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
-from embcache.models.local import LocalCollection
+from embcache.models.local import LocalCollection, opaque_to_compile
 
 
 class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
@@ -106,7 +106,7 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
 
     # -- the data path -----------------------------------------------------------------------
 
-    @torch.compiler.disable
+    @opaque_to_compile
     def forward(self, features: JaggedBatch | Any) -> dict[str, Any]:
         """One row per id of every feature: ``{key: JaggedTensor}`` (``values()`` ``[n, dim]``,
         the input's lengths), keyed by the tables' feature names in table order (``feature@table``

@@ -10,6 +10,9 @@ C++ toolchain and minutes on a small CPU) gives the eager losses and tables bit 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -110,3 +113,39 @@ def test_dynamo_explain_counts_one_break_at_the_lookup() -> None:
     assert explained.graph_count <= 3
     reasons = {r.reason.splitlines()[0] for r in explained.break_reasons}
     assert reasons == {"Skip inlining `torch.compiler.disable()`d function"}, reasons
+
+
+# Without torchrec, nothing loads torch._dynamo before torch.compile does: the collection's
+# forward is made opaque then (`embcache.models.local.opaque_to_compile`), after the model was
+# built, and the trace breaks at it exactly as when dynamo was loaded first.
+LATE_DYNAMO = """
+import sys, torch, embcache
+assert "torch._dynamo" not in sys.modules, "embcache loaded torch._dynamo at import"
+torch.manual_seed(0)
+tables = [embcache.TableConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50,
+                               feature_names=[f"f{i}"]) for i in range(3)]
+model = embcache.DLRM(tables, dense_in_features=5, bottom_mlp=(16, 8), top_mlp=(16,))
+ebc = next(m for m in model.modules() if isinstance(m, embcache.CachedEmbeddingBagCollection))
+assert "torch._dynamo" not in sys.modules, "building the model loaded torch._dynamo"
+from torch._dynamo.testing import CompileCounterWithBackend
+assert type(ebc).forward._torchdynamo_disable
+counter = CompileCounterWithBackend("aot_eager")
+compiled = torch.compile(model, backend=counter)
+gen = torch.Generator().manual_seed(1)
+for _ in range(2):
+    lengths = torch.randint(0, 4, (3 * 4,), generator=gen)
+    values = torch.randint(0, 50, (int(lengths.sum()),), generator=gen)
+    batch = embcache.JaggedBatch.from_lengths(["f0", "f1", "f2"], values, lengths)
+    dense = torch.randn(4, 5, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(compiled(dense, batch), model(dense, batch))
+print("graphs", counter.frame_count)
+"""
+
+
+def test_a_model_built_before_dynamo_loads_still_breaks_once() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_DYNAMO], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["graphs", "1"], done.stdout
