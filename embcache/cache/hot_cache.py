@@ -320,6 +320,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         count_sightings: bool = True,
         defer_writeback: bool = False,
         checked: bool = False,
+        create: bool | None = None,
     ) -> torch.Tensor:
         """Slots holding the rows of ``unique_ids``, loading misses from the tier.
 
@@ -347,6 +348,11 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
                 call each (`TierTransfer.grouped`) and no table is bounded; else ignored.
             checked: the caller checked every id against this cache's tables already (a
                 share from `CacheEngine.fuse` or `unique_share`): the check is not repeated.
+            create: misses the tier does not hold are created there (`Store.get`); False:
+                they are read as their initial values and not created (`Store.read`), and
+                stay clean here, so they reach the tier only once updated and written back.
+                None (the default): ``torch.is_grad_enabled()`` in the calling thread, so a
+                forward under ``torch.no_grad()`` writes nothing to the tier.
 
         Returns:
             int64 ``[n]`` slot of each id, on the cache's device: ``rows[slots]`` are its rows;
@@ -358,7 +364,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
                 not among them, a raw id past its table's rows): nothing changed.
         """
         return resolve_together(
-            [self], [unique_ids], lock, count_sightings, defer_writeback, checked
+            [self], [unique_ids], lock, count_sightings, defer_writeback, checked, create
         )[0]
 
     def _prepare_ids(self, unique_ids: torch.Tensor, checked: bool) -> torch.Tensor:
@@ -396,10 +402,11 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         plans[at] = plan
         return plan
 
-    def _exchange_steps(self, plan: Plan, defer_writeback: bool) -> Step:
+    def _exchange_steps(self, plan: Plan, defer_writeback: bool, create: bool = True) -> Step:
         """Phase (2) of a resolve, without ``lock``: the victims written to the tier (or
-        staged, ``defer_writeback``) and the misses read into their slots. A tier error
-        leaves the slots as they were (the plan can be rolled back)."""
+        staged, ``defer_writeback``) and the misses read into their slots (created in the
+        tier when missing there, unless not ``create``). A tier error leaves the slots as
+        they were (the plan can be rolled back)."""
         n_write, n_read = plan.victim_ids.numel(), plan.load_ids.numel()
         if not (n_write or n_read):
             plan.exchanged = True
@@ -421,7 +428,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             write_ids = write_ids[:0]
         loaded = self.transfer.exchange(
             write_ids, victim_rows, read_ids, released,
-            self._slot_storage(plan.victim_slots, plan.load_slots),
+            self._slot_storage(plan.victim_slots, plan.load_slots), create,
         )  # fmt: skip
         self.transfer.place(self.weights, self.state, plan.load_slots, loaded)
         if staged is not None:
@@ -604,6 +611,7 @@ def resolve_together(
     count_sightings: bool = True,
     defer_writeback: bool | Sequence[bool] = False,
     checked: bool = False,
+    create: bool | None = None,
 ) -> list[torch.Tensor]:
     """`HotCache.resolve` of ``unique_ids[i]`` in ``caches[i]`` (distinct caches), in
     lockstep: each phase (the scratch rows' release, the plan, the tier transfer) runs for
@@ -620,6 +628,8 @@ def resolve_together(
             into their slots) committed without its locks.
     """
     n = len(caches)
+    if create is None:  # a prefetch worker's thread has gradients on: it resolves to train
+        create = torch.is_grad_enabled()
     defer = [defer_writeback] * n if isinstance(defer_writeback, bool) else list(defer_writeback)
     ids = [c._prepare_ids(u, checked) for c, u in zip(caches, unique_ids, strict=True)]
     plans: list[Plan | None] = [None] * n
@@ -639,7 +649,10 @@ def resolve_together(
             # resolve runs (mutex), so nobody else reads or writes them, and the storage is
             # only ever replaced by a resolve. The training thread keeps using its own slots.
             run_together(
-                [c._exchange_steps(p, d) for c, p, d in zip(caches, made, defer, strict=True)]
+                [
+                    c._exchange_steps(p, d, create)
+                    for c, p, d in zip(caches, made, defer, strict=True)
+                ]
             )
         except BaseException:
             with _all_locked(caches):

@@ -209,6 +209,7 @@ class TierTransfer:
         read_ids: torch.Tensor,
         released: torch.Tensor | None = None,
         slots: SlotStorage | None = None,
+        create: bool = True,
     ) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """Write rows back and read others in one round of tier calls (the ids differ, so the
         order between them does not matter), then release the rows that left the cache. Rows
@@ -227,6 +228,10 @@ class TierTransfer:
                 (either None: those rows go through ``write_rows`` and the parts returned).
                 On the grouped path, a tier that can moves the rows straight between its
                 tables and those slots, and the rows so read are not returned.
+            create: read through `Store.get`, which creates the rows the tier does not hold
+                (a training resolve); False: through `Store.read`, which creates none and
+                reads them as their initial values (inference: the caller keeps such rows
+                clean, so they reach the tier only once updated and written back).
 
         Returns:
             the rows read, in parts ``(positions, rows)``: host stored ``rows``
@@ -239,7 +244,7 @@ class TierTransfer:
             error propagates; nothing here holds state.
         """
         if self.device.type == "cpu" and not self.store.parallel_io:
-            return self._exchange_grouped(write_ids, write_rows, read_ids, released, slots)
+            return self._exchange_grouped(write_ids, write_rows, read_ids, released, slots, create)
         calls: list[Callable[[], object]] = []
         if write_ids.numel():
             order, groups, _ = self._grouped(write_ids, ascending=False)
@@ -249,12 +254,13 @@ class TierTransfer:
                 calls.append(partial(self.store.put, self.specs[idx].name, raw, part))
         n_puts = len(calls)
         order, groups, _ = self._grouped(read_ids) if read_ids.numel() else (None, [], None)
+        read = self.store.get if create else self.store.read
         for idx, _, raw in groups:
             name = self.specs[idx].name
             if self._bounded(idx):
-                calls.append(partial(self.store.get, name, raw, pin=True))
+                calls.append(partial(read, name, raw, pin=True))
             else:
-                calls.append(partial(self.store.get, name, raw))
+                calls.append(partial(read, name, raw))
         results = self._run(calls)
         if released is not None and released.numel():
             self.unpin(released)
@@ -317,11 +323,14 @@ class TierTransfer:
         read_ids: torch.Tensor,
         released: torch.Tensor | None,
         slots: SlotStorage | None,
+        create: bool = True,
     ) -> list[tuple[torch.Tensor | slice, torch.Tensor]]:
         """`exchange` for a CPU cache over an in-process tier: one grouped write and one grouped
         read for all the tables (HostKV moves their rows in one compiled pass each, straight
         between its tables and the cache's ``slots`` when given), the rows read returned as
-        one part unless they went to their slots."""
+        one part unless they went to their slots. ``create=False``: the grouped read is
+        `Store.read_grouped` (a straight move only takes rows that all exist: it creates
+        none)."""
         if write_ids.numel():
             names, raw, counts, positions = self._write_call(write_ids)
             if slots is None or slots.write_slots is None or not self.store.put_grouped_from(
@@ -339,7 +348,8 @@ class TierTransfer:
                     take(slots.read_slots, positions),
                 )
             ):  # fmt: skip
-                parts.append((positions, self.store.get_grouped(names, raw, counts, pins)))
+                read = self.store.get_grouped if create else self.store.read_grouped
+                parts.append((positions, read(names, raw, counts, pins)))
         if released is not None and released.numel():
             self.unpin(released)
         return parts

@@ -423,8 +423,13 @@ class Store(abc.ABC):
       jobs on it (nothing, by default).
     * `keeps_scores`: whether `export_rows` can give a table's eviction scores (bounded tables).
     * `remove`, `row_count`: drop rows, count them (not every tier can).
-    * `get_grouped` / `put_grouped`: several tables in one call (here, one call per table; an
-      in-process tier does them in one pass).
+    * `get_grouped` / `read_grouped` / `put_grouped`: several tables in one call (here, one
+      call per table; an in-process tier does them in one pass).
+
+    The device cache reads misses through ``get`` when it trains and through ``read`` under
+    ``torch.no_grad()``: inference over ids the tier never held writes nothing, and such a row,
+    held clean by the cache, reaches the tier only once a training step updates it and it is
+    written back (as a direct-mapped cache's rows do).
     """
 
     parallel_io: bool = False
@@ -449,9 +454,11 @@ class Store(abc.ABC):
         `unpin` (bounded tables never evict a pinned row)."""
 
     @abc.abstractmethod
-    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+    def read(self, table: str, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
         """Stored rows of ``ids`` without creating any: a row that does not exist reads as
-        its initial value and is not stored."""
+        its initial value and is not stored. ``pin``: hold the rows that exist until `unpin`
+        (bounded tables); a row that does not exist is not pinned, and an `unpin` of it is
+        ignored."""
 
     @abc.abstractmethod
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -475,6 +482,24 @@ class Store(abc.ABC):
             # ``pin`` only when pinning: a tier's own `get` may not take the argument.
             pinned = pins is not None and pins[k]
             parts.append(self.get(table, part, pin=True) if pinned else self.get(table, part))
+            start += n
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def read_grouped(
+        self,
+        tables: Sequence[str],
+        ids: torch.Tensor,
+        counts: Sequence[int],
+        pins: Sequence[bool] | None = None,
+    ) -> torch.Tensor:
+        """`read` of several tables (of one row layout) at once, ``ids`` and ``pins`` as
+        `get_grouped` takes them: no row is created. Here, one `read` per table."""
+        parts = []
+        start = 0
+        for k, (table, n) in enumerate(zip(tables, counts, strict=True)):
+            part = ids[start : start + n]
+            pinned = pins is not None and pins[k]
+            parts.append(self.read(table, part, pin=True) if pinned else self.read(table, part))
             start += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -505,9 +530,11 @@ class Store(abc.ABC):
         """`get_grouped` straight into a CPU cache's slot storage, for a tier that can: the
         stored row of ``ids[i]`` lands in ``weights[slots[i]]`` (its first
         ``weights.shape[1]`` values) and ``state[slots[i]]`` (the rest), without a rows tensor
-        between. True when every row was moved; False when this tier cannot take the call
-        (here: never), with nothing read, written or counted: the caller then makes it through
-        `get_grouped`, which creates rows and raises as it says."""
+        between. True when every row was moved (all of them existed: it creates none, so a
+        read that must not create may take it too); False when this tier cannot take the call
+        (here: never) or a row does not exist, with nothing read, written or counted: the
+        caller then makes it through `get_grouped` (which creates rows and raises as it says)
+        or `read_grouped`."""
         return False
 
     def put_grouped_from(

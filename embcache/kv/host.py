@@ -142,13 +142,15 @@ class HostKV(Store):
             self._count_evictions(t)
             return out
 
-    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+    def read(self, table: str, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
         """Rows of ``ids`` without creating any: rows never touched read as their initial
         values and stay absent (`export_rows` does not list them).
 
         Args:
             table: a declared table.
             ids: integer ``[n]`` (converted to CPU int64), in range for the table.
+            pin: hold the rows of a bounded table that exist until `unpin` (absent ones are
+                not pinned).
 
         Returns:
             stored rows ``[n, stored_width]``, a copy (pinned when the store pins).
@@ -158,6 +160,8 @@ class HostKV(Store):
             ids = checked_ids(t.spec, ids)
             out = self._empty(t.spec, ids.numel())
             t.read(ids, out)
+            if pin and isinstance(t, BoundedTable):
+                t.pin_existing(ids)
             self._count("read", ids.numel(), t.spec)
             return out
 

@@ -338,6 +338,11 @@ class BoundedTable:
     def scores(self, positions: torch.Tensor) -> torch.Tensor:
         return self.index.scores[positions]
 
+    def pin_existing(self, ids: torch.Tensor) -> None:
+        """Pin the rows of ``ids`` that exist (a read that creates none)."""
+        positions = self.index.find(ids)
+        self.index.pin(positions[positions >= 0])
+
     def unpin(self, ids: torch.Tensor) -> None:
         positions = self.index.find(ids)
         self.index.unpin(positions[positions >= 0])

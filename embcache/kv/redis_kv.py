@@ -344,17 +344,19 @@ class RedisKV(RedisRowIO, Store):
         self._count("read", ids.numel(), t, created=created)
         return out
 
-    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+    def read(self, table: str, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
         """Rows of ``ids`` without creating any on the server: rows not there read as their
         initial values (one MGET per chunk, write marks checked as for `get`).
 
         Args:
             table: a declared table.
             ids: integer ``[n]``, in range for the table.
+            pin: ignored: no table here is bounded.
 
         Returns:
             stored rows ``[n, stored_width]`` of the table's dtype.
         """
+        del pin
         with self._lock:
             t = self._table(table)
         ids = checked_ids(t.spec, ids)

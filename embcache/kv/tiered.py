@@ -302,10 +302,11 @@ class TieredKV(Store):
             self.back.remove(held.spec.name, evicted)
         return positions
 
-    def read(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+    def read(self, table: str, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
         """Rows of ``ids`` without creating any: held ones from memory, the others from
         ``back.read``. Rows read from ``back`` are not held, so a whole-table read
-        (``state_dict()``) does not push the working set out.
+        (``state_dict()``) does not push the working set out. ``pin``: a bounded table's rows
+        that exist are pinned until `unpin` (absent ones are not).
 
         Returns:
             stored rows ``[n, stored_width]``, a copy.
@@ -319,9 +320,12 @@ class TieredKV(Store):
             out[hit] = held.rows[slots[hit]]
             absent = torch.zeros_like(hit)
             if held.directory is not None:  # evicted rows read as their initial values
-                absent = ~hit & (held.directory.find(ids) < 0)
+                listed = held.directory.find(ids)
+                absent = ~hit & (listed < 0)
                 if bool(absent.any()):
                     out[absent] = held.spec.initial_rows(ids[absent])
+                if pin:
+                    held.directory.pin(listed[listed >= 0])
             rest = ~hit & ~absent
             if bool(rest.any()):
                 out[rest] = self.back.read(table, ids[rest])

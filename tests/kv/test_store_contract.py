@@ -384,3 +384,46 @@ def test_a_bounded_table_keeps_its_budget_and_never_drops_a_pinned_row(make: str
     assert _same(store.read("t", gone), spec.initial_rows(gone))  # an evicted row starts over
     store.unpin("t", pinned)
     store.close()
+
+
+def test_read_grouped_creates_nothing(tier_few: Tier, stores) -> None:
+    """`Store.read_grouped` (the cache's reads under ``torch.no_grad()``): the rows a tier
+    holds and the initial rows of the others, none of which it creates; pinning (bounded
+    tables) creates nothing either."""
+    tier = tier_few
+    specs = [tier.spec("a"), tier.spec("b", seed=9)]
+    store = _open(tier, stores, *specs)
+    ids_a, ids_b = tier.ids(6, seed=30), tier.ids(4, seed=31)
+    written = _random_rows(specs[0], 3, seed=32)
+    store.put("a", ids_a[:3], written)
+    ids, counts = torch.cat([ids_a, ids_b]), [6, 4]
+    pins = [True, True] if tier.capacity is not None else None
+    rows = store.read_grouped(["a", "b"], ids, counts, pins)
+    expected = torch.cat([written, specs[0].initial_rows(ids_a[3:]), specs[1].initial_rows(ids_b)])
+    assert _same(rows, expected)
+    assert store.row_count("a") == 3 and store.row_count("b") == 0
+    if pins is not None:
+        store.unpin("a", ids_a)  # the absent ones were not pinned: ignored
+        store.unpin("b", ids_b)
+
+
+@pytest.mark.parametrize("make", ["host", "tiered"])
+def test_a_read_pins_the_bounded_rows_that_exist_only(make: str) -> None:
+    """``read(..., pin=True)`` of a bounded table pins the rows that exist (never evicted
+    until `unpin`) and creates none; the absent ones stay absent and unpinned."""
+    store: Store = HostKV(pin_memory=False)
+    if make == "tiered":
+        store = TieredKV(store, capacity_rows=8)
+    spec = TableSpec("t", DIM, NUM, state_dim=STATE, capacity=16)
+    store.init_table(spec)
+    kept = _random_rows(spec, 4, seed=33)
+    store.put("t", torch.arange(4), kept)
+    got = store.read("t", torch.arange(8), pin=True)
+    assert _same(got, torch.cat([kept, spec.initial_rows(torch.arange(4, 8))]))
+    assert store.row_count("t") == 4
+    for start in range(8, NUM, 6):  # many more rows than the budget: the pinned four stay
+        ids = torch.arange(start, min(start + 6, NUM))
+        store.put("t", ids, _random_rows(spec, ids.numel(), seed=start))
+    assert _same(store.read("t", torch.arange(4)), kept)
+    store.unpin("t", torch.arange(8))
+    store.close()

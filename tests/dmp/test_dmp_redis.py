@@ -1,6 +1,6 @@
 """DMP over embcache's cached collection with a Redis tier shared by both ranks: each rank's
 shards are tables of their own on the one server, and training equals one process as with the
-host tier (`tests/torchrec/test_dmp.py`, whose scenario, worker and checks this reuses)."""
+host tier (`tests/dmp/test_dmp.py`, whose scenario, worker and checks this reuses)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from embcache.distributed.launch import spawn
+from tests.dmp.test_dmp import Scenario, _worker, check_against_one_process
 from tests.kv.redis_servers import running_server
-from tests.torchrec.test_dmp import Scenario, _worker, check_against_one_process
 
 SCENARIO = Scenario("row_wise_adagrad_redis", "row_wise", "adagrad")
 

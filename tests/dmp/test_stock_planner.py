@@ -3,7 +3,7 @@
 row-wise on the kernel the cache stands in for (``fused`` on a CPU, ``fused_uvm_caching`` on
 CUDA), a plan's ``cache_params.load_factor`` counts in its estimate and sizes the caches, and
 DMP with such a plan trains like one process (2 gloo ranks, the scheme and checks of
-`tests/torchrec/test_dmp.py` and `test_dmp_sequence.py`). torchrec's own collection under
+`tests/dmp/test_dmp.py` and `test_dmp_sequence.py`). torchrec's own collection under
 `CachingEmbeddingBagCollectionSharder` is planned on torchrec's kernels (the cache there needs
 embcache's planner), and a sharder asked to cache a table such a plan left off refuses it."""
 
@@ -26,10 +26,10 @@ from embcache.torchrec import (
     CachedParameterConstraints,
     CachingEmbeddingBagCollectionSharder,
 )
-from tests.torchrec import test_dmp_sequence
-from tests.torchrec.test_dmp import Scenario, _worker, check_against_one_process
-from tests.torchrec.test_planner import TABLES
-from tests.torchrec.test_planner import Model as BagModel
+from tests.dmp import test_dmp_sequence
+from tests.dmp.test_dmp import Scenario, _worker, check_against_one_process
+from tests.dmp.test_planner import TABLES
+from tests.dmp.test_planner import Model as BagModel
 
 SHARDINGS = ["table_wise", "row_wise"]
 STAND_IN = {"cpu": "fused", "cuda": "fused_uvm_caching"}

@@ -1,6 +1,6 @@
 """DMP over embcache's `CachedEmbeddingCollection` (sequence embeddings, one row per id) with
 `CachedEmbeddingCollectionSharder`, 2 gloo ranks, table-wise and row-wise, a tenth of each shard
-cached, against one process (the scheme of `tests/torchrec/test_dmp.py`: the reference starts
+cached, against one process (the scheme of `tests/dmp/test_dmp.py`: the reference starts
 from the rows the sharded model drew and averages the ranks' losses)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torchrec import EmbeddingConfig, KeyedJaggedTensor
 
 import embcache
 from embcache.distributed.launch import spawn
-from tests.torchrec.test_dmp import _local_shards, _whole, batch, kjt_of
+from tests.dmp.test_dmp import _local_shards, _whole, batch, kjt_of
 
 RTOL, ATOL = 1e-5, 1e-5
 STEPS, LR = 5, 0.1
