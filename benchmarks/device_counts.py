@@ -4,9 +4,11 @@ Question: per training step (forward, backward, sparse AdaGrad step) of
 `CachedEmbeddingBagCollection` on the device path (``EMBCACHE_BACKEND=triton``, Triton's
 interpreter standing in for the GPU, so it runs on a CPU), for 2 and 26 tables of one dim and
 for 1 and 3 distinct dims, with the whole table cached and with 10% cached (LRU, over
-`HostKV`): the host reads that would synchronise a GPU (`tests.sync_count.SyncCounter`), the
-kernel launches (`tests.launch_count.LaunchCounter`: Triton launches plus the aten ops that
-would run a kernel), and the Triton compile keys first seen after step 2
+`HostKV`): the host reads that would synchronise a GPU (`tests.sync_count.SyncCounter`; the
+interpreter takes the GPU's branches, so no CPU-only read is counted), the kernel launches
+(`tests.launch_count.LaunchCounter`: Triton launches plus the aten ops that would run a
+kernel, not the interpreter's copies of a kernel's arguments), and the Triton compile keys
+first seen after step 2
 (`compile_kernels.compile_key`, Triton's own specialisation). No baseline: these are counts,
 compared with the targets of docs/design.md (syncs <= 2 whole table, <= 4 at 10%; launches
 <= 40 and <= 70; no new key after step 2; all flat in tables and dims). Counts, not times, so

@@ -35,10 +35,14 @@ class _Ops(TorchDispatchMode):
     def __init__(self, counts: Counter) -> None:
         super().__init__()
         self.counts = counts
+        # Inside an interpreted Triton launch: the interpreter's own copies of the kernel's
+        # tensor arguments (to its host buffers and back, one ``copy_`` per storage) are no
+        # launch on a GPU, where the kernel is the one launch.
+        self.in_triton = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
-        if name not in _NO_LAUNCH and not _on_host_side():
+        if name not in _NO_LAUNCH and not self.in_triton and not _on_host_side():
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -55,10 +59,17 @@ class LaunchCounter:
         run = interpreter.InterpretedFunction.run
         thread, counts = threading.get_ident(), self.counts
 
+        mode = self._mode
+
         def counted(fn, *args, **kwargs):
-            if threading.get_ident() == thread:
-                counts[f"triton.{fn.fn.__name__}"] += 1
-            return run(fn, *args, **kwargs)
+            if threading.get_ident() != thread:
+                return run(fn, *args, **kwargs)
+            counts[f"triton.{fn.fn.__name__}"] += 1
+            mode.in_triton += 1
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                mode.in_triton -= 1
 
         self._restore = (interpreter.InterpretedFunction, run)
         interpreter.InterpretedFunction.run = counted

@@ -71,10 +71,49 @@ class SlotLocks(CacheFields):
             self.gradients_dropped += given.numel() - slots.numel()
 
 
-def unlock_together(pairs: Sequence[tuple[SlotLocks, torch.Tensor]], dirty: bool = False) -> None:
+UNLOCKED = "HotCache.unlock: a slot that is not locked was unlocked"
+
+
+def lock_floors(
+    pairs: Sequence[tuple[SlotLocks, torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What `unlock_together` checks before it drops any lock, made on the device and not
+    read: each cache's live slots (``slots`` without the -1 of ids not admitted) and the
+    lowest lock among each one's slots (0-d, none for a cache on the compiled CPU path, which
+    checks in its own pass). A caller that reads the floors with its own host read (a step,
+    `check_floors`) then passes the live slots to `unlock_together`, which reads nothing."""
+    live, floors = [], []
+    with ExitStack() as held:
+        for cache, _ in pairs:
+            held.enter_context(cache.lock)
+        for cache, given in pairs:
+            slots = cache._live(given.to(cache.device))
+            live.append(slots)
+            if slots.numel() and not cache.backend.unlocks_checked(slots):
+                floors.append(cache.locks.index_select(0, slots).min())
+    return live, floors
+
+
+def check_floors(values: Sequence[float]) -> None:
+    """Raise unless every floor of `lock_floors`, read as ``values``, is a held lock.
+
+    Raises:
+        RuntimeError: a slot is not locked.
+    """
+    if any(v <= 0 for v in values):
+        raise RuntimeError(UNLOCKED)
+
+
+def unlock_together(
+    pairs: Sequence[tuple[SlotLocks, torch.Tensor]],
+    dirty: bool = False,
+    live: Sequence[torch.Tensor] | None = None,
+) -> None:
     """`HotCache.unlock` of each ``(cache, slots)``, every cache's locks checked before any
     is dropped: the device checks of all the caches (the lowest lock among each one's slots)
     are read on the host at once, so a step makes one read however many caches it updates.
+    ``live``: each cache's live slots from `lock_floors`, whose floors the caller read and
+    found held (`check_floors`): nothing is read here then.
 
     Raises:
         RuntimeError: a slot is not locked; no lock was dropped then (a cache on the compiled
@@ -85,14 +124,17 @@ def unlock_together(pairs: Sequence[tuple[SlotLocks, torch.Tensor]], dirty: bool
             held.enter_context(cache.lock)
         todo = []
         floors: dict[torch.device, list[torch.Tensor]] = {}
-        for cache, given in pairs:
+        for k, (cache, given) in enumerate(pairs):
             given = given.to(cache.device)
+            if live is not None:
+                todo.append((cache, given, live[k]))
+                continue
             slots = cache._live(given)
             todo.append((cache, given, slots))
             if slots.numel() and not cache.backend.unlocks_checked(slots):
                 floors.setdefault(cache.device, []).append(cache.locks.index_select(0, slots).min())
         for mins in floors.values():
             if int(torch.stack(mins).min()) <= 0:
-                raise RuntimeError("HotCache.unlock: a slot that is not locked was unlocked")
+                raise RuntimeError(UNLOCKED)
         for cache, given, slots in todo:
             cache._unlock_checked(given, slots, dirty)

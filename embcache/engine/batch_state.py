@@ -50,6 +50,9 @@ class Prepared:
     # `CacheLayout.bags` cuts the values there. Known on the host when the caches' shares
     # were made together (`EngineGroup.check`); None: read from the offsets when needed.
     cuts: list[int] | None = None
+    # `CacheLayout.table_bounds` of ``unique`` (host ints), when the dedup read them with its
+    # own read (`engine.dedup_together`): the backward's trace then reads nothing.
+    bounds: list[int] | None = None
 
 
 @dataclass

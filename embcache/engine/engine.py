@@ -17,6 +17,7 @@ engine's `reduction`, chosen by its layout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,32 +70,66 @@ class Located:
     prepared: Prepared | None
 
 
+@dataclass
+class Deduped:
+    """A cache's ids deduplicated by `dedup_together`: unique ids ascending, the inverse,
+    and (with several tables, when asked for) `CacheLayout.table_bounds` of the unique ids."""
+
+    unique: torch.Tensor  # int64 [U]
+    inverse: torch.Tensor  # int64 [n]
+    bounds: list[int] | None
+
+
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return offsets
 
 
-def dedup_together(ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def dedup_together(
+    ids: list[torch.Tensor],
+    table_starts: Sequence[torch.Tensor | None] | None = None,
+    also_read: torch.Tensor | None = None,
+) -> tuple[list[Deduped], list[int]]:
     """`kernels.ids.dedup` (unique ids ascending and the inverse, no counts) of several
     caches' ids (one device), with one host read for all of them, their numbers of unique
     ids, instead of one per cache: each is sorted, its runs ranked, and its unique ids
-    written at their ranks once those sizes are known."""
-    runs, sizes = [], []
-    for x in ids:
+    written at their ranks once those sizes are known.
+
+    The same read brings each cache's `CacheLayout.table_bounds` (where each table's ids
+    start among its unique ids, which the backward's trace cuts by) when ``table_starts[i]``
+    gives the fused id each table of cache i starts at (`CacheLayout.fused_starts`; None: one
+    table), and the values of ``also_read`` (int64 ``[m]``, e.g. the id checks of
+    `kernels.ids.fuse_ids_deferred`), returned beside the shares."""
+    runs, parts = [], []
+    for i, x in enumerate(ids):
         x = x.to(torch.int64)
+        n = x.numel()
         ordered, order = torch.sort(x)
-        starts = torch.ones(x.numel(), dtype=torch.bool, device=x.device)
-        if x.numel() > 1:
+        starts = torch.ones(n, dtype=torch.bool, device=x.device)
+        if n > 1:
             torch.ne(ordered[1:], ordered[:-1], out=starts[1:])
-        rank = torch.cumsum(starts, 0) - 1
-        sizes.append(rank[-1:] + 1 if x.numel() else rank.new_zeros(1))
-        runs.append((ordered, order, rank))
-    out = []
-    for (ordered, order, rank), n in zip(runs, torch.cat(sizes).tolist(), strict=True):
+        # ``seen[j]``: unique ids among the first j sorted ids; the last is their number.
+        seen = torch.zeros(n + 1, dtype=torch.int64, device=x.device)
+        torch.cumsum(starts, 0, out=seen[1:])
+        rank = seen[1:] - 1
+        parts.append(seen[n:])
+        fused_starts = None if table_starts is None else table_starts[i]
+        if fused_starts is not None:
+            # A table's ids start after the unique ids of the sorted ids below its first.
+            parts.append(seen.index_select(0, torch.searchsorted(ordered, fused_starts)))
+        runs.append((ordered, order, rank, 0 if fused_starts is None else fused_starts.numel()))
+    if also_read is not None:
+        parts.append(also_read.to(torch.int64))
+    values = torch.cat(parts).tolist() if parts else []
+    out, at = [], 0
+    for ordered, order, rank, tables in runs:
+        n = values[at]
+        bounds = [*values[at + 1 : at + 1 + tables], n] if tables else None
+        at += 1 + tables
         unique = ordered.new_empty(n).scatter_(0, rank, ordered)  # a run writes one value
-        out.append((unique, torch.empty_like(order).scatter_(0, order, rank)))
-    return out
+        out.append(Deduped(unique, torch.empty_like(order).scatter_(0, order, rank), bounds))
+    return out, values[at:]
 
 
 class CacheEngine:
@@ -218,16 +253,16 @@ class CacheEngine:
         lengths: torch.Tensor,
         weights: torch.Tensor | None,
         cuts: list[int] | None = None,
-        found: tuple[torch.Tensor, torch.Tensor] | None = None,
+        found: Deduped | None = None,
     ) -> Prepared:
         """The batch's unique ids, inverse index and bag offsets, not yet resolved (a sharded
         requester sends the unique ids to their owners instead). ``cuts``: see
-        `Prepared.cuts`; ``found``: the unique ids and inverse, when `dedup_together` made
-        them (`plain_dedup`)."""
+        `Prepared.cuts`; ``found``: the unique ids and inverse (and table bounds), when
+        `dedup_together` made them (`plain_dedup`)."""
         if found is not None:
-            unique, inverse = found
-            return Prepared(unique, inverse, unique[:0], _offsets(lengths), weights, False,
-                            cuts=cuts)  # fmt: skip
+            unique = found.unique
+            return Prepared(unique, found.inverse, unique[:0], _offsets(lengths), weights, False,
+                            cuts=cuts, bounds=found.bounds)  # fmt: skip
         grouping = None
         through_tbe = self.tbe_step is not None and self.tbe_step.takes(weights)
         if self._grouped_dedup(fused, through_tbe):
@@ -243,7 +278,9 @@ class CacheEngine:
                         cuts=cuts)  # fmt: skip
 
     def _grouped_dedup(self, fused: torch.Tensor, through_tbe: bool) -> bool:
-        return fused.device.type == "cpu" and len(self.layout.lookups) == 1 and not through_tbe
+        # The device path (a GPU, or a CPU under Triton, whose backward does not take the
+        # grouping) dedups as a GPU does.
+        return not self.cache.device_path and len(self.layout.lookups) == 1 and not through_tbe
 
     def plain_dedup(self, fused: torch.Tensor, weights: torch.Tensor | None) -> bool:
         """Whether `dedup` of these ids is a plain `kernels.ids.dedup` (no grouping for the
@@ -494,7 +531,8 @@ class CacheEngine:
     def update(self, located: Located, rule: RowUpdate, steps: dict[str, int]) -> None:
         """`apply` without the unlock (`EngineGroup.apply` unlocks every engine's rows at
         once, `unlock_together`): the rows updated in place and marked dirty."""
-        self._update_rows(located.unique, located.slots, located.grads, rule, steps)
+        bounds = None if located.prepared is None else located.prepared.bounds
+        self._update_rows(located.unique, located.slots, located.grads, rule, steps, bounds)
 
     def _update_rows(
         self,
@@ -503,6 +541,7 @@ class CacheEngine:
         grads: torch.Tensor,
         rule: RowUpdate,
         steps: dict[str, int],
+        bounds: list[int] | None = None,
     ) -> None:
         cache = self.cache
         table_steps = {steps[t.name] for t in self.layout.tables if t.name in steps}
@@ -517,7 +556,8 @@ class CacheEngine:
                 apply_row_update(cache.weights, cache.state, slots, grads, rule, step, False,
                                  ids, seed, may_skip)  # fmt: skip
             else:
-                bounds = self.layout.table_bounds(unique, self.fusion_k)
+                if bounds is None:  # else read by the forward's dedup (`Prepared.bounds`)
+                    bounds = self.layout.table_bounds(unique, self.fusion_k)
                 for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False):
                     if hi > lo:
                         apply_row_update(cache.weights, cache.state, slots[lo:hi], grads[lo:hi],

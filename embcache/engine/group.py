@@ -34,6 +34,7 @@ import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache, resolve_together, unlock_together
+from embcache.cache.locks import check_floors, lock_floors
 from embcache.engine.batch_state import (
     FusedPrefetchHandle,
     InFlight,
@@ -42,20 +43,34 @@ from embcache.engine.batch_state import (
     TraceEntry,
 )
 from embcache.engine.claim import StepClaim
-from embcache.engine.engine import CacheEngine, dedup_together
+from embcache.engine.engine import CacheEngine, Deduped, dedup_together
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout, bounds_together
-from embcache.engine.optimizer import AttachedOptimizer, StepOptimizer
+from embcache.engine.optimizer import AttachedOptimizer, DeviceCheck, StepOptimizer
 from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
 from embcache.engine.tbe_step import PendingUpdate, TbeStep
-from embcache.kernels.ids import fuse_ids
+from embcache.kernels.ids import IdVerdict, fuse_ids_deferred
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
 # An engine's share of a batch checked and fused, not yet deduplicated (`EngineGroup.check`):
 # its fused ids, bag lengths and weights (`CacheEngine.fuse`), and its `Prepared.cuts`.
 CheckedShare = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int] | None]
+
+
+def _read_together(values: list[torch.Tensor]) -> list[float]:
+    """The values of 0-d device tensors (float or integer) on the host: one read per device
+    (a collection's are on one), in order."""
+    by_device: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(values):
+        by_device.setdefault(t.device, []).append(k)
+    out = [0.0] * len(values)
+    for at in by_device.values():
+        read = torch.stack([values[k].to(torch.float64) for k in at]).tolist()
+        for k, v in zip(at, read, strict=True):
+            out[k] = v
+    return out
 
 
 class EngineGroup:
@@ -212,7 +227,8 @@ class EngineGroup:
     def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
         """Every engine's share of a checked batch; every id is validated (fused) before any
         cache changes, and a failing resolve leaves nothing locked."""
-        return self.prepare_fused(self.check(batch, lock), lock)
+        shares, verdict = self._check(batch, lock, defer=True)
+        return self.prepare_fused(shares, lock, verdict=verdict)
 
     def check(self, batch: JaggedBatch, lock: bool) -> list[Prepared | CheckedShare]:
         """Every engine's share of a checked batch, validated and not yet resolved: the fused
@@ -221,6 +237,14 @@ class EngineGroup:
         (`CacheEngine.direct_share`); for a cache on that step that indexes its rows, the
         share checked and deduplicated in one pass (`CacheEngine.unique_share`). A bad id
         raises here, before any cache changes."""
+        return self._check(batch, lock, defer=False)[0]
+
+    def _check(
+        self, batch: JaggedBatch, lock: bool, defer: bool
+    ) -> tuple[list[Prepared | CheckedShare], IdVerdict | None]:
+        """`check`; with ``defer``, the id checks of the shares that `fuse_ids` makes are
+        returned unread (`IdVerdict`), for `prepare_fused` to read with its dedup's read and
+        judge before any cache changes."""
         shares: list[Prepared | None] = []
         for engine in self.engines:
             share = engine.direct_share(batch) if lock else None
@@ -229,16 +253,25 @@ class EngineGroup:
             shares.append(share)
         todo = [i for i, share in enumerate(shares) if share is None]
         # One engine or several: the same host reads (and the bags' cut points).
-        checked = dict(zip(todo, self._fuse_together(todo, batch), strict=True)) if todo else {}
-        return [checked[i] if share is None else share for i, share in enumerate(shares)]
+        checked: dict[int, CheckedShare] = {}
+        verdict = None
+        if todo:
+            fused, verdict = self._fuse_together(todo, batch)
+            checked = dict(zip(todo, fused, strict=True))
+            if verdict is not None and not defer:
+                verdict.verify()
+                verdict = None
+        return [checked[i] if share is None else share for i, share in enumerate(shares)], verdict
 
     @profiled("engine.fuse")
-    def _fuse_together(self, todo: list[int], batch: JaggedBatch) -> list[CheckedShare]:
+    def _fuse_together(
+        self, todo: list[int], batch: JaggedBatch
+    ) -> tuple[list[CheckedShare], IdVerdict | None]:
         """What `CacheEngine.fuse` gives each engine of ``todo``, and its `Prepared.cuts`,
-        made in one pass over their features together: one `fuse_ids` (its checks' host read
-        made once, not once per cache) and one host read of the values per key, which groups
-        the features in the engines' order and says where each engine's values end and
-        where its lookups start."""
+        made in one pass over their features together: one `fuse_ids_deferred` (its checks
+        returned unread, to read once for all caches) and the batch's values per key (read
+        by its check), which group the features in the engines' order and say where each
+        engine's values end and where its lookups start."""
         engines = [self.engines[i] for i in todo]
         features = [f for e in engines for f in e.layout.features]
         keys, b = batch.keys(), batch.stride()
@@ -257,7 +290,7 @@ class EngineGroup:
                 weights = torch.cat([weights[starts[i] : starts[i + 1]] for i in order])
         table_index, table_rows, names = self._fuse_tables(todo, values.device)
         per_feature = lengths.view(len(features), -1).sum(dim=1)
-        fused = fuse_ids(
+        fused, verdict = fuse_ids_deferred(
             values, per_feature, table_index, table_rows, self.fusion_k, features, names
         )
         cut = [0]
@@ -283,7 +316,7 @@ class EngineGroup:
                 )
             )
             f += nf
-        return out
+        return out, verdict
 
     def _fuse_tables(
         self, todo: list[int], device: torch.device
@@ -334,8 +367,13 @@ class EngineGroup:
             else:
                 assert p.unique is not None  # a share not on the TBE step has its ids
                 rows.append((i, engine, p.unique, grads))
-        # Every cache's per-table cut of its ids in one host read (none with a table a cache).
-        bounds = bounds_together([(e.layout, unique, e.fusion_k) for _, e, unique, _ in rows])
+        # Every cache's per-table cut of its ids: read by the forward's dedup (`Prepared.
+        # bounds`), or else in one host read for all (none with a table a cache).
+        bounds = [batch.prepared[i].bounds for i, _, _, _ in rows]
+        missing = [k for k, b in enumerate(bounds) if b is None]
+        read = bounds_together([(rows[k][1].layout, rows[k][2], self.fusion_k) for k in missing])
+        for k, b in zip(missing, read, strict=True):
+            bounds[k] = b
         for (i, engine, unique, grads), cut in zip(rows, bounds, strict=True):
             entries += engine.trace_entries(unique, grads, i, batch, cut)
         self._entries += entries
@@ -385,17 +423,36 @@ class EngineGroup:
             if fresh:
                 self.release_claim_if_idle()
 
-    def apply(self, entries: list[TraceEntry], optimizer: StepOptimizer) -> None:
+    def apply(
+        self,
+        entries: list[TraceEntry],
+        optimizer: StepOptimizer,
+        check: DeviceCheck | None = None,
+    ) -> None:
         """Apply ``optimizer``'s rule to trace entries, engine by engine, all or nothing: every
         engine's rows are located first (an accumulated trace is resolved again, which may
-        read the tier and fail, leaving everything as it was); only then do the step counts
-        advance and rows change, with no tier call left to fail."""
+        read the tier and fail, leaving everything as it was); then one host read answers the
+        gradients' ``check`` (`DeviceCheck`) and every engine's lock check (`lock_floors`),
+        and a refusal gives back what locating locked; only then do the step counts advance
+        and rows change, with no tier call left to fail.
+
+        Raises:
+            ValueError: ``check`` found a NaN/Inf gradient; nothing changed.
+            RuntimeError: a located slot is not locked; nothing changed.
+        """
         located = []
         try:
             for i, engine in enumerate(self.engines):
                 mine = [e for e in entries if e.engine == i]
                 if mine:
                     located.append((engine, engine.locate(mine, self.table_index)))
+            pairs = [(engine.cache, loc.slots) for engine, loc in located]
+            live, floors = lock_floors(pairs)
+            sums = [] if check is None else check.sums
+            values = _read_together([*sums, *floors])
+            if check is not None:
+                check.judge(values[: len(sums)])
+            check_floors(values[len(sums) :])
         except BaseException:
             for engine, loc in located:
                 engine.abandon(loc)
@@ -404,16 +461,20 @@ class EngineGroup:
         try:
             for engine, loc in located:
                 engine.update(loc, optimizer.update, steps)
-        finally:  # every engine's locks checked with one host read, then dropped
-            unlock_together([(engine.cache, loc.slots) for engine, loc in located])
+        finally:  # every engine's locks, checked above, dropped
+            unlock_together(pairs, live=live)
             for _, loc in located:
                 if loc.prepared is not None:
                     loc.prepared.locked = False
 
-    def apply_trace(self, optimizer: StepOptimizer, release: bool = True) -> None:
+    def apply_trace(
+        self, optimizer: StepOptimizer, release: bool = True, check: DeviceCheck | None = None
+    ) -> None:
         """Apply the recorded gradients, then clear them and (``release``) every batch in
         flight. Retriable: a tier error leaves the trace in place and nothing applied; calling
-        again once the tier is back applies each gradient exactly once.
+        again once the tier is back applies each gradient exactly once. ``check``: the
+        optimizer's gradient check, read with the step's lock check (`apply`) or, with no
+        entries to locate, on its own, before anything changes (ValueError: nothing changed).
 
         TBE step updates run the TBE's backward (no tier call, so nothing to retry); one the
         TBE cannot apply (the optimizer changed, the cache storage moved) becomes entries.
@@ -426,7 +487,9 @@ class EngineGroup:
             if any(u.batch.released or not self._tbe_applies(u, optimizer) for u in self._pending):
                 self.entries()  # materialises every pending update as entries
             if self._entries:
-                self.apply(self._entries, optimizer)
+                self.apply(self._entries, optimizer, check)
+            elif check is not None:
+                check.verify()
             if self._pending:
                 names = [name for u in self._pending for name in self._names[u.engine]]
                 optimizer.advance_steps(self.owner, names)
@@ -474,25 +537,48 @@ class EngineGroup:
     # -- prefetch ----------------------------------------------------------------------------
 
     def prepare_fused(
-        self, shares: list[Prepared | CheckedShare], lock: bool, defer_writeback: bool = False
+        self,
+        shares: list[Prepared | CheckedShare],
+        lock: bool,
+        defer_writeback: bool = False,
+        verdict: IdVerdict | None = None,
     ) -> list[Prepared]:
-        """`prepare` after `check` (every id validated): dedup and resolve each engine's
-        share, or serve a direct one; a failing resolve leaves nothing locked.
-        ``defer_writeback``: each cache's victims are written by `write_deferred` (or the
-        cache's next tier access), not before this returns (`HotCache.resolve`)."""
-        if len(shares) == 1:  # one direct share (a whole table on a CPU): nothing to join
-            (share,) = shares
-            if isinstance(share, Prepared) and share.direct is not None:
-                return [self.engines[0].serve_direct(share)]
-        # Plain dedups of several engines at once: one host read for all (`dedup_together`).
+        """`prepare` after `check` (every id validated, or with ``verdict``, the id checks of
+        the shares made and not yet read: they are read with the dedup's read and judged
+        before any cache changes): dedup and resolve each engine's share, or serve a direct
+        one; a failing resolve leaves nothing locked. ``defer_writeback``: each cache's
+        victims are written by `write_deferred` (or the cache's next tier access), not before
+        this returns (`HotCache.resolve`)."""
+        # Plain dedups at once: one host read for all (`dedup_together`), with the tables'
+        # bounds of their unique ids (for the backward) and the id checks; a single one too
+        # where that saves a read (the device path, or a cache of several tables).
         plain = {
             i: share[0]
             for i, (engine, share) in enumerate(zip(self.engines, shares, strict=True))
             if not isinstance(share, Prepared) and engine.plain_dedup(share[0], share[2])
         }
-        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if len(plain) > 1:
-            found = dict(zip(plain, dedup_together(list(plain.values())), strict=True))
+        together = len(plain) > 1 or any(
+            self.engines[i].cache.device_path or len(self.engines[i].layout.tables) > 1
+            for i in plain
+        )
+        checked = sum(not isinstance(share, Prepared) for share in shares)
+        if verdict is not None and not (together and len(plain) == checked):
+            verdict.verify()  # before any other dedup or direct share sees the ids
+            verdict = None
+        if len(shares) == 1:  # one direct share (a whole table on a CPU): nothing to join
+            (share,) = shares
+            if isinstance(share, Prepared) and share.direct is not None:
+                return [self.engines[0].serve_direct(share)]
+        found: dict[int, Deduped] = {}
+        if together:
+            starts = [self.engines[i].layout.fused_starts(v.device, self.fusion_k)
+                      for i, v in plain.items()]  # fmt: skip
+            deduped, flags = dedup_together(
+                list(plain.values()), starts, None if verdict is None else verdict.flags
+            )
+            if verdict is not None:
+                verdict.judge(flags)
+            found = dict(zip(plain, deduped, strict=True))
         # The caches resolve together (`resolve_together`: each phase's host reads made once
         # for all of them); direct shares are served first.
         out: list[Prepared | None] = [None] * len(self.engines)

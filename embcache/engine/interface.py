@@ -39,7 +39,7 @@ from embcache.devices import resolve_device
 from embcache.engine.batch_state import FusedPrefetchHandle, TraceEntry
 from embcache.engine.group import EngineGroup
 from embcache.engine.inputs import JaggedBatch, as_jagged, checked_batch
-from embcache.engine.optimizer import AttachedOptimizer, StepOptimizer
+from embcache.engine.optimizer import AttachedOptimizer, DeviceCheck, StepOptimizer
 from embcache.engine.row_init import table_inits
 from embcache.engine.tables import Table, TableConfig, normalize_tables
 from embcache.kv.base import Store, TableSpec
@@ -369,7 +369,17 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         return self.engines.gradients_to_check()
 
     def apply_sparse_gradients(self, optimizer: StepOptimizer) -> None:
-        self.engines.apply_trace(optimizer)
+        self.engines.apply_trace(self.step_optimizer(optimizer))
+
+    def apply_checked_gradients(self, optimizer: StepOptimizer, check: DeviceCheck | None) -> None:
+        """`apply_sparse_gradients`, reading the optimizer's gradient ``check`` with the
+        step's lock check (`embcache.optim.protocol.ChecksInStep`): one host read a step."""
+        self.engines.apply_trace(self.step_optimizer(optimizer), check=check)
+
+    def step_optimizer(self, optimizer: StepOptimizer) -> StepOptimizer:
+        """The optimizer whose rule a step applies: ``optimizer`` (a RecStore collection's
+        KV client may name its own)."""
+        return optimizer
 
     def sparse_tables(self) -> list[Table]:
         """The tables whose rows hold the attached optimizer's state."""

@@ -57,6 +57,7 @@ class CacheLayout:
     # `indexes` and `table_bounds`' tensors by device: made once, never copied per step (on a
     # GPU each upload from the host is a blocking copy).
     _on_device: dict[torch.device, tuple[torch.Tensor, ...]] = field(init=False, repr=False)
+    _fused_starts: dict[tuple[torch.device, int], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.table_index = torch.tensor([t.index for t in self.feature_table])
@@ -65,6 +66,7 @@ class CacheLayout:
         )
         self.table_names = [t.name for t in self.feature_table]
         self._on_device = {}
+        self._fused_starts = {}
 
     def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(table_index, table_rows, table_starts_unshifted)`` on ``device``, made once."""
@@ -126,13 +128,22 @@ class CacheLayout:
         read, none for a cache of one table; `bounds_together` reads several caches' at once."""
         return bounds_together([(self, unique, fusion_k)])[0]
 
+    def fused_starts(self, device: torch.device, fusion_k: int) -> torch.Tensor | None:
+        """The fused id each table's ids start at (int64 ``[T]`` on ``device``, made once),
+        or None for a cache of one table."""
+        if len(self.tables) == 1:
+            return None
+        key = (device, fusion_k)
+        found = self._fused_starts.get(key)
+        if found is None:
+            found = self._fused_starts[key] = self._tensors(device)[2] << fusion_k
+        return found
+
     def table_starts(self, unique: torch.Tensor, fusion_k: int) -> torch.Tensor | None:
         """The first ``T`` entries of `table_bounds` as a device tensor (no host read), or
         None for a cache of one table (they are ``[0]``)."""
-        if len(self.tables) == 1:
-            return None
-        starts = self._tensors(unique.device)[2] << fusion_k
-        return torch.searchsorted(unique, starts)
+        starts = self.fused_starts(unique.device, fusion_k)
+        return None if starts is None else torch.searchsorted(unique, starts)
 
     def bags(
         self,

@@ -14,6 +14,18 @@ import torch
 from embcache.kernels.optim import RowUpdate
 
 
+class DeviceCheck(Protocol):
+    """A check made on the device, read on the host with the step's own read
+    (`embcache.optim.sparse.GradientCheck`): ``sums`` (0-d device tensors) and ``judge`` of
+    their values (raises ValueError, having changed nothing); ``verify`` reads them itself."""
+
+    sums: list[torch.Tensor]
+
+    def judge(self, values: Sequence[float]) -> None: ...
+
+    def verify(self) -> None: ...
+
+
 class StepOptimizer(Protocol):
     """What applying gradients needs (`EngineGroup.apply`, `EngineGroup.apply_trace`)."""
 

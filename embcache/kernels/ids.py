@@ -9,8 +9,9 @@ into the id bits by a hash, ``mix64(id) & (2**fusion_k - 1)``, so two ids may sh
 fusion_k bits and n folded ids, about ``n / 2**fusion_k`` of them do).
 
 The check costs a single host sync on the good path: the kernel writes a per-value verdict,
-one ``.any()`` reads it back, and only a bad batch pays for finding and naming the first
-offender.
+one read brings back whether any is bad, and only a bad batch pays for finding and naming the
+first offender. `fuse_ids_deferred` leaves that read to the caller (`IdVerdict`), who makes
+it with a read of its own (a collection's forward: with its dedup's sizes).
 
 Dedup design: sort-based, not hash-based. The cache and the tests want the unique ids sorted
 ascending (sets are resolved in id order, results are reproducible), so a hash table would still
@@ -291,6 +292,70 @@ def _fuse_segments_cpu(
     return out
 
 
+class IdVerdict:
+    """The checks of `fuse_ids_deferred`, made on the device and not yet read: ``flags``
+    (int64 ``[4]``: a negative length, lengths that do not sum to the values, a table index
+    out of range, a bad id). A caller reads them with a read of its own and hands their
+    values to `judge`; `verify` reads them itself (`fuse_ids`)."""
+
+    def __init__(
+        self,
+        flags: torch.Tensor,
+        args: tuple,
+    ) -> None:
+        self.flags = flags
+        self._args = args
+
+    def judge(self, flags: Sequence[int]) -> None:
+        """Raise the error `fuse_ids` raises when ``flags`` (the values of `flags`) says so.
+
+        Raises:
+            ValueError: as `fuse_ids` says; nothing was changed.
+        """
+        if any(flags):
+            _raise_bad(flags, *self._args)
+
+    def verify(self) -> None:
+        """`judge` the flags, read here: the one host sync of `fuse_ids`' good path."""
+        self.judge(self.flags.tolist())
+
+
+def _raise_bad(
+    flags: Sequence[int],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    ends: torch.Tensor,
+    table_idx: torch.Tensor,
+    bad_table: torch.Tensor,
+    value_features: torch.Tensor,
+    verdict: torch.Tensor,
+    num_embeddings: torch.Tensor,
+    fusion_k: int,
+    feature_names: Sequence[str],
+    table_names: Sequence[str],
+) -> None:
+    """The error of `fuse_ids` for ``flags`` (error path only)."""
+    negative_length, wrong_total, table_out_of_range, _ = flags
+    if negative_length:
+        i = int(torch.nonzero(lengths < 0).min())
+        raise ValueError(
+            f"feature {feature_names[i]!r}: negative length {int(lengths[i])} in feature_lengths"
+        )
+    if wrong_total:
+        raise ValueError(
+            f"feature_lengths sum to {int(ends[-1])} but values has {values.numel()} entries"
+        )
+    if table_out_of_range:
+        i = int(torch.nonzero(bad_table).min())
+        raise ValueError(
+            f"feature {feature_names[i]!r} (table {table_names[i]!r}): table index "
+            f"{int(table_idx[i])} out of range [0, 2**{63 - fusion_k}) for fusion_k={fusion_k}"
+        )
+    raise _bad_id_error(
+        values, value_features, verdict, num_embeddings, fusion_k, feature_names, table_names
+    )
+
+
 def fuse_ids(
     values: torch.Tensor,
     feature_lengths: torch.Tensor,
@@ -323,6 +388,32 @@ def fuse_ids(
             is negative, ``>= num_embeddings`` or ``>= 2**fusion_k``, naming feature, table, id
             and limit. Nothing is modified in any case.
     """
+    fused, verdict = fuse_ids_deferred(
+        values, feature_lengths, table_idx, num_embeddings, fusion_k, feature_names, table_names
+    )
+    if verdict is not None:
+        verdict.verify()
+    return fused
+
+
+def fuse_ids_deferred(
+    values: torch.Tensor,
+    feature_lengths: torch.Tensor,
+    table_idx: torch.Tensor,
+    num_embeddings: torch.Tensor,
+    fusion_k: int,
+    feature_names: Sequence[str],
+    table_names: Sequence[str],
+) -> tuple[torch.Tensor, IdVerdict | None]:
+    """`fuse_ids` with its device checks not yet read: the fused ids (meaningless until the
+    checks pass) and an `IdVerdict` to read with a read of the caller's (None: the checks
+    were made and passed here, as the CPU path does). The caller must `judge` the verdict
+    before it uses the fused ids for anything that changes state.
+
+    Raises:
+        TypeError, ValueError: as `fuse_ids`, for what the host knows (dtypes, sizes) and for
+            what the CPU path reads.
+    """
     for name, t in (
         ("values", values),
         ("feature_lengths", feature_lengths),
@@ -348,18 +439,24 @@ def fuse_ids(
     if num_features == 0:
         if nnz:
             raise ValueError(f"values has {nnz} entries but there are no features")
-        return torch.empty(0, dtype=torch.int64, device=device)
+        return torch.empty(0, dtype=torch.int64, device=device), None
     lengths = feature_lengths.to(device=device, dtype=torch.int64)
     table_idx = table_idx.to(device=device, dtype=torch.int64)
     num_embeddings = num_embeddings.to(device=device, dtype=torch.int64)
     ends = torch.cumsum(lengths, 0)
-    lengths_ok = device.type == "cpu" and bool((lengths >= 0).all()) and int(ends[-1]) == nnz
+    # The device path (a GPU, or Triton's interpreter standing in for one) reads nothing here.
+    lengths_ok = (
+        device.type == "cpu"
+        and not use_triton(values)
+        and bool((lengths >= 0).all())
+        and int(ends[-1]) == nnz
+    )
     # Per feature pays a few calls per feature: it wins once features average ~4k values, or
     # when every feature has as many values (one pass over them all).
-    if lengths_ok and not use_triton(values):
+    if lengths_ok:
         fused = _fuse_segments_cpu(values, lengths, table_idx, num_embeddings, fusion_k)
         if fused is not None:
-            return fused  # else a bad id or table index: the checks below name it
+            return fused, None  # else a bad id or table index: the checks below name it
     if lengths_ok:
         # On the CPU a check costs no device sync: with lengths known good, repeat_interleave
         # is several times cheaper than a search per value.
@@ -388,26 +485,10 @@ def fuse_ids(
             bad_table.any(),
             (verdict != ids_ref.ID_OK).any(),
         ]
-    ).tolist()  # the one host sync of the good path
-    if not any(flags):
-        return fused
-    negative_length, wrong_total, table_out_of_range, _ = flags
-    if negative_length:
-        i = int(torch.nonzero(lengths < 0).min())
-        raise ValueError(
-            f"feature {feature_names[i]!r}: negative length {int(lengths[i])} in feature_lengths"
-        )
-    if wrong_total:
-        raise ValueError(f"feature_lengths sum to {int(ends[-1])} but values has {nnz} entries")
-    if table_out_of_range:
-        i = int(torch.nonzero(bad_table).min())
-        raise ValueError(
-            f"feature {feature_names[i]!r} (table {table_names[i]!r}): table index "
-            f"{int(table_idx[i])} out of range [0, 2**{63 - fusion_k}) for fusion_k={fusion_k}"
-        )
-    raise _bad_id_error(
-        values, value_features, verdict, num_embeddings, fusion_k, feature_names, table_names
-    )
+    ).to(torch.int64)
+    args = (values, lengths, ends, table_idx, bad_table, value_features, verdict, num_embeddings,
+            fusion_k, feature_names, table_names)  # fmt: skip
+    return fused, IdVerdict(flags, args)
 
 
 def dedup_grouped(

@@ -47,3 +47,16 @@ class SparseParameters(Protocol):
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None: ...
 
     def flush(self) -> None: ...
+
+
+@runtime_checkable
+class ChecksInStep(Protocol):
+    """A `SparseParameters` that reads the optimizer's gradient check with its own host read
+    of the step, so that a step over it makes one read: ``step()`` of an optimizer of this one
+    module calls `apply_checked_gradients` instead of checking the gradients and then calling
+    `apply_sparse_gradients`. ``check`` (a `embcache.optim.sparse.GradientCheck`, or None when
+    nothing is to be checked) holds device ``sums``; the module reads them together with its
+    own, after it has located its rows and before it changes any, and hands their values to
+    ``check.judge`` (a `ValueError` there must leave everything as it was)."""
+
+    def apply_checked_gradients(self, optimizer: Any, check: Any) -> None: ...

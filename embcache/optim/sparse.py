@@ -48,7 +48,7 @@ import torch
 
 from embcache.kernels.optim import OptimRule, RowUpdate, state_dim
 from embcache.kernels.optim_rules import RULES
-from embcache.optim.protocol import SparseParameters
+from embcache.optim.protocol import ChecksInStep, SparseParameters
 from embcache.profiling import profiled
 
 
@@ -71,22 +71,62 @@ def _sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every sum of ``tensors`` is finite, read on the host once per device: the one
-    tensor's sum, or the sum of several tensors' sums (NaN and Inf propagate through it). A
-    float read on the host costs less than ``isfinite`` and ``all`` on the device, a few
-    tensor ops of their own (~40 us a step on a CPU). A total of finite sums that overflows
-    reads as not finite: the caller's exact check then decides."""
+def _finite_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One 0-d sum per device whose finiteness says whether every sum of ``tensors`` is: the
+    one tensor's sum, or the sum of several tensors' sums (NaN and Inf propagate through it).
+    Nothing is read: a float read on the host costs less than ``isfinite`` and ``all`` on the
+    device, a few tensor ops of their own (~40 us a step on a CPU). A total of finite sums
+    that overflows reads as not finite: the exact check then decides."""
     if len(tensors) == 1:  # one backward's gradient, the usual step
-        return math.isfinite(_sum(tensors[0]).item())
+        return [_sum(tensors[0])]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(_sum(t))
-    for sums in by_device.values():
-        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-        if not math.isfinite(total.item()):
-            return False
-    return True
+    return [sums[0] if len(sums) == 1 else torch.stack(sums).sum() for sums in by_device.values()]
+
+
+class GradientCheck:
+    """A step's finite-gradient check, made on the device and not yet read: `sums` (0-d, one
+    per device) are all finite when every gradient is. A module reads them with its own host
+    read of the step (`ChecksInStep`) and hands the values to `judge`; `verify` reads them
+    itself (one read per device).
+
+    Args:
+        sums: the device sums (`_finite_sums`).
+        entries: the ``(table, ids, grads)`` they sum, for the exact check.
+        who: the optimizer's name, for the error.
+    """
+
+    def __init__(
+        self,
+        sums: list[torch.Tensor],
+        entries: Sequence[tuple[str, Any, torch.Tensor]],
+        who: str,
+    ) -> None:
+        self.sums = sums
+        self.entries = entries
+        self.who = who
+
+    def judge(self, values: Sequence[float]) -> None:
+        """Refuse the gradients when a sum read as ``values`` is not finite and the exact
+        per-table check (error path only) finds a NaN or Inf.
+
+        Raises:
+            ValueError: a non-finite gradient, naming its table; nothing was updated.
+        """
+        if all(math.isfinite(v) for v in values):
+            return
+        for table, _, grads in self.entries:
+            if grads.numel() and not bool(torch.isfinite(grads).all()):
+                raise ValueError(
+                    f"{self.who}.step: gradient of table {table!r} holds NaN or Inf; "
+                    "nothing was updated (pass allow_nonfinite=True to apply it anyway, or "
+                    "zero_grad() to drop it)"
+                )
+
+    def verify(self) -> None:
+        """`judge` the sums, read here (one host read per device)."""
+        self.judge([s.item() for s in self.sums])
 
 
 class SparseOptimizer(torch.optim.Optimizer):
@@ -213,8 +253,15 @@ class SparseOptimizer(torch.optim.Optimizer):
                 nothing was updated.
         """
         self.update  # noqa: B018 (the param group's values, checked before any update)
-        for m in self.modules:
-            self.check_gradients(m.sparse_gradients())
+        checks = [self.gradient_check(m.sparse_gradients()) for m in self.modules]
+        if len(self.modules) == 1 and isinstance(self.modules[0], ChecksInStep):
+            # The usual step: the module reads the check with its own host read (its locks'
+            # check), after locating its rows and before it changes any.
+            self.modules[0].apply_checked_gradients(self, checks[0])
+            return
+        for check in checks:  # every module's gradients, before any is applied
+            if check is not None:
+                check.verify()
         for m in self.modules:
             m.apply_sparse_gradients(self)
 
@@ -240,25 +287,27 @@ class SparseOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: a non-finite gradient; nothing was updated.
         """
+        check = self.gradient_check(entries)
+        if check is not None:
+            check.verify()
+
+    def gradient_check(
+        self, entries: Sequence[tuple[str, Any, torch.Tensor]]
+    ) -> GradientCheck | None:
+        """`check_gradients` made on the device and not yet read (None: nothing to check, or
+        ``allow_nonfinite``): a finite sum proves every element finite (NaN and Inf
+        propagate); a non-finite one (NaN/Inf, or a rare overflow) falls through to the exact
+        per-table check (`GradientCheck.judge`)."""
         if self.allow_nonfinite:
-            return
+            return None
         # Trace entries of one backward are slices of one tensor: check each tensor once.
         bases = {}
         for _, _, grads in entries:
             base = grads if grads._base is None else grads._base
             bases[id(base)] = base
-        # A finite sum proves every element finite (NaN and Inf propagate); a non-finite sum
-        # (NaN/Inf, or a rare overflow) falls through to the exact per-table check.
-        # One host read for all of them (not one per cache): their sums side by side.
-        if bases and _all_finite(list(bases.values())):
-            return
-        for table, _, grads in entries:
-            if grads.numel() and not bool(torch.isfinite(grads).all()):
-                raise ValueError(
-                    f"{type(self).__name__}.step: gradient of table {table!r} holds NaN or Inf; "
-                    "nothing was updated (pass allow_nonfinite=True to apply it anyway, or "
-                    "zero_grad() to drop it)"
-                )
+        if not bases:
+            return None
+        return GradientCheck(_finite_sums(list(bases.values())), entries, type(self).__name__)
 
     # ------------------------------------------------------------------------------------------
     # state

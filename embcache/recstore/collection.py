@@ -114,10 +114,10 @@ class KVClientCollection(LocalCollection):
                 "use SparseSGD (it hands the gradients to the backend) or the same settings"
             )
 
-    def apply_sparse_gradients(self, optimizer: Any) -> None:
-        """Apply the trace with the backend optimizer when the client has one, else with
+    def step_optimizer(self, optimizer: Any) -> Any:
+        """The backend optimizer when the client has one (it applies the trace), else
         ``optimizer``."""
-        self.engines.apply_trace(self.backend_optimizer or optimizer)
+        return self.backend_optimizer or optimizer
 
 
 def resolve_kv_client(

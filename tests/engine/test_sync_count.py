@@ -175,12 +175,12 @@ def test_checking_a_batch_syncs_once_for_all_dims(
 ) -> None:
     """Validating and fusing every cache's ids (`EngineGroup.check`) makes the same host reads
     for 1, 3 and 5 distinct dims (one read of the values per key, one `fuse_ids` over all
-    caches), and backward one (every cache's per-table cut of its ids for the trace, read
-    together; the counter sees autograd's backward since it patches `torch.Tensor`'s reads:
-    it used to miss this read, once per cache)."""
+    caches), and backward none (every cache's per-table cut of its ids for the trace is read
+    in the forward, with its unique count; the counter sees autograd's backward since it
+    patches `torch.Tensor`'s reads)."""
     counts = {d: _dims_counts(d, policy, load_factor, prefetch) for d in (1, 3, 5)}
     assert len({c["check"] for c in counts.values()}) == 1, counts
-    assert all(c["backward"] == 1 for c in counts.values()), counts
+    assert all(c["backward"] == 0 for c in counts.values()), counts
 
 
 @PREFETCH
