@@ -310,20 +310,32 @@ def test_the_first_compilation_is_said(
 
 
 def test_on_compile_sees_a_compilation_not_a_cached_call() -> None:
-    from numba import njit
+    """Only embcache's kernels count: numba's own helpers (a typed list's, compiled afresh in
+    every process) once made every run say "compiling CPU kernels"."""
+    import numpy as np
+    from numba import njit, typed
 
     from embcache import native
 
     seen: list[int] = []
 
-    @njit
     def twice(x):
         return 2 * x
+
+    twice.__module__ = "embcache.native.probe"  # as a kernel of the package
+    twice = njit(twice)
+
+    @njit
+    def thrice(x):  # a function of this test module: not embcache's
+        return 3 * x
 
     with native.on_compile(lambda: seen.append(1)):
         assert twice(3) == 6
         assert seen == [1]
         assert twice(4) == 8  # compiled already
+        assert seen == [1]
+        assert thrice(2) == 6
+        assert len(typed.List([np.zeros((2, 3), dtype=np.uint16)])) == 1  # a type seen nowhere else
         assert seen == [1]
     twice(5.0)  # outside the block: not reported
     assert seen == [1]

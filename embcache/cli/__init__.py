@@ -18,6 +18,7 @@ data or on Criteo and MovieLens files) and ``embcache bench`` (the scripts in ``
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,14 @@ from embcache.cli.bench import available_benchmarks, cmd_bench
 from embcache.kernels.optim_rules import CLI_NAMES as SPARSE_OPTIMIZERS
 from embcache.kernels.optim_rules import DEFAULT_DENSE_LR, DEFAULT_LR, RULES
 
-__all__ = ["available_benchmarks", "build_parser", "main", "save_checkpoint", "write_plot"]
+__all__ = [
+    "available_benchmarks",
+    "build_parser",
+    "data_problem",
+    "main",
+    "save_checkpoint",
+    "write_plot",
+]
 
 # The facts the parser shows, copied from their homes, which import torch and triton (seconds,
 # tens of seconds on a busy machine): parsing and --help import neither, a command imports them
@@ -119,9 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="KIND:PATH",
         help=f"train on files instead of synthetic data; KIND is one of {', '.join(KINDS)}: "
-        "criteo:FILE_OR_DIR (Kaggle train.txt or Terabyte day_N files, plain or gzip), "
+        "criteo:FILE_OR_DIR (Kaggle train.txt or Terabyte day_N files, plain or gzip; lines "
+        "of label, I1..I13 integers, C1..C26 hex values, tab-separated), "
         "criteo-npy:DIR (day_N_dense/sparse/labels.npy from torchrec's preprocessing), "
-        "movielens:DIR (ml-100k or ml-1m)",
+        "movielens:DIR (ml-100k: u.data, u.user, u.item; ml-1m: ratings.dat, users.dat, "
+        "movies.dat), as the README's Real data section describes them",
     )
     data.add_argument(
         "--buckets",
@@ -460,4 +470,44 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "train" and args.data is not None:
+        problem = data_problem(args.data)
+        if problem is not None:  # before torch loads (tens of seconds on a busy machine)
+            args.parser.exit(2, f"{args.parser.prog}: error: --data {args.data}: {problem}\n")
     return args.func(args, args.parser)
+
+
+# The files each --data kind needs, as its reader (embcache.data, which imports torch) names them.
+_CRITEO_DAY = re.compile(r"day_(\d+)(\.[A-Za-z0-9]+)*")  # embcache.data.criteo
+_NPY_DAY = re.compile(r"day_(\d+)_dense\.npy")  # embcache.data.criteo_npy
+
+
+def data_problem(spec: str) -> str | None:
+    """What is wrong with ``--data spec`` that shows without reading a file (its kind, its
+    path, the files its kind needs), as one line; None when nothing is. The readers check the
+    rest (the files' contents) once torch is imported."""
+    kind, sep, path = spec.partition(":")
+    if not sep or not path or kind not in KINDS:
+        return f"expected KIND:PATH with KIND one of {', '.join(KINDS)}"
+    where = Path(path)
+    try:
+        if not where.exists():
+            return f"{where}: no such file or directory"
+        names = [p.name for p in where.iterdir()] if where.is_dir() else []
+    except OSError as err:
+        return f"{where}: {err.strerror or err}"
+    if kind == "criteo":
+        if where.is_dir() and not any(_CRITEO_DAY.fullmatch(n) for n in names):
+            return f"{where}: no Criteo day files (day_0, day_1.gz, ...) in this directory"
+    elif kind == "criteo-npy":
+        if not where.is_dir():
+            return f"{where}: not a directory of .npy day files"
+        if not any(_NPY_DAY.fullmatch(n) for n in names):
+            return f"{where}: no day_<d>_dense.npy files (torchrec's preprocessed Criteo)"
+    elif "u.data" not in names and "ratings.dat" not in names:
+        return (
+            f"{where}: neither u.data (ml-100k) nor ratings.dat (ml-1m) is there (a MovieLens "
+            "directory: ml-100k's u.data, u.user, u.item or ml-1m's ratings.dat, users.dat, "
+            "movies.dat)"
+        )
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from argparse import Namespace
 from pathlib import Path
+from typing import Any
 
 from embcache.cli.settings import batch_rows
 from embcache.data import ClickDataset
@@ -15,7 +16,17 @@ from embcache.train.loop import TrainResult
 
 def write_plot(result: TrainResult, path: Path) -> None:
     """Loss and per-step hit rate against the step, raw and smoothed, and the held-out AUC and
-    log loss of each evaluation (``--eval-every``, and the final one), in one PNG."""
+    log loss of each evaluation (``--eval-every``, and the final one; each on a panel of its own,
+    a few points labelled with their values), in one PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_figure(result: TrainResult) -> Any:
+    """The figure `write_plot` saves (a matplotlib ``Figure``, on the Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,9 +35,9 @@ def write_plot(result: TrainResult, path: Path) -> None:
     evals = list(result.evals)
     if result.eval:
         evals.append({**result.eval, "step": float(len(result.losses))})
-    panels = 3 if evals else 2
+    panels = 4 if evals else 2
     window = max(1, len(result.losses) // 50)
-    fig, axes = plt.subplots(panels, 1, figsize=(8, 3 * panels), sharex=True)
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels), sharex=True)
     for ax, values, name in (
         (axes[0], result.losses, "training loss (BCE)"),
         (axes[1], result.hit_rates, "cache hit rate"),  # steps that looked rows up
@@ -46,20 +57,25 @@ def write_plot(result: TrainResult, path: Path) -> None:
         ax.legend(loc="best")
     axes[1].set_ylim(0, 1.05)  # room above 1.0, where a warm cache's curve runs along the frame
     if evals:
-        steps = [e["step"] for e in evals]
-        ax_auc = axes[2]
-        ax_auc.plot(steps, [e["auc"] for e in evals], "o-", color="C2", label="held-out AUC")
-        ax_auc.set_ylabel("held-out AUC")
-        ax_auc.grid(alpha=0.3)
-        ax_loss = ax_auc.twinx()
-        ax_loss.plot(steps, [e["logloss"] for e in evals], "s--", color="C3", label="log loss")
-        ax_loss.set_ylabel("held-out log loss")
-        lines = ax_auc.get_lines() + ax_loss.get_lines()
-        ax_auc.legend(lines, [line.get_label() for line in lines], loc="best")
+        # Each metric on a panel of its own: on twin axes a single evaluation put both markers
+        # at the same spot, one hiding the other. Few points are labelled with their values.
+        eval_steps = [e["step"] for e in evals]
+        for ax, key, style, color, name in (
+            (axes[2], "auc", "o-", "C2", "held-out AUC"),
+            (axes[3], "logloss", "s--", "C3", "held-out log loss"),
+        ):
+            values = [e[key] for e in evals]
+            ax.plot(eval_steps, values, style, color=color, label=name)
+            if len(evals) <= 12:
+                for x, y in zip(eval_steps, values, strict=True):
+                    ax.annotate(f"{y:.4f}", (x, y), textcoords="offset points", xytext=(0, 6),
+                                ha="center", fontsize=8, color=color)  # fmt: skip
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+            ax.margins(y=0.25)  # room for the labels
     axes[-1].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
@@ -147,9 +163,9 @@ def print_summary(
         )
     if result.eval:
         e = result.eval
-        auc = "AUC n/a (torchmetrics missing)" if math.isnan(e["auc"]) else f"AUC {e['auc']:.4f}"
+        auc = f"AUC {_auc(e['auc'])}"
         if "hidden_auc" in e:
-            auc += f" (hidden model {e['hidden_auc']:.4f})"
+            auc += f" (hidden model {_auc(e['hidden_auc'])})"
         of = "" if result.kept_step is None else f" (the model of step {result.kept_step})"
         rows.append(
             (
@@ -162,7 +178,7 @@ def print_summary(
         at = int(best["step"])
         during = (
             f"{len(result.evals)} evaluations (every {args.eval_every} steps); best AUC "
-            f"{best['auc']:.4f} at step {at}{' (the last)' if at == len(result.losses) else ''}"
+            f"{_auc(best['auc'])} at step {at}{' (the last)' if at == len(result.losses) else ''}"
         )
         if result.stopped_early:
             during += f"; stopped early: {args.early_stop} evaluations without a better AUC"
@@ -258,6 +274,11 @@ def overfit_warning(result: TrainResult) -> str | None:
         f"{held:.4f}{since}: the model memorised the training split; train fewer epochs "
         "(--epochs) or keep the best model with --eval-every N --early-stop P"
     )
+
+
+def _auc(value: float) -> str:
+    """An AUC as the summary shows it; undefined (NaN) only on a held-out split of one class."""
+    return "n/a (the held-out labels are all one class)" if math.isnan(value) else f"{value:.4f}"
 
 
 def _mib(n: int) -> str:

@@ -239,8 +239,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, stopper: G
     _check_train_args(args, parser)
     try:
         data = open_data(args, progress=not args.no_progress)
-    except DATA_ERRORS as err:
-        parser.error(f"--data {args.data}: {one_line(err)}")
+    except DATA_ERRORS as err:  # one line, no usage: the options were fine, the files not
+        parser.exit(2, f"{parser.prog}: error: --data {args.data}: {one_line(err)}\n")
     try:
         steps = _steps_to_train(args, data)
     except ValueError as err:

@@ -88,18 +88,48 @@ def parse_lines(lines: Sequence[bytes], buckets: np.ndarray, where: str, first_l
                 f"{where} line {first_line + k}: expected a 0/1 label and 39 tab-separated "
                 f"features (40 fields), got {len(row)} fields: {shown!r}"
             )
-    at = f"{where} lines {first_line}-{first_line + len(rows) - 1}"
     labels = np.array([row[0] == b"1" for row in rows], dtype=np.float32)
     counts = [f or b"0" for row in rows for f in row[1 : 1 + NUM_INT]]
     try:
         dense = np.array(counts).astype(np.int64).reshape(len(rows), NUM_INT)
-    except ValueError:
-        raise ValueError(f"{at}: an integer feature is not an integer") from None
+    except (ValueError, OverflowError):
+        raise ValueError(_bad_integer(rows, where, first_line)) from None
     dense = np.log1p(np.maximum(dense, 0)).astype(np.float32)
-    cats = hex_ids([f for row in rows for f in row[1 + NUM_INT :]], at)
+    fields = [f for row in rows for f in row[1 + NUM_INT :]]
+    try:
+        cats = hex_ids(fields, where)
+    except ValueError as err:
+        k = next((k for k, f in enumerate(fields) if not _is_hex(f)), None)
+        if k is None:
+            raise
+        raise ValueError(
+            f"{where} line {first_line + k // NUM_CAT}: categorical feature C{k % NUM_CAT + 1} "
+            f"is {fields[k][:40]!r}, not a hexadecimal value of at most {_MAX_HEX} digits"
+        ) from err
     ids = cats.reshape(len(rows), NUM_CAT)  # [B, 26]
     ids = np.where(buckets > 0, ids % np.maximum(buckets, 1), ids)
     return make_batch(dense, ids, labels)
+
+
+def _bad_integer(rows: Sequence[Sequence[bytes]], where: str, first_line: int) -> str:
+    """The first integer feature of ``rows`` that is not a 64-bit integer, as the error says
+    it: its line, its column (I1..I13) and its value."""
+    for k, row in enumerate(rows):
+        for j, field in enumerate(row[1 : 1 + NUM_INT]):
+            try:
+                if field:
+                    np.int64(int(field))
+            except (ValueError, OverflowError):
+                return (
+                    f"{where} line {first_line + k}: integer feature I{j + 1} is {field[:40]!r}, "
+                    "not an integer (Criteo's I1..I13 are counts: 260, not 260.0)"
+                )
+    return f"{where} lines {first_line}-{first_line + len(rows) - 1}: an integer feature is bad"
+
+
+def _is_hex(field: bytes) -> bool:
+    """Whether a categorical field is one `hex_ids` takes (empty, or up to 15 hex digits)."""
+    return len(field) <= _MAX_HEX and all(_HEX_VALUE[c] >= 0 and c for c in field)
 
 
 def describe_buckets(buckets: np.ndarray) -> str:

@@ -146,10 +146,18 @@ def importable() -> bool:
     return _njit() is not None
 
 
+def _is_ours(dispatcher: Any) -> bool:
+    """Whether a numba dispatcher compiles one of embcache's kernels."""
+    module = getattr(getattr(dispatcher, "py_func", None), "__module__", None) or ""
+    return module == "embcache" or module.startswith("embcache.")
+
+
 @contextmanager
 def on_compile(callback: Callable[[], None]) -> Iterator[None]:
-    """Within the block, ``callback()`` (on the compiling thread) as each numba compilation
-    starts: a kernel's first use with no entry in the disk cache (a load from it is none).
+    """Within the block, ``callback()`` (on the compiling thread) as each compilation of one
+    of embcache's kernels starts: a kernel's first use with no entry in the disk cache (a load
+    from it is none). numba's own helpers, which it compiles afresh in every process (those
+    of ``numba.typed.List``, uncached), are not embcache's kernels and call nothing.
     Without numba, never."""
     if _njit() is None:
         yield
@@ -157,8 +165,9 @@ def on_compile(callback: Callable[[], None]) -> Iterator[None]:
     from numba.core import event
 
     class _Started(event.Listener):
-        def on_start(self, _event: Any) -> None:
-            callback()
+        def on_start(self, started: Any) -> None:
+            if _is_ours(started.data.get("dispatcher")):
+                callback()
 
         def on_end(self, _event: Any) -> None:
             pass

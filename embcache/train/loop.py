@@ -15,12 +15,13 @@ A model is one with the DLRM's surface (`Model`): ``model(dense, sparse) -> logi
 loop reads; each of its cached collections (the DLRM's one, a `SequenceRecommender`'s bags and
 sequences) is given the batch's whole sparse input, and reads its own features from it.
 
-AUC is torchmetrics' ``binary_auroc`` and log loss torch's binary cross-entropy (on logits),
-both over every held-out sample at once.
+AUC (exact, by ranks: `embcache.train.metrics.binary_auc`) and log loss (torch's binary
+cross-entropy on logits) are computed over every held-out sample at once.
 
 While the progress bar shows, warnings and the ``embcache`` loggers' records print above it
-(one line each, no source line), and the first numba compilation says so ("compiling CPU
-kernels"), then how long the first step took; the bar's rate and ETA leave that step out.
+(one line each, no source line), and the first compilation of embcache's numba kernels (not
+a load from numba's disk cache) says so ("compiling CPU kernels"), then how long the first step
+took; the bar's rate and ETA leave that step out.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional
 
 import embcache.native as native
 import embcache.optim
@@ -47,6 +47,7 @@ from embcache.kernels.optim_rules import RULES, by_cli
 from embcache.models.dlrm import DLRM
 from embcache.models.sequence_model import SequenceRecommender
 from embcache.optim.sparse import SparseOptimizer
+from embcache.train.metrics import binary_metrics
 from embcache.train.pipeline import TrainPipeline
 
 SPARSE_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
@@ -82,31 +83,6 @@ def make_dense_optimizer(
 
 # ----------------------------------------------------------------------------------------------
 # metrics and evaluation
-
-
-def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """AUC (torchmetrics' ``binary_auroc``; NaN when one class is absent or torchmetrics is
-    not installed) and log loss (mean binary cross-entropy of the logits) of 0/1 ``labels``.
-
-    Args:
-        logits: ``[n]`` scores before the sigmoid.
-        labels: ``[n]`` 0 or 1.
-    """
-    logits = logits.detach().float().reshape(-1).cpu()
-    labels = labels.detach().reshape(-1).cpu()
-    out = {
-        "logloss": float(functional.binary_cross_entropy_with_logits(logits, labels.float())),
-        "auc": float("nan"),
-        "samples": float(labels.numel()),
-    }
-    positives = int((labels > 0.5).sum())
-    if 0 < positives < labels.numel():
-        try:
-            from torchmetrics.functional.classification import binary_auroc
-        except ImportError:  # as on a GPU image without it: the summary says so
-            return out
-        out["auc"] = float(binary_auroc(torch.sigmoid(logits), labels.long()))
-    return out
 
 
 @torch.no_grad()

@@ -143,7 +143,7 @@ def test_bad_lines_name_the_file_and_line(tmp_path: Path) -> None:
         next(batches)
     hexbad = tmp_path / "hex.txt"
     hexbad.write_text(lines[0].rsplit("\t", 1)[0] + "\tzz\n")
-    with pytest.raises(ValueError, match=r"hex.txt lines 1-1: categorical value b'zz' is not"):
+    with pytest.raises(ValueError, match=r"hex.txt line 1: categorical feature C26 is b'zz', not"):
         next(CriteoText(hexbad, batch_size=1, eval_fraction=0.5).train_batches())
 
 
@@ -192,3 +192,32 @@ def test_train_samples_counts_the_split_lines(
     monkeypatch.setattr(criteo, "_SMALL", 0)
     assert data.train_samples() is None
     assert data.train_samples(count=True) == sum(1 for s in data._train for _ in s.lines())
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [(0, "260.0"), (6, "x7"), (12, str(2**63))],
+    ids=["I1-float", "I7-text", "I13-too-wide"],
+)
+def test_a_bad_integer_names_its_line_column_and_value(column: int, value: str) -> None:
+    lines = criteo_lines(180, seed=3)
+    fields = lines[41].split("\t")
+    fields[1 + column] = value
+    lines[41] = "\t".join(fields)
+    buckets = np.full(26, BUCKETS, dtype=np.int64)
+    with pytest.raises(ValueError) as info:
+        parse_lines([line.encode() for line in lines], buckets, "day_0", first_line=1)
+    assert str(info.value).startswith(
+        f"day_0 line 42: integer feature I{column + 1} is {value.encode()!r}, not an integer"
+    ), info.value
+
+
+def test_a_bad_categorical_names_its_line_column_and_value() -> None:
+    lines = criteo_lines(40, seed=4)
+    fields = lines[17].split("\t")
+    fields[1 + 13 + 4] = "0x1f"
+    lines[17] = "\t".join(fields)
+    buckets = np.full(26, BUCKETS, dtype=np.int64)
+    said = r"^day_3 line 118: categorical feature C5 is b'0x1f', not"
+    with pytest.raises(ValueError, match=said):
+        parse_lines([line.encode() for line in lines], buckets, "day_3", first_line=101)
