@@ -287,12 +287,14 @@ class KernelOptimizer(FusedOptimizer):
     """A kernel's fused optimizer as torchrec's FUSED kernels expose theirs: the update runs
     inside backward with the hyper-parameters the last ``step()`` handed it, so an LR scheduler
     stepped after ``step()`` takes effect one backward later, exactly as with FBGEMM's kernels
-    (the collection underneath would read ``param_groups`` at every update instead). ``state``
-    and ``params`` are the collection's (`embcache.models.torch_optim.keyed_optimizer`): each
-    table's optimizer state, keyed by the table's name (``shards``: the collection's name of a
-    shard -> the table's name and the shard). As with FBGEMM's fused optimizers, each state
-    tensor is a ``ShardedTensor`` of the table's shape holding this rank's rows (`ShardState`),
-    so ``torch.distributed.checkpoint`` saves every rank's part."""
+    (the collection underneath would read ``param_groups`` at every update instead);
+    ``zero_grad`` and a loaded state dict hand them over too. ``state`` and ``params`` are the
+    collection's (`embcache.models.torch_optim.keyed_optimizer`): each table's optimizer state,
+    keyed by the table's name (``shards``: the collection's name of a shard -> the table's name
+    and the shard) and named as the FUSED kernel names it (`fused_state_name`). As with
+    FBGEMM's fused optimizers, each state tensor is a ``ShardedTensor`` of the table's shape
+    holding this rank's rows (`ShardState`), so ``torch.distributed.checkpoint`` saves every
+    rank's part."""
 
     def __init__(
         self,
@@ -309,7 +311,7 @@ class KernelOptimizer(FusedOptimizer):
             params[f"{public}.weight"] = param
             if param in inner.state:
                 state[param] = {
-                    n.replace(f"{table}.weight", f"{public}.weight", 1): ShardState(
+                    fused_state_name(n, table, public): ShardState(
                         v, shard, pg, whole=public == shard.name
                     )
                     for n, v in inner.state[param].items()
@@ -317,11 +319,29 @@ class KernelOptimizer(FusedOptimizer):
         super().__init__(params, state, groups)
 
     def step(self, closure: Any = None) -> None:
+        self._hand_over()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """No gradient is kept; the hyper-parameters reach the rows, as FBGEMM's fused
+        optimizers take their learning rate in ``zero_grad`` too."""
+        self._hand_over()
+
+    def post_load_state_dict(self) -> None:
+        """Loaded ``param_groups`` (``save_param_groups(True)``) reach the rows at once: a
+        resumed job's first backward runs at the checkpoint's rates."""
+        self._hand_over()
+
+    def _hand_over(self) -> None:
         for mine, theirs in zip(self.param_groups, self._inner.param_groups, strict=True):
             theirs.update((k, v) for k, v in mine.items() if k != "params")
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Nothing: no gradient is kept."""
+
+def fused_state_name(name: str, table: str, public: str) -> str:
+    """The name torchrec's FUSED kernel gives an optimizer state tensor (``t0.momentum1``,
+    ``t0.momentum2``) for the collection's (``<table>.weight.momentum_1``), so a DMP
+    checkpoint moves between that kernel and the cache."""
+    part = name.removeprefix(f"{table}.weight.")
+    return f"{public}.{part.replace('momentum_', 'momentum')}"
 
 
 class ShardState:

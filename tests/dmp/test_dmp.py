@@ -367,8 +367,8 @@ def lr_at(step: int) -> float:
     return LR * 0.5 ** ((step - 1) // 3) if step else LR
 
 
-def _reference(sc: Scenario, runs: list[dict]) -> dict:
-    """One process on the global batches, from the rows the sharded run started with."""
+def _reference(sc: Scenario, runs: list[dict], steps: int = STEPS) -> dict:
+    """One process on ``steps`` global batches, from the rows the sharded run started with."""
     world_size = len(runs)
     opt_type, opt_kwargs = optimizer_of(sc)
     ref = embcache.CachedEmbeddingBagCollection(
@@ -408,7 +408,7 @@ def _reference(sc: Scenario, runs: list[dict]) -> dict:
         dense_opt = torch.optim.SGD(dense.parameters(), lr=LR)
         scheduled.append(plain_opt)
     outputs = []
-    for step in range(STEPS):
+    for step in range(steps):
         parts = [batch(step, r, FEATURES, ROWS) for r in range(world_size)]
         values = ref(kjt_of(parts, FEATURES)).values()
         out: object = values
@@ -499,14 +499,15 @@ def check_against_one_process(two_ranks: list[dict], sc: Scenario) -> None:
         # row-wise AdaGrad keeps one value per row: [rows], as FBGEMM's
         shape = (t.num_embeddings, t.embedding_dim if sc.optimizer == "adagrad" else 1)
         # a ShardedTensor per state, as torchrec's fused optimizers give theirs
-        got = _whole(_opt_runs(runs, key), f"{key}.momentum_1", "opt", shape)
+        # by the names torchrec's FUSED kernel gives them (t0.momentum1)
+        got = _whole(_opt_runs(runs, key), f"{t.name}.momentum1", "opt", shape)
         want = want_state[key][f"{key}.momentum_1"].reshape(shape)
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         if sc.checkpoint:  # DCP brought the optimizer state into the new model
             restored = [
                 {"opt": r["restored"]["opt_state"][f"cached.embedding_bags.{key}"]} for r in runs
             ]
-            assert torch.equal(_whole(restored, f"{key}.momentum_1", "opt", shape), got)
+            assert torch.equal(_whole(restored, f"{t.name}.momentum1", "opt", shape), got)
     # load_state_dict() of the initial state_dict() brought the rows back (a cached table's
     # state_dict() holds copies; torchrec's own kernels hand out views of their live weights)
     for t in cached:
