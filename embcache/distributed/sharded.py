@@ -87,7 +87,7 @@ from embcache.engine.lookup import lookup
 from embcache.kernels.optim import aggregate_grads
 from embcache.kv.base import Store
 from embcache.models.row_grads import GradAnchor, RowGradients
-from embcache.models.torch_optim import FusedRowOptimizer, keyed_optimizer, register_anchor
+from embcache.models.torch_optim import FusedOptimizerConventions
 
 __all__ = [
     "OWNER_SALT",
@@ -182,7 +182,7 @@ def _backward_done(rows: RowGradients) -> Callable[[torch.Tensor], None]:
     return hook
 
 
-class ShardedCollection(CachedCollectionInterface):
+class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
     """The rows of a collection's tables sharded over the ranks, each rank owning a shard:
     what `ShardedEmbeddingBagCollection` and `ShardedEmbeddingCollection` share (the
     exchanges, prefetch, whole tables, statistics; the module docstring walks through them).
@@ -257,35 +257,7 @@ class ShardedCollection(CachedCollectionInterface):
         self.grad_anchor = GradAnchor(torch.empty(0, 1, device=self.device))
         self.grad_anchor.rows = self.row_grads
         self.grad_anchor.register_post_accumulate_grad_hook(_backward_done(self.row_grads))
-        self.torch_optimizer_rule: Any = None  # set by the first torch optimizer step
-        self._optimizer_type = optimizer_type
-        self._optimizer_kwargs = dict(optimizer_kwargs or {})
-        self._fused = (
-            FusedRowOptimizer(self, optimizer_type, self._optimizer_kwargs)
-            if optimizer_type is not None
-            else None
-        )
-        self._keyed_optimizer: Any = None
-        register_anchor(self)
-
-    def fused_optimizer(self) -> Any:
-        """The optimizer applied inside backward, as a torchrec ``KeyedOptimizer`` (its
-        ``state_dict()`` gathers every row's state: a collective). Needs torchrec and
-        ``optimizer_type=``."""
-        if self._fused is None:
-            raise RuntimeError(
-                "this collection has no fused optimizer: build it with optimizer_type=... and "
-                "optimizer_kwargs=... (as torchrec's FusedEmbeddingBagCollection)"
-            )
-        if self._keyed_optimizer is None:
-            self._keyed_optimizer = keyed_optimizer(self, self._fused)
-        return self._keyed_optimizer
-
-    def optimizer_type(self) -> type | None:
-        return self._optimizer_type
-
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(self._optimizer_kwargs)
+        self._init_fused_optimizer(optimizer_type, optimizer_kwargs)
 
     # ------------------------------------------------------------------------------------------
     # the outputs (each collection's own)

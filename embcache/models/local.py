@@ -31,7 +31,7 @@ from embcache.engine.lookup import GroupLookup, lookup
 from embcache.engine.tables import Table
 from embcache.kv.base import Store
 from embcache.models.row_grads import GradAnchor, RowGradients
-from embcache.models.torch_optim import FusedRowOptimizer, keyed_optimizer, register_anchor
+from embcache.models.torch_optim import FusedOptimizerConventions
 
 
 def opaque_to_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,7 +87,7 @@ def _disable(cls: type, name: str, fn: Callable[..., Any]) -> None:
     setattr(cls, name, torch.compiler.disable(fn))
 
 
-class LocalCollection(CachedCollectionInterface):
+class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
     """The rows of one process's tables in its device caches, over a write-back tier; the
     arguments are `CachedEmbeddingBagCollection`'s. Subclasses give ``forward`` its output,
     and hold the tables' `TableWeights` under their torchrec name (`weights_prefix`)."""
@@ -152,31 +152,9 @@ class LocalCollection(CachedCollectionInterface):
             )
         weights = nn.ModuleDict({t.name: TableWeights(self, t) for t in self.tables})
         setattr(self, self.weights_prefix, weights)
-        self.torch_optimizer_rule: Any = None  # set by the first torch optimizer step
-        self._optimizer_type = optimizer_type
-        self._optimizer_kwargs = dict(optimizer_kwargs or {})
-        self._fused = (
-            FusedRowOptimizer(self, optimizer_type, self._optimizer_kwargs)
-            if optimizer_type is not None
-            else None
-        )
-        self._keyed_optimizer: Any = None
-        register_anchor(self)
+        self._init_fused_optimizer(optimizer_type, optimizer_kwargs)
 
-    # -- torchrec's fused-optimizer conventions ----------------------------------------------
-
-    def fused_optimizer(self) -> Any:
-        """The optimizer applied inside backward, as a torchrec ``KeyedOptimizer``: an LR
-        scheduler can drive its ``param_groups``; ``state_dict()`` / ``load_state_dict()``
-        carry the optimizer state of every row. Needs torchrec and ``optimizer_type=``."""
-        if self._fused is None:
-            raise RuntimeError(
-                "this collection has no fused optimizer: build it with optimizer_type=... and "
-                "optimizer_kwargs=... (as torchrec's FusedEmbeddingBagCollection)"
-            )
-        if self._keyed_optimizer is None:
-            self._keyed_optimizer = keyed_optimizer(self, self._fused)
-        return self._keyed_optimizer
+    # -- torchrec's accessors (the fused optimizer's: `FusedOptimizerConventions`) -----------
 
     def embedding_configs(self) -> list[Any]:
         """The table configs as given: torchrec's ``EmbeddingCollection`` accessor, and for a
@@ -184,12 +162,6 @@ class LocalCollection(CachedCollectionInterface):
         wrapper asks any module that is not its own ``EmbeddingBagCollection`` under this
         name)."""
         return self.embedding_bag_configs()
-
-    def optimizer_type(self) -> type | None:
-        return self._optimizer_type
-
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(self._optimizer_kwargs)
 
     # -- the data path -----------------------------------------------------------------------
 

@@ -246,6 +246,47 @@ def torch_step(
 # -- torchrec's KeyedOptimizer for fused_optimizer() ------------------------------------------
 
 
+class FusedOptimizerConventions:
+    """torchrec's fused-optimizer accessors of a cached collection (one process's or a
+    sharded one's): ``optimizer_type=`` / ``optimizer_kwargs=`` build a `FusedRowOptimizer`
+    applied inside backward, ``fused_optimizer()`` shows it as a torchrec ``KeyedOptimizer``;
+    and the registration that lets a torch optimizer over ``parameters()`` step the rows."""
+
+    def _init_fused_optimizer(
+        self, optimizer_type: type | None, optimizer_kwargs: Mapping[str, Any] | None
+    ) -> None:
+        self.torch_optimizer_rule: Any = None  # set by the first torch optimizer step
+        self._optimizer_type = optimizer_type
+        self._optimizer_kwargs = dict(optimizer_kwargs or {})
+        self._fused = (
+            FusedRowOptimizer(self, optimizer_type, self._optimizer_kwargs)
+            if optimizer_type is not None
+            else None
+        )
+        self._keyed_optimizer: Any = None
+        register_anchor(self)
+
+    def fused_optimizer(self) -> Any:
+        """The optimizer applied inside backward, as a torchrec ``KeyedOptimizer``: an LR
+        scheduler can drive its ``param_groups``; ``state_dict()`` / ``load_state_dict()``
+        carry the optimizer state of every row (a sharded collection's gathers it: a
+        collective). Needs torchrec and ``optimizer_type=``."""
+        if self._fused is None:
+            raise RuntimeError(
+                "this collection has no fused optimizer: build it with optimizer_type=... and "
+                "optimizer_kwargs=... (as torchrec's FusedEmbeddingBagCollection)"
+            )
+        if self._keyed_optimizer is None:
+            self._keyed_optimizer = keyed_optimizer(self, self._fused)
+        return self._keyed_optimizer
+
+    def optimizer_type(self) -> type | None:
+        return self._optimizer_type
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(self._optimizer_kwargs)
+
+
 def keyed_optimizer(collection: Any, fused: FusedRowOptimizer) -> Any:
     """A torchrec ``KeyedOptimizer`` over a fused collection's tables, keyed as torchrec's
     ``FusedEmbeddingBagCollection.fused_optimizer()`` keys its own, so checkpoints load either

@@ -85,6 +85,35 @@ class CachedKernelSharder:
 
     names_cached_kernel: bool = False
 
+    def __init__(
+        self,
+        fused_params: dict[str, Any] | None = None,
+        constraints: Mapping[str, Any] | None = None,
+        cache: CacheConfig | None = None,
+        store: str | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+    ) -> None:
+        """The arguments every sharder of `embcache.torchrec` takes (see
+        `CachedEmbeddingBagCollectionSharder`); ``fused_params`` and
+        ``qcomm_codecs_registry`` go to torchrec's sharder."""
+        super().__init__(  # type: ignore[call-arg]
+            fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry
+        )
+        if cache is not None and not isinstance(cache, CacheConfig):
+            raise TypeError(
+                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__}"
+            )
+        self._constraints = dict(constraints or {})
+        self._cache = cache
+        self._store = store
+
+    def cache_options(
+        self, cache: CacheConfig | None, table: str, local_rows: int, fused: dict[str, Any] | None
+    ) -> ShardCacheOptions:
+        """The cache of one shard of ``table`` (`shard_cache_options`), ``cache`` standing for
+        the tables without constraints of their own."""
+        return shard_cache_options(table, local_rows, fused, self._constraints, cache, self._store)
+
     def naming_cached_kernel(self) -> Self:
         """A shallow copy whose ``compute_kernels`` name `CACHED_KERNEL`."""
         twin = copy.copy(self)

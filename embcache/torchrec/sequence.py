@@ -6,7 +6,6 @@ torchrec's ``ShardedEmbeddingCollection``, each rank's shards on a `CachedSequen
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,14 +20,11 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
 
-from embcache.cache.config import CacheConfig
 from embcache.models.sequence import CachedEmbeddingCollection
 from embcache.torchrec.constraints import (
     CACHED_KERNEL,
     CachedKernelSharder,
-    ShardCacheOptions,
     on_cached_kernel,
-    shard_cache_options,
     stand_in_kernel,
 )
 from embcache.torchrec.kernel import CachedSequenceLookup
@@ -194,23 +190,6 @@ class CachedEmbeddingCollectionSharder(CachedKernelSharder, EmbeddingCollectionS
     table-, row- and column-wise shards of its tables on embcache's cache, whichever kernel
     the plan names. Arguments as `CachedEmbeddingBagCollectionSharder`'s."""
 
-    def __init__(
-        self,
-        fused_params: dict[str, Any] | None = None,
-        constraints: Mapping[str, Any] | None = None,
-        cache: CacheConfig | None = None,
-        store: str | None = None,
-        qcomm_codecs_registry: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
-        if cache is not None and not isinstance(cache, CacheConfig):
-            raise TypeError(
-                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__}"
-            )
-        self._constraints = dict(constraints or {})
-        self._cache = cache
-        self._store = store
-
     @property
     def module_type(self) -> type[CachedEmbeddingCollection]:
         return CachedEmbeddingCollection
@@ -244,14 +223,9 @@ class CachedEmbeddingCollectionSharder(CachedKernelSharder, EmbeddingCollectionS
             module=_SequenceTablesOf(module),
             table_name_to_parameter_sharding=on_cached_kernel(params),
             env=env,
-            cache_options=functools.partial(self._options, cache),
+            cache_options=functools.partial(self.cache_options, cache),
             fused_params=self.fused_params,
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
-
-    def _options(
-        self, cache: CacheConfig | None, table: str, local_rows: int, fused: dict[str, Any] | None
-    ) -> ShardCacheOptions:
-        return shard_cache_options(table, local_rows, fused, self._constraints, cache, self._store)

@@ -32,7 +32,6 @@ Example (each rank)::
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,16 +54,13 @@ from torchrec.modules.embedding_configs import (
     data_type_to_dtype,
 )
 
-from embcache.cache.config import CacheConfig
 from embcache.kernels.pooling import PoolingMode
 from embcache.models.collection import CachedEmbeddingBagCollection
 from embcache.torchrec.constraints import (
     CACHED_KERNEL,
     CachedKernelSharder,
     CachedParameterConstraints,
-    ShardCacheOptions,
     on_cached_kernel,
-    shard_cache_options,
     stand_in_kernel,
 )
 from embcache.torchrec.kernel import CachedPooledLookup
@@ -246,23 +242,6 @@ class CachedEmbeddingBagCollectionSharder(CachedKernelSharder, EmbeddingBagColle
         qcomm_codecs_registry: torchrec's.
     """
 
-    def __init__(
-        self,
-        fused_params: dict[str, Any] | None = None,
-        constraints: Mapping[str, Any] | None = None,
-        cache: CacheConfig | None = None,
-        store: str | None = None,
-        qcomm_codecs_registry: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
-        if cache is not None and not isinstance(cache, CacheConfig):
-            raise TypeError(
-                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__}"
-            )
-        self._constraints = dict(constraints or {})
-        self._cache = cache
-        self._store = store
-
     @property
     def module_type(self) -> type[CachedEmbeddingBagCollection]:
         return CachedEmbeddingBagCollection
@@ -297,17 +276,12 @@ class CachedEmbeddingBagCollectionSharder(CachedKernelSharder, EmbeddingBagColle
             module=_TablesOf(module),
             table_name_to_parameter_sharding=on_cached_kernel(params),
             env=env,
-            cache_options=functools.partial(self._options, cache),
+            cache_options=functools.partial(self.cache_options, cache),
             fused_params=self.fused_params,
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
-
-    def _options(
-        self, cache: CacheConfig | None, table: str, local_rows: int, fused: dict[str, Any] | None
-    ) -> ShardCacheOptions:
-        return shard_cache_options(table, local_rows, fused, self._constraints, cache, self._store)
 
 
 class CachingEmbeddingBagCollectionSharder(CachedKernelSharder, EmbeddingBagCollectionSharder):
@@ -326,23 +300,6 @@ class CachingEmbeddingBagCollectionSharder(CachedKernelSharder, EmbeddingBagColl
     Args: as `CachedEmbeddingBagCollectionSharder`'s (``cache`` and ``store`` apply to cached
         tables without constraints of their own).
     """
-
-    def __init__(
-        self,
-        fused_params: dict[str, Any] | None = None,
-        constraints: Mapping[str, Any] | None = None,
-        cache: CacheConfig | None = None,
-        store: str | None = None,
-        qcomm_codecs_registry: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
-        if cache is not None and not isinstance(cache, CacheConfig):
-            raise TypeError(
-                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__}"
-            )
-        self._constraints = dict(constraints or {})
-        self._cache = cache
-        self._store = store
 
     @property
     def sharded_module_type(self) -> type[ShardedCachedEmbeddingBagCollection]:
@@ -380,16 +337,9 @@ class CachingEmbeddingBagCollectionSharder(CachedKernelSharder, EmbeddingBagColl
             module=module,
             table_name_to_parameter_sharding=params,
             env=env,
-            cache_options=self._options,
+            cache_options=functools.partial(self.cache_options, self._cache),
             fused_params=self.fused_params,
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
-        )
-
-    def _options(
-        self, table: str, local_rows: int, fused: dict[str, Any] | None
-    ) -> ShardCacheOptions:
-        return shard_cache_options(
-            table, local_rows, fused, self._constraints, self._cache, self._store
         )
