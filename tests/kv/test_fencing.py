@@ -9,8 +9,6 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,28 +17,10 @@ import embcache
 from embcache.kv.base import TableSpec
 from embcache.kv.redis_kv import RedisKV
 from embcache.kv.redis_lease import lease_key
-from tests.kv.redis_servers import RedisClusterNodes, RedisServer, running_cluster, running_server
+from tests.kv.redis_servers import RedisServer
 from tests.kv.test_leases import job
 
 SPEC = TableSpec("t0", dim=2, num_embeddings=10)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
-
-
-@pytest.fixture(params=["server", "cluster"])
-def url(request: pytest.FixtureRequest) -> str:
-    """URL of a fresh single server, or of the (module-wide) cluster."""
-    return request.getfixturevalue(request.param).url
 
 
 def _lose_lease(kv: RedisKV, table: str) -> None:

@@ -7,8 +7,6 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,29 +20,9 @@ from tests.kv.redis_servers import (
     RedisClusterNodes,
     RedisServer,
     free_port,
-    running_cluster,
-    running_server,
 )
 
 FAST_RETRY_S = 0.3  # retry budget of the fault tests: long enough to retry, short to wait out
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
-
-
-@pytest.fixture(params=["server", "cluster"])
-def url(request: pytest.FixtureRequest) -> str:
-    """URL of a fresh single server, or of the (module-wide) cluster."""
-    return request.getfixturevalue(request.param).url
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ commands and a missing password are clear errors without row bytes or passwords.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,21 +15,9 @@ import embcache
 from embcache.kv.base import TableSpec
 from embcache.kv.errors import TierAuthError, TierCommandError
 from embcache.kv.redis_kv import RedisKV
-from tests.kv.redis_servers import RedisClusterNodes, RedisServer, running_cluster, running_server
+from tests.kv.redis_servers import RedisServer, running_cluster, running_server
 
 SPEC = TableSpec("t0", dim=3, num_embeddings=100)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
-    with running_cluster(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
 
 
 def _written(url: str, **options) -> RedisKV:
