@@ -475,15 +475,7 @@ class Store(abc.ABC):
         of ``tables[k]`` after those of ``tables[:k]``; returns their stored rows in that
         order, one tensor. ``pins[k]``: pin table ``k``'s rows (bounded tables). Here, one
         `get` per table; a tier that serves several tables in one pass overrides it."""
-        parts = []
-        start = 0
-        for k, (table, n) in enumerate(zip(tables, counts, strict=True)):
-            part = ids[start : start + n]
-            # ``pin`` only when pinning: a tier's own `get` may not take the argument.
-            pinned = pins is not None and pins[k]
-            parts.append(self.get(table, part, pin=True) if pinned else self.get(table, part))
-            start += n
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return _per_table(self.get, tables, ids, counts, pins)
 
     def read_grouped(
         self,
@@ -494,14 +486,7 @@ class Store(abc.ABC):
     ) -> torch.Tensor:
         """`read` of several tables (of one row layout) at once, ``ids`` and ``pins`` as
         `get_grouped` takes them: no row is created. Here, one `read` per table."""
-        parts = []
-        start = 0
-        for k, (table, n) in enumerate(zip(tables, counts, strict=True)):
-            part = ids[start : start + n]
-            pinned = pins is not None and pins[k]
-            parts.append(self.read(table, part, pin=True) if pinned else self.read(table, part))
-            start += n
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return _per_table(self.read, tables, ids, counts, pins)
 
     def put_grouped(
         self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int], rows: torch.Tensor
@@ -659,3 +644,23 @@ class IOStats(dict):
         self[f"rows_{direction}"] += rows
         self[f"bytes_{direction}"] += rows * row_bytes
         self["get_calls" if direction == "read" else "put_calls"] += 1
+
+
+def _per_table(
+    call: Callable[..., torch.Tensor],
+    tables: Sequence[str],
+    ids: torch.Tensor,
+    counts: Sequence[int],
+    pins: Sequence[bool] | None,
+) -> torch.Tensor:
+    """``call(table, ids)`` (`Store.get` or `Store.read`) per table of a grouped call, the rows
+    in order, one tensor. ``pin=True`` is passed only when pinning: a tier's own ``get`` may
+    not take the argument."""
+    parts = []
+    start = 0
+    for k, (table, n) in enumerate(zip(tables, counts, strict=True)):
+        part = ids[start : start + n]
+        pinned = pins is not None and pins[k]
+        parts.append(call(table, part, pin=True) if pinned else call(table, part))
+        start += n
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
