@@ -13,6 +13,7 @@ import embcache.cli as cli
 from embcache.cli import settings
 from embcache.data import DEFAULT_BUCKETS, KINDS
 from embcache.engine import interface
+from embcache.kv.base import ScorePolicy
 from embcache.train.loop import SPARSE_OPTIMIZERS
 
 # Modules whose import takes seconds; parsing must not need them.
@@ -94,6 +95,7 @@ def test_the_parsers_copies_match_their_homes() -> None:
     assert cli.FUSION_K == interface.FUSION_K
     assert cli.MAX_FUSION_K == interface.MAX_FUSION_K
     assert list(cli.SPARSE_OPTIMIZERS) == list(SPARSE_OPTIMIZERS)
+    assert tuple(p.value for p in ScorePolicy) == cli.TIER_POLICIES
 
 
 def test_lazy_reexports_still_resolve() -> None:

@@ -11,6 +11,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import embcache
+from embcache.cache.policy_registry import policy_names
 from embcache.train.pipeline import PrefetchFallbackWarning, TrainPipeline
 
 TABLES = [
@@ -86,7 +87,7 @@ CACHES = {
 }
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("size", list(CACHES), ids=list(CACHES))
 def test_pipeline_is_bit_identical(size: str, policy: str) -> None:
     batches = make_batches(10)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from embcache.cache.policy_registry import policy_name
 from embcache.kernels.optim_rules import WIDEST_STATE
 from embcache.kv.base import ScorePolicy, host_memory_bytes
 
@@ -41,8 +42,10 @@ def weight_dtype_of(value: Any, where: str) -> torch.dtype:
     raise ValueError(f"{where} must be FP32, FP16 or BF16, got {value!r}")
 
 
-class CachePolicy(enum.Enum):
-    """Which resident row a miss evicts.
+class CachePolicy(enum.StrEnum):
+    """The names of the built-in eviction policies (which resident row a miss evicts); a
+    member equals its name, and `CacheConfig.policy` takes either, or the name of any policy
+    registered in `embcache.cache.policy_registry`.
 
     LRU evicts the way of its set used longest ago. LFU evicts the way whose row has been asked
     for least often; frequencies are kept per row of the whole table (as FBGEMM does), so they
@@ -71,7 +74,8 @@ class CacheConfig:
             ``load_factor`` is given, each slot counted at its widest (weights, Adam's two
             state values per weight, its key, lock, score and dirty flag). None: a quarter of
             a GPU's memory, 1 GiB on the CPU.
-        policy: ``"lru"`` or ``"lfu"`` (or a `CachePolicy`).
+        policy: the eviction policy's name: ``"lru"``, ``"lfu"`` (a `CachePolicy`) or any
+            other registered in `embcache.cache.policy_registry`; kept as its lower-case name.
         ways: associativity: slots per set. A capacity below ``ways`` gives one set.
         max_scratch_rows: bound on the scratch area that serves the rows of a batch that find
             no free way in their set (or do not fit the cache at all). It grows on demand up to
@@ -95,7 +99,8 @@ class CacheConfig:
             table name); None: no bound. A full table evicts its unpinned rows of lowest
             score (never one the cache holds); an evicted row comes back from its
             initialiser. Must leave room beyond the rows the cache holds.
-        tier_policy: the tier's eviction score, ``"lru"`` or ``"lfu"``.
+        tier_policy: the tier's eviction score (`embcache.kv.base.ScorePolicy`), ``"lru"`` or
+            ``"lfu"``.
         admit_after: an id gets its own row only at its N-th sighting (a batch it appears in,
             counted by a count-min sketch): before, it reads a row of zeros and its gradients
             are dropped (``admissions_refused`` and ``gradients_dropped`` in `cache_stats`).
@@ -121,7 +126,7 @@ class CacheConfig:
 
     capacity: int | Mapping[str, int] | None = None
     load_factor: float | Mapping[str, float] | None = None
-    policy: CachePolicy | str = CachePolicy.LRU
+    policy: str = CachePolicy.LRU
     ways: int = 32
     memory_budget: int | None = None
     max_scratch_rows: int = 1 << 20
@@ -152,14 +157,7 @@ class CacheConfig:
                 _check_load_factor(fraction, f"CacheConfig.load_factor[{table!r}]")
         elif self.load_factor is not None:
             _check_load_factor(self.load_factor, "CacheConfig.load_factor")
-        try:
-            self.policy = CachePolicy(
-                self.policy.lower() if isinstance(self.policy, str) else self.policy
-            )
-        except ValueError:
-            raise ValueError(
-                f"CacheConfig.policy must be 'lru' or 'lfu', got {self.policy!r}"
-            ) from None
+        self.policy = policy_name(self.policy, "CacheConfig.policy")
         if self.memory_budget is not None and (
             isinstance(self.memory_budget, bool)
             or not isinstance(self.memory_budget, int)
@@ -206,8 +204,9 @@ class CacheConfig:
                 self.tier_policy.lower() if isinstance(self.tier_policy, str) else self.tier_policy
             )
         except ValueError:
+            scores = " or ".join(repr(p.value) for p in ScorePolicy)
             raise ValueError(
-                f"CacheConfig.tier_policy must be 'lru' or 'lfu', got {self.tier_policy!r}"
+                f"CacheConfig.tier_policy must be {scores}, got {self.tier_policy!r}"
             ) from None
         for name in ("tier_capacity", "admit_after"):
             value = getattr(self, name)

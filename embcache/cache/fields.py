@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from embcache.backend import Backend
-from embcache.cache.config import CacheConfig, CachePolicy
+from embcache.cache.config import CacheConfig
 from embcache.cache.dedup import RowDedup
 from embcache.cache.policy import EvictionPolicy
 from embcache.cache.sketch import Admission, LfuCounts
@@ -32,7 +32,7 @@ class CacheFields:
     dtype: torch.dtype
     state_dim: int
     config: CacheConfig
-    policy: CachePolicy
+    policy: str  # the eviction policy's registered name
     store: Store
     transfer: TierTransfer
     device: torch.device

@@ -53,8 +53,9 @@ This module is the coordinator (construction, the three phases of `resolve` and
 `resolve_together`, flush, invalidate, stats); the parts, each in its own module of
 ``embcache.cache``:
 
-* `policy`: `EvictionPolicy`, `LruPolicy`, `LfuPolicy` (the cache holds one as ``eviction``):
-  miss order, scores, LFU's admission of misses over resident rows, the compiled plan's call;
+* `policy`: `EvictionPolicy`, `LruPolicy`, `LfuPolicy` (the cache holds one as ``eviction``,
+  the class `policy_registry` names for ``CacheConfig.policy``): miss order, scores, LFU's
+  admission of misses over resident rows, the compiled plan's call;
 * `plan`: `SetPlan`, the set-associative plan (lookup, ways, reserve) and its rollback;
 * `direct`: `DirectMapping`, the direct cache's plan and `serve_direct`;
 * `scratch`: `ScratchArea`, the scratch area's growth, lookup and `release`;
@@ -66,8 +67,8 @@ This module is the coordinator (construction, the three phases of `resolve` and
 
 `SetPlan`, `DirectMapping`, `ScratchArea`, `SlotLocks`, `SlotRows` and `PolicyState` are base
 classes of `HotCache`, not objects of their own: they share the cache's slot arrays, which
-growing the scratch area replaces together, and its locks. What varies (LRU or LFU) is an
-object the cache holds.
+growing the scratch area replaces together, and its locks. What varies (the eviction policy)
+is an object the cache holds.
 """
 
 from __future__ import annotations
@@ -81,13 +82,13 @@ from dataclasses import replace
 import torch
 
 from embcache.backend import for_device
-from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig, CachePolicy
+from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig
 from embcache.cache.dedup import RowDedup, row_index
 from embcache.cache.direct import DirectMapping
 from embcache.cache.locks import SlotLocks, unlock_together
 from embcache.cache.lockstep import Counts, Step, ToHost, run_together
 from embcache.cache.plan import Plan, SetPlan
-from embcache.cache.policy import make_policy
+from embcache.cache.policy import make_policy, policy_type
 from embcache.cache.scratch import CacheCapacityError, ScratchArea
 from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.sketch import Counters
@@ -139,7 +140,8 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             next. Taken after ``lock``, never before it.
         num_slots: slots of the cache proper (scratch excluded).
         direct: True when every row has its own slot.
-        eviction: the `policy.EvictionPolicy` of ``policy`` (LRU or LFU).
+        policy: the eviction policy's registered name (``"lru"``, ``"lfu"``, ...).
+        eviction: the `policy.EvictionPolicy` of ``policy``.
         dedup: the `dedup.RowDedup` of a cache with a row index.
     """
 
@@ -190,7 +192,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         total_rows = sum(sizes) if len(sizes) == len(tables) else None  # None: one unbounded
         capacity = cache_capacity(config, total_rows, self.dim, self.device, self._names())
         self.direct = total_rows is not None and capacity >= total_rows and not self.pins
-        self.policy = CachePolicy(config.policy)
+        self.policy = str(config.policy)  # its registered name (`CacheConfig` checked it)
 
         n_idx = max(self._specs) + 1
         # Built on the CPU whatever torch's default device (`with torch.device("meta")`).
@@ -224,7 +226,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             and total_rows <= ROW_INDEX_MAX_ROWS
             else 0
         )  # fmt: skip
-        lfu = self.policy is CachePolicy.LFU and not self.direct
+        lfu = policy_type(self.policy).needs_counts and not self.direct
         counters = Counters(
             row_offset, offset, thresholds, lfu, config.lfu_counters, EXACT_LFU_MAX_ROWS,
             config.sketch_width, config.sketch_depth, config.effective_admission_window,

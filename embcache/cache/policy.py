@@ -12,6 +12,10 @@ The cache keeps the slots and the clocks; a policy keeps the counts and the rule
 given the score tensor (replaced when the cache reallocates) on each call. Both have compiled
 CPU plans (`native.plan_lru`, `native.plan_lfu`), which run when the cache's backend is the
 compiled one (`embcache.backend.Backend.compiled`); the torch code is their specification.
+
+Policies are chosen by name (`CacheConfig.policy`) from `embcache.cache.policy_registry`: a
+new one is a subclass here or anywhere (`order_misses` and `touch` at least) and its line
+there; `make_policy` builds the one a cache's config names.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import torch
 
 import embcache.native as native
 from embcache.backend import Backend
-from embcache.cache.config import CacheConfig, CachePolicy
+from embcache.cache.config import CacheConfig
 from embcache.cache.lockstep import first_true
+from embcache.cache.policy_registry import policy_class
 from embcache.cache.sketch import LfuCounts
 from embcache.indexing import fill_at, put, select, true_at
 from embcache.kernels.cache_index import set_index
@@ -41,17 +46,20 @@ def main_slots(slots: torch.Tensor, num_slots: int, n_main: int | None) -> torch
 
 
 class EvictionPolicy(ABC):
-    """What varies between LRU and LFU in a cache's plan (`HotCache._plan_sets`).
+    """What varies between policies in a cache's plan (`HotCache._plan_sets`).
 
     Args:
-        counts: the row frequencies (LFU only; None for LRU and for a direct cache).
+        counts: the row frequencies (for a policy that `needs_counts`; None for the others
+            and for a direct cache).
         config: the cache's config (``lfu_decay``, ``lfu_decay_interval``).
         backend: the cache's implementation family (`embcache.backend`): its compiled passes
             count an exact LFU's requests.
         fusion_k: bits of the raw id inside a fused id.
     """
 
-    kind: CachePolicy
+    # Whether the cache counts its rows' uses for this policy (`LfuCounts`, exact or in a
+    # sketch, as `CacheConfig.lfu_counters` says), handed to it as ``counts``.
+    needs_counts = False
     # `native.reserve` scores the batch's slots as LRU does: a policy whose scores are
     # something else touches them again after a compiled plan.
     rescores_compiled_plan = False
@@ -89,19 +97,20 @@ class EvictionPolicy(ABC):
         miss (``owner``) and the misses' ``priority`` (`order_misses`)."""
         return assigned
 
-    @abstractmethod
     def compiled(self) -> bool:
         """Whether a CPU cache with a row index that admits every id plans in compiled
-        passes (`plan_compiled`)."""
+        passes (`plan_compiled`); a policy without them plans in torch ops."""
+        return False
 
-    @abstractmethod
     def plan_compiled(
         self, ids: torch.Tensor, where: torch.Tensor, row_offset: torch.Tensor,
         scores: torch.Tensor, locks: torch.Tensor, batch_of: torch.Tensor,
         geometry: tuple[int, int, int], tick: int, batch_seq: int, slots: torch.Tensor,
     ) -> PlanArrays:  # fmt: skip
         """`native.plan_lru` or `native.plan_lfu` (``geometry``: slots, sets, ways): fills
-        ``slots`` and returns the misses' positions, their order and their places."""
+        ``slots`` and returns the misses' positions, their order and their places. Called
+        only when `compiled` says so."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled plan")
 
     @abstractmethod
     def touch(
@@ -115,8 +124,6 @@ class EvictionPolicy(ABC):
 
 class LruPolicy(EvictionPolicy):
     """Least recently used: a slot's score is the tick of its last use."""
-
-    kind = CachePolicy.LRU
 
     def order_misses(
         self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
@@ -155,7 +162,7 @@ class LruPolicy(EvictionPolicy):
 class LfuPolicy(EvictionPolicy):
     """Least frequently used: a slot's score is its row's frequency (`LfuCounts`)."""
 
-    kind = CachePolicy.LFU
+    needs_counts = True
     rescores_compiled_plan = True
 
     def order_misses(
@@ -231,10 +238,21 @@ class LfuPolicy(EvictionPolicy):
             scores.copy_(torch.where(scores >= 0, decayed, scores))
 
 
+def policy_type(kind: str) -> type[EvictionPolicy]:
+    """The class registered as policy ``kind`` (`embcache.cache.policy_registry`).
+
+    Raises:
+        ValueError: no policy of that name, naming the registered ones.
+        TypeError: the registered class is no `EvictionPolicy`.
+    """
+    cls = policy_class(kind)
+    if not issubclass(cls, EvictionPolicy):
+        raise TypeError(f"eviction policy {kind!r} is {cls!r}, not an EvictionPolicy subclass")
+    return cls
+
+
 def make_policy(
-    kind: CachePolicy, counts: LfuCounts | None, config: CacheConfig, backend: Backend,
-    fusion_k: int,
-) -> EvictionPolicy:  # fmt: skip
-    """The policy object of ``kind``."""
-    cls = LfuPolicy if kind is CachePolicy.LFU else LruPolicy
-    return cls(counts, config, backend, fusion_k)
+    kind: str, counts: LfuCounts | None, config: CacheConfig, backend: Backend, fusion_k: int
+) -> EvictionPolicy:
+    """The policy object of ``kind``, a registered name (`policy_type`)."""
+    return policy_type(kind)(counts, config, backend, fusion_k)

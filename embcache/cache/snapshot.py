@@ -154,7 +154,7 @@ class PolicyState(CacheFields):
             "num_slots": self.num_slots,
             "ways": self.ways,
             "direct": self.direct,
-            "policy": self.policy.value,
+            "policy": self.policy,
             "dtype": str(self.dtype),
             "fusion_k": self.fusion_k,  # slot keys are fused ids: their table bits move with it
         }

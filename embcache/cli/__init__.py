@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from embcache.cache.policy_registry import policy_names
 from embcache.cli.bench import available_benchmarks, cmd_bench
 from embcache.kernels.optim_rules import CLI_NAMES as SPARSE_OPTIMIZERS
 from embcache.kernels.optim_rules import DEFAULT_DENSE_LR, DEFAULT_LR, RULES
@@ -54,8 +55,10 @@ MODELS = ("dlrm", "seq")  # embcache.cli.job
 DEFAULT_HISTORY = 20  # embcache.data.movielens
 FUSION_K = 30  # embcache.engine.interface
 MAX_FUSION_K = 56  # embcache.engine.interface
+TIER_POLICIES = ("lru", "lfu")  # embcache.kv.base.ScorePolicy, the bounded tier's scores
 # SPARSE_OPTIMIZERS, DEFAULT_LR, DEFAULT_DENSE_LR: from the optimizer rules' specs
-# (`embcache.kernels.optim_rules`, which imports neither torch nor triton).
+# (`embcache.kernels.optim_rules`, which imports neither torch nor triton); --policy's choices:
+# the registered eviction policies (`embcache.cache.policy_registry`, which imports neither).
 
 
 def __getattr__(name: str) -> Any:
@@ -290,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"cache capacity as a fraction of all rows, in (0, 1] (default {DEFAULT_LOAD_FACTOR} "
         "when --cache-capacity is not given either)",
     )
-    cache.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="eviction policy")
+    cache.add_argument(
+        "--policy", choices=policy_names(), default="lru", help="the device cache's eviction policy"
+    )
     cache.add_argument(
         "--weight-dtype",
         choices=["fp32", "fp16", "bf16"],
@@ -308,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         "score first, and an evicted row comes back from its initial value (default: no bound)",
     )
     cache.add_argument(
-        "--tier-policy", choices=["lru", "lfu"], default="lru", help="the tier's eviction score"
+        "--tier-policy", choices=TIER_POLICIES, default="lru", help="the tier's eviction score"
     )
     cache.add_argument(
         "--admit-after",

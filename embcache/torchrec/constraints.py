@@ -51,10 +51,13 @@ from torchrec.distributed.types import (
     ParameterSharding,
 )
 
-from embcache.cache.config import CacheConfig, CachePolicy
+from embcache.cache.config import CacheConfig
+from embcache.cache.policy_registry import policy_name
 
 CACHED_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
-_POLICIES = {"lru": CacheAlgorithm.LRU, "lfu": CacheAlgorithm.LFU}
+# The policies torchrec's plans can name (`CacheParams.algorithm`); a plan of another
+# registered policy carries no algorithm.
+_ALGORITHMS = {"lru": CacheAlgorithm.LRU, "lfu": CacheAlgorithm.LFU}
 
 
 def stand_in_kernel(compute_device_type: str) -> str:
@@ -142,7 +145,8 @@ class CachedParameterConstraints(ParameterConstraints):
         cache_load_factor: fraction of each shard's rows its cache holds (0 < f <= 1).
         cache_rows: rows each shard's cache holds (>= 1); exclusive with ``cache_load_factor``.
             Neither: the whole shard is cached.
-        cache_policy: ``"lru"`` or ``"lfu"``.
+        cache_policy: the eviction policy's name (``"lru"``, ``"lfu"``, or another registered
+            in `embcache.cache.policy_registry`).
         cache_ways: associativity of the cache (slots per set, >= 1).
         store: the tier behind each shard's cache: None for a host tier in the rank's memory
             (`embcache.kv.HostKV`), or a URL (``"redis://host:port/db"``).
@@ -172,12 +176,9 @@ class CachedParameterConstraints(ParameterConstraints):
             raise ValueError(
                 f"CachedParameterConstraints.cache_rows must be an int >= 1, got {rows!r}"
             )
-        policy = self.cache_policy
-        if not isinstance(policy, str) or policy.lower() not in _POLICIES:
-            raise ValueError(
-                f"CachedParameterConstraints.cache_policy must be 'lru' or 'lfu', got {policy!r}"
-            )
-        self.cache_policy = policy.lower()
+        self.cache_policy = policy_name(
+            self.cache_policy, "CachedParameterConstraints.cache_policy"
+        )
         ways = self.cache_ways
         if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
             raise ValueError(
@@ -199,7 +200,9 @@ class CachedParameterConstraints(ParameterConstraints):
             )
         cache_params: Any = self.cache_params  # type: ignore[has-type]
         if cache_params is None:
-            self.cache_params = CacheParams(algorithm=_POLICIES[self.cache_policy], load_factor=lf)
+            self.cache_params = CacheParams(
+                algorithm=_ALGORITHMS.get(self.cache_policy), load_factor=lf
+            )
 
     def __hash__(self) -> int:
         return hash(
@@ -252,7 +255,7 @@ def shard_cache_options(
     if default_cache is None:
         return ShardCacheOptions(None, store=store)
     rows = _config_rows(default_cache, table, local_rows)
-    policy = CachePolicy(default_cache.policy).value
+    policy = str(default_cache.policy)
     return ShardCacheOptions(rows, policy, default_cache.ways, store)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from embcache.cache.config import CacheConfig, slot_bytes
 from embcache.cache.hot_cache import HotCache
+from embcache.cache.policy_registry import policy_names
 from embcache.cache.sizing import CacheOverflowWarning
 from embcache.kernels.optim import OptimRule, RowUpdate, apply_row_update, state_dim
 from embcache.kv.base import TableSpec, default_init
@@ -133,7 +134,7 @@ CAPACITIES = {
 }
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("rule", list(UPDATES), ids=list(UPDATES))
 @pytest.mark.parametrize("cap", list(CAPACITIES), ids=list(CAPACITIES))
 def test_training_through_cache_equals_dense(
@@ -183,7 +184,7 @@ def test_training_with_triton_index_kernels(backend: str, device: torch.device) 
     assert torch.equal(tier_rows(store, specs, device), dense)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", policy_names())
 def test_hashed_ids_match_bounded_tables(device: torch.device, policy: str) -> None:
     update = UPDATES["adagrad"]
     results = []
@@ -558,7 +559,7 @@ class RemoteLikeStore(HostKV):
         super().put(table, ids, rows)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", policy_names())
 def test_concurrent_tier_calls_are_exact(device: torch.device, policy: str) -> None:
     """With a tier whose calls overlap, write-backs and reads of all tables go out together,
     on the cache's I/O threads; the numbers are the dense reference's."""
@@ -633,7 +634,7 @@ def test_a_batch_wider_than_the_cache_warns_once(device: torch.device) -> None:
         cache.unlock(cache.resolve(torch.arange(4)))
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", policy_names())
 @pytest.mark.parametrize("capacity", [8, 32], ids=["cap8", "cap32"])
 def test_stats_and_rows_are_the_same_with_and_without_prefetch(
     device: torch.device, policy: str, capacity: int

@@ -14,7 +14,7 @@ import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
-from embcache.kv.base import TableSpec
+from embcache.kv.base import ScorePolicy, TableSpec
 from embcache.kv.host import HostKV
 from embcache.kv.tiered import TieredKV
 
@@ -43,7 +43,7 @@ def resident(cache: HotCache) -> torch.Tensor:
     return cache.slot_keys[cache.slot_keys >= 0]
 
 
-@pytest.mark.parametrize("score", ["lru", "lfu"])
+@pytest.mark.parametrize("score", [p.value for p in ScorePolicy])
 @pytest.mark.parametrize("tier", ["host", "tiered"])
 def test_a_bounded_tier_never_drops_a_cached_dirty_or_locked_row(tier: str, score: str) -> None:
     """A stream of mostly new ids through a cache of 64 slots in front of tables bounded to

@@ -1,5 +1,6 @@
 """The eviction policies (`cache.policy`): the object a cache holds, LFU's admission of
-misses over resident rows, and the miss order each policy hands the way assignment."""
+misses over resident rows, and the miss order each policy hands the way assignment (every
+registered policy: `cache.policy_registry`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from embcache.backend import for_device
 from embcache.cache.config import CacheConfig, CachePolicy
 from embcache.cache.hot_cache import HotCache
-from embcache.cache.policy import LfuPolicy, LruPolicy, make_policy
+from embcache.cache.policy import EvictionPolicy, make_policy, policy_type
+from embcache.cache.policy_registry import policy_names
 from embcache.cache.sketch import LfuCounts
 from embcache.kernels.cache_index import set_index
 from embcache.kv.base import TableSpec
@@ -23,17 +25,18 @@ def _counts(rows: int) -> LfuCounts:
     return LfuCounts(torch.tensor([0]), rows, None, K)
 
 
-@pytest.mark.parametrize(
-    ("policy", "cls"), [("lru", LruPolicy), ("lfu", LfuPolicy)], ids=["lru", "lfu"]
-)
-def test_a_cache_holds_the_policy_of_its_config(policy: str, cls: type) -> None:
+@pytest.mark.parametrize("policy", policy_names())
+def test_a_cache_holds_the_policy_of_its_config(policy: str) -> None:
     store = HostKV()
     spec = TableSpec("t", 5, num_embeddings=1000, state_dim=1)
     store.init_table(spec)
-    cache = HotCache([(0, spec)], CacheConfig(capacity=64, ways=4, policy=policy), store, "cpu", K)
-    assert isinstance(cache.eviction, cls)
-    assert cache.eviction.kind is cache.policy is CachePolicy(policy)
+    config = CacheConfig(capacity=64, ways=4, policy=policy.upper())  # any case
+    cache = HotCache([(0, spec)], config, store, "cpu", K)
+    assert type(cache.eviction) is policy_type(policy)
+    assert issubclass(policy_type(policy), EvictionPolicy)
+    assert cache.policy == config.policy == policy
     assert cache.eviction.counts is cache._counts
+    assert (cache._counts is not None) == policy_type(policy).needs_counts
 
 
 def test_lru_admits_every_assigned_way() -> None:
@@ -57,8 +60,8 @@ def test_lfu_displaces_only_rarer_rows() -> None:
     assert got.tolist() == [-1, 1, 3, 2, -1]
 
 
-@pytest.mark.parametrize("kind", [CachePolicy.LRU, CachePolicy.LFU], ids=["lru", "lfu"])
-def test_misses_come_grouped_by_set(kind: CachePolicy) -> None:
+@pytest.mark.parametrize("kind", policy_names())
+def test_misses_come_grouped_by_set(kind: str) -> None:
     """Each policy hands the misses sorted by set (the runs `assign_ways` needs), every miss
     once; LFU puts the most frequent first within a set."""
     counts = _counts(64)
@@ -72,8 +75,9 @@ def test_misses_come_grouped_by_set(kind: CachePolicy) -> None:
     assert sorted(pos.tolist()) == miss_pos.tolist()
     assert torch.equal(sets, set_index(ids.index_select(0, pos), 4))
     assert bool((sets[1:] >= sets[:-1]).all())
-    if kind is CachePolicy.LRU:
+    if kind == CachePolicy.LRU:
         assert priority is None
+    if kind != CachePolicy.LFU:  # the frequency order below is LFU's
         return
     assert priority is not None
     assert torch.equal(priority, counts.get(ids.index_select(0, pos)) + 1)

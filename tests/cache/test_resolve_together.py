@@ -8,6 +8,7 @@ import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache, resolve_together
+from embcache.cache.policy_registry import policy_names
 from embcache.kernels.cache_index_ref import assign_ways_ref
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
@@ -54,7 +55,7 @@ def _run(caches: list[HotCache], together: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", policy_names())
 def test_lockstep_equals_one_resolve_each(
     monkeypatch: pytest.MonkeyPatch, policy: str, backend: str
 ) -> None:

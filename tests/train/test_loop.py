@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import embcache
+from embcache.cache.policy_registry import policy_names
 from embcache.data import CriteoText, MovieLens
 from embcache.models.dlrm import DLRM
 from embcache.train.loop import (
@@ -120,7 +121,7 @@ def test_evaluations_during_a_run_stay_out_of_its_counters(tmp_path: Path) -> No
         train(model, data.train_batches(), sparse, dense, 2, False, False, evaluate_every=1)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", policy_names())
 def test_counters_and_weights_are_the_same_with_and_without_prefetch(
     tmp_path: Path, policy: str
 ) -> None:
