@@ -52,7 +52,7 @@ import gc
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -192,7 +192,7 @@ class CachedEmbeddingBagCollection(LocalCollection):
                 ``allow_unsharded_replicas=True`` (`check_not_replicated`).
         """
         if isinstance(features, torch.fx.Proxy):
-            tracer = features.tracer
+            tracer = cast(torch.fx.Tracer, features.tracer)  # symbolic_trace's, with module paths
             path = tracer.path_of_module(self)
             if not path:
                 raise TypeError(

@@ -100,8 +100,9 @@ def dot_interaction(dense: torch.Tensor | None, sparse: torch.Tensor) -> torch.T
 
 def _output_dims(collection: nn.Module) -> list[int]:
     """The embedding dim of each pooled feature a built collection outputs, in order."""
-    if isinstance(getattr(collection, "output_dims", None), list):  # embcache's collections
-        return list(collection.output_dims)
+    dims = getattr(collection, "output_dims", None)
+    if isinstance(dims, list):  # embcache's collections
+        return list(dims)
     configs = getattr(collection, "embedding_bag_configs", None)  # torchrec's
     if callable(configs):
         return [c.embedding_dim for c in configs() for _ in c.feature_names]
@@ -167,8 +168,7 @@ class DLRM(nn.Module):
         super().__init__()
         self.device = resolve_device(device) if device is not None else torch.device("cpu")
         _check_dense(dense_in_features, bottom_mlp)
-        built = isinstance(tables, nn.Module)
-        if built:
+        if isinstance(tables, nn.Module):
             given = [n for n, v in (("cache", cache), ("store", store)) if v is not None]
             if given or collection_kwargs:
                 raise ValueError(
@@ -194,7 +194,8 @@ class DLRM(nn.Module):
                 "DLRM's interaction needs two vectors per sample: give dense features or at "
                 f"least two sparse features (got {self.num_sparse} and {dense_in_features})"
             )
-        if built:
+        self.sparse_arch: nn.Module
+        if isinstance(tables, nn.Module):
             self.sparse_arch = tables
         else:
             self.sparse_arch = collection_cls(

@@ -18,13 +18,13 @@ import importlib.util
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from embcache.cache.config import CacheConfig
-from embcache.engine.batch_state import FusedPrefetchHandle, Prefetched
+from embcache.engine.batch_state import FusedPrefetchHandle, Prefetched, Prepared
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.interface import FUSION_K, CachedCollectionInterface
 from embcache.engine.lookup import GroupLookup, lookup
@@ -197,7 +197,13 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
         # another thread meanwhile reads synchronously and leaves it alone.
         use_prefetch = training or not engines.claim.held_elsewhere()
         prefetched = engines.take_prefetch(batch) if use_prefetch else None
-        prepared = prefetched.prepared if prefetched else engines.prepare(batch, lock=training)
+        # A local prefetch holds every engine's share (`_prefetch`); None entries are the
+        # sharded collection's.
+        prepared = (
+            cast(list[Prepared], prefetched.prepared)
+            if prefetched
+            else engines.prepare(batch, lock=training)
+        )
         inflight = engines.start(prepared) if training else None
         try:
             step = GroupLookup(engines, prepared, inflight, batch.stride())
@@ -270,13 +276,14 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
         """Worker-thread body of `issue_fused_prefetch`: the batch's rows resolved, the
         victims' write-back left for the worker's next call (`EngineGroup.issue`)."""
         try:
-            return Prefetched(self.engines.prepare_fused(shares, lock=True, defer_writeback=True))
+            prepared = self.engines.prepare_fused(shares, lock=True, defer_writeback=True)
+            return Prefetched(cast(list[Prepared | None], prepared))  # list is invariant
         except Exception as e:  # the forward reads synchronously (and meets it again)
             return Prefetched([], error=e)
 
     # -- whole tables ------------------------------------------------------------------------
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # torch's: a dict or destination
         """torchrec's keys and shapes: ``embedding_bags.<table>.weight``, a CPU float32
         ``[num_embeddings, dim]`` tensor per table (the weights, without optimizer state).
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -107,7 +107,7 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
     # -- the data path -----------------------------------------------------------------------
 
     @opaque_to_compile
-    def forward(self, features: JaggedBatch | Any) -> dict[str, Any]:
+    def forward(self, features: JaggedBatch | Any) -> dict[str, Any] | torch.fx.Proxy:
         """One row per id of every feature: ``{key: JaggedTensor}`` (``values()`` ``[n, dim]``,
         the input's lengths), keyed by the tables' feature names in table order (``feature@table``
         for a feature several tables look up), torchrec `JaggedTensor` objects for a KJT input and
@@ -119,7 +119,7 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
                 ``allow_unsharded_replicas=True``.
         """
         if isinstance(features, torch.fx.Proxy):
-            tracer = features.tracer
+            tracer = cast(torch.fx.Tracer, features.tracer)  # symbolic_trace's, with module paths
             path = tracer.path_of_module(self)
             if not path:
                 raise TypeError(

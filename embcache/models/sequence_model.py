@@ -40,6 +40,7 @@ from torch.nn import functional
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
 from embcache.devices import resolve_device
+from embcache.engine.interface import CachedCollectionInterface
 from embcache.engine.tables import TableConfig, normalize_tables
 from embcache.kv.base import Store
 from embcache.models.collection import CachedEmbeddingBagCollection
@@ -106,7 +107,9 @@ class SparseArch(nn.Module):
             `CachedEmbeddingCollection` or a sharded one.
     """
 
-    def __init__(self, bags: nn.Module, sequences: nn.Module) -> None:
+    def __init__(
+        self, bags: CachedCollectionInterface, sequences: CachedCollectionInterface
+    ) -> None:
         super().__init__()
         self.bags = bags
         self.sequences = sequences
@@ -180,8 +183,8 @@ class SequenceRecommender(nn.Module):
         device: torch.device | str | None = None,
         mlp: Sequence[int] = (64, 32),
         seed: int = 0,
-        bag_collection_cls: type[nn.Module] = CachedEmbeddingBagCollection,
-        sequence_collection_cls: type[nn.Module] = CachedEmbeddingCollection,
+        bag_collection_cls: type[CachedCollectionInterface] = CachedEmbeddingBagCollection,
+        sequence_collection_cls: type[CachedCollectionInterface] = CachedEmbeddingCollection,
         **collection_kwargs: Any,
     ) -> None:
         super().__init__()

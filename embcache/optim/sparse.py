@@ -148,6 +148,11 @@ class SparseOptimizer(torch.optim.Optimizer):
             changes, and the trace is kept for inspection).
     """
 
+    # What `update` rebuilds from ``param_groups[0]`` (set by its setter).
+    _update: RowUpdate
+    _update_keys: tuple[str, ...]
+    _update_values: tuple[Any, ...]
+
     def __init__(
         self,
         modules: Any,
@@ -239,7 +244,8 @@ class SparseOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------
 
-    def step(self) -> None:
+    # No closure: a sparse step re-evaluates no loss (the modules' traces hold its gradients).
+    def step(self) -> None:  # type: ignore[override]
         """Apply every recorded gradient once, then clear the traces and release the slots.
         Every module's gradients are checked before any is applied.
 
@@ -446,7 +452,7 @@ def _modules(modules: Any, params: Any, who: str) -> list[Any]:
 
 def _lr(lr: float | None, modules: Iterable[Any], who: str) -> float:
     if lr is None:
-        found = {getattr(m, "lr", None) for m in modules} - {None}
+        found: set[Any] = {getattr(m, "lr", None) for m in modules} - {None}
         if len(found) != 1:
             raise ValueError(f"{who}: give lr (the modules carry {sorted(found) or 'none'})")
         lr = found.pop()
