@@ -69,7 +69,9 @@ FBGEMM_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _hyper(optimizer_type: type, given: Mapping[str, Any], fused: bool = False) -> dict[str, Any]:
+def _hyper(
+    optimizer_type: type[torch.optim.Optimizer], given: Mapping[str, Any], fused: bool = False
+) -> dict[str, Any]:
     """``given`` over the defaults of ``optimizer_type``'s constructor, or with ``fused``
     over FBGEMM's (`FBGEMM_DEFAULTS`, where the class has the option) and with FBGEMM's names
     ``learning_rate``, ``beta1``, ``beta2`` taken as torch's ``lr`` and ``betas``."""
@@ -109,7 +111,8 @@ def row_update(
         ValueError: an option with none (momentum, dense weight decay, amsgrad, maximize).
     """
     h = _hyper(optimizer_type, hyper, fused)
-    where = f"{optimizer_type.__name__}({', '.join(f'{k}={v!r}' for k, v in hyper.items())})"
+    shown = ", ".join(f"{k}={v!r}" for k, v in hyper.items() if k != "params")
+    where = f"{optimizer_type.__name__}({shown})"
 
     def refuse(option: str, why: str) -> None:
         raise ValueError(f"{where}: {option} {why}, which cached tables cannot do; {_HELP}")
@@ -138,6 +141,8 @@ def row_update(
         refuse("momentum", "moves rows after their last lookup")
     if h.get("amsgrad"):
         refuse("amsgrad", "is not supported")
+    if h.get("decoupled_weight_decay") and decay:
+        refuse("decoupled_weight_decay=True", "is not supported (AdamW: optimizer_type=AdamW)")
     if h.get("lr_decay") and "lr_decay" not in spec.hyper:
         refuse("lr_decay", f"is not supported by the {spec.rule.name.lower()} rule")
     group = {**spec.hyper, **{k: v for k, v in h.items() if k in spec.hyper}, "lr": h["lr"]}

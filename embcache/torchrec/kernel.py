@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -45,6 +47,7 @@ from torchrec.distributed.embedding_types import (
     ShardedEmbeddingTable,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
@@ -54,6 +57,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from embcache.cache.config import CacheConfig
 from embcache.models.collection import CachedEmbeddingBagCollection
 from embcache.models.sequence import CachedEmbeddingCollection
+from embcache.models.torch_optim import row_update
 from embcache.torchrec.constraints import ShardCacheOptions
 
 # torchrec's fused optimizers (FBGEMM's names) as the torch classes the collection takes.
@@ -91,7 +95,86 @@ def fused_optimizer_of(fused_params: Mapping[str, Any] | None) -> tuple[type, di
         kwargs = {k: v for k, v in kwargs.items() if k in ("learning_rate", "lr")}
     if cls in (torch.optim.Adagrad, RowWiseAdagrad):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("beta1", "beta2")}
+    # The torch class's own options FBGEMM has no name for (``apply_optimizer_in_backward``'s
+    # kwargs: momentum, betas, lr_decay, initial_accumulator_value, amsgrad, ...): the rule
+    # applies them or refuses them (`embcache.models.torch_optim.row_update`), never drops them.
+    options = inspect.signature(cls).parameters
+    kwargs.update(
+        (k, v)
+        for k, v in fused.items()
+        if k in options
+        and k not in (*_HYPER, "params")
+        and options[k].kind is not inspect.Parameter.VAR_KEYWORD
+    )
     return cls, kwargs
+
+
+def in_backward_optimizer(weight: torch.Tensor, where: str) -> tuple[type, dict[str, Any]] | None:
+    """The optimizer ``apply_optimizer_in_backward`` attached to ``weight`` (a cached
+    collection's ``grad_anchor``, or a torchrec table's weight), checked as the cache will
+    apply it under ``DistributedModelParallel``; None if it has none.
+
+    torchrec's sharded collections read a table weight's ``_optimizer_classes`` and
+    ``_optimizer_kwargs`` into that table's fused params, over the sharder's ``fused_params``
+    (the class as its ``EmbOptimType``, ``lr`` as ``learning_rate``); FBGEMM's defaults
+    (`embcache.models.torch_optim.FBGEMM_DEFAULTS`: eps 1e-8) fill in the rest.
+
+    Args:
+        weight: the tensor ``apply_optimizer_in_backward`` was given.
+        where: what holds it, for the error messages.
+
+    Raises:
+        ValueError: several optimizers on one weight, or a class the cache has no fused rule
+            for (naming the ones it has); an option the rule cannot apply (momentum, amsgrad).
+        TypeError: an option of a rule that has no such option.
+    """
+    classes = getattr(weight, "_optimizer_classes", None) or []
+    if not classes:
+        return None
+    all_kwargs = getattr(weight, "_optimizer_kwargs", None) or [{}]
+    what = f"apply_optimizer_in_backward on {where} under DistributedModelParallel"
+    if len(classes) != 1 or len(all_kwargs) != 1:
+        names = [c.__name__ for c in classes]
+        raise ValueError(f"{what}: {len(classes)} optimizers {names}; a table takes one")
+    cls, kwargs = classes[0], dict(all_kwargs[0])
+    try:  # torchrec's own choice of kind, unless the kwargs name one (as it reads them)
+        kind = kwargs.get("optimizer") or optimizer_type_to_emb_opt_type(cls)
+    except ValueError:
+        kind = None
+    if kind is None or ("optimizer" not in kwargs and kind not in _OPTIMIZERS):
+        raise ValueError(
+            f"{what}: {_class_name(cls)} has no fused rule in embcache's cache; it applies "
+            f"{', '.join(supported_optimizers())} (torchrec.optim's wrappers of them too)"
+        )
+    try:
+        fused_cls, fused_kwargs = fused_optimizer_of({**kwargs, "optimizer": kind})
+        row_update(fused_cls, fused_kwargs, fused=True)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{what}: {e}") from None
+    return cls, kwargs
+
+
+def mark_in_backward(weight: torch.Tensor, source: torch.Tensor) -> None:
+    """Give ``weight`` (a stand-in table weight torchrec's sharded collection reads) the
+    in-backward optimizer of ``source``, as ``apply_optimizer_in_backward`` would have: its
+    own copy of the kwargs, which torchrec rewrites in place."""
+    weight._optimizer_classes = list(source._optimizer_classes)  # type: ignore[attr-defined]
+    weight._optimizer_kwargs = [dict(k) for k in source._optimizer_kwargs]  # type: ignore[attr-defined]
+    # torchrec's plan helpers (construct_module_sharding_plan) pick the fused kernel for these
+    weight._in_backward_optimizers = list(source._in_backward_optimizers)  # type: ignore[attr-defined]
+
+
+def supported_optimizers() -> list[str]:
+    """The torch optimizer classes the cache applies as fused optimizers (`_OPTIMIZERS`)."""
+    return list(dict.fromkeys(_class_name(c) for c in _OPTIMIZERS.values()))
+
+
+def _class_name(cls: type) -> str:
+    """``torch.optim.SGD`` rather than ``torch.optim.sgd.SGD``."""
+    for package in ("torch.optim", "torchrec.optim"):
+        if getattr(sys.modules.get(package), cls.__name__, None) is cls:
+            return f"{package}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class CachedBagKernel(BaseEmbedding, FusedOptimizerModule):

@@ -27,7 +27,11 @@ from embcache.torchrec.constraints import (
     on_cached_kernel,
     stand_in_kernel,
 )
-from embcache.torchrec.kernel import CachedSequenceLookup
+from embcache.torchrec.kernel import (
+    CachedSequenceLookup,
+    in_backward_optimizer,
+    mark_in_backward,
+)
 from embcache.torchrec.sharder import DTYPES
 from embcache.torchrec.state import CachedShards
 
@@ -107,7 +111,8 @@ class ShardedCachedEmbeddingCollection(CachedShards, ShardedEmbeddingCollection)
 
 class _SequenceTablesOf(nn.Module):
     """What torchrec's sharded sequence collection reads of a `CachedEmbeddingCollection`:
-    torchrec ``EmbeddingConfig``s, the collection's options, and meta-tensor weights."""
+    torchrec ``EmbeddingConfig``s, the collection's options, and meta-tensor weights with the
+    collection's in-backward optimizer (as `embcache.torchrec.sharder._TablesOf`'s)."""
 
     device = torch.device("meta")
 
@@ -117,6 +122,8 @@ class _SequenceTablesOf(nn.Module):
         self._need_indices = module.need_indices()
         self._names_by_table = module.embedding_names_by_table()
         self.embeddings = nn.ModuleDict()
+        anchor = module.grad_anchor  # what apply_optimizer_in_backward reached
+        in_backward = in_backward_optimizer(anchor, f"{type(module).__name__}'s parameters")
         for c in self._configs:
             holder = nn.Module()
             holder.weight = nn.Parameter(
@@ -128,6 +135,8 @@ class _SequenceTablesOf(nn.Module):
                 ),
                 requires_grad=False,
             )
+            if in_backward is not None:
+                mark_in_backward(holder.weight, anchor)
             self.embeddings[c.name] = holder
 
     def embedding_configs(self) -> list[EmbeddingConfig]:

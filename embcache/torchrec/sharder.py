@@ -63,7 +63,11 @@ from embcache.torchrec.constraints import (
     on_cached_kernel,
     stand_in_kernel,
 )
-from embcache.torchrec.kernel import CachedPooledLookup
+from embcache.torchrec.kernel import (
+    CachedPooledLookup,
+    in_backward_optimizer,
+    mark_in_backward,
+)
 from embcache.torchrec.state import CachedShards
 
 # Sharding types whose shardings hold their groups as `_grouped_embedding_configs`.
@@ -158,7 +162,10 @@ class ShardedCachedEmbeddingBagCollection(CachedShards, ShardedEmbeddingBagColle
 class _TablesOf(nn.Module):
     """What torchrec's sharded collection reads of the collection it shards, for a
     `CachedEmbeddingBagCollection`: torchrec table configs, weighting, and each table's
-    ``embedding_bags.<t>.weight`` as a meta tensor (its shape and dtype; no row is read)."""
+    ``embedding_bags.<t>.weight`` as a meta tensor (its shape and dtype; no row is read),
+    carrying the optimizer ``apply_optimizer_in_backward`` gave the collection's parameters
+    (`embcache.torchrec.kernel.in_backward_optimizer`), which torchrec reads into each
+    table's fused params as it does from its own collection's weights."""
 
     device = torch.device("meta")
 
@@ -167,6 +174,8 @@ class _TablesOf(nn.Module):
         self._configs = torchrec_configs(module)
         self._is_weighted = module.is_weighted()
         self.embedding_bags = nn.ModuleDict()
+        anchor = module.grad_anchor  # what apply_optimizer_in_backward reached
+        in_backward = in_backward_optimizer(anchor, f"{type(module).__name__}'s parameters")
         for c in self._configs:
             holder = nn.Module()
             holder.weight = nn.Parameter(
@@ -178,6 +187,8 @@ class _TablesOf(nn.Module):
                 ),
                 requires_grad=False,
             )
+            if in_backward is not None:
+                mark_in_backward(holder.weight, anchor)
             self.embedding_bags[c.name] = holder
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -333,6 +344,8 @@ class CachingEmbeddingBagCollectionSharder(CachedKernelSharder, EmbeddingBagColl
                     f"{p.compute_kernel!r}: plan with "
                     "embcache.torchrec.CachedEmbeddingShardingPlanner to cache it"
                 )
+            if p.compute_kernel == CACHED_KERNEL:
+                in_backward_optimizer(module.embedding_bags[name].weight, f"table {name!r}")
         return ShardedCachedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
