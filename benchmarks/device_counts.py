@@ -39,6 +39,7 @@ class Row:
     tables: int
     dims: int
     cached_fraction: float
+    rows: int  # per table
     syncs_forward: int
     syncs_backward: int
     syncs_step: int
@@ -50,13 +51,13 @@ class Row:
     new_keys: str  # their kernels
 
 
-def count(num_tables: int, num_dims: int, load_factor: float) -> Row:
+def count(num_tables: int, num_dims: int, load_factor: float, rows: int = 1000) -> Row:
     from triton.runtime import interpreter
 
     from tests.launch_count import LaunchCounter, counted_collection
     from tests.sync_count import SyncCounter
 
-    ebc, opt, make_batch = counted_collection(num_tables, num_dims, load_factor)
+    ebc, opt, make_batch = counted_collection(num_tables, num_dims, load_factor, rows)
     gen = torch.Generator().manual_seed(0)
     first: dict[tuple, int] = {}
     step_now = [0]
@@ -80,7 +81,7 @@ def count(num_tables: int, num_dims: int, load_factor: float) -> Row:
                 opt.step()
             if last:
                 row = Row(
-                    num_tables, num_dims, load_factor, sf.total, sb.total, ss.total,
+                    num_tables, num_dims, load_factor, rows, sf.total, sb.total, ss.total,
                     lf.total, lb.total, ls.total, lf.triton + lb.triton + ls.triton,
                     sum(s >= WARMUP for s in first.values()),
                     " ".join(sorted(f"{k[1]}@{s}" for k, s in first.items() if s >= WARMUP)),
@@ -100,19 +101,23 @@ def main(argv: list[str] | None = None) -> None:
         for lf in (1.0, 0.1)
         for t, d in ((2, 1), (26, 1), (6, 3))
     ]  # fmt: skip
+    # A tenth of 1,000 rows is less than the largest batch's unique rows (the scratch
+    # area's overflow path, which warns); a tenth of 10,000 holds any batch here.
+    rows += [count(2, 1, 0.1, 10_000), count(6, 3, 0.1, 10_000)]
     print(f"# device path (Triton interpreter), step {STEPS} after {STEPS - 1} varied batches")
-    head = "tables dims cached  syncs f/b/s   launches f/b/s   triton  new keys after step 2"
+    head = "tables dims cached   rows  syncs f/b/s   launches f/b/s   triton  new keys after step 2"
     print(head)
     for r in rows:
         print(
-            f"{r.tables:6d} {r.dims:4d} {r.cached_fraction:5.0%}  "
+            f"{r.tables:6d} {r.dims:4d} {r.cached_fraction:5.0%} {r.rows:6d}  "
             f"{r.syncs_forward:3d}/{r.syncs_backward}/{r.syncs_step}  "
             f"{r.launches_forward:5d}/{r.launches_backward}/{r.launches_step}"
             f"{'':>6}{r.triton_launches:4d}  {r.new_compile_keys:4d} {r.new_keys}"
         )
     for r in rows:
         print(
-            f"summary: {r.tables} tables x {r.dims} dims, {r.cached_fraction:.0%} cached: syncs "
+            f"summary: {r.tables} tables x {r.dims} dims, {r.cached_fraction:.0%} of {r.rows} "
+            "rows cached: syncs "
             f"{r.syncs_forward + r.syncs_backward + r.syncs_step}, launches "
             f"{r.launches_forward + r.launches_backward + r.launches_step}, new compile keys "
             f"{r.new_compile_keys}"

@@ -199,6 +199,34 @@ def run_checks(p: Preflight) -> None:
 
     p.check("dedup_grouped (torch ops)", grouped_check)
 
+    # The forward's dedup of several caches at once, one read (`engine.dedup_together`): the
+    # Triton route's unique ids, inverse, table bounds and the extra values read with them
+    # against the torch route's, and its grouping (a stable sort) against `dedup_grouped`'s.
+    from embcache.engine.engine import dedup_together
+
+    halves = [fused[: fused.numel() // 2], fused[fused.numel() // 2 :]]
+    table_starts = [torch.tensor([0, 1 << b.fusion_k, 2 << b.fusion_k]), None]
+    extra = torch.tensor([0, 3, 0, 1])
+
+    def together_check() -> float:
+        on_device = [p.dev(h) for h in halves], [p.dev(t) for t in table_starts]
+        got, got_extra = p.triton(dedup_together, *on_device, extra)
+        want, want_extra = p.twin(dedup_together, halves, [*table_starts], extra)
+        if got_extra != want_extra or [g.bounds for g in got] != [w.bounds for w in want]:
+            raise MismatchError(
+                f"dedup_together: bounds {[g.bounds for g in got]} and extras {got_extra}, "
+                f"twin {[w.bounds for w in want]} and {want_extra}"
+            )
+        for i, (g, w, ids) in enumerate(zip(got, want, halves, strict=True)):
+            check_equal(f"dedup_together[{i}] unique", g.unique, w.unique)
+            check_equal(f"dedup_together[{i}] inverse", g.inverse, w.inverse)
+            grouped = p.twin(dedup_grouped, ids)
+            check_equal(f"dedup_together[{i}] order", g.order, grouped[2])
+            check_equal(f"dedup_together[{i}] segment_starts", g.segment_starts, grouped[3])
+        return 0.0
+
+    p.check("dedup_together (one read)", together_check)
+
     # Pooling: the batch's unique ids sit in shuffled cache slots of rows [weights | state].
     u = unique_ids.numel()
     cache_rows = torch.randn(u + 7, dim + 2, generator=gen)
@@ -227,8 +255,17 @@ def run_checks(p: Preflight) -> None:
                 want = p.twin(pool_backward, grad_out, *args, results["want"][1])
                 return check_close(f"pool_backward {tag}", got, want, rtol=1e-4)
 
+            def grouped(mode=mode, weights=weights, tag=tag, results=results) -> float:
+                args = (dim, inverse, u, offsets, weights, mode, b.batch_size, col_offsets)
+                grouping = p.twin(dedup_grouped, fused)[2:]  # the forward's dedup gives it
+                grouping = tuple(p.dev(t) for t in grouping)
+                got = p.triton(pool_backward, grad_out, *args, results["got"][1], grouping)
+                want = p.twin(pool_backward, grad_out, *args, results["want"][1])
+                return check_close(f"pool_backward {tag} grouped", got, want, rtol=1e-4)
+
             p.check(f"pool_forward {tag}", forward)
             p.check(f"pool_backward {tag}", backward)
+            p.check(f"pool_backward {tag} grouped", grouped)
 
     # Cache index: 8 ways a set, about half the batch's ids resident.
     ways = 8

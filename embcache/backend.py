@@ -53,6 +53,23 @@ def backend_name() -> str:
     return name
 
 
+_CONSTANTS: dict[tuple[int | float | bool, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def constant(value: int | float | bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element tensor of ``value``, made once per value, dtype and device and never
+    written: expanded (a view), it is the source of a write of one value at many positions
+    with no fill launched each time (``index_add_`` has no scalar overload)."""
+    key = (value, dtype, torch.device(device))
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = torch.full((1,), value, dtype=dtype, device=device)
+        if found.is_cuda:  # once per process: no later stream can read it before it is filled
+            torch.cuda.current_stream(found.device).synchronize()
+        _CONSTANTS[key] = found
+    return found
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation family on one kind of device (see the module docstring).
@@ -96,7 +113,7 @@ class Backend:
     def unlock(self, locks: torch.Tensor, slots: torch.Tensor, dirty: torch.Tensor | None) -> None:
         """One lock dropped from each of ``slots`` (checked by the caller here), each marked
         in ``dirty`` when given."""
-        locks.index_add_(0, slots, torch.full_like(slots, -1, dtype=locks.dtype))
+        locks.index_add_(0, slots, constant(-1, locks.dtype, locks.device).expand(len(slots)))
         if dirty is not None:
             dirty.index_fill_(0, slots, True)
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import embcache.native as native
-from embcache.backend import cpu_backend
+from embcache.backend import constant, cpu_backend
 
 
 def put(t: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
@@ -36,7 +36,7 @@ def fill_at(t: torch.Tensor, idx: torch.Tensor, value: float | int | bool) -> No
         except native.OutOfRangeError as error:  # as torch's ``scatter_`` refuses it
             raise RuntimeError(str(error)) from None
         return
-    t.scatter_(0, idx, torch.full((idx.numel(),), value, dtype=t.dtype, device=t.device))
+    t.scatter_(0, idx, value)  # the scalar overload: one launch, no values to fill first
 
 
 def add_at(t: torch.Tensor, idx: torch.Tensor, delta: int) -> None:
@@ -45,7 +45,7 @@ def add_at(t: torch.Tensor, idx: torch.Tensor, delta: int) -> None:
     if _compiled_at(t, idx):  # a position out of range: IndexError, as ``index_add_``'s
         native.write_at(t.numpy(), idx.numpy(), _scalar(t, delta), add=True)
         return
-    t.index_add_(0, idx, torch.full((idx.numel(),), delta, dtype=t.dtype, device=t.device))
+    t.index_add_(0, idx, constant(delta, t.dtype, t.device).expand(idx.numel()))
 
 
 # The compiled `fill_at` / `add_at` take these dtypes (numba has no half precision), and write

@@ -89,16 +89,18 @@ class LaunchCounter:
         return sum(v for k, v in self.counts.items() if k.startswith("triton."))
 
 
-def counted_collection(num_tables: int, num_dims: int, load_factor: float):
+def counted_collection(num_tables: int, num_dims: int, load_factor: float, rows: int = 1000):
     """What the device-path counts run (`tests/engine/test_launch_count.py`,
-    `benchmarks/device_counts.py`): a collection of ``num_tables`` tables of 1,000 rows over
+    `benchmarks/device_counts.py`): a collection of ``num_tables`` tables of ``rows`` rows over
     ``num_dims`` dims (8, 16, ...), ``load_factor`` of them cached in 4-way sets, with sparse
-    AdaGrad; and ``batch(samples, gen)``, random bags of 1 to 4 ids for each of its features."""
+    AdaGrad; and ``batch(samples, gen)``, random bags of 1 to 4 ids for each of its features.
+    With 1,000 rows a table, a tenth cached is less than the largest batches' unique rows
+    (the overflow path through the scratch area); with 10,000, a batch fits."""
     tables = [
         embcache.TableConfig(
             name=f"t{i}",
             embedding_dim=8 * (1 + i % num_dims),
-            num_embeddings=1000,
+            num_embeddings=rows,
             feature_names=[f"f{i}"],
         )
         for i in range(num_tables)
@@ -111,7 +113,7 @@ def counted_collection(num_tables: int, num_dims: int, load_factor: float):
 
     def batch(samples: int, gen: torch.Generator) -> embcache.JaggedBatch:
         lengths = torch.randint(1, 5, (num_tables * samples,), generator=gen)
-        values = torch.randint(0, 1000, (int(lengths.sum()),), generator=gen)
+        values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
         return embcache.JaggedBatch.from_lengths(keys, values, lengths)
 
     return ebc, opt, batch

@@ -29,7 +29,14 @@ from embcache.engine.inputs import JaggedBatch, group_inputs
 from embcache.engine.layout import CacheLayout
 from embcache.engine.reduction import Saved, reduction_of
 from embcache.engine.tbe_step import PendingUpdate
-from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids
+from embcache.kernels.backend import use_triton
+from embcache.kernels.ids import (
+    Deduped,
+    dedup,
+    dedup_grouped,
+    dedup_together_triton,
+    fuse_ids,
+)
 from embcache.kernels.optim import RowUpdate, aggregate_grads, apply_row_update
 from embcache.native import direct as native_direct
 from embcache.profiling import profiled
@@ -70,20 +77,28 @@ class Located:
     prepared: Prepared | None
 
 
-@dataclass
-class Deduped:
-    """A cache's ids deduplicated by `dedup_together`: unique ids ascending, the inverse,
-    and (with several tables, when asked for) `CacheLayout.table_bounds` of the unique ids."""
-
-    unique: torch.Tensor  # int64 [U]
-    inverse: torch.Tensor  # int64 [n]
-    bounds: list[int] | None
-
-
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return offsets
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` of 2-D row blocks; with no copy (so no launch) when they are
+    consecutive rows of one contiguous tensor, as a forward's trace entries are."""
+    first = parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    at = first.storage_offset()
+    for p in parts:
+        if (
+            not p.is_contiguous()
+            or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or p.storage_offset() != at
+            or p.shape[1:] != first.shape[1:]
+        ):
+            return torch.cat(parts)
+        at += p.numel()
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def dedup_together(
@@ -101,6 +116,8 @@ def dedup_together(
     gives the fused id each table of cache i starts at (`CacheLayout.fused_starts`; None: one
     table), and the values of ``also_read`` (int64 ``[m]``, e.g. the id checks of
     `kernels.ids.fuse_ids_deferred`), returned beside the shares."""
+    if ids and use_triton(ids[0]):
+        return dedup_together_triton(ids, table_starts, also_read)
     runs, parts = [], []
     for i, x in enumerate(ids):
         x = x.to(torch.int64)
@@ -261,8 +278,14 @@ class CacheEngine:
         `dedup_together` made them (`plain_dedup`)."""
         if found is not None:
             unique = found.unique
+            # The device path's dedup grouped the values by id (a stable sort): the backward
+            # of a cache of one lookup sums by that grouping instead of sorting again.
+            grouping = None
+            if found.order is not None and len(self.layout.lookups) == 1:
+                assert found.segment_starts is not None  # made with the order
+                grouping = (found.order, found.segment_starts)
             return Prepared(unique, found.inverse, unique[:0], _offsets(lengths), weights, False,
-                            cuts=cuts, bounds=found.bounds)  # fmt: skip
+                            grouping, cuts=cuts, bounds=found.bounds)  # fmt: skip
         grouping = None
         through_tbe = self.tbe_step is not None and self.tbe_step.takes(weights)
         if self._grouped_dedup(fused, through_tbe):
@@ -501,7 +524,7 @@ class CacheEngine:
             and all(e.batch is batch for e in entries)
             and len({e.table_name for e in entries}) == len(entries)
         ):
-            grads = torch.cat([e.grads for e in entries])
+            grads = _joined([e.grads for e in entries])
             # Its entries were made of its unique ids (`trace_entries`); locked: resolved.
             assert prepared.unique is not None and prepared.slots is not None
             return Located(prepared.unique, prepared.slots, grads, prepared)

@@ -59,15 +59,25 @@ from embcache.profiling import profiled
 CheckedShare = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int] | None]
 
 
+_EXACT_IN_FLOAT32 = (torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
 def _read_together(values: list[torch.Tensor]) -> list[float]:
     """The values of 0-d device tensors (float or integer) on the host: one read per device
-    (a collection's are on one), in order."""
+    (a collection's are on one), in order. Joined by one ``cat``, which promotes them to a
+    common dtype (a step's float32 sums and int32 lock floors: float32, exact for floors
+    below 2**24, far above any count of locks); with int64 among them, each is read as float64
+    first."""
     by_device: dict[torch.device, list[int]] = {}
     for k, t in enumerate(values):
         by_device.setdefault(t.device, []).append(k)
     out = [0.0] * len(values)
     for at in by_device.values():
-        read = torch.stack([values[k].to(torch.float64) for k in at]).tolist()
+        parts = [values[k] for k in at]
+        if all(p.is_floating_point() or p.dtype in _EXACT_IN_FLOAT32 for p in parts):
+            read = torch.cat([p.reshape(1) for p in parts]).tolist()
+        else:
+            read = torch.stack([p.to(torch.float64) for p in parts]).tolist()
         for k, v in zip(at, read, strict=True):
             out[k] = v
     return out

@@ -68,17 +68,18 @@ def _gather_rows_kernel(
     tl.store(p_out, b_x, mask=m_x)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "num_unique"])  # per-batch values: one variant
+@triton.jit(
+    do_not_specialize=["num_chunks", "num_unique", "search_steps"]
+)  # per-batch values: one variant
 def _gather_backward_kernel(
     grad_out_ptr,
     order_ptr,
     segment_starts_ptr,
-    chunk_unique_ptr,
-    chunk_first_ptr,
     grad_unique_ptr,
     partial_ptr,
     num_chunks,
     num_unique,
+    search_steps,
     dim,
     stride_grad_n,
     stride_grad_col,
@@ -91,8 +92,7 @@ def _gather_backward_kernel(
     grad_out[j]`` over one chunk of at most CHUNK of u's values.
 
     ``order[segment_starts[u] : segment_starts[u + 1]]`` are the value positions j of unique id
-    u, ascending, cut into chunks of CHUNK values: chunk c is the ``c - chunk_first[u]``-th of
-    ``u = chunk_unique[c]`` (``u >= num_unique``: a padding chunk, skipped), so a hot id's
+    u, ascending, cut into chunks of at most CHUNK values (`pooling.split_segments`), so a hot id's
     values are summed by many programs side by side. A chunk's rows are read BLOCK_N at a time
     in that order, each tile reduced by ``tl.sum`` (a fixed tree for given block sizes) into an
     fp32 running sum. An id of one chunk gets its sum stored in ``grad_unique[u]`` (zeros for
@@ -107,13 +107,7 @@ def _gather_backward_kernel(
     for k in range(BLOCK_U):
         o_c = i_c * BLOCK_U + k
         u, m_u, seg_start, seg_end, single = chunk_span(
-            chunk_unique_ptr,
-            chunk_first_ptr,
-            segment_starts_ptr,
-            o_c,
-            num_chunks,
-            num_unique,
-            CHUNK,
+            segment_starts_ptr, o_c, num_chunks, num_unique, search_steps, CHUNK
         )
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
@@ -188,7 +182,7 @@ def gather_backward_triton(
         )  # [U + 1]
     block_n, block_d = tile_blocks(dim)
     # A hot id's values are cut into chunks, summed side by side, then in chunk order.
-    chunk, chunk_first, chunk_unique, num_chunks = split_segments(segment_starts, nnz, block_n)
+    chunk, num_chunks, search_steps = split_segments(segment_starts, nnz, block_n)
     partial = torch.empty(num_chunks, dim, dtype=torch.float32, device=device)
     # One chunk (or id) per program on a GPU; the interpreter pays per program: wide ones.
     block_u = 1 if device.type == "cuda" else 64
@@ -197,12 +191,11 @@ def gather_backward_triton(
         grad_out,
         order,
         segment_starts,
-        chunk_unique,
-        chunk_first,
         grad_unique,
         partial,
         num_chunks,
         num_unique,
+        search_steps,
         dim,
         grad_out.stride(0),
         grad_out.stride(1),
@@ -213,7 +206,14 @@ def gather_backward_triton(
     )
     grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
     chunk_sum_kernel[grid](
-        partial, chunk_first, grad_unique, num_unique, dim, BLOCK_U=block_u, BLOCK_D=block_d
+        partial,
+        segment_starts,
+        grad_unique,
+        num_unique,
+        dim,
+        CHUNK=chunk,
+        BLOCK_U=block_u,
+        BLOCK_D=block_d,
     )
     return grad_unique
 

@@ -25,6 +25,7 @@ from which the counts follow. The one host sync reads U, which sizes the outputs
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -45,16 +46,27 @@ _BLOCK_N = 1024
 @triton.jit(do_not_specialize=["nnz"])  # per-batch values: one variant
 def _fuse_ids_kernel(
     values_ptr,
-    value_features_ptr,
+    ends_ptr,
     table_idx_ptr,
     num_embeddings_ptr,
     fused_ptr,
     verdict_ptr,
+    flags_ptr,
     nnz,
+    num_features,
+    search_steps,
     fusion_k,
     BLOCK_N: tl.constexpr,
 ):
-    """``fused = id | (table << fusion_k)``; verdict 0 ok, 1 negative, 2 >= rows, 3 >= 2**k.
+    """``fused = id | (table << fusion_k)``; verdict 0 ok, 1 negative, 2 >= rows, 3 >= 2**k;
+    and the batch's checks, raised (``atomic_max``) into ``flags`` (int64 ``[4]``, zeroed):
+    a negative length, lengths that do not sum to ``nnz``, a table index out of range, a bad
+    id (`IdVerdict`).
+
+    Each value's feature is found by a binary search of ``ends`` (the lengths' running sums;
+    ``search_steps`` halvings, the bit length of ``num_features``), the first feature whose
+    end is past the value, the last one for values past every end (lengths that are wrong,
+    which ``flags`` says). Program i also checks features ``[i * BLOCK_N, (i + 1) * BLOCK_N)``.
 
     An unbounded table's id (``num_embeddings < 0``) outside ``[0, 2**fusion_k)`` is folded:
     ``mix64(id) & (2**fusion_k - 1)`` (splitmix64's finaliser in uint64, as `set_index`), and
@@ -63,8 +75,18 @@ def _fuse_ids_kernel(
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < nnz
+    # The feature of each value: lo ends as the number of ends <= o_n.
+    b_lo = tl.zeros((BLOCK_N,), dtype=tl.int64)
+    b_hi = tl.zeros((BLOCK_N,), dtype=tl.int64) + num_features
+    for _ in range(search_steps):
+        m_open = m_n & (b_lo < b_hi)
+        b_mid = (b_lo + b_hi) >> 1
+        b_end = tl.load(ends_ptr + b_mid, mask=m_open, other=0)
+        m_right = m_open & (b_end <= o_n)
+        b_lo = tl.where(m_right, b_mid + 1, b_lo)
+        b_hi = tl.where(m_open & (b_end > o_n), b_mid, b_hi)
+    b_feat = tl.minimum(b_lo, num_features - 1)
     b_id = tl.load(values_ptr + o_n, mask=m_n, other=0).to(tl.int64)
-    b_feat = tl.load(value_features_ptr + o_n, mask=m_n, other=0)
     b_table = tl.load(table_idx_ptr + b_feat, mask=m_n, other=0)
     b_rows = tl.load(num_embeddings_ptr + b_feat, mask=m_n, other=-1)
     b_wide = (b_id >> fusion_k) != 0  # negative ids too
@@ -83,6 +105,21 @@ def _fuse_ids_kernel(
     )
     tl.store(fused_ptr + o_n, b_id | (b_table << fusion_k), mask=m_n)
     tl.store(verdict_ptr + o_n, b_verdict.to(tl.int8), mask=m_n)
+    bad_id = tl.max(tl.where(m_n & (b_verdict != 0), 1, 0).to(tl.int64), axis=0)
+    # This program's features: a negative length, a table index past 63 - fusion_k bits.
+    m_f = o_n < num_features
+    b_f_end = tl.load(ends_ptr + o_n, mask=m_f, other=0)
+    b_f_start = tl.load(ends_ptr + o_n - 1, mask=m_f & (o_n > 0), other=0)
+    b_f_table = tl.load(table_idx_ptr + o_n, mask=m_f, other=0)
+    negative = tl.max(tl.where(m_f & (b_f_end < b_f_start), 1, 0).to(tl.int64), axis=0)
+    m_bad_table = (b_f_table < 0) | ((b_f_table >> (63 - fusion_k)) != 0)
+    bad_table = tl.max(tl.where(m_f & m_bad_table, 1, 0).to(tl.int64), axis=0)
+    total = tl.load(ends_ptr + num_features - 1)
+    wrong_total = tl.where((i_n == 0) & (total != nnz), 1, 0).to(tl.int64)
+    tl.atomic_max(flags_ptr + 0, negative)
+    tl.atomic_max(flags_ptr + 1, wrong_total)
+    tl.atomic_max(flags_ptr + 2, bad_table)
+    tl.atomic_max(flags_ptr + 3, bad_id)
 
 
 @triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
@@ -110,30 +147,72 @@ def _segment_starts_kernel(sorted_ptr, is_start_ptr, n, BLOCK_N: tl.constexpr):
     tl.store(is_start_ptr + o_n, b_start.to(tl.int32), mask=m_n)
 
 
+@triton.jit(do_not_specialize=["n", "num_tables", "num_extra"])  # per batch: one variant
+def _dedup_mark_kernel(
+    sorted_ptr,
+    is_start_ptr,
+    table_starts_ptr,
+    extra_ptr,
+    read_ptr,
+    extra_out_ptr,
+    n,
+    num_tables,
+    num_extra,
+    BLOCK_N: tl.constexpr,
+):
+    """`_segment_starts_kernel`, and the sizes a host read needs, added up (``atomic_add``,
+    integers: the same sums whatever the order) into ``read`` (int64 ``[1 + num_tables]``,
+    zeroed): ``read[0]``, the number of unique ids; ``read[1 + t]``, the unique ids below
+    ``table_starts[t]``. Program 0 also copies ``extra`` (``[num_extra]``) to ``extra_out``,
+    so that one read brings them too."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    m_prev = m_n & (o_n > 0)
+    b_cur = tl.load(sorted_ptr + o_n, mask=m_n, other=0)
+    b_prev = tl.load(sorted_ptr + o_n - 1, mask=m_prev, other=0)
+    m_start = m_n & ((o_n == 0) | (b_cur != b_prev))
+    tl.store(is_start_ptr + o_n, m_start.to(tl.int32), mask=m_n)
+    tl.atomic_add(read_ptr, tl.sum(m_start.to(tl.int64), axis=0))
+    for t in range(num_tables):
+        first = tl.load(table_starts_ptr + t)
+        below = tl.sum((m_start & (b_cur < first)).to(tl.int64), axis=0)
+        tl.atomic_add(read_ptr + 1 + t, below)
+    o_e = tl.arange(0, BLOCK_N)
+    for e0 in range(0, num_extra, BLOCK_N):
+        m_e = (i_n == 0) & (e0 + o_e < num_extra)
+        b_e = tl.load(extra_ptr + e0 + o_e, mask=m_e, other=0)
+        tl.store(extra_out_ptr + e0 + o_e, b_e, mask=m_e)
+
+
 @triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
 def _dedup_scatter_kernel(
     sorted_ptr,
     order_ptr,
     is_start_ptr,
-    segment_ptr,
+    seen_ptr,
     unique_ptr,
     inverse_ptr,
     starts_ptr,
     n,
     BLOCK_N: tl.constexpr,
 ):
-    """``inverse[order[i]] = segment[i]``; at segment starts ``unique[s] = sorted[i]``,
-    ``starts[s] = i``."""
+    """With ``seen`` the running count of segment starts (inclusive) and ``s = seen[i] - 1``
+    the segment of sorted position i: ``inverse[order[i]] = s``; at segment starts
+    ``unique[s] = sorted[i]``, ``starts[s] = i``; and ``starts[U] = n`` (``U = seen[n - 1]``).
+    """
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < n
     b_id = tl.load(sorted_ptr + o_n, mask=m_n, other=0)
     b_pos = tl.load(order_ptr + o_n, mask=m_n, other=0)
-    b_seg = tl.load(segment_ptr + o_n, mask=m_n, other=0)
+    b_seg = tl.load(seen_ptr + o_n, mask=m_n, other=1) - 1
     m_start = m_n & (tl.load(is_start_ptr + o_n, mask=m_n, other=0) != 0)
     tl.store(inverse_ptr + b_pos, b_seg, mask=m_n)
     tl.store(unique_ptr + b_seg, b_id, mask=m_start)
     tl.store(starts_ptr + b_seg, o_n, mask=m_start)
+    num_unique = tl.load(seen_ptr + n - 1)
+    tl.store(starts_ptr + num_unique, n, mask=i_n == 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,28 +226,36 @@ def _grid(n: int) -> tuple[int]:
 
 def fuse_ids_triton(
     values: torch.Tensor,
-    value_features: torch.Tensor,
+    ends: torch.Tensor,
     table_idx: torch.Tensor,
     num_embeddings: torch.Tensor,
     fusion_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `ids_ref.fuse_ids_ref` (same arguments and results)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of `ids_ref.fuse_ids_ref`, each value's feature found in the kernel from
+    ``ends`` (int64 ``[F]``, F >= 1, the lengths' running sums), with the batch's checks:
+    ``(fused, verdict, flags)``, ``flags`` as `IdVerdict`'s."""
     nnz = values.numel()
-    fused = torch.empty(nnz, dtype=torch.int64, device=values.device)
-    verdict = torch.empty(nnz, dtype=torch.int8, device=values.device)
-    if nnz:
-        _fuse_ids_kernel[_grid(nnz)](
-            values,
-            value_features,
-            table_idx,
-            num_embeddings,
-            fused,
-            verdict,
-            nnz,
-            fusion_k,
-            BLOCK_N=_BLOCK_N,
-        )
-    return fused, verdict
+    num_features = ends.numel()
+    device = values.device
+    fused = torch.empty(nnz, dtype=torch.int64, device=device)
+    verdict = torch.empty(nnz, dtype=torch.int8, device=device)
+    flags = torch.zeros(4, dtype=torch.int64, device=device)
+    grid = (max(1, triton.cdiv(max(nnz, num_features), _BLOCK_N)),)
+    _fuse_ids_kernel[grid](
+        values,
+        ends,
+        table_idx,
+        num_embeddings,
+        fused,
+        verdict,
+        flags,
+        nnz,
+        num_features,
+        num_features.bit_length(),
+        fusion_k,
+        BLOCK_N=_BLOCK_N,
+    )
+    return fused, verdict, flags
 
 
 def unfuse_ids_triton(fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,16 +278,86 @@ def dedup_triton(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     sorted_ids, order = torch.sort(ids.to(torch.int64), stable=True)
     is_start = torch.empty(n, dtype=torch.int32, device=device)
     _segment_starts_kernel[_grid(n)](sorted_ids, is_start, n, BLOCK_N=_BLOCK_N)
-    segment = torch.cumsum(is_start, 0, dtype=torch.int64) - 1  # [n] unique index of sorted[i]
-    num_unique = int(segment[-1]) + 1  # the one host sync: U sizes the outputs
+    seen = torch.cumsum(is_start, 0, dtype=torch.int64)  # [n] unique ids up to sorted[i]
+    num_unique = int(seen[-1])  # the one host sync: U sizes the outputs
     unique_ids = torch.empty(num_unique, dtype=torch.int64, device=device)
     inverse = torch.empty(n, dtype=torch.int64, device=device)
     starts = torch.empty(num_unique + 1, dtype=torch.int64, device=device)
-    starts[num_unique] = n
     _dedup_scatter_kernel[_grid(n)](
-        sorted_ids, order, is_start, segment, unique_ids, inverse, starts, n, BLOCK_N=_BLOCK_N
+        sorted_ids, order, is_start, seen, unique_ids, inverse, starts, n, BLOCK_N=_BLOCK_N
     )
     return unique_ids, inverse, starts[1:] - starts[:-1]
+
+
+@dataclass
+class Deduped:
+    """A cache's ids deduplicated by `dedup_together`: unique ids ascending, the inverse,
+    (with several tables, when asked for) `CacheLayout.table_bounds` of the unique ids, and on
+    the device path, the ids' positions grouped by unique id (``order``, a stable sort: in
+    value order within an id) and where each id's run starts in it (``segment_starts``,
+    ``[U + 1]``)."""
+
+    unique: torch.Tensor  # int64 [U]
+    inverse: torch.Tensor  # int64 [n]
+    bounds: list[int] | None
+    order: torch.Tensor | None = None  # int64 [n]
+    segment_starts: torch.Tensor | None = None  # int64 [U + 1]
+
+
+def dedup_together_triton(
+    ids: list[torch.Tensor],
+    table_starts: Sequence[torch.Tensor | None] | None = None,
+    also_read: torch.Tensor | None = None,
+) -> tuple[list[Deduped], list[int]]:
+    """`dedup_together` on the device path: per cache a stable sort, one kernel marking its
+    runs and adding up the sizes the host needs (`_dedup_mark_kernel`), their running count,
+    and after the one read, one kernel writing the unique ids, the inverse and the runs'
+    starts (`_dedup_scatter_kernel`): four launches a cache, plus one zeroed buffer that the
+    read brings back whole (sizes, table bounds and ``also_read``, copied in by the first
+    mark)."""
+    device = ids[0].device
+    tables = [0 if ts is None else ts.numel() for ts in (table_starts or [None] * len(ids))]
+    extra = 0 if also_read is None else also_read.numel()
+    read = torch.zeros(sum(tables) + len(ids) + extra, dtype=torch.int64, device=device)
+    runs, at = [], 0
+    for i, x in enumerate(ids):
+        n = x.numel()
+        ordered, order = torch.sort(x.to(torch.int64), stable=True)
+        is_start = torch.empty(n, dtype=torch.int32, device=device)
+        first = table_starts[i] if table_starts is not None else None
+        copy = i == 0 and also_read is not None
+        _dedup_mark_kernel[_grid(n)](
+            ordered,
+            is_start,
+            first if first is not None else read,
+            also_read.to(torch.int64) if also_read is not None and copy else read,
+            read[at:],
+            read[len(read) - extra :] if copy else read,
+            n,
+            tables[i],
+            extra if copy else 0,
+            BLOCK_N=_BLOCK_N,
+        )
+        seen = torch.cumsum(is_start, 0, dtype=torch.int64)  # [n]
+        runs.append((ordered, order, is_start, seen, tables[i]))
+        at += 1 + tables[i]
+    values = read.tolist()  # the one host read
+    out, at = [], 0
+    for ordered, order, is_start, seen, num_tables in runs:
+        num_unique, n = values[at], ordered.numel()
+        bounds = [*values[at + 1 : at + 1 + num_tables], num_unique] if num_tables else None
+        at += 1 + num_tables
+        unique = torch.empty(num_unique, dtype=torch.int64, device=device)
+        inverse = torch.empty(n, dtype=torch.int64, device=device)
+        starts = torch.empty(num_unique + 1, dtype=torch.int64, device=device)
+        if n:
+            _dedup_scatter_kernel[_grid(n)](
+                ordered, order, is_start, seen, unique, inverse, starts, n, BLOCK_N=_BLOCK_N
+            )
+        else:
+            starts.zero_()
+        out.append(Deduped(unique, inverse, bounds, order, starts))
+    return out, values[at:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,21 +477,36 @@ class IdVerdict:
         self.judge(self.flags.tolist())
 
 
+def _value_features(ends: torch.Tensor, nnz: int) -> torch.Tensor:
+    """The feature of each of ``nnz`` values, from the lengths' running sums ``ends``; safe
+    when the lengths are wrong (values past every end are the last feature's)."""
+    o_n = torch.arange(nnz, dtype=torch.int64, device=ends.device)
+    return torch.searchsorted(ends, o_n, right=True).clamp_(max=ends.numel() - 1)
+
+
+def _bad_tables(table_idx: torch.Tensor, fusion_k: int) -> torch.Tensor:
+    """Which table indices do not fit the ``63 - fusion_k`` bits above the ids."""
+    bad = table_idx < 0
+    if fusion_k > 0:  # for fusion_k = 0 every non-negative int64 fits
+        bad |= table_idx >= (1 << (63 - fusion_k))
+    return bad
+
+
 def _raise_bad(
     flags: Sequence[int],
     values: torch.Tensor,
     lengths: torch.Tensor,
     ends: torch.Tensor,
     table_idx: torch.Tensor,
-    bad_table: torch.Tensor,
-    value_features: torch.Tensor,
+    value_features: torch.Tensor | None,
     verdict: torch.Tensor,
     num_embeddings: torch.Tensor,
     fusion_k: int,
     feature_names: Sequence[str],
     table_names: Sequence[str],
 ) -> None:
-    """The error of `fuse_ids` for ``flags`` (error path only)."""
+    """The error of `fuse_ids` for ``flags`` (error path only; ``value_features`` None: found
+    from ``ends`` here)."""
     negative_length, wrong_total, table_out_of_range, _ = flags
     if negative_length:
         i = int(torch.nonzero(lengths < 0).min())
@@ -346,11 +518,13 @@ def _raise_bad(
             f"feature_lengths sum to {int(ends[-1])} but values has {values.numel()} entries"
         )
     if table_out_of_range:
-        i = int(torch.nonzero(bad_table).min())
+        i = int(torch.nonzero(_bad_tables(table_idx, fusion_k)).min())
         raise ValueError(
             f"feature {feature_names[i]!r} (table {table_names[i]!r}): table index "
             f"{int(table_idx[i])} out of range [0, 2**{63 - fusion_k}) for fusion_k={fusion_k}"
         )
+    if value_features is None:
+        value_features = _value_features(ends, values.numel())
     raise _bad_id_error(
         values, value_features, verdict, num_embeddings, fusion_k, feature_names, table_names
     )
@@ -457,36 +631,33 @@ def fuse_ids_deferred(
         fused = _fuse_segments_cpu(values, lengths, table_idx, num_embeddings, fusion_k)
         if fused is not None:
             return fused, None  # else a bad id or table index: the checks below name it
+    if use_triton(values):
+        # One launch finds each value's feature, fuses and checks: nothing is read here.
+        fused, verdict, flags = fuse_ids_triton(
+            values.contiguous(), ends, table_idx, num_embeddings, fusion_k
+        )
+        found: tuple = (values, lengths, ends, table_idx, None, verdict, num_embeddings,
+                         fusion_k, feature_names, table_names)  # fmt: skip
+        return fused, IdVerdict(flags, found)
     if lengths_ok:
         # On the CPU a check costs no device sync: with lengths known good, repeat_interleave
         # is several times cheaper than a search per value.
         features = torch.arange(num_features, dtype=torch.int64)
         value_features = torch.repeat_interleave(features, lengths, output_size=nnz)
     else:
-        # Feature of each value, safe even when the lengths are wrong (checked below, same sync).
-        o_n = torch.arange(nnz, dtype=torch.int64, device=device)
-        value_features = torch.searchsorted(ends, o_n, right=True).clamp_(max=num_features - 1)
-
-    if use_triton(values):
-        fused, verdict = fuse_ids_triton(
-            values.contiguous(), value_features, table_idx, num_embeddings, fusion_k
-        )
-    else:
-        fused, verdict = ids_ref.fuse_ids_ref(
-            values, value_features, table_idx, num_embeddings, fusion_k
-        )
-    bad_table = table_idx < 0
-    if fusion_k > 0:  # for fusion_k = 0 every non-negative int64 fits
-        bad_table |= table_idx >= (1 << (63 - fusion_k))
+        value_features = _value_features(ends, nnz)
+    fused, verdict = ids_ref.fuse_ids_ref(
+        values, value_features, table_idx, num_embeddings, fusion_k
+    )
     flags = torch.stack(
         [
             (lengths < 0).any(),
             ends[-1] != nnz,
-            bad_table.any(),
+            _bad_tables(table_idx, fusion_k).any(),
             (verdict != ids_ref.ID_OK).any(),
         ]
     ).to(torch.int64)
-    args = (values, lengths, ends, table_idx, bad_table, value_features, verdict, num_embeddings,
+    args = (values, lengths, ends, table_idx, value_features, verdict, num_embeddings,
             fusion_k, feature_names, table_names)  # fmt: skip
     return fused, IdVerdict(flags, args)
 

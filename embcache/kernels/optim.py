@@ -292,17 +292,18 @@ def _row_update_kernel(
             store_weights(p_w, b_w, m_nd, b_row, o_d, STOCHASTIC)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "num_unique"])  # per-batch values: one variant
+@triton.jit(
+    do_not_specialize=["num_chunks", "num_unique", "search_steps"]
+)  # per-batch values: one variant
 def _segment_sum_kernel(
     grads_ptr,
     order_ptr,
     offsets_ptr,
-    chunk_unique_ptr,
-    chunk_first_ptr,
     out_ptr,
     partial_ptr,
     num_chunks,
     num_unique,
+    search_steps,
     dim,
     stride_gn,
     stride_gd,
@@ -316,8 +317,7 @@ def _segment_sum_kernel(
     """BLOCK_U chunks, BLOCK_D columns: the part of ``out[u] = Σ_{k ∈ [offsets[u],
     offsets[u + 1])} grads[order[k]]`` over one chunk of at most CHUNK of those k.
 
-    Id u's k are cut into chunks of CHUNK: chunk c is the ``c - chunk_first[u]``-th of ``u =
-    chunk_unique[c]`` (``u >= num_unique``: a padding chunk, skipped), so a hot id's rows are
+    Id u's k are cut into chunks of at most CHUNK (`pooling.split_segments`), so a hot id's rows are
     summed by many programs side by side. A chunk's rows are read ``BLOCK_N`` at a time in
     ``k`` order; a tile is reduced by ``tl.sum`` (a fixed tree for given block sizes) and added
     to an fp32 running sum. An id of one chunk gets its sum stored in ``out[u]``; the chunks of
@@ -332,7 +332,7 @@ def _segment_sum_kernel(
     for k in range(BLOCK_U):
         o_c = i_c * BLOCK_U + k
         u, m_u, seg_start, seg_end, single = chunk_span(
-            chunk_unique_ptr, chunk_first_ptr, offsets_ptr, o_c, num_chunks, num_unique, CHUNK
+            offsets_ptr, o_c, num_chunks, num_unique, search_steps, CHUNK
         )
         b_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
@@ -429,7 +429,7 @@ def aggregate_grads_triton(
         block_d = min(max(triton.next_power_of_2(dim), 16), _SUM_MAX_BLOCK_D)
         block_n = min(max(_SUM_ELEMS // block_d, 1), _SUM_MAX_BLOCK_N)
         # A hot id's rows are cut into chunks, summed side by side, then in chunk order.
-        chunk, chunk_first, chunk_unique, num_chunks = split_segments(offsets, ids.numel(), block_n)
+        chunk, num_chunks, search_steps = split_segments(offsets, ids.numel(), block_n)
         partial = torch.empty(num_chunks, dim, dtype=torch.float32, device=grads.device)
         # One chunk (or id) per program on a GPU; the interpreter pays per program: wide ones.
         block_u = 1 if grads.is_cuda else 64
@@ -438,12 +438,11 @@ def aggregate_grads_triton(
             grads,
             order,
             offsets,
-            chunk_unique,
-            chunk_first,
             summed,
             partial,
             num_chunks,
             u,
+            search_steps,
             dim,
             grads.stride(0),
             grads.stride(1),
@@ -456,7 +455,7 @@ def aggregate_grads_triton(
         )
         grid = (triton.cdiv(u, block_u), triton.cdiv(dim, block_d))
         chunk_sum_kernel[grid](
-            partial, chunk_first, summed, u, dim, BLOCK_U=block_u, BLOCK_D=block_d
+            partial, offsets, summed, u, dim, CHUNK=chunk, BLOCK_U=block_u, BLOCK_D=block_d
         )
     else:
         summed.zero_()

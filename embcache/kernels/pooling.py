@@ -127,32 +127,49 @@ def _pool_forward_kernel(
 
 
 @triton.jit
-def chunk_span(
-    chunk_unique_ptr, chunk_first_ptr, segment_starts_ptr, o_c, num_chunks, num_unique,
-    CHUNK: tl.constexpr,
-):  # fmt: skip
-    """Chunk ``o_c`` of `split_segments`' table: ``(u, m_u, start, end, single)``, its unique
-    id, whether it is a real chunk (not padding), the span ``[start, end)`` of the grouped
-    order it sums, and whether it is its id's only chunk (its sum is then the id's). Shared by
-    the three segment-sum kernels (`_pool_backward_kernel`, `gather._gather_backward_kernel`,
+def chunk_span(segment_starts_ptr, o_c, num_chunks, num_unique, search_steps, CHUNK: tl.constexpr):
+    """Chunk ``o_c`` of `split_segments`' cut: ``(u, m_u, start, end, single)``, its unique
+    id, whether it is a real chunk (not past the last), the span ``[start, end)`` of the
+    grouped order it sums, and whether it is its id's only chunk (its sum is then the id's).
+    Its id is found by a binary search (``search_steps`` halvings, the bit length of
+    ``num_unique``) of the ids' first chunks, which grow with u. Shared by the three
+    segment-sum kernels (`_pool_backward_kernel`, `gather._gather_backward_kernel`,
     `optim._segment_sum_kernel`)."""
-    u = tl.load(chunk_unique_ptr + o_c, mask=o_c < num_chunks, other=num_unique)
-    m_u = u < num_unique
-    first = tl.load(chunk_first_ptr + u, mask=m_u, other=0)
-    last = tl.load(chunk_first_ptr + u + 1, mask=m_u, other=0)
-    end = tl.load(segment_starts_ptr + u + 1, mask=m_u, other=0)
-    start = tl.load(segment_starts_ptr + u, mask=m_u, other=0) + (o_c - first) * CHUNK
-    return u, m_u, start, tl.minimum(end, start + CHUNK), last - first == 1
+    m_u = o_c < num_chunks
+    lo = tl.zeros((), dtype=tl.int64)
+    hi = tl.zeros((), dtype=tl.int64) + num_unique
+    for _ in range(search_steps):  # the last u whose first chunk is <= o_c: lo ends past it
+        open_ = lo < hi
+        mid = (lo + hi) >> 1
+        first_mid = mid + tl.load(segment_starts_ptr + mid, mask=m_u & open_, other=0) // CHUNK
+        right = open_ & (first_mid <= o_c)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(open_ & (first_mid > o_c), mid, hi)
+    u = tl.where(m_u, lo - 1, num_unique)
+    m_u = m_u & (u >= 0) & (u < num_unique)
+    seg_start = tl.load(segment_starts_ptr + u, mask=m_u, other=0)
+    seg_end = tl.load(segment_starts_ptr + u + 1, mask=m_u, other=0)
+    block = o_c - u  # id u's chunks begin at u + seg_start // CHUNK, at that aligned block
+    start = tl.maximum(seg_start, block * CHUNK)
+    end = tl.minimum(seg_end, (block + 1) * CHUNK)
+    single = seg_end // CHUNK == seg_start // CHUNK
+    return u, m_u, start, tl.maximum(start, end), single
 
 
-@triton.jit(do_not_specialize=["num_chunks", "num_unique", "batch_size"])  # per batch: one variant
+@triton.jit(
+    do_not_specialize=[
+        "num_chunks",
+        "num_unique",
+        "search_steps",
+        "num_bags",
+        "bag_steps",
+        "batch_size",
+    ]
+)  # per batch: one variant
 def _pool_backward_kernel(
     grad_out_ptr,
     order_ptr,
     segment_starts_ptr,
-    chunk_unique_ptr,
-    chunk_first_ptr,
-    bag_of_value_ptr,
     offsets_ptr,
     weights_ptr,
     col_offsets_ptr,
@@ -161,6 +178,9 @@ def _pool_backward_kernel(
     partial_ptr,
     num_chunks,
     num_unique,
+    search_steps,
+    num_bags,
+    bag_steps,
     batch_size,
     dim,
     stride_grad_b,
@@ -176,9 +196,9 @@ def _pool_backward_kernel(
     s_j g_bag(j)`` over one chunk of at most CHUNK of u's values.
 
     ``order[segment_starts[u] : segment_starts[u + 1]]`` are the value positions j of unique id u,
-    ascending, cut into chunks of CHUNK values: chunk c is the ``k = c - chunk_first[u]``-th of
-    ``u = chunk_unique[c]`` (``u >= num_unique``: a padding chunk, skipped). So a hot id's values
-    are summed by many programs side by side instead of one walking them all. An id of one
+    ascending, cut into chunks of at most CHUNK values (`split_segments`, `chunk_span`). So a
+    hot id's values are summed by many programs side by side instead of one walking them all.
+    An id of one
     chunk gets its sum stored in ``grad_unique[u]``; the chunks of a longer id store theirs in
     ``partial[c]``, which `chunk_sum_kernel` adds up in chunk order. ``s_j`` is ``w_j`` (SUM),
     ``w_j / L`` (MEAN) or ``w_j [argmax[bag, d] == j]`` (MAX). Every sum runs in a fixed order,
@@ -191,20 +211,23 @@ def _pool_backward_kernel(
     for k in range(BLOCK_U):
         o_c = i_c * BLOCK_U + k
         u, m_u, seg_start, seg_end, single = chunk_span(
-            chunk_unique_ptr,
-            chunk_first_ptr,
-            segment_starts_ptr,
-            o_c,
-            num_chunks,
-            num_unique,
-            CHUNK,
+            segment_starts_ptr, o_c, num_chunks, num_unique, search_steps, CHUNK
         )
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for o_start in range(seg_start, seg_end, BLOCK_N):
             o_n = o_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             m_n = o_n < seg_end
             b_j = tl.load(order_ptr + o_n, mask=m_n, other=0)
-            b_bag = tl.load(bag_of_value_ptr + b_j, mask=m_n, other=0)
+            # The bag of value j: the last whose offset is <= j (``bag_steps`` halvings).
+            b_lo = tl.zeros((BLOCK_N,), dtype=tl.int64)
+            b_hi = tl.zeros((BLOCK_N,), dtype=tl.int64) + num_bags + 1
+            for _ in range(bag_steps):
+                m_open = m_n & (b_lo < b_hi)
+                b_mid = (b_lo + b_hi) >> 1
+                b_off = tl.load(offsets_ptr + b_mid, mask=m_open, other=0)
+                b_lo = tl.where(m_open & (b_off <= b_j), b_mid + 1, b_lo)
+                b_hi = tl.where(m_open & (b_off > b_j), b_mid, b_hi)
+            b_bag = tl.maximum(b_lo - 1, 0)
             b_col = tl.load(col_offsets_ptr + b_bag // batch_size, mask=m_n, other=0)
             b_sample = b_bag % batch_size
             m_g = m_n[:, None] & m_d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -234,15 +257,16 @@ def _pool_backward_kernel(
 @triton.jit(do_not_specialize=["num_unique"])  # per batch: one variant
 def chunk_sum_kernel(
     partial_ptr,
-    chunk_first_ptr,
+    segment_starts_ptr,
     grad_unique_ptr,
     num_unique,
     dim,
+    CHUNK: tl.constexpr,
     BLOCK_U: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """``grad_unique[u] = Σ_{c ∈ [chunk_first[u], chunk_first[u + 1])} partial[c]``, in chunk
-    order, for the ids of more than one chunk (the others are already stored)."""
+    """``grad_unique[u] = Σ partial[c]`` over id u's chunks in `split_segments`' cut, in
+    chunk order, for the ids of more than one chunk (the others are already stored)."""
     i_u = tl.program_id(0).to(tl.int64)
     i_d = tl.program_id(1).to(tl.int64)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -250,8 +274,8 @@ def chunk_sum_kernel(
     for k in range(BLOCK_U):
         o_u = i_u * BLOCK_U + k
         m_u = o_u < num_unique
-        first = tl.load(chunk_first_ptr + o_u, mask=m_u, other=0)
-        last = tl.load(chunk_first_ptr + o_u + 1, mask=m_u, other=0)
+        first = o_u + tl.load(segment_starts_ptr + o_u, mask=m_u, other=0) // CHUNK
+        last = o_u + 1 + tl.load(segment_starts_ptr + o_u + 1, mask=m_u, other=0) // CHUNK
         many = last - first > 1
         last = tl.where(many, last, first)  # an id of one chunk: nothing to add
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -273,41 +297,32 @@ def tile_blocks(dim: int) -> tuple[int, int]:
     return block_n, block_d
 
 
-def split_segments(
-    segment_starts: torch.Tensor, nnz: int, block_n: int
-) -> tuple[int, torch.Tensor, torch.Tensor, int]:
-    """Cut each unique id's values into chunks of `_CHUNK_TILES` tiles of ``block_n`` values.
+def split_segments(segment_starts: torch.Tensor, nnz: int, block_n: int) -> tuple[int, int, int]:
+    """How `chunk_span` cuts each unique id's values into chunks of at most `_CHUNK_TILES`
+    tiles of ``block_n`` values, computed on the host from sizes alone: no launch, no read.
 
     The segment-sum backwards (pooling's, the gather's, the optimizer's `aggregate_grads`) give
     each chunk its own program, so a hot id's chunks are summed side by side; then
-    `chunk_sum_kernel` adds the chunk sums of each id of several, in chunk order. The chunk
-    count is bounded on the host (every id one chunk, plus one per chunk of values), so nothing
-    is read back from the device: chunks past the last real one are padding.
+    `chunk_sum_kernel` adds the chunk sums of each id of several, in chunk order. The cut is
+    at the multiples of CHUNK in the grouped order: id u, whose values are positions
+    ``[s_u, s_{u+1})``, has the ``1 + s_{u+1} // CHUNK - s_u // CHUNK`` pieces between them
+    (the last one empty when ``s_{u+1}`` is a multiple of CHUNK), so its first chunk is
+    ``u + s_u // CHUNK`` and there are ``U + nnz // CHUNK`` chunks in all,
+    with no scan over the ids.
 
     Args:
-        segment_starts: int64 or int32 ``[U + 1]``: id u's values are positions
-            ``[segment_starts[u], segment_starts[u + 1])`` of the grouped order.
+        segment_starts: int64 or int32 ``[U + 1]``, ``segment_starts[0] = 0``: id u's values
+            are positions ``[segment_starts[u], segment_starts[u + 1])`` of the grouped order.
         nnz: the number of values, ``segment_starts[U]``.
         block_n: values per tile, the kernel's BLOCK_N.
 
     Returns:
-        ``(chunk, chunk_first, chunk_unique, num_chunks)``: values per chunk (the kernels'
-        CHUNK); int64 ``[U + 1]``, id u's chunks are ``[chunk_first[u], chunk_first[u + 1])``
-        (an id with no values has one, empty); int64 ``[num_chunks]``, the id of each chunk,
-        ``U`` for padding; ``num_chunks = U + cdiv(nnz, chunk)``.
+        ``(chunk, num_chunks, search_steps)``: values per chunk (the kernels' CHUNK), the
+        number of chunks, and the halvings of `chunk_span`'s search (the bit length of U).
     """
     chunk = block_n * _CHUNK_TILES
     num_unique = segment_starts.numel() - 1
-    seg_len = segment_starts[1:] - segment_starts[:-1]  # [U]
-    chunks_of = torch.clamp((seg_len + (chunk - 1)) // chunk, min=1)
-    chunk_first = torch.nn.functional.pad(torch.cumsum(chunks_of, 0), (1, 0))  # [U + 1]
-    num_chunks = num_unique + triton.cdiv(nnz, chunk)
-    chunk_unique = torch.searchsorted(
-        chunk_first[1:],
-        torch.arange(num_chunks, dtype=torch.int64, device=segment_starts.device),
-        right=True,
-    )  # [num_chunks]
-    return chunk, chunk_first, chunk_unique, num_chunks
+    return chunk, num_unique + nnz // chunk, num_unique.bit_length()
 
 
 def pool_forward_triton(
@@ -365,24 +380,28 @@ def pool_backward_triton(
     batch_size: int,
     col_offsets: torch.Tensor,
     argmax: torch.Tensor | None,
+    grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `pooling_ref.pool_backward_ref`: stable sort by unique id, then each id's
-    values summed in chunks (`split_segments`) and the chunk sums in order."""
+    """Triton twin of `pooling_ref.pool_backward_ref`: value positions grouped by unique id
+    (``grouping``, the dedup's stable order and runs, else a stable sort of ``inverse``), then
+    each id's values summed in chunks (`split_segments`; each value's bag found in the
+    kernel) and the chunk sums in order: two launches with a grouping."""
     device = grad_out.device
     nnz = inverse.numel()
     grad_unique = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
     if num_unique == 0:
         return grad_unique
-    sorted_inverse, order = torch.sort(inverse, stable=True)
-    segment_starts = torch.searchsorted(
-        sorted_inverse, torch.arange(num_unique + 1, dtype=torch.int64, device=device)
-    )  # [U + 1]
+    if grouping is not None:
+        order, segment_starts = grouping
+    else:
+        sorted_inverse, order = torch.sort(inverse, stable=True)
+        segment_starts = torch.searchsorted(
+            sorted_inverse, torch.arange(num_unique + 1, dtype=torch.int64, device=device)
+        )  # [U + 1]
     num_bags = offsets.numel() - 1
-    bags = torch.arange(num_bags, dtype=torch.int64, device=device)
-    bag_of_value = torch.repeat_interleave(bags, offsets[1:] - offsets[:-1], output_size=nnz)
     block_n, block_d = tile_blocks(dim)
     # A hot id's values are cut into chunks, summed side by side, then in chunk order.
-    chunk, chunk_first, chunk_unique, num_chunks = split_segments(segment_starts, nnz, block_n)
+    chunk, num_chunks, search_steps = split_segments(segment_starts, nnz, block_n)
     partial = torch.empty(num_chunks, dim, dtype=torch.float32, device=device)
     # One chunk (or id) per program on a GPU; the interpreter pays per program: wide ones.
     block_u = 1 if device.type == "cuda" else 64
@@ -391,9 +410,6 @@ def pool_backward_triton(
         grad_out,
         order,
         segment_starts,
-        chunk_unique,
-        chunk_first,
-        bag_of_value,
         offsets,
         per_sample_weights if per_sample_weights is not None else grad_out,
         col_offsets,
@@ -402,6 +418,9 @@ def pool_backward_triton(
         partial,
         num_chunks,
         num_unique,
+        search_steps,
+        num_bags,
+        (num_bags + 1).bit_length(),
         batch_size,
         dim,
         grad_out.stride(0),
@@ -415,7 +434,14 @@ def pool_backward_triton(
     )
     grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
     chunk_sum_kernel[grid](
-        partial, chunk_first, grad_unique, num_unique, dim, BLOCK_U=block_u, BLOCK_D=block_d
+        partial,
+        segment_starts,
+        grad_unique,
+        num_unique,
+        dim,
+        CHUNK=chunk,
+        BLOCK_U=block_u,
+        BLOCK_D=block_d,
     )
     return grad_unique
 
@@ -579,8 +605,6 @@ def pool_backward(
     else:
         argmax = None
     args = (grad_out, dim, inverse, num_unique, offsets, per_sample_weights, mode, batch_size)
-    if use_triton(grad_out):
-        return pool_backward_triton(*args, col_offsets, argmax)
     if grouping is not None:
         order, segments = grouping
         require(
@@ -588,4 +612,6 @@ def pool_backward(
             f"grouping covers {order.numel()} values and {segments.numel() - 1} ids, expected "
             f"{inverse.numel()} and {num_unique}",
         )
+    if use_triton(grad_out):
+        return pool_backward_triton(*args, col_offsets, argmax, grouping)
     return pooling_ref.pool_backward_ref(*args, col_offsets, argmax, grouping, col_start)

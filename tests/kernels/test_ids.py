@@ -245,6 +245,59 @@ def test_fuse_ids_of_equal_features_matches_reference(
         _fuse(bad.to(device), t_lengths, 30)
 
 
+@pytest.mark.parametrize("features", [1, 3, 1500], ids=lambda f: f"F{f}")
+def test_fuse_ids_of_many_features_matches_reference(
+    backend: str, device: torch.device, features: int
+) -> None:
+    """Each value's feature found from the lengths (the Triton kernel searches their running
+    sums; several blocks of features when F passes 1,024), many features empty, against a
+    per-feature Python loop; a bad length, table index or id in a feature of the last block
+    is named."""
+    gen = torch.Generator().manual_seed(features)
+    lengths = torch.randint(0, 4, (features,), generator=gen)
+    lengths[torch.rand(features, generator=gen) < 0.3] = 0  # runs of empty features
+    rows = torch.randint(5, 50, (features,), generator=gen)
+    tables = torch.randint(0, 7, (features,), generator=gen)
+    values = torch.cat(
+        [
+            torch.randint(0, int(r), (int(n),), generator=gen)
+            for r, n in zip(rows, lengths, strict=True)
+        ]
+    )
+    want, at = [], 0
+    for n, t in zip(lengths.tolist(), tables.tolist(), strict=True):
+        want += [v | (t << 20) for v in values[at : at + n].tolist()]
+        at += n
+    names = [f"f{i}" for i in range(features)]
+
+    def fuse(v, lens, tabs):
+        return fuse_ids(
+            v.to(device), lens.to(device), tabs.to(device), rows.to(device), 20, names, names
+        )
+
+    assert fuse(values, lengths, tables).tolist() == want
+    last = features - 1
+    if int(lengths[last]) == 0:  # a bad id of the last feature needs a value there
+        lengths[last] = 1
+        values = torch.cat([values, torch.zeros(1, dtype=values.dtype)])
+    bad_values = values.clone()
+    bad_values[-1] = int(rows[last])
+    with pytest.raises(ValueError, match=rf"'f{last}' \(table 'f{last}'\): id {int(rows[last])}"):
+        fuse(bad_values, lengths, tables)
+    bad_tables = tables.clone()
+    bad_tables[last] = 1 << 43
+    with pytest.raises(ValueError, match=rf"'f{last}' .*table index {1 << 43} out of range"):
+        fuse(values, lengths, bad_tables)
+    if features > 1:
+        bad_lengths = lengths.clone()
+        bad_lengths[last] = -1
+        bad_lengths[0] += 2  # the same total
+        with pytest.raises(ValueError, match=rf"'f{last}': negative length -1"):
+            fuse(values, bad_lengths, tables)
+    with pytest.raises(ValueError, match="sum to"):
+        fuse(values, lengths + 1, tables)
+
+
 BAD_ARGUMENTS = {
     "float-values": ({"values": [1.0, 2.0]}, TypeError, "values must be int64 or int32"),
     "sum-short": ({"lengths": [1, 0, 0, 0]}, ValueError, "sum to 1 but values has 2"),
