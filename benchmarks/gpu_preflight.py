@@ -153,7 +153,7 @@ class Preflight:
 
 
 def run_checks(p: Preflight) -> None:
-    from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+    from embcache.kernels.cache_index import assign_ways, cache_lookup, salted_mix64, set_index
     from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids, unfuse_ids
     from embcache.kernels.optim import (
         OptimRule,
@@ -274,6 +274,11 @@ def run_checks(p: Preflight) -> None:
     p.check(
         "set_index",
         lambda: check_equal("set_index", p.triton(set_index, unique_ids, num_sets), sets),
+    )
+    shuffled = p.twin(salted_mix64, unique_ids, 12345)
+    p.check(
+        "salted_mix64",
+        lambda: check_equal("salted_mix64", p.triton(salted_mix64, unique_ids, 12345), shuffled),
     )
     keys = torch.full((num_sets, ways), -1, dtype=torch.int64)
     resident = torch.rand(u, generator=gen) < 0.5

@@ -22,9 +22,8 @@ import embcache.native as native
 from embcache.cache.fields import CacheFields
 from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
 from embcache.cache.scratch import CacheCapacityError
-from embcache.hashing import mix64
 from embcache.indexing import add_at, fill_at, put, true_at
-from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
+from embcache.kernels.cache_index import assign_ways, cache_lookup, salted_mix64, set_index
 
 
 @dataclass
@@ -121,7 +120,7 @@ class SetPlan(CacheFields):
         # ids sorted, and a fixed order would give the same rows the ways each time. LFU:
         # the most frequent first.
         miss_pos, miss_ids = misses
-        shuffle = mix64(miss_ids ^ self._tick)
+        shuffle = salted_mix64(miss_ids, self._tick)
         miss_pos, miss_sets, priority = self.eviction.order_misses(
             ids, miss_pos, miss_ids, shuffle, self.num_sets
         )

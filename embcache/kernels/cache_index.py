@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from embcache.hashing import mix64
 from embcache.kernels.backend import use_triton
 from embcache.kernels.cache_index_ref import assign_ways_ref, cache_lookup_ref, set_index_ref
 from embcache.kernels.checks import check_tensor, require
@@ -61,6 +62,21 @@ def _set_index_kernel(
     b_z = b_z ^ (b_z >> 31)
     b_set = (b_z & 0x7FFFFFFFFFFFFFFF).to(tl.int64, bitcast=True) % num_sets
     tl.store(sets_ptr + o_n, b_set, mask=m_n)
+
+
+@triton.jit(do_not_specialize=["n", "salt"])  # per batch: one variant
+def _salted_mix64_kernel(ids_ptr, out_ptr, n, salt: tl.int64, BLOCK_N: tl.constexpr):
+    """``out[i] = mix64(ids[i] ^ salt)`` (splitmix64's finaliser in uint64, as
+    `_set_index_kernel`; ``salt`` always passed as i64, so a new salt is no new variant)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_x = tl.load(ids_ptr + o_n, mask=m_n, other=0).to(tl.int64) ^ salt
+    b_z = b_x.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
+    b_z = (b_z ^ (b_z >> 30)) * 0xBF58476D1CE4E5B9
+    b_z = (b_z ^ (b_z >> 27)) * 0x94D049BB133111EB
+    b_z = b_z ^ (b_z >> 31)
+    tl.store(out_ptr + o_n, b_z.to(tl.int64, bitcast=True), mask=m_n)
 
 
 @triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
@@ -259,6 +275,28 @@ def _check_table(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
         t.shape[0] >= 1 and t.shape[1] >= 1,
         f"{name} must have at least one set and one way, got {tuple(t.shape)}",
     )
+
+
+def salted_mix64(ids: torch.Tensor, salt: int) -> torch.Tensor:
+    """``hashing.mix64(ids ^ salt)`` of int64 ``ids`` (any shape): one kernel on the device
+    path (a batch's shuffle of its misses, `SetPlan._choose_ways`), the torch ops elsewhere.
+
+    Raises:
+        TypeError: ``ids`` not int64, or ``salt`` not an int.
+    """
+    check_tensor("ids", ids, (torch.int64,))
+    if isinstance(salt, bool) or not isinstance(salt, int):
+        raise TypeError(f"salt must be an int, got {type(salt).__name__}")
+    salt = ((salt + (1 << 63)) % (1 << 64)) - (1 << 63)  # as int64 wraps it
+    if not use_triton(ids):
+        return mix64(ids ^ salt)
+    flat = ids.contiguous().view(-1)
+    out = torch.empty_like(flat)
+    n = flat.numel()
+    if n:
+        grid = (triton.cdiv(n, _SET_INDEX_BLOCK),)
+        _salted_mix64_kernel[grid](flat, out, n, salt, BLOCK_N=_SET_INDEX_BLOCK)
+    return out.view(ids.shape)
 
 
 def set_index(ids: torch.Tensor, num_sets: int) -> torch.Tensor:

@@ -320,3 +320,21 @@ def test_assign_ways_hypothesis(
         torch.tensor(miss_sets, dtype=torch.int64, device=device),
     )
     assert_equal_verbose(got, py_assign_ways(scores, blocked, miss_sets), "assign_ways")
+
+
+@pytest.mark.parametrize("salt", [0, 7, 2**40, -3, 2**63 + 5], ids=lambda s: f"salt{s}")
+def test_salted_mix64_matches_reference(backend: str, device: torch.device, salt: int) -> None:
+    """The misses' shuffle (`SetPlan._choose_ways`): one kernel on the device path, equal to
+    `hashing.mix64` of the ids xor the salt (wrapped to int64) on fresh random ids, negative
+    ones and a 2-D shape included."""
+    from embcache.hashing import mix64
+    from embcache.kernels.cache_index import salted_mix64
+
+    gen = torch.Generator().manual_seed(salt % 1000)
+    ids = torch.randint(-(2**62), 2**62, (3, 700), generator=gen)
+    wrapped = ((salt + 2**63) % 2**64) - 2**63
+    got = salted_mix64(ids.to(device), salt)
+    assert got.shape == ids.shape and got.dtype == torch.int64
+    assert torch.equal(got.cpu(), mix64(ids ^ wrapped))
+    with pytest.raises(TypeError, match="salt must be an int"):
+        salted_mix64(ids.to(device), 1.5)  # type: ignore[arg-type]
