@@ -153,21 +153,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         device: torch.device | str,
         fusion_k: int,
     ) -> None:
-        if not tables:
-            raise ValueError("HotCache needs at least one table")
-        dims = {spec.dim for _, spec in tables}
-        if len(dims) != 1:
-            raise ValueError(f"HotCache serves tables of one dim, got dims {sorted(dims)}")
-        dtypes = {spec.dtype for _, spec in tables}
-        if len(dtypes) != 1:
-            names = [spec.name for _, spec in tables]
-            raise ValueError(
-                f"tables {names} share a cache (dim {dims.pop()}) but not a weight dtype "
-                f"({sorted(str(d) for d in dtypes)}): give them one data_type, or set "
-                f"CacheConfig(weight_dtype=...)"
-            )
-        self.dim = dims.pop()
-        self.dtype = dtypes.pop()
+        self.dim, self.dtype = _shared_dim_and_dtype(tables)
         self.config = config
         self.store = store
         self.device = resolve_device(device)
@@ -194,47 +180,9 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         self.direct = total_rows is not None and capacity >= total_rows and not self.pins
         self.policy = str(config.policy)  # its registered name (`CacheConfig` checked it)
 
-        n_idx = max(self._specs) + 1
-        # Built on the CPU whatever torch's default device (`with torch.device("meta")`).
-        row_offset = torch.full((n_idx,), -1, dtype=torch.int64, device="cpu")
-        thresholds = torch.ones(n_idx, dtype=torch.int64, device="cpu")
-        offset = 0
-        for idx, spec in sorted(tables, key=lambda t: t[0]):
-            if spec.num_embeddings is not None:
-                row_offset[idx] = offset
-                offset += spec.num_embeddings
-            thresholds[idx] = config.admit_after_of(spec.name)
-        self._row_offset = row_offset.to(self.device)  # slot (direct) / LFU count base per table
-        # The raw ids each table index takes (0: not a table of this cache), for `_check_keys`.
-        self._key_limits = torch.zeros(n_idx, dtype=torch.int64)
-        for idx, spec in tables:
-            rows = spec.num_embeddings
-            self._key_limits[idx] = 1 << fusion_k if rows is None else min(rows, 1 << fusion_k)
-
-        if self.direct:
-            assert total_rows is not None  # direct mapping needs every table bounded
-            self.ways, self.num_sets = 1, total_rows
-        else:
-            self.ways = min(config.ways, capacity)
-            self.num_sets = math.ceil(capacity / self.ways)
-        self.num_slots = self.ways * self.num_sets
-        # Rows indexed by slot (`_where`): set-associative caches of bounded tables on a CPU
-        # (not on the device path, whose lookup is the set index).
-        self._index_rows = (
-            total_rows
-            if total_rows is not None and not self.direct and not self.device_path
-            and total_rows <= ROW_INDEX_MAX_ROWS
-            else 0
-        )  # fmt: skip
-        lfu = policy_type(self.policy).needs_counts and not self.direct
-        counters = Counters(
-            row_offset, offset, thresholds, lfu, config.lfu_counters, EXACT_LFU_MAX_ROWS,
-            config.sketch_width, config.sketch_depth, config.effective_admission_window,
-        )  # fmt: skip
-        which = self._names()
-        check_fits(self.num_slots, self.width, counters.nbytes // 8, self.device, which, self.dim)
-        self._counts, self._admission = counters.build(self.device, fusion_k)
-        self.eviction = make_policy(self.policy, self._counts, config, self.backend, fusion_k)
+        row_offset, thresholds, bounded_rows = self._index_tables(tables)
+        self._shape_slots(capacity, total_rows)
+        self._make_counters(row_offset, bounded_rows, thresholds)
         self._overflow_warned = False
         self._tick = 0
         self._lookups = 0
@@ -250,6 +198,67 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         self._deferred: list[Staged] = []  # rows a resolve left to write (`write_deferred`)
         self._allocate(scratch_rows=0)
         self.reset_stats()
+
+    def _index_tables(
+        self, tables: Sequence[tuple[int, TableSpec]]
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Sets ``_row_offset`` (each table's first row among the bounded tables' rows: a
+        direct slot, an LFU count's base) and ``_key_limits`` (the raw ids each table index
+        takes, 0: not a table of this cache, for `_check_keys`). Returns the row offsets and
+        the admission thresholds, by table index on the CPU, and the bounded tables' rows."""
+        fusion_k = self.fusion_k
+        n_idx = max(self._specs) + 1
+        # Built on the CPU whatever torch's default device (`with torch.device("meta")`).
+        row_offset = torch.full((n_idx,), -1, dtype=torch.int64, device="cpu")
+        thresholds = torch.ones(n_idx, dtype=torch.int64, device="cpu")
+        offset = 0
+        for idx, spec in sorted(tables, key=lambda t: t[0]):
+            if spec.num_embeddings is not None:
+                row_offset[idx] = offset
+                offset += spec.num_embeddings
+            thresholds[idx] = self.config.admit_after_of(spec.name)
+        self._row_offset = row_offset.to(self.device)  # slot (direct) / LFU count base per table
+        # The raw ids each table index takes (0: not a table of this cache), for `_check_keys`.
+        self._key_limits = torch.zeros(n_idx, dtype=torch.int64)
+        for idx, spec in tables:
+            rows = spec.num_embeddings
+            self._key_limits[idx] = 1 << fusion_k if rows is None else min(rows, 1 << fusion_k)
+        return row_offset, thresholds, offset
+
+    def _shape_slots(self, capacity: int, total_rows: int | None) -> None:
+        """Sets ``ways``, ``num_sets`` and ``num_slots`` (a direct cache: one way, a set per
+        row), and ``_index_rows``, the rows of the slot index (`_where`), 0 for none."""
+        if self.direct:
+            assert total_rows is not None  # direct mapping needs every table bounded
+            self.ways, self.num_sets = 1, total_rows
+        else:
+            self.ways = min(self.config.ways, capacity)
+            self.num_sets = math.ceil(capacity / self.ways)
+        self.num_slots = self.ways * self.num_sets
+        # Rows indexed by slot (`_where`): set-associative caches of bounded tables on a CPU
+        # (not on the device path, whose lookup is the set index).
+        self._index_rows = (
+            total_rows
+            if total_rows is not None and not self.direct and not self.device_path
+            and total_rows <= ROW_INDEX_MAX_ROWS
+            else 0
+        )  # fmt: skip
+
+    def _make_counters(
+        self, row_offset: torch.Tensor, bounded_rows: int, thresholds: torch.Tensor
+    ) -> None:
+        """Sets ``_counts`` (LFU's), ``_admission`` (the admission sketch) and ``eviction``,
+        once the slots and the counters are known to fit on the device (`check_fits`)."""
+        config = self.config
+        lfu = policy_type(self.policy).needs_counts and not self.direct
+        counters = Counters(
+            row_offset, bounded_rows, thresholds, lfu, config.lfu_counters, EXACT_LFU_MAX_ROWS,
+            config.sketch_width, config.sketch_depth, config.effective_admission_window,
+        )  # fmt: skip
+        which = self._names()
+        check_fits(self.num_slots, self.width, counters.nbytes // 8, self.device, which, self.dim)
+        self._counts, self._admission = counters.build(self.device, self.fusion_k)
+        self.eviction = make_policy(self.policy, self._counts, config, self.backend, self.fusion_k)
 
     # ------------------------------------------------------------------------------------------
     # tables, rows and ids (the slot storage: `storage.SlotRows`)
@@ -574,6 +583,28 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
     def locked_slots(self) -> int:
         """Number of slots locked by batches in flight."""
         return int((self.locks > 0).sum())
+
+
+def _shared_dim_and_dtype(tables: Sequence[tuple[int, TableSpec]]) -> tuple[int, torch.dtype]:
+    """The one embedding dim and weight dtype of a cache's tables.
+
+    Raises:
+        ValueError: no table, or tables of several dims or dtypes.
+    """
+    if not tables:
+        raise ValueError("HotCache needs at least one table")
+    dims = {spec.dim for _, spec in tables}
+    if len(dims) != 1:
+        raise ValueError(f"HotCache serves tables of one dim, got dims {sorted(dims)}")
+    dtypes = {spec.dtype for _, spec in tables}
+    if len(dtypes) != 1:
+        names = [spec.name for _, spec in tables]
+        raise ValueError(
+            f"tables {names} share a cache (dim {dims.pop()}) but not a weight dtype "
+            f"({sorted(str(d) for d in dtypes)}): give them one data_type, or set "
+            f"CacheConfig(weight_dtype=...)"
+        )
+    return dims.pop(), dtypes.pop()
 
 
 @contextmanager

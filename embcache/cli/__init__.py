@@ -103,12 +103,20 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``embcache`` parser: ``train`` and ``bench``, each with its options in the order
+    ``--help`` lists them."""
     parser = argparse.ArgumentParser(
         prog="embcache",
         description="embcache: a GPU embedding cache for training recommendation models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,bench}")
+    _add_train_parser(sub)
+    _add_bench_parser(sub)
+    return parser
 
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    """``embcache train`` and its four argument groups."""
     train = sub.add_parser(
         "train",
         help="train DLRM through the embedding cache, on synthetic or real click data",
@@ -125,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     data = train.add_argument_group("data")
+    _add_data_options(data)
+    _add_length_options(data)
+    _add_evaluation_options(data)
+    data.add_argument("--seed", type=int, default=0, help="seeds the data, the MLPs and the rows")
+    _add_model_options(train.add_argument_group("model and optimizer"))
+    cache = train.add_argument_group("cache and tier")
+    _add_cache_options(cache)
+    _add_tier_options(cache)
+    _add_run_options(train.add_argument_group("run"))
+    train.set_defaults(func=_train, parser=train)
+
+
+def _add_data_options(data: argparse._ArgumentGroup) -> None:
+    """What ``train`` trains on: files (``--data``) or the synthetic data, and the ids' width."""
     data.add_argument(
         "--data",
         default=None,
@@ -174,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"synthetic data: Zipf exponent of the ids, 0 for uniform (default {DEFAULT_ZIPF})",
     )
+
+
+def _add_length_options(data: argparse._ArgumentGroup) -> None:
+    """How much ``train`` trains: the batch, then steps, a total or epochs."""
     data.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="samples per step")
     data.add_argument(
         "--steps",
@@ -205,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_MIN_STEPS} steps, at most {DEFAULT_MAX_EPOCHS}; the summary says how many "
         "epochs and steps ran",
     )
+
+
+def _add_evaluation_options(data: argparse._ArgumentGroup) -> None:
+    """The held-out evaluation: at the end, every N steps, and early stopping."""
     data.add_argument(
         "--eval-batches",
         type=int,
@@ -230,9 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
         "held-out AUC (0: never); the model kept (and checkpointed) is the one of the best "
         "evaluation, not the last",
     )
-    data.add_argument("--seed", type=int, default=0, help="seeds the data, the MLPs and the rows")
 
-    model = train.add_argument_group("model and optimizer")
+
+def _add_model_options(model: argparse._ArgumentGroup) -> None:
+    """The model, its embedding dim and its two optimizers."""
     model.add_argument(
         "--model",
         choices=list(MODELS),
@@ -278,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
         + ")",
     )
 
-    cache = train.add_argument_group("cache and tier")
+
+def _add_cache_options(cache: argparse._ArgumentGroup) -> None:
+    """The device cache: its size (rows, or a share of all rows), policy and precision."""
     size = cache.add_mutually_exclusive_group()
     size.add_argument(
         "--cache-capacity",
@@ -303,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="precision of the embedding weights in the cache and the tier (optimizer state "
         "stays fp32; half-precision updates round stochastically)",
     )
+
+
+def _add_tier_options(cache: argparse._ArgumentGroup) -> None:
+    """The tier behind the cache (its bound, URL and run record), and what the cache asks of
+    it: when an id gets a row (``--admit-after``), when a batch's rows are read
+    (``--prefetch``)."""
     cache.add_argument(
         "--tier-capacity",
         type=int,
@@ -360,7 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
         "thread while batch i trains (embcache.TrainPipeline); numbers are identical either way",
     )
 
-    run = train.add_argument_group("run")
+
+def _add_run_options(run: argparse._ArgumentGroup) -> None:
+    """Where the run goes: device, checkpoints, ranks, plot, threads, progress bar."""
     run.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -434,8 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
         "give (several times slower measured on 2 shared cores)",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.set_defaults(func=_train, parser=train)
 
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """``embcache bench`` and its options."""
     bench = sub.add_parser(
         "bench",
         help="run the benchmark scripts in a checkout's benchmarks/",
@@ -465,7 +508,6 @@ def build_parser() -> argparse.ArgumentParser:
         "checkout",
     )
     bench.set_defaults(func=cmd_bench, parser=bench)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

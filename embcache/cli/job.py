@@ -27,11 +27,13 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
+from embcache.cache.config import CacheConfig
 from embcache.checkpoint import CheckpointError, check_checkpoint_dir, read_extra
 from embcache.checkpoint import load as embcache_load
 from embcache.checkpoint import save as embcache_save
@@ -52,6 +54,7 @@ from embcache.models.dlrm import DLRM
 from embcache.models.sequence_model import SequenceRecommender
 from embcache.train.loop import (
     Model,
+    TrainResult,
     binary_metrics,
     evaluate,
     make_dense_optimizer,
@@ -279,6 +282,25 @@ def _rank_batches(batches: Iterator[Batch], rank: int, world: int) -> Iterator[B
         yield batch
 
 
+@dataclass
+class _Job:
+    """What the phases of `run_job` share: the options, this rank, the data, the model with its
+    two optimizers, and the tier with its run record."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    parser: argparse.ArgumentParser | None
+    local_rank: int
+    device: torch.device
+    data: ClickDataset
+    store: Store
+    record: TierRecord
+    model: Model
+    sparse_opt: Any
+    dense_opt: Any
+
+
 def run_job(
     args: argparse.Namespace,
     rank: int = 0,
@@ -302,16 +324,44 @@ def run_job(
     """
     t_start = time.perf_counter()
     stopper = stopper or GracefulStop(signals=())
+    local_rank, device = _job_device(args, rank, world)
+    lr, dense_lr, cache = run_settings(args)
+    if data is None:
+        data = open_data(args, progress=rank == 0 and not args.no_progress)
+    data = model_data(args, data)
+    record, store = _open_tier(args, rank, world, parser)
+    model, sparse_opt, dense_opt = _build_on_tier(
+        args, data, cache, store, record, device, lr, dense_lr, world, parser
+    )
+    job = _Job(
+        args, rank, world, parser, local_rank, device, data, store, record, model, sparse_opt,
+        dense_opt,
+    )  # fmt: skip
+    first_step, result = _train_and_save(job, stopper)
+    steps_done = first_step + len(result.losses)
+    end = first_step + args.steps  # where this run was to end
+    if rank == 0:
+        _print_report(job, result, stopper, first_step, steps_done, end, lr, dense_lr, t_start)
+    return _exit_status(job, result, stopper, steps_done, end)
+
+
+def _job_device(args: argparse.Namespace, rank: int, world: int) -> tuple[int, torch.device]:
+    """``(local_rank, device)``: this rank's place on its node, and the device it trains on
+    (with several ranks on CUDA, the GPU of its local rank, made the current one)."""
     local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun sets it on every node
     device = torch.device(args.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     device = resolve_device(device)  # `--device cuda`: the current device, with its index
-    lr, dense_lr, cache = run_settings(args)
-    if data is None:
-        data = open_data(args, progress=rank == 0 and not args.no_progress)
-    data = model_data(args, data)
+    return local_rank, device
+
+
+def _open_tier(
+    args: argparse.Namespace, rank: int, world: int, parser: argparse.ArgumentParser | None
+) -> tuple[TierRecord, Store]:
+    """``(record, store)``: the run record of ``--store`` and the tier opened under this job's
+    owner token. A damaged record, a bad URL or an unreachable server ends the job (exit 2)."""
     owner, takeover = _tier_owner(args, rank, world)  # (the checkpoint was checked before)
     try:
         record = _tier_record(args, rank, world)
@@ -332,6 +382,25 @@ def run_job(
         parser.exit(
             2, f"{parser.prog}: error: {message if shown in message else shown + ': ' + message}\n"
         )
+    return record, store
+
+
+def _build_on_tier(
+    args: argparse.Namespace,
+    data: ClickDataset,
+    cache: CacheConfig,
+    store: Store,
+    record: TierRecord,
+    device: torch.device,
+    lr: float,
+    dense_lr: float,
+    world: int,
+    parser: argparse.ArgumentParser | None,
+) -> tuple[Model, Any, Any]:
+    """The model and its two optimizers (`_build`) on the opened tier, its run record checked
+    before the tables are declared and marked started after. A refusal (rows lost, a table held
+    with another shape, the tier down, memory short) closes the tier, so that the leases taken
+    go back, and ends the job."""
     try:
         record.expect(store)  # before the tables are declared: each is checked as it is
         model, sparse_opt, dense_opt = _build(args, data, cache, store, device, lr, dense_lr, world)
@@ -348,162 +417,261 @@ def run_job(
     except (MemoryError, RuntimeError) as err:
         close_store(store, parser, failed=True)
         _fail(parser, 1, _resource_error(err))
-    extra: dict[str, Any] = {}
+    return model, sparse_opt, dense_opt
+
+
+def _train_and_save(job: _Job, stopper: GracefulStop) -> tuple[int, TrainResult]:
+    """``(first_step, result)``: the model (``--resume``'s, when given) trained from its step,
+    evaluated, flushed and saved (or its tier's state recorded), the plot written; the tier is
+    closed at the end whatever happened. A tier, data, divergence, memory or save error ends
+    the job with its own one line (`ended_by`)."""
+    args, model = job.args, job.model
     failed = True
     first_step = 0
     best: BestModel | None = None
     try:
-        wrapper = None
-        if world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [local_rank] if device.type == "cuda" else None
-            wrapper = DistributedDataParallel(model, device_ids=ids)
+        wrapper = _data_parallel(job)
         if args.resume is not None:
-            where = rank_dir(args.resume, rank, world)
-            try:
-                extra = embcache_load(where, model, [sparse_opt, dense_opt])
-            except (FileNotFoundError, ValueError) as err:
-                _fail(parser, 2, ValueError(f"--resume {args.resume}: {one_line(err)}"))
-            first_step = int(extra.get("steps_done", 0))
+            first_step = _load_resume(job)
         limit = eval_batches(args)
 
         def held_out() -> Iterator[Batch]:  # every rank evaluates the same batches (collective)
-            return _rank_batches(data.eval_batches(limit), 0, 1)
+            return _rank_batches(job.data.eval_batches(limit), 0, 1)
 
         target = [first_step + args.steps]  # the step this run is to end at
-
-        def save(steps_done: int) -> None:
-            where = rank_dir(args.checkpoint, rank, world)
-            model.sparse_arch.flush()  # the tier's state is recorded with the rows on it
-            state = record.save(store, steps_done)
-            run = run_facts(args, target[0])
-            try:
-                save_checkpoint(
-                    where, model, dense_opt, sparse_opt, steps_done, world, args.store, state,
-                    run=run,
-                )  # fmt: skip
-                if args.checkpoint_every:
-                    keep_history(args.checkpoint, rank, world, steps_done, args.keep_checkpoints)
-            except OSError as err:
-                if isinstance(err, ConnectionError):
-                    raise
-                raise SaveError(save_failed(args, where, steps_done, err)) from None
-
-        best = BestModel(args, rank) if args.early_stop and limit != 0 else None
-
-        def periodic(step_in_run: int) -> None:
-            save(first_step + step_in_run)
-            if rank == 0:
-                from tqdm import tqdm
-
-                tqdm.write(
-                    f"embcache train: checkpoint at step {first_step + step_in_run} "
-                    f"in {args.checkpoint}",
-                    file=sys.stderr,
-                )
-
-        try:
-            result = train(
-                model,
-                _rank_batches(data.train_batches(first_step), rank, world),
-                sparse_opt,
-                dense_opt,
-                args.steps,
-                args.prefetch,
-                rank == 0 and not args.no_progress,
-                wrapper=wrapper,
-                evaluate_every=args.eval_every if limit != 0 else 0,
-                held_out=held_out,
-                early_stop=args.early_stop if limit != 0 else 0,
-                stop=agreed_stop(stopper, world, device),
-                checkpoint_every=args.checkpoint_every if args.checkpoint is not None else 0,
-                on_checkpoint=periodic,
-                on_best=(
-                    (lambda step: best.keep(step, model, dense_opt, sparse_opt))
-                    if best is not None
-                    else None
-                ),
-            )
-        except (MemoryError, RuntimeError) as err:
-            if isinstance(err, RuntimeError) and not _out_of_memory(err):
-                raise
-            raise _resource_error(err) from None
-        except ValueError as err:
-            if isinstance(err, DataError) or not _non_finite(err):
-                raise
-            raise DivergedError(
-                f"training diverged (a NaN or Inf gradient): {one_line(err)}; "
-                "try a lower --lr / --dense-lr"
-            ) from None
-        result.samples *= world
+        save = _saver(job, target)
+        best = BestModel(args, job.rank) if args.early_stop and limit != 0 else None
+        result = _train_steps(job, stopper, wrapper, first_step, limit, held_out, save, best)
+        result.samples *= job.world
         if limit != 0 and not result.interrupted:
-            result.eval = evaluate(model, held_out())
-            if best is not None and best.restore(result, model, dense_opt, sparse_opt):
-                result.eval = evaluate(model, held_out())  # the kept model's, as saved
-                target[0] = first_step + (result.kept_step or 0)  # the run ends there
-            if isinstance(data, SyntheticCriteo):  # the ceiling: the labels' own model
-                hidden = binary_metrics(*_hidden(data, limit))
-                result.eval["hidden_auc"] = hidden["auc"]
+            _final_evaluation(job, result, held_out, best, limit, first_step, target)
         model.sparse_arch.flush()
         kept = len(result.losses) if result.kept_step is None else result.kept_step
         if args.checkpoint is not None:
             save(first_step + kept)  # fewer than --steps after an early stop
         else:
-            record.save(store, first_step + kept)
-        if args.plot is not None and rank == 0 and result.losses:
+            job.record.save(job.store, first_step + kept)
+        if args.plot is not None and job.rank == 0 and result.losses:
             write_plot(result, args.plot)
         failed = False
     except (ConnectionError, TierError, DataError, DivergedError, ResourceError, SaveError) as err:
         # The tier went away, lost writes or was taken over mid-run, the data stream broke,
         # the loss diverged or memory ran out: its own one-line message (the tier's names the
         # URL, table and what to do).
-        _fail(parser, 1, ended_by(err, args.checkpoint))
+        _fail(job.parser, 1, ended_by(err, args.checkpoint))
     finally:
         if best is not None:
             best.close()
-        close_store(store, parser, failed)
-    steps_done = first_step + len(result.losses)
-    end = first_step + args.steps  # where this run was to end
-    if rank == 0:
-        shown_store = args.store if world == 1 else f"{args.store} (per rank), {world} ranks"
-        notes = []
-        if args.resume is not None:
-            tier = getattr(args, "store_source", "--store")
-            notes.append(
-                (
-                    "resumed",
-                    f"from {args.resume} at step {first_step} (this run: steps "
-                    f"{first_step + 1}-{steps_done}), tier {redact_url(args.store)} ({tier})",
-                )
-            )
-        tier_line = record.summary(args.resume)
-        if tier_line is not None and args.resume is None and _rows_continued(record):
-            tier_line += (
-                "; only the rows continue: the MLPs, the dense optimizer and the data start "
-                "over (--checkpoint DIR, then --resume DIR, continues the whole model)"
-            )
-        if tier_line is not None:
-            notes.append(("tier rows", tier_line))
-        if isinstance(model, SequenceRecommender):
-            notes.append(
-                (
-                    "sequences",
-                    f"--model seq: {type(model).__name__}, each rating's movie attending over "
-                    f"its user's last {model.history_length} rated movies (rows of the "
-                    f"{model.target} table, unpooled) beside {model.num_bags} pooled bags, "
-                    "then an MLP",
-                )
-            )
-        if result.interrupted:
-            notes.append(("stopped", f"by {stopper.name} after step {steps_done} of {end}"))
-        if result.losses:  # a stop before the first step has nothing to summarise
-            print_summary(
-                args, data, model, result, lr, dense_lr, time.perf_counter() - t_start,
-                store=shown_store, prefetch=args.prefetch, notes=notes,
+        close_store(job.store, job.parser, failed)
+    return first_step, result
+
+
+def _data_parallel(job: _Job) -> torch.nn.Module | None:
+    """With several ranks, the model under DistributedDataParallel (the forwards go through
+    it); else None."""
+    if job.world == 1:
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [job.local_rank] if job.device.type == "cuda" else None
+    return DistributedDataParallel(job.model, device_ids=ids)
+
+
+def _load_resume(job: _Job) -> int:
+    """``--resume``'s checkpoint (this rank's) loaded into the model and both optimizers;
+    returns the step it was saved at. A checkpoint that does not load ends the job (exit 2)."""
+    where = rank_dir(job.args.resume, job.rank, job.world)
+    try:
+        extra = embcache_load(where, job.model, [job.sparse_opt, job.dense_opt])
+    except (FileNotFoundError, ValueError) as err:
+        _fail(job.parser, 2, ValueError(f"--resume {job.args.resume}: {one_line(err)}"))
+    return int(extra.get("steps_done", 0))
+
+
+def _saver(job: _Job, target: list[int]) -> Callable[[int], None]:
+    """``save(steps_done)``: the rows flushed, the tier's state recorded, then this rank's
+    checkpoint written with the run's facts (``target[0]``: the step the run is to end at, as
+    it is at each save) and, with ``--checkpoint-every``, the history kept; a write that fails
+    is a `SaveError`."""
+    args, model, rank, world = job.args, job.model, job.rank, job.world
+
+    def save(steps_done: int) -> None:
+        where = rank_dir(args.checkpoint, rank, world)
+        model.sparse_arch.flush()  # the tier's state is recorded with the rows on it
+        state = job.record.save(job.store, steps_done)
+        run = run_facts(args, target[0])
+        try:
+            save_checkpoint(
+                where, model, job.dense_opt, job.sparse_opt, steps_done, world, args.store, state,
+                run=run,
             )  # fmt: skip
+            if args.checkpoint_every:
+                keep_history(args.checkpoint, rank, world, steps_done, args.keep_checkpoints)
+        except OSError as err:
+            if isinstance(err, ConnectionError):
+                raise
+            raise SaveError(save_failed(args, where, steps_done, err)) from None
+
+    return save
+
+
+def _train_steps(
+    job: _Job,
+    stopper: GracefulStop,
+    wrapper: torch.nn.Module | None,
+    first_step: int,
+    limit: int | None,
+    held_out: Callable[[], Iterator[Batch]],
+    save: Callable[[int], None],
+    best: BestModel | None,
+) -> TrainResult:
+    """`train` on this rank's share of the batches from ``first_step`` on: evaluating every
+    ``--eval-every`` steps (unless ``limit`` is 0), stopping when any rank got a signal,
+    saving every ``--checkpoint-every`` steps, keeping the best model in ``best``. Memory
+    running out is a `ResourceError`, a NaN or Inf a `DivergedError`."""
+    args, model, rank = job.args, job.model, job.rank
+
+    def periodic(step_in_run: int) -> None:
+        save(first_step + step_in_run)
+        if rank == 0:
+            from tqdm import tqdm
+
+            tqdm.write(
+                f"embcache train: checkpoint at step {first_step + step_in_run} "
+                f"in {args.checkpoint}",
+                file=sys.stderr,
+            )
+
+    try:
+        return train(
+            model,
+            _rank_batches(job.data.train_batches(first_step), rank, job.world),
+            job.sparse_opt,
+            job.dense_opt,
+            args.steps,
+            args.prefetch,
+            rank == 0 and not args.no_progress,
+            wrapper=wrapper,
+            evaluate_every=args.eval_every if limit != 0 else 0,
+            held_out=held_out,
+            early_stop=args.early_stop if limit != 0 else 0,
+            stop=agreed_stop(stopper, job.world, job.device),
+            checkpoint_every=args.checkpoint_every if args.checkpoint is not None else 0,
+            on_checkpoint=periodic,
+            on_best=(
+                (lambda step: best.keep(step, model, job.dense_opt, job.sparse_opt))
+                if best is not None
+                else None
+            ),
+        )
+    except (MemoryError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not _out_of_memory(err):
+            raise
+        raise _resource_error(err) from None
+    except ValueError as err:
+        if isinstance(err, DataError) or not _non_finite(err):
+            raise
+        raise DivergedError(
+            f"training diverged (a NaN or Inf gradient): {one_line(err)}; "
+            "try a lower --lr / --dense-lr"
+        ) from None
+
+
+def _final_evaluation(
+    job: _Job,
+    result: TrainResult,
+    held_out: Callable[[], Iterator[Batch]],
+    best: BestModel | None,
+    limit: int | None,
+    first_step: int,
+    target: list[int],
+) -> None:
+    """``result.eval``: the held-out metrics of the model kept, the last one or early
+    stopping's best (which moves the run's end, ``target[0]``, to its step), and on synthetic
+    data the AUC of the labels' own model, the ceiling."""
+    model = job.model
+    result.eval = evaluate(model, held_out())
+    if best is not None and best.restore(result, model, job.dense_opt, job.sparse_opt):
+        result.eval = evaluate(model, held_out())  # the kept model's, as saved
+        target[0] = first_step + (result.kept_step or 0)  # the run ends there
+    if isinstance(job.data, SyntheticCriteo):  # the ceiling: the labels' own model
+        hidden = binary_metrics(*_hidden(job.data, limit))
+        result.eval["hidden_auc"] = hidden["auc"]
+
+
+def _print_report(
+    job: _Job,
+    result: TrainResult,
+    stopper: GracefulStop,
+    first_step: int,
+    steps_done: int,
+    end: int,
+    lr: float,
+    dense_lr: float,
+    t_start: float,
+) -> None:
+    """Rank 0's summary of a run that took a step (`print_summary`), with its notes."""
+    args, world = job.args, job.world
+    shown_store = args.store if world == 1 else f"{args.store} (per rank), {world} ranks"
+    notes = _summary_notes(job, result, stopper, first_step, steps_done, end)
+    if result.losses:  # a stop before the first step has nothing to summarise
+        print_summary(
+            args, job.data, job.model, result, lr, dense_lr, time.perf_counter() - t_start,
+            store=shown_store, prefetch=args.prefetch, notes=notes,
+        )  # fmt: skip
+
+
+def _summary_notes(
+    job: _Job,
+    result: TrainResult,
+    stopper: GracefulStop,
+    first_step: int,
+    steps_done: int,
+    end: int,
+) -> list[tuple[str, str]]:
+    """The summary's last rows: where a resumed run started, the rows the tier held, the
+    sequence model, and the signal that stopped the run."""
+    args, model, record = job.args, job.model, job.record
+    notes = []
+    if args.resume is not None:
+        tier = getattr(args, "store_source", "--store")
+        notes.append(
+            (
+                "resumed",
+                f"from {args.resume} at step {first_step} (this run: steps "
+                f"{first_step + 1}-{steps_done}), tier {redact_url(args.store)} ({tier})",
+            )
+        )
+    tier_line = record.summary(args.resume)
+    if tier_line is not None and args.resume is None and _rows_continued(record):
+        tier_line += (
+            "; only the rows continue: the MLPs, the dense optimizer and the data start "
+            "over (--checkpoint DIR, then --resume DIR, continues the whole model)"
+        )
+    if tier_line is not None:
+        notes.append(("tier rows", tier_line))
+    if isinstance(model, SequenceRecommender):
+        notes.append(
+            (
+                "sequences",
+                f"--model seq: {type(model).__name__}, each rating's movie attending over "
+                f"its user's last {model.history_length} rated movies (rows of the "
+                f"{model.target} table, unpooled) beside {model.num_bags} pooled bags, "
+                "then an MLP",
+            )
+        )
+    if result.interrupted:
+        notes.append(("stopped", f"by {stopper.name} after step {steps_done} of {end}"))
+    return notes
+
+
+def _exit_status(
+    job: _Job, result: TrainResult, stopper: GracefulStop, steps_done: int, end: int
+) -> int:
+    """0 for a run that trained all its steps (rank 0 says so when a signal came after the
+    last one); 128 + the signal's number for one a signal stopped (rank 0 says where)."""
     if not result.interrupted:
-        if stopper.requested and rank == 0:
+        if stopper.requested and job.rank == 0:
             print(
                 f"embcache train: {stopper.name} came after the last step: the run finished "
                 "and was saved",
@@ -511,8 +679,8 @@ def run_job(
                 flush=True,
             )
         return 0
-    if rank == 0:
-        print(f"embcache train: {_stop_line(args, stopper.name, steps_done, end)}",
+    if job.rank == 0:
+        print(f"embcache train: {_stop_line(job.args, stopper.name, steps_done, end)}",
               file=sys.stderr, flush=True)  # fmt: skip
     return 128 + int(stopper.stop_signum or 0)
 

@@ -10,8 +10,7 @@ from typing import Any
 from embcache.cli.settings import batch_rows
 from embcache.data import ClickDataset
 from embcache.kv.redact import redact_url
-from embcache.models.dlrm import DLRM
-from embcache.train.loop import TrainResult
+from embcache.train.loop import Model, TrainResult
 
 
 def write_plot(result: TrainResult, path: Path) -> None:
@@ -91,7 +90,7 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 def print_summary(
     args: Namespace,
     data: ClickDataset,
-    model: DLRM,
+    model: Model,
     result: TrainResult,
     lr: float,
     dense_lr: float,
@@ -103,29 +102,32 @@ def print_summary(
     """The end-of-run table: data, model, cache, optimizer, speed, loss, held-out AUC and log
     loss, cache counters (defined in the README) and tier traffic, then ``notes`` (rows such
     as where a resumed run started and why it stopped)."""
-    ebc = model.sparse_arch
-    unbounded = None in data.rows
-    total_rows = 0 if unbounded else sum(data.rows)  # type: ignore[arg-type]
-    slots = sum(c.num_slots for c in ebc.caches())
-    stats = result.cache_stats
-    cached = slots if unbounded else min(slots, total_rows)
-    share = "of unbounded tables" if unbounded else f"{cached / total_rows:.1%} of all"
-    precision = {"fp32": "", "fp16": ", fp16 weights", "bf16": ", bf16 weights"}
-    memory = precision[args.weight_dtype]
-    if args.tier_capacity is not None:
-        memory += f", tier {args.tier_capacity:,} rows/table ({args.tier_policy.upper()})"
-    if args.admit_after is not None:
-        memory += f", admit after {args.admit_after}"
-    if batch_rows(args, data) is not None:
-        share += ", default sized to hold one batch's unique ids"
-    training = f"{len(result.losses)} steps"
-    per_epoch = getattr(args, "epoch_batches", None)
-    if per_epoch:
-        batches = f"{per_epoch:,} batch{'es' if per_epoch != 1 else ''}"
-        training += f" ({_epochs(len(result.losses), per_epoch)} of {batches})"
-    training += f" in {result.seconds:.1f} s"
-    if result.compile_seconds is not None:
-        training += f" (the first {result.compile_seconds:.1f} s compiling CPU kernels, once)"
+    rows = _setup_rows(args, data, model, result, lr, dense_lr, total_s, store, prefetch)
+    rows += _evaluation_rows(args, result)
+    rows += _counter_rows(result)
+    rows += notes or []
+    rows += _output_rows(args)
+    width = max(len(k) for k, _ in rows)
+    print("\nembcache train: summary")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+
+
+def _setup_rows(
+    args: Namespace,
+    data: ClickDataset,
+    model: Model,
+    result: TrainResult,
+    lr: float,
+    dense_lr: float,
+    total_s: float,
+    store: str,
+    prefetch: bool,
+) -> list[tuple[str, str]]:
+    """The summary's first rows: data, the batch (when shrunk to fit), model, cache,
+    optimizer, training time and speed, loss."""
+    cache = _cache_row(args, data, model, store, prefetch)
+    training = _training_time(args, result)
     rows: list[tuple[str, str]] = [
         ("data", data.describe()),
         (
@@ -135,11 +137,7 @@ def print_summary(
             f"features, {sum(p.numel() for p in model.dense_parameters()):,} dense params, "
             f"device {args.device}",
         ),
-        (
-            "cache",
-            f"{cached:,} rows ({share}), {args.policy.upper()}{memory}, "
-            f"store {redact_url(store)}, prefetch {'on' if prefetch else 'off'}",
-        ),
+        ("cache", cache),
         ("optimizer", f"{args.optimizer}, lr {lr:g} (sparse), {dense_lr:g} (dense)"),
         (
             "training",
@@ -161,6 +159,50 @@ def print_summary(
                 f"the training split ({data.train_samples():,} samples)",
             ),
         )
+    return rows
+
+
+def _cache_row(
+    args: Namespace, data: ClickDataset, model: Model, store: str, prefetch: bool
+) -> str:
+    """The cache's row: its rows (and their share of all), policy, precision, the tier's
+    bound, admission, the tier and prefetch."""
+    ebc = model.sparse_arch
+    unbounded = None in data.rows
+    total_rows = 0 if unbounded else sum(data.rows)  # type: ignore[arg-type]
+    slots = sum(c.num_slots for c in ebc.caches())
+    cached = slots if unbounded else min(slots, total_rows)
+    share = "of unbounded tables" if unbounded else f"{cached / total_rows:.1%} of all"
+    precision = {"fp32": "", "fp16": ", fp16 weights", "bf16": ", bf16 weights"}
+    memory = precision[args.weight_dtype]
+    if args.tier_capacity is not None:
+        memory += f", tier {args.tier_capacity:,} rows/table ({args.tier_policy.upper()})"
+    if args.admit_after is not None:
+        memory += f", admit after {args.admit_after}"
+    if batch_rows(args, data) is not None:
+        share += ", default sized to hold one batch's unique ids"
+    return (
+        f"{cached:,} rows ({share}), {args.policy.upper()}{memory}, "
+        f"store {redact_url(store)}, prefetch {'on' if prefetch else 'off'}"
+    )
+
+
+def _training_time(args: Namespace, result: TrainResult) -> str:
+    """The training row's start: steps (as epochs with ``--data``), seconds, compilation."""
+    training = f"{len(result.losses)} steps"
+    per_epoch = getattr(args, "epoch_batches", None)
+    if per_epoch:
+        batches = f"{per_epoch:,} batch{'es' if per_epoch != 1 else ''}"
+        training += f" ({_epochs(len(result.losses), per_epoch)} of {batches})"
+    training += f" in {result.seconds:.1f} s"
+    if result.compile_seconds is not None:
+        training += f" (the first {result.compile_seconds:.1f} s compiling CPU kernels, once)"
+    return training
+
+
+def _evaluation_rows(args: Namespace, result: TrainResult) -> list[tuple[str, str]]:
+    """The held-out metrics, the evaluations during the run and an over-training warning."""
+    rows: list[tuple[str, str]] = []
     if result.eval:
         e = result.eval
         auc = f"AUC {_auc(e['auc'])}"
@@ -188,20 +230,25 @@ def print_summary(
     warning = overfit_warning(result)
     if warning is not None:
         rows.append(("warning", warning))
-    rows.append(
+    return rows
+
+
+def _counter_rows(result: TrainResult) -> list[tuple[str, str]]:
+    """The cache's counters (hit rate, evictions, admission) and the tier's (evictions,
+    traffic)."""
+    stats = result.cache_stats
+    rows: list[tuple[str, str]] = [
         (
             "hit rate",
             f"{stats['hit_rate']:.3f} ({stats['hits']:,} hits, {stats['misses']:,} misses of "
             "unique ids per batch)",
-        )
-    )
-    rows.append(
+        ),
         (
             "evictions",
             f"{stats['evictions']:,} rows left the cache, {stats['writebacks']:,} of them dirty "
             "and written back",
-        )
-    )
+        ),
+    ]
     if "admissions_refused" in stats:
         rows.append(
             (
@@ -221,7 +268,12 @@ def print_summary(
                 f"cache -> tier {_mib(io['bytes_written'])} ({io['rows_written']:,} rows)",
             )
         )
-    rows += notes or []
+    return rows
+
+
+def _output_rows(args: Namespace) -> list[tuple[str, str]]:
+    """Where the run's checkpoint and plot went."""
+    rows: list[tuple[str, str]] = []
     if args.checkpoint is not None:
         every = getattr(args, "checkpoint_every", 0)
         kept = (
@@ -233,10 +285,7 @@ def print_summary(
         rows.append(("checkpoint", f"{args.checkpoint}{kept}"))
     if args.plot is not None:
         rows.append(("plot", str(args.plot)))
-    width = max(len(k) for k, _ in rows)
-    print("\nembcache train: summary")
-    for key, value in rows:
-        print(f"  {key:<{width}}  {value}")
+    return rows
 
 
 def _epochs(steps: int, per_epoch: int) -> str:

@@ -32,8 +32,22 @@ MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
 
 
 def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every ``embcache train`` option checked (each failure one line and exit 2, through
+    ``parser.error``), and the ones a ``--resume`` checkpoint fills in resolved, in this order."""
     fail = parser.error
     _resolve_store(args, parser)
+    _check_synthetic_data(args, fail)
+    _check_sizes(args, fail)
+    _check_counts(args, fail)
+    _check_length_and_evaluation(args, fail)
+    world = _check_ranks(args, fail)
+    _check_model(args, fail)
+    _check_device_and_plot(args, fail)
+    _check_resume_and_checkpoints(args, world, fail)
+
+
+def _check_synthetic_data(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
+    """--scale and --zipf: only without --data, each in its range."""
     if args.data is not None:
         for flag, value in (("--scale", args.scale), ("--zipf", args.zipf)):
             if value is not None:
@@ -42,6 +56,11 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         fail(f"--scale must be in (0, 1], got {args.scale}")
     if args.zipf is not None and not (math.isfinite(args.zipf) and args.zipf >= 0):
         fail(f"--zipf must be >= 0, got {args.zipf}")
+
+
+def _check_sizes(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
+    """The cache's size, the sizes that must be positive, the tier's bound, the ids' width
+    and the tables' rows (--buckets)."""
     if args.cache_capacity is not None and args.cache_capacity < 1:
         fail(f"--cache-capacity must be >= 1, got {args.cache_capacity}")
     if args.load_factor is not None and not (0.0 < args.load_factor <= 1.0):
@@ -72,6 +91,10 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             "--buckets 0 makes unbounded tables (raw hashed ids): give --cache-capacity, the "
             "rows the device cache holds (a load factor needs a known row count)"
         )
+
+
+def _check_counts(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
+    """The counts that may be 0, and --threads' bound."""
     for flag, value in (
         ("--threads", args.threads),
         ("--seed", args.seed),
@@ -83,6 +106,11 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             fail(f"{flag} must be >= 0, got {value}")
     if args.threads > MAX_THREADS:
         fail(f"--threads must be at most {MAX_THREADS} (4 per CPU), got {args.threads}")
+
+
+def _check_length_and_evaluation(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
+    """The run's length (one of --steps, --epochs, --total-steps), what --early-stop needs,
+    and --eval-fraction."""
     if args.steps is not None and args.epochs is not None:
         fail("--steps and --epochs: give one (--epochs N trains N passes over the training split)")
     if args.total_steps is not None:
@@ -99,11 +127,21 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         )
     if not 0.0 < args.eval_fraction < 1.0:
         fail(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
+
+
+def _check_ranks(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
+    """--nproc, and a batch that the ranks (--nproc, or torchrun's WORLD_SIZE) split evenly;
+    returns the number of ranks."""
     if args.nproc < 1:
         fail(f"--nproc must be >= 1, got {args.nproc}")
     world = max(args.nproc, int(os.environ.get("WORLD_SIZE", "1")))
     if world > 1 and args.batch_size % world:
         fail(f"--batch-size {args.batch_size} must be a multiple of the number of ranks")
+    return world
+
+
+def _check_model(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
+    """--model seq's data and --history; the learning rates."""
     if args.model == "seq":
         _check_sequence_data(args, fail)
     if args.history is not None and args.model != "seq":
@@ -114,10 +152,22 @@ def _check_train_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     for flag, value in (("--lr", args.lr), ("--dense-lr", args.dense_lr)):
         if value is not None and not (math.isfinite(value) and value > 0):
             fail(f"{flag} must be > 0, got {value}")
+
+
+def _check_device_and_plot(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> None:
+    """A CUDA device for --device cuda; an existing directory for --plot."""
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: torch sees no CUDA device here; use --device cpu")
     if args.plot is not None and not args.plot.resolve().parent.is_dir():
         fail(f"--plot {args.plot}: directory {args.plot.resolve().parent} does not exist")
+
+
+def _check_resume_and_checkpoints(
+    args: argparse.Namespace, world: int, fail: Callable[[str], NoReturn]
+) -> None:
+    """--resume's checkpoint checked (``args.resumed_at``, ``args.resumed_target``: its step
+    and the step its run was to end at), then the checkpointing options, resolved
+    (`_resolve_checkpointing`) and checked."""
     args.resumed_at, args.resumed_target = 0, None
     resumed: dict = {}
     if args.resume is not None:

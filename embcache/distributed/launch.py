@@ -175,19 +175,7 @@ def spawn(
         SpawnError: a rank raised, exited without reporting, or was killed.
         SpawnInterruptedError: a second signal (with ``on_signal``).
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < nproc:
-        raise ValueError(
-            f"backend='nccl' needs one CUDA device per rank: {nproc} ranks, "
-            f"{torch.cuda.device_count()} devices"
-        )
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    if start_method not in ("forkserver", "spawn"):
-        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    _check_spawn_args(nproc, backend, timeout, start_method)
     grace = timeout if grace is None else grace
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     ctx = mp.get_context(start_method)
@@ -220,6 +208,46 @@ def spawn(
     ]
     handled = on_signal is not None and threading.current_thread() is threading.main_thread()
     previous: dict[int, Any] = {}
+    forward = _forwarder(procs, on_signal)
+    succeeded = False
+    try:
+        if handled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, forward)
+        for p in procs:
+            p.start()
+        results = _supervise(procs, reports, grace)
+        succeeded = True
+        return results
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _reap(procs, reports, succeeded)
+
+
+def _check_spawn_args(nproc: int, backend: str, timeout: float, start_method: str) -> None:
+    """`spawn`'s arguments checked: a ValueError that says which is wrong."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < nproc:
+        raise ValueError(
+            f"backend='nccl' needs one CUDA device per rank: {nproc} ranks, "
+            f"{torch.cuda.device_count()} devices"
+        )
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+
+
+def _forwarder(
+    procs: list, on_signal: Callable[[int], None] | None
+) -> Callable[[int, object], None]:
+    """The parent's SIGTERM/SIGINT handler while the ranks run (with ``on_signal``): the first
+    signal is sent on to every live rank and passed to ``on_signal``; a second kills every
+    rank at once and raises `SpawnInterruptedError`."""
     got: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
@@ -235,32 +263,25 @@ def spawn(
                     os.kill(p.pid, signum)
         on_signal(signum)  # type: ignore[misc]
 
-    succeeded = False
-    try:
-        if handled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, forward)
-        for p in procs:
-            p.start()
-        results = _supervise(procs, reports, grace)
-        succeeded = True
-        return results
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        # Ranks that all reported success are on their way out (`_run_rank`): let them finish,
-        # or a rank stopped before its finalizers leaves its semaphores to the resource tracker.
-        deadline = time.monotonic() + (_EXIT_WAIT_S if succeeded else 0.0)
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        reports.close()
+    return forward
+
+
+def _reap(procs: list, reports, succeeded: bool) -> None:
+    """Every rank's process joined (terminated, then killed, when it does not exit) and the
+    report queue closed."""
+    # Ranks that all reported success are on their way out (`_run_rank`): let them finish,
+    # or a rank stopped before its finalizers leaves its semaphores to the resource tracker.
+    deadline = time.monotonic() + (_EXIT_WAIT_S if succeeded else 0.0)
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    reports.close()
 
 
 def _supervise(procs: list, reports, grace: float) -> list[Any]:

@@ -236,6 +236,51 @@ def _done(result: Any = None) -> KVHandle:
     return KVHandle(future)
 
 
+def _embcache_order(
+    name: str, part_policy: Any, init_func: Any, optimizer: Any
+) -> tuple[Any, InitFunc | None, Any]:
+    """`KVClient.init_data`'s ``(part_policy, init_func, optimizer)`` as RecStore's keywords
+    mean them: a callable ``part_policy`` is embcache's older positional ``init_func`` (its
+    order: name, shape, dtype, init_func, optimizer), and then ``init_func``'s place holds the
+    ``optimizer``.
+
+    Raises:
+        TypeError: two init functions, or two optimizers.
+    """
+    if callable(part_policy) and not isinstance(part_policy, type):
+        # embcache's positional order: (name, shape, dtype, init_func, optimizer).
+        if init_func is not None and callable(init_func):
+            raise TypeError(
+                f"tensor {name!r}: two init functions given (part_policy and init_func)"
+            )
+        if init_func is not None:
+            if optimizer is not None:
+                raise TypeError(f"tensor {name!r}: optimizer given twice")
+            optimizer = init_func
+        part_policy, init_func = None, part_policy
+    return part_policy, init_func, optimizer
+
+
+def _check_declaration(
+    name: str, shape: tuple[int, int], dtype: torch.dtype, base_offset: int
+) -> None:
+    """`KVClient.init_data`'s name, shape, dtype and base_offset checked.
+
+    Raises:
+        ValueError, TypeError: one of them is not what a tensor takes.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
+    if len(shape) != 2 or any(
+        isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape
+    ):
+        raise ValueError(f"tensor {name!r}: shape must be (rows, dim) positive ints, got {shape!r}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise TypeError(f"tensor {name!r}: dtype must be a floating dtype, got {dtype}")
+    if isinstance(base_offset, bool) or not isinstance(base_offset, int) or base_offset < 0:
+        raise ValueError(f"tensor {name!r}: base_offset must be an int >= 0, got {base_offset!r}")
+
+
 class KVClient:
     """Named 2-D float tensors stored row-wise in a tier, read and written by id.
 
@@ -323,31 +368,8 @@ class KVClient:
             optimizer: what `update_async` applies (None: the client's).
         """
         del is_gdata
-        if callable(part_policy) and not isinstance(part_policy, type):
-            # embcache's positional order: (name, shape, dtype, init_func, optimizer).
-            if init_func is not None and callable(init_func):
-                raise TypeError(
-                    f"tensor {name!r}: two init functions given (part_policy and init_func)"
-                )
-            if init_func is not None:
-                if optimizer is not None:
-                    raise TypeError(f"tensor {name!r}: optimizer given twice")
-                optimizer = init_func
-            part_policy, init_func = None, part_policy
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
-        if len(shape) != 2 or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape
-        ):
-            raise ValueError(
-                f"tensor {name!r}: shape must be (rows, dim) positive ints, got {shape!r}"
-            )
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            raise TypeError(f"tensor {name!r}: dtype must be a floating dtype, got {dtype}")
-        if isinstance(base_offset, bool) or not isinstance(base_offset, int) or base_offset < 0:
-            raise ValueError(
-                f"tensor {name!r}: base_offset must be an int >= 0, got {base_offset!r}"
-            )
+        part_policy, init_func, optimizer = _embcache_order(name, part_policy, init_func, optimizer)
+        _check_declaration(name, shape, dtype, base_offset)
         if not initialize_values:
             init_func = None
         opt = self.optimizer if optimizer is None else as_kv_optimizer(optimizer)
@@ -370,26 +392,32 @@ class KVClient:
                         f"cannot redeclare it as {meta.shape}, {dtype}, {opt}, {base_offset}"
                     )
                 return
-            initial = None
-            if init_func is not None:
-                initial = init_func(meta.shape, dtype)
-                if tuple(initial.shape) != meta.shape:
-                    raise ValueError(
-                        f"tensor {name!r}: init_func returned shape {tuple(initial.shape)}, "
-                        f"expected {meta.shape}"
-                    )
-            rows, dim = meta.shape
-            spec = TableSpec(
-                name, dim, rows, state_dim=opt.state_dim(dim),
-                state_init=float(opt.initial_accumulator_value),
-                init=hashed_init(name, 0, "constant", value=0.0),
-            )  # fmt: skip
-            self.store.init_table(spec)
-            if initial is not None:
-                full = spec.initial_rows(torch.arange(rows))
-                full[:, :dim] = initial.float().cpu()
-                self.store.put(name, torch.arange(rows), full)
-            self._tensors[name] = meta
+            self._create(name, meta, init_func)
+
+    def _create(self, name: str, meta: _Tensor, init_func: InitFunc | None) -> None:
+        """The tier table of a new tensor (`init_data`, under ``_lock``), its rows written from
+        ``init_func`` when given."""
+        opt, dtype = meta.optimizer, meta.dtype
+        initial = None
+        if init_func is not None:
+            initial = init_func(meta.shape, dtype)
+            if tuple(initial.shape) != meta.shape:
+                raise ValueError(
+                    f"tensor {name!r}: init_func returned shape {tuple(initial.shape)}, "
+                    f"expected {meta.shape}"
+                )
+        rows, dim = meta.shape
+        spec = TableSpec(
+            name, dim, rows, state_dim=opt.state_dim(dim),
+            state_init=float(opt.initial_accumulator_value),
+            init=hashed_init(name, 0, "constant", value=0.0),
+        )  # fmt: skip
+        self.store.init_table(spec)
+        if initial is not None:
+            full = spec.initial_rows(torch.arange(rows))
+            full[:, :dim] = initial.float().cpu()
+            self.store.put(name, torch.arange(rows), full)
+        self._tensors[name] = meta
 
     def register(self, name: str, view: TableView, owner: object) -> None:
         """Make ``view`` the tensor ``name`` for as long as ``owner`` (a collection) lives.

@@ -239,23 +239,40 @@ def train(
             the run that is better than every one before it (with no prefetch in flight), so
             that the caller can keep that model (early stopping keeps the best, not the last).
     """
-    from tqdm import tqdm
-
     if evaluate_every and held_out is None:
         raise ValueError("train: evaluate_every needs held_out")
     if early_stop and not evaluate_every:
         raise ValueError("train: early_stop counts evaluations: it needs evaluate_every")
-    ebc = model.sparse_arch
-    ebc.reset_stats()
-    store = ebc.store
-    store.reset_io_stats()
-    device = model.device
-    hit_rates: list[float] = []
-    evals: list[dict[str, float]] = []
-    bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True, leave=True)
+    run = _Run(model, steps, progress, stop)
     model.train()
+    pipe = _pipeline(model, wrapper, sparse_opt, dense_opt, prefetch)
+    stream = run.start(batches)
+    with native.on_compile(run.compiling), _above(run.bar, progress):
+        while len(run.losses) < steps:
+            if not run.train_until_pause(pipe, stream, evaluate_every, checkpoint_every):
+                break  # stop() said so
+            done = len(run.losses)
+            at_checkpoint = checkpoint_every and done % checkpoint_every == 0
+            if at_checkpoint and on_checkpoint is not None and done < steps:
+                on_checkpoint(done)
+            if evaluate_every and done < steps and done % evaluate_every == 0:
+                assert held_out is not None  # checked above
+                if run.evaluate_during_run(held_out, on_best, early_stop):
+                    break  # early stop
+    return run.result()
+
+
+def _pipeline(
+    model: Model,
+    wrapper: nn.Module | None,
+    sparse_opt: Any,
+    dense_opt: torch.optim.Optimizer,
+    prefetch: bool,
+) -> TrainPipeline:
+    """The `TrainPipeline` that trains ``model``: forwards through ``wrapper`` when given,
+    each cached collection given the batch's whole sparse input."""
     collections = sum(isinstance(m, CachedCollectionInterface) for m in model.modules())
-    pipe = TrainPipeline(
+    return TrainPipeline(
         wrapper if wrapper is not None else model,
         sparse_opt,
         dense_opt,
@@ -265,126 +282,200 @@ def train(
         ),
         prefetch=prefetch,
     )
-    # Per-step hit rate: the lookups between two steps (with prefetch, the next batch's).
-    before = [ebc.cache_stats()]
-    outside = dict.fromkeys(("hits", "misses", "evictions", "writebacks"), 0)  # evaluations
-    recent_losses: list[float] = []
-    seen = [0]
-    paused = [0.0]
-    compiled: list[float] = []  # when the first compilation started, then the first step's s
-    after_first = [0.0, 0]  # time and samples seen at the end of the run's first step
 
-    losses: list[float] = []
 
-    def on_step(step_in_run: int, loss: torch.Tensor) -> None:
-        i = len(losses) + step_in_run
-        after = ebc.cache_stats()
-        if after["hits"] + after["misses"] > before[0]["hits"] + before[0]["misses"]:
-            hit_rates.append(_hit_rate(before[0], after))  # the last step has no prefetch
-        before[0] = after
-        recent_losses.append(float(loss))
+class _Run:
+    """One `train` call as it goes: the progress bar and the counters each step updates
+    (`on_step`), the evaluations during the run, and the seconds they and ``on_best`` took,
+    which the run's seconds and its samples/s leave out (as the cache stats leave out the
+    evaluations' lookups).
+
+    Opening one resets the collection's cache stats and the tier's traffic counters.
+    """
+
+    def __init__(
+        self, model: Model, steps: int, progress: bool, stop: Callable[[], bool] | None
+    ) -> None:
+        from tqdm import tqdm
+
+        self.model = model
+        self.ebc = model.sparse_arch
+        self.ebc.reset_stats()
+        self.store = self.ebc.store
+        self.store.reset_io_stats()
+        self.device = model.device
+        self.steps = steps
+        self.progress = progress
+        self.stop = stop
+        self.losses: list[float] = []
+        self.hit_rates: list[float] = []
+        self.evals: list[dict[str, float]] = []
+        self.bar = tqdm(
+            total=steps, unit="step", disable=not progress, dynamic_ncols=True, leave=True
+        )
+        # Per-step hit rate: the lookups between two steps (with prefetch, the next batch's).
+        self.before: dict[str, float] = {}  # the stats after the last step (`start` sets them)
+        # The evaluations' lookups, which the result's stats leave out.
+        self.outside = dict.fromkeys(("hits", "misses", "evictions", "writebacks"), 0)
+        self.recent_losses: list[float] = []
+        self.seen = 0  # samples taken from the batches
+        self.paused = 0.0
+        # When the first compilation started, then the first step's seconds.
+        self.compiled: list[float] = []
+        self.after_first = (0.0, 0)  # time and samples seen at the end of the run's first step
+        self.started = 0.0
+        self.stopped = [False]  # `_until` sets it when stop() ends the run
+        self.stopped_early = False
+        self.since_best = 0  # evaluations since the best one
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether ``stop()`` ended the run."""
+        return self.stopped[0]
+
+    def start(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """The clock started and the stats taken; returns the batches as the steps take them
+        (on the model's device, until ``stop()`` says so)."""
+        self.before = self.ebc.cache_stats()
+        self.started = time.perf_counter()
+        return self._to_device(batches)
+
+    def _to_device(self, source: Iterable[Batch]) -> Iterator[Batch]:
+        for batch in _until(source, self.stop, self.stopped):
+            self.seen += batch.labels.numel()
+            yield batch.to(self.device)
+
+    def compiling(self) -> None:
+        """numba starts compiling a kernel (on any thread)."""
+        if not self.compiled:
+            self.compiled.append(0.0)
+            if self.progress:
+                self.bar.write("compiling CPU kernels (once, cached)...", file=sys.stderr)
+
+    def train_until_pause(
+        self,
+        pipe: TrainPipeline,
+        stream: Iterator[Batch],
+        evaluate_every: int,
+        checkpoint_every: int,
+    ) -> bool:
+        """Train up to the next evaluation or checkpoint (or the last step): the pipeline stops
+        without a prefetch in flight, so the evaluation's lookups are its own (and each batch
+        is still resolved once). Returns False when ``stop()`` ended the run.
+
+        Raises:
+            ValueError: the batches ran out first.
+        """
+        steps = self.steps
+        run = min(evaluate_every or steps, steps - len(self.losses))
+        if checkpoint_every:
+            run = min(run, checkpoint_every - len(self.losses) % checkpoint_every)
+        done = pipe.run(stream, max_steps=run, on_step=self.on_step)
+        self.losses += done
+        if self.interrupted:
+            return False
+        if len(done) < run:
+            raise ValueError(
+                f"train: the batches ran out after {len(self.losses)} of {steps} steps"
+            )
+        return True
+
+    def on_step(self, step_in_run: int, loss: torch.Tensor) -> None:
+        """After each step: its hit rate and loss recorded, the bar moved on."""
+        i = len(self.losses) + step_in_run
+        after = self.ebc.cache_stats()
+        if after["hits"] + after["misses"] > self.before["hits"] + self.before["misses"]:
+            self.hit_rates.append(_hit_rate(self.before, after))  # the last step has no prefetch
+        self.before = after
+        self.recent_losses.append(float(loss))
         if i == 1:  # the rate and ETA start after the first step (compilation, warm-up)
             now = time.perf_counter()
-            after_first[:] = [now, seen[0]]
-            if compiled:
-                compiled[0] = now - start
-                if progress:
-                    bar.write(
-                        f"compiled CPU kernels: the first step took {compiled[0]:.1f} s",
+            self.after_first = (now, self.seen)
+            if self.compiled:
+                self.compiled[0] = now - self.started
+                if self.progress:
+                    self.bar.write(
+                        f"compiled CPU kernels: the first step took {self.compiled[0]:.1f} s",
                         file=sys.stderr,
                     )
-            bar.reset()
-            bar.initial = bar.n = bar.last_print_n = 1
-            bar.refresh()
+            self.bar.reset()
+            self.bar.initial = self.bar.n = self.bar.last_print_n = 1
+            self.bar.refresh()
         else:
-            bar.update(1)
-        if progress and i > 1 and (i % 10 == 0 or i == steps):
-            elapsed = time.perf_counter() - after_first[0] - paused[0]
-            recent = hit_rates[-50:] or [0.0]
-            bar.set_postfix(
-                loss=f"{sum(recent_losses[-10:]) / len(recent_losses[-10:]):.4f}",
-                samples_s=f"{(seen[0] - after_first[1]) / elapsed:,.0f}",
-                hit_rate=f"{sum(recent) / len(recent):.3f}",
-                **({"auc": f"{evals[-1]['auc']:.4f}"} if evals else {}),
-                refresh=False,
-            )
+            self.bar.update(1)
+        if self.progress and i > 1 and (i % 10 == 0 or i == self.steps):
+            self._show_rates()
 
-    interrupted = [False]
+    def _show_rates(self) -> None:
+        """The bar's loss (last 10 steps), samples/s, hit rate (last 50) and latest AUC."""
+        elapsed = time.perf_counter() - self.after_first[0] - self.paused
+        recent = self.hit_rates[-50:] or [0.0]
+        recent_losses = self.recent_losses[-10:]
+        self.bar.set_postfix(
+            loss=f"{sum(recent_losses) / len(recent_losses):.4f}",
+            samples_s=f"{(self.seen - self.after_first[1]) / elapsed:,.0f}",
+            hit_rate=f"{sum(recent) / len(recent):.3f}",
+            **({"auc": f"{self.evals[-1]['auc']:.4f}"} if self.evals else {}),
+            refresh=False,
+        )
 
-    def to_device(source: Iterable[Batch]) -> Iterator[Batch]:
-        for batch in _until(source, stop, interrupted):
-            seen[0] += batch.labels.numel()
-            yield batch.to(device)
+    def evaluate_during_run(
+        self,
+        held_out: Callable[[], Iterable[Batch]],
+        on_best: Callable[[int], None] | None,
+        early_stop: int,
+    ) -> bool:
+        """An evaluation between two steps, its lookups and its time left out of the run's;
+        ``on_best`` called when it is the best so far. Returns True when it is the
+        ``early_stop``-th in a row without a better AUC: the run stops early."""
+        steps_done = len(self.losses)
+        t0 = time.perf_counter()
+        self.evals.append({"step": float(steps_done), **evaluate(self.model, held_out())})
+        now = self.ebc.cache_stats()
+        for k, v in _stat_delta(now, self.before).items():
+            self.outside[k] += v
+        self.before = now
+        self.paused += time.perf_counter() - t0
+        best = max(self.evals, key=_score)
+        self.since_best = 0 if best is self.evals[-1] else self.since_best + 1
+        if best is self.evals[-1] and on_best is not None:
+            t0 = time.perf_counter()
+            on_best(steps_done)
+            self.paused += time.perf_counter() - t0
+        if early_stop and self.since_best >= early_stop:
+            self.stopped_early = True
+            if self.progress:
+                self.bar.write(
+                    f"early stop at step {steps_done}: {early_stop} evaluations "
+                    f"without a better AUC than step {int(best['step'])}'s "
+                    f"{best['auc']:.4f}"
+                )
+            return True
+        return False
 
-    def compiling() -> None:  # numba starts compiling a kernel (on any thread)
-        if not compiled:
-            compiled.append(0.0)
-            if progress:
-                bar.write("compiling CPU kernels (once, cached)...", file=sys.stderr)
-
-    start = time.perf_counter()
-    stream = to_device(batches)
-    stopped_early, since_best = False, 0
-    with native.on_compile(compiling), _above(bar, progress):
-        while len(losses) < steps:
-            # Up to the next evaluation: the pipeline stops without a prefetch in flight, so
-            # the evaluation's lookups are its own (and each batch is still resolved once).
-            run = min(evaluate_every or steps, steps - len(losses))
-            if checkpoint_every:
-                run = min(run, checkpoint_every - len(losses) % checkpoint_every)
-            done = pipe.run(stream, max_steps=run, on_step=on_step)
-            losses += done
-            if interrupted[0]:
-                break
-            if len(done) < run:
-                raise ValueError(f"train: the batches ran out after {len(losses)} of {steps} steps")
-            at_checkpoint = checkpoint_every and len(losses) % checkpoint_every == 0
-            if at_checkpoint and on_checkpoint is not None and len(losses) < steps:
-                on_checkpoint(len(losses))
-            if evaluate_every and len(losses) < steps and len(losses) % evaluate_every == 0:
-                t0 = time.perf_counter()
-                evals.append({"step": float(len(losses)), **evaluate(model, held_out())})
-                now = ebc.cache_stats()
-                for k, v in _stat_delta(now, before[0]).items():
-                    outside[k] += v
-                before[0] = now
-                paused[0] += time.perf_counter() - t0
-                best = max(evals, key=_score)
-                since_best = 0 if best is evals[-1] else since_best + 1
-                if best is evals[-1] and on_best is not None:
-                    t0 = time.perf_counter()
-                    on_best(len(losses))
-                    paused[0] += time.perf_counter() - t0
-                if early_stop and since_best >= early_stop:
-                    stopped_early = True
-                    if progress:
-                        bar.write(
-                            f"early stop at step {len(losses)}: {early_stop} evaluations "
-                            f"without a better AUC than step {int(best['step'])}'s "
-                            f"{best['auc']:.4f}"
-                        )
-                    break
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start - paused[0]
-    bar.close()
-    stats = ebc.cache_stats()
-    for k, v in outside.items():
-        stats[k] -= v
-    looked_up = stats["hits"] + stats["misses"]
-    stats["hit_rate"] = stats["hits"] / looked_up if looked_up else 0.0
-    return TrainResult(
-        losses=losses,
-        hit_rates=hit_rates,
-        seconds=seconds,
-        samples=seen[0],
-        cache_stats=stats,
-        io_stats=store.io_stats() or None,
-        evals=evals,
-        stopped_early=stopped_early,
-        compile_seconds=compiled[0] if compiled else None,
-        interrupted=interrupted[0],
-    )
+    def result(self) -> TrainResult:
+        """What the run measured, its bar closed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - self.started - self.paused
+        self.bar.close()
+        stats = self.ebc.cache_stats()
+        for k, v in self.outside.items():
+            stats[k] -= v
+        looked_up = stats["hits"] + stats["misses"]
+        stats["hit_rate"] = stats["hits"] / looked_up if looked_up else 0.0
+        return TrainResult(
+            losses=self.losses,
+            hit_rates=self.hit_rates,
+            seconds=seconds,
+            samples=self.seen,
+            cache_stats=stats,
+            io_stats=self.store.io_stats() or None,
+            evals=self.evals,
+            stopped_early=self.stopped_early,
+            compile_seconds=self.compiled[0] if self.compiled else None,
+            interrupted=self.interrupted,
+        )
 
 
 def _until(
