@@ -153,7 +153,14 @@ class Preflight:
 
 
 def run_checks(p: Preflight) -> None:
-    from embcache.kernels.cache_index import assign_ways, cache_lookup, salted_mix64, set_index
+    from embcache.kernels.cache_index import (
+        assign_misses_triton,
+        assign_ways,
+        cache_lookup,
+        salted_mix64,
+        set_index,
+    )
+    from embcache.kernels.cache_index_ref import assign_ways_ref
     from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids, unfuse_ids
     from embcache.kernels.optim import (
         OptimRule,
@@ -303,6 +310,31 @@ def run_checks(p: Preflight) -> None:
             "assign_ways", p.triton(assign_ways, scores, blocked, miss_sets), victims
         ),
     )
+
+    # The device plan's ways, places and counts in one kernel, against the torch ops of
+    # `SetPlan._choose_ways` around the twin: each slot's score, lock, last batch, key, dirty.
+    locks = blocked.reshape(-1).to(torch.int32)
+    batch_of = torch.where(torch.rand(num_sets * ways, generator=gen) < 0.1, 9, 2)
+    slot_keys = torch.where(scores.reshape(-1) < 0, -1, 7)
+    dirty = torch.rand(num_sets * ways, generator=gen) < 0.5
+
+    def assign_misses_check() -> float:
+        got_place, got_counts = p.triton(
+            assign_misses_triton, miss_sets, scores.reshape(-1), locks, batch_of, slot_keys,
+            dirty, ways, 9,
+        )  # fmt: skip
+        first = torch.ones_like(miss_sets, dtype=torch.bool)
+        first[1:] = miss_sets[1:] != miss_sets[:-1]
+        touched, owner = miss_sets[first], torch.cumsum(first, 0) - 1
+        guard = (locks.view(num_sets, ways) > 0) | (batch_of.view(num_sets, ways) == 9)
+        way = assign_ways_ref(scores[touched], guard[touched], owner)
+        want = torch.where(way >= 0, touched[owner] * ways + way, way)
+        held = (want >= 0) & (slot_keys[want.clamp(min=0)] >= 0)
+        counts = [(want >= 0).sum(), held.sum(), (held & dirty[want.clamp(min=0)]).sum()]
+        check_equal("assign_misses counts", got_counts, torch.stack(counts))
+        return check_equal("assign_misses place", got_place, want)
+
+    p.check("assign_misses (device plan)", assign_misses_check)
 
     # Optimizer: one aggregated gradient row per unique id, into shuffled cache rows.
     grads = torch.randn(u, dim, generator=gen)

@@ -21,9 +21,17 @@ import torch
 import embcache.native as native
 from embcache.cache.fields import CacheFields
 from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
+from embcache.cache.policy import EvictionPolicy
 from embcache.cache.scratch import CacheCapacityError
 from embcache.indexing import add_at, fill_at, put, true_at
-from embcache.kernels.cache_index import assign_ways, cache_lookup, salted_mix64, set_index
+from embcache.kernels.backend import use_triton
+from embcache.kernels.cache_index import (
+    assign_misses_triton,
+    assign_ways,
+    cache_lookup,
+    salted_mix64,
+    set_index,
+)
 
 
 @dataclass
@@ -124,6 +132,15 @@ class SetPlan(CacheFields):
         miss_pos, miss_sets, priority = self.eviction.order_misses(
             ids, miss_pos, miss_ids, shuffle, self.num_sets
         )
+        if use_triton(miss_sets) and type(self.eviction).admit is EvictionPolicy.admit:
+            # Every miss may displace a row (LRU): one kernel places them and counts, no
+            # read of the runs first.
+            place, counts = assign_misses_triton(
+                miss_sets, self.scores, self.locks, self.batch_of, self.slot_keys, self.dirty,
+                W, self._batch_seq,
+            )  # fmt: skip
+            n_placed, n_evicted, n_dirty = yield Counts([counts[0], counts[1], counts[2]])
+            return miss_pos, place, n_placed, n_evicted, n_dirty
         # The runs of sets (`torch.unique_consecutive`, their number read with the others').
         first = torch.ones_like(miss_sets, dtype=torch.bool)
         torch.ne(miss_sets[1:], miss_sets[:-1], out=first[1:])

@@ -64,6 +64,69 @@ def _set_index_kernel(
     tl.store(sets_ptr + o_n, b_set, mask=m_n)
 
 
+@triton.jit(do_not_specialize=["m", "search_steps", "batch_seq"])  # per batch: one variant
+def _assign_misses_kernel(
+    miss_sets_ptr,
+    scores_ptr,
+    locks_ptr,
+    batch_of_ptr,
+    keys_ptr,
+    dirty_ptr,
+    place_ptr,
+    counts_ptr,
+    m,
+    search_steps,
+    batch_seq: tl.int64,
+    W: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """`assign_ways` with its inputs gathered in the kernel and its place and counts made
+    there, for misses sorted by set (``miss_sets``, runs): miss i is the k-th of its run (k
+    found by a binary search for the run's start, ``search_steps`` halvings) and takes the k-th
+    of its set's ways ordered by ``(blocked, score * W + way)``, blocked meaning locked or the
+    last locked batch's (``batch_of == batch_seq``), if k is below the set's unblocked ways:
+    ``place[i] = set * W + way``, else -1. Adds up (``atomic_add``, integers) into ``counts``
+    (int64 ``[3]``, zeroed) the misses placed, those whose way holds a row, and those rows
+    dirty."""
+    i_m = tl.program_id(0).to(tl.int64)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    m_m = o_m < m
+    b_set = tl.load(miss_sets_ptr + o_m, mask=m_m, other=0)
+    b_lo = tl.zeros((BLOCK_M,), dtype=tl.int64)
+    b_hi = tl.zeros((BLOCK_M,), dtype=tl.int64) + m
+    for _ in range(search_steps):  # the run's start: the misses of lower sets
+        m_open = m_m & (b_lo < b_hi)
+        b_mid = (b_lo + b_hi) >> 1
+        b_v = tl.load(miss_sets_ptr + b_mid, mask=m_open, other=0)
+        b_lo = tl.where(m_open & (b_v < b_set), b_mid + 1, b_lo)
+        b_hi = tl.where(m_open & (b_v >= b_set), b_mid, b_hi)
+    b_rank = o_m - b_lo  # [BLOCK_M]
+    o_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+    m_w = o_w < W
+    m_mw = m_m[:, None] & m_w[None, :]  # [BLOCK_M, BLOCK_W]
+    p_way = b_set[:, None] * W + o_w[None, :]
+    b_lock = tl.load(locks_ptr + p_way, mask=m_mw, other=1)
+    b_batch = tl.load(batch_of_ptr + p_way, mask=m_mw, other=0)
+    b_score = tl.load(scores_ptr + p_way, mask=m_mw, other=0)
+    m_free = m_mw & (b_lock <= 0) & (b_batch != batch_seq)
+    b_key = tl.where(m_free, b_score * W + o_w[None, :], 0x7FFFFFFFFFFFFFFF)
+    # Each way's place in its set's order: how many ways have a smaller key.
+    b_order = tl.sum((b_key[:, None, :] < b_key[:, :, None]).to(tl.int32), axis=2)
+    b_free = tl.sum(m_free.to(tl.int32), axis=1)  # [BLOCK_M]
+    m_pick = m_free & (b_order == b_rank[:, None])
+    b_way = tl.max(tl.where(m_pick, o_w[None, :], -1), axis=1)  # [BLOCK_M]
+    m_placed = m_m & (b_rank < b_free) & (b_way >= 0)
+    b_place = tl.where(m_placed, b_set * W + b_way, -1)
+    tl.store(place_ptr + o_m, b_place, mask=m_m)
+    b_at = tl.maximum(b_place, 0)
+    m_held = m_placed & (tl.load(keys_ptr + b_at, mask=m_placed, other=-1) >= 0)
+    m_dirty = m_held & (tl.load(dirty_ptr + b_at, mask=m_held, other=0) != 0)
+    tl.atomic_add(counts_ptr + 0, tl.sum(m_placed.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum(m_held.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 2, tl.sum(m_dirty.to(tl.int64), axis=0))
+
+
 @triton.jit(do_not_specialize=["n", "salt"])  # per batch: one variant
 def _salted_mix64_kernel(ids_ptr, out_ptr, n, salt: tl.int64, BLOCK_N: tl.constexpr):
     """``out[i] = mix64(ids[i] ^ salt)`` (splitmix64's finaliser in uint64, as
@@ -275,6 +338,35 @@ def _check_table(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
         t.shape[0] >= 1 and t.shape[1] >= 1,
         f"{name} must have at least one set and one way, got {tuple(t.shape)}",
     )
+
+
+def assign_misses_triton(
+    miss_sets: torch.Tensor,
+    scores: torch.Tensor,
+    locks: torch.Tensor,
+    batch_of: torch.Tensor,
+    keys: torch.Tensor,
+    dirty: torch.Tensor,
+    ways: int,
+    batch_seq: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The place of each miss (`_assign_misses_kernel`) of a cache whose slot ``s * ways + w``
+    holds ``scores``, ``locks``, ``batch_of``, ``keys`` and ``dirty`` (1-D, at least every
+    set's ways), with its counts: ``(place, counts)``, int64 ``[m]`` (slot or -1) and int64
+    ``[3]`` (placed, holding a row, dirty). One launch and one zeroed buffer, no host read:
+    what `SetPlan._choose_ways` computes with `assign_ways` and about 25 torch ops around it.
+    Only the device path's misses use it (Triton; the torch ops are its specification)."""
+    m = miss_sets.numel()
+    place = torch.empty(m, dtype=torch.int64, device=miss_sets.device)
+    counts = torch.zeros(3, dtype=torch.int64, device=miss_sets.device)
+    if m:
+        block_w = triton.next_power_of_2(ways)
+        block_m = max(1, min(128, 4096 // (block_w * block_w)))
+        _assign_misses_kernel[(triton.cdiv(m, block_m),)](
+            miss_sets, scores, locks, batch_of, keys, dirty, place, counts, m,
+            m.bit_length(), batch_seq, W=ways, BLOCK_W=block_w, BLOCK_M=block_m,
+        )  # fmt: skip
+    return place, counts
 
 
 def salted_mix64(ids: torch.Tensor, salt: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import embcache.cache.plan as cache_plan
 import embcache.kernels.cache_index as cache_index
 from embcache.backend import for_device
 from embcache.cache.config import CacheConfig
@@ -117,7 +118,12 @@ def test_device_path_on_cpu_equals_the_torch_plan(
 
     # Count the launches of the Triton kernels and the scratch searches, so the test fails when
     # the device branch is not the one taken.
-    calls = {"set_index_triton": 0, "cache_lookup_triton": 0, "assign_ways_triton": 0}
+    # An LRU plan places its misses with `assign_misses_triton` (which the plan imports by
+    # name), an LFU plan with `assign_ways` (whose `admit` needs its runs).
+    calls = dict.fromkeys(
+        ("set_index_triton", "cache_lookup_triton", "assign_ways_triton", "assign_misses_triton"),
+        0,
+    )
     for name in calls:
         launcher = getattr(cache_index, name)
 
@@ -126,6 +132,8 @@ def test_device_path_on_cpu_equals_the_torch_plan(
             return _launcher(*args)
 
         monkeypatch.setattr(cache_index, name, counted)
+        if hasattr(cache_plan, name):
+            monkeypatch.setattr(cache_plan, name, counted)
     found_in_scratch = []
     find = HotCache._find_in_scratch
 
@@ -194,7 +202,8 @@ def test_device_path_on_cpu_equals_the_torch_plan(
     assert device.scratch_rows > 0, "no set ever had more misses than unlocked ways"
     assert sum(found_in_scratch) > 0, "no hit was found in the scratch area"
     assert calls["set_index_triton"] >= device_resolves
-    assert calls["assign_ways_triton"] > 0
+    placed_by = "assign_misses_triton" if policy == "lru" else "assign_ways_triton"
+    assert calls[placed_by] > 0, calls
 
     for backend, cache in caches.items():
         monkeypatch.setenv("EMBCACHE_BACKEND", backend)

@@ -338,3 +338,46 @@ def test_salted_mix64_matches_reference(backend: str, device: torch.device, salt
     assert torch.equal(got.cpu(), mix64(ids ^ wrapped))
     with pytest.raises(TypeError, match="salt must be an int"):
         salted_mix64(ids.to(device), 1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ways", [4, 6, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_assign_misses_matches_the_plans_torch_ops(ways: int, seed: int) -> None:
+    """`assign_misses_triton` (the device path's ways for misses sorted by set, placed and
+    counted in one kernel) against what `SetPlan._choose_ways` computes with `assign_ways`'
+    twin and torch ops: fresh random scores (empty ways -1), locks, last-batch guards, keys and
+    dirty flags, runs of 1 to more misses than ways."""
+    from embcache.kernels.cache_index import assign_misses_triton
+    from embcache.kernels.cache_index_ref import assign_ways_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    num_sets, batch_seq = 37, 5
+    slots = num_sets * ways
+    scores = torch.randint(-1, 40, (slots,), generator=gen)
+    locks = (torch.rand(slots, generator=gen) < 0.2).to(torch.int32)
+    batch_of = torch.where(torch.rand(slots, generator=gen) < 0.15, batch_seq, 3)
+    keys = torch.where(scores < 0, -1, torch.randint(0, 10**6, (slots,), generator=gen))
+    dirty = torch.rand(slots, generator=gen) < 0.5
+    miss_sets = torch.sort(torch.randint(0, num_sets, (150,), generator=gen)).values
+
+    # The torch ops of `_choose_ways` (their specification).
+    first = torch.ones_like(miss_sets, dtype=torch.bool)
+    first[1:] = miss_sets[1:] != miss_sets[:-1]
+    owner = torch.cumsum(first, 0) - 1
+    touched = miss_sets[first]
+    guarded = locks.view(num_sets, ways)[touched] > 0
+    guarded |= batch_of.view(num_sets, ways)[touched] == batch_seq
+    assigned = assign_ways_ref(scores.view(num_sets, ways)[touched], guarded, owner)
+    want = torch.where(assigned >= 0, touched[owner] * ways + assigned, assigned)
+    placed = want >= 0
+    held = placed & (keys[want.clamp(min=0)] >= 0)
+    want_counts = [int(placed.sum()), int(held.sum()), int((held & dirty[want.clamp(min=0)]).sum())]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EMBCACHE_BACKEND", "triton")
+        place, counts = assign_misses_triton(
+            miss_sets, scores, locks, batch_of, keys, dirty, ways, batch_seq
+        )
+    assert place.tolist() == want.tolist()
+    assert counts.tolist() == want_counts
+    assert 0 < want_counts[0] < miss_sets.numel()  # some placed, some overflow: both checked
