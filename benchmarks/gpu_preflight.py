@@ -154,9 +154,12 @@ class Preflight:
 
 def run_checks(p: Preflight) -> None:
     from embcache.kernels.cache_index import (
+        add_at_held,
         assign_misses_triton,
         assign_ways,
         cache_lookup,
+        cache_slots,
+        lookup_counts,
         salted_mix64,
         set_index,
     )
@@ -300,6 +303,31 @@ def run_checks(p: Preflight) -> None:
         "cache_lookup",
         lambda: check_equal("cache_lookup", p.triton(cache_lookup, keys, unique_ids, sets), found),
     )
+    slots_found = p.twin(cache_slots, keys, unique_ids, sets)
+    p.check(
+        "cache_slots",
+        lambda: check_equal(
+            "cache_slots", p.triton(cache_slots, keys, unique_ids, sets), slots_found
+        ),
+    )
+    admitted = torch.rand(u, generator=gen) < 0.9
+
+    def lookup_counts_check() -> float:
+        got_missing, got = p.triton(lookup_counts, slots_found, num_sets * ways // 2, admitted)
+        want_missing, want = p.twin(lookup_counts, slots_found, num_sets * ways // 2, admitted)
+        check_equal("lookup_counts", torch.stack(got), torch.stack(want))
+        return check_equal("lookup_counts missing", got_missing, want_missing)
+
+    p.check("lookup_counts", lookup_counts_check)
+
+    def add_at_held_check() -> float:
+        got = torch.zeros(num_sets * ways, dtype=torch.int32).to(p.device)
+        want = torch.zeros(num_sets * ways, dtype=torch.int32)
+        p.triton(add_at_held, got, slots_found, 2)
+        p.twin(add_at_held, want, slots_found, 2)
+        return check_equal("add_at_held", got, want)
+
+    p.check("add_at_held", add_at_held_check)
     scores = torch.randint(-1, 50, (num_sets, ways), generator=gen)  # ties: broken by way
     blocked = torch.rand(num_sets, ways, generator=gen) < 0.2
     miss_sets = torch.sort(sets[found < 0]).values

@@ -26,9 +26,11 @@ from embcache.cache.scratch import CacheCapacityError
 from embcache.indexing import add_at, fill_at, put, true_at
 from embcache.kernels.backend import use_triton
 from embcache.kernels.cache_index import (
+    add_at_held,
     assign_misses_triton,
     assign_ways,
-    cache_lookup,
+    cache_slots,
+    lookup_counts,
     salted_mix64,
     set_index,
 )
@@ -67,8 +69,7 @@ class SetPlan(CacheFields):
         W = self.ways
         sets = set_index(ids, self.num_sets)
         keys = self.slot_keys[: self.num_slots].view(self.num_sets, W)
-        ways = cache_lookup(keys, ids, sets)
-        slots = torch.where(ways >= 0, sets * W + ways, torch.full_like(ways, -1))
+        slots = cache_slots(keys, ids, sets)
         if self._scratch_used:
             self._find_in_scratch(ids, slots)
         return slots
@@ -82,13 +83,9 @@ class SetPlan(CacheFields):
         # Gathers are index_select and writes scatter_/index_add_ (`embcache.indexing`): on a
         # CPU, advanced indexing takes a general path several times slower.
         slots = self._lookup(ids)
-        missing = slots < 0
         # Every number this plan needs before its sort, in one read (with other caches').
-        wanted = [(slots >= 0).sum(), (slots >= self.num_slots).sum()]
-        if admitted is not None:  # ids not admitted keep slot -1 and are no misses
-            missing &= admitted
-            wanted.append((~admitted).sum())
-        n_miss, n_resident, n_scratch_hits, *refused = yield Counts([missing.sum(), *wanted])
+        missing, wanted = lookup_counts(slots, self.num_slots, admitted)
+        n_miss, n_resident, n_scratch_hits, *refused = yield Counts(wanted)
         refused = refused[0] if refused else 0
         self._tick += 1  # both undone if the plan is refused
         self._lookups += 1
@@ -298,8 +295,7 @@ class SetPlan(CacheFields):
     def _lock_hits(self, slots: torch.Tensor, delta: int) -> None:
         """Add ``delta`` to the locks of the slots of ``slots`` that are not -1 (without
         selecting them: a -1 adds 0 to slot 0)."""
-        hit = slots >= 0
-        self.locks.index_add_(0, slots.clamp(min=0), hit.to(self.locks.dtype) * delta)
+        add_at_held(self.locks, slots, delta)
 
     def _refuse(self, slots: torch.Tensor) -> None:
         """Undo what a plan did before it was refused (a full scratch area, or another cache's

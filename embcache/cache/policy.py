@@ -131,7 +131,8 @@ class LruPolicy(EvictionPolicy):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         # One sort: by set, then by the batch's shuffle (20 low bits; num_sets < 2**43).
         miss_sets = set_index(miss_ids, num_sets)
-        key = (miss_sets << 20) | (shuffle & 0xFFFFF)
+        # (sets << 20) | low bits, as one add: the sets are >= 0 and the low bits below 2**20.
+        key = torch.add(shuffle & 0xFFFFF, miss_sets, alpha=1 << 20)
         order = torch.sort(key, stable=True).indices
         return miss_pos.index_select(0, order), miss_sets.index_select(0, order), None
 

@@ -127,6 +127,49 @@ def _assign_misses_kernel(
     tl.atomic_add(counts_ptr + 2, tl.sum(m_dirty.to(tl.int64), axis=0))
 
 
+@triton.jit(do_not_specialize=["n"])  # per batch: one variant
+def _lookup_counts_kernel(
+    slots_ptr,
+    admitted_ptr,
+    missing_ptr,
+    counts_ptr,
+    n,
+    num_slots,
+    HAS_ADMITTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """What a plan reads of its lookup's ``slots`` (-1: not held), added up (``atomic_add``,
+    integers) into ``counts`` (int64 ``[4]``, zeroed): the misses (``missing[i]``: -1 and
+    admitted), the ids held, those held in the scratch area (slot >= num_slots), and the ids
+    not admitted (with HAS_ADMITTED)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_slot = tl.load(slots_ptr + o_n, mask=m_n, other=0)
+    m_missing = m_n & (b_slot < 0)
+    if HAS_ADMITTED:
+        m_admitted = tl.load(admitted_ptr + o_n, mask=m_n, other=0) != 0
+        m_missing = m_missing & m_admitted
+        tl.atomic_add(counts_ptr + 3, tl.sum((m_n & ~m_admitted).to(tl.int64), axis=0))
+    tl.store(missing_ptr + o_n, m_missing, mask=m_n)
+    tl.atomic_add(counts_ptr + 0, tl.sum(m_missing.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum((m_n & (b_slot >= 0)).to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 2, tl.sum((m_n & (b_slot >= num_slots)).to(tl.int64), axis=0))
+
+
+@triton.jit(do_not_specialize=["n", "delta"])  # per batch: one variant
+def _add_at_held_kernel(t_ptr, slots_ptr, n, delta, BLOCK_N: tl.constexpr):
+    """``t[slots[i]] += delta`` where ``slots[i] >= 0`` (``atomic_add``: integers, so
+    repeated slots add up exactly, in any order)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_slot = tl.load(slots_ptr + o_n, mask=m_n, other=-1)
+    m_held = m_n & (b_slot >= 0)
+    b_delta = tl.zeros((BLOCK_N,), dtype=tl.int32) + delta
+    tl.atomic_add(t_ptr + tl.maximum(b_slot, 0), b_delta, mask=m_held)
+
+
 @triton.jit(do_not_specialize=["n", "salt"])  # per batch: one variant
 def _salted_mix64_kernel(ids_ptr, out_ptr, n, salt: tl.int64, BLOCK_N: tl.constexpr):
     """``out[i] = mix64(ids[i] ^ salt)`` (splitmix64's finaliser in uint64, as
@@ -155,8 +198,10 @@ def _cache_lookup_kernel(
     stride_kw,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    SLOTS: tl.constexpr = False,
 ):
-    """``ways[i]`` = the lowest ``w`` with ``keys[sets[i], w] == ids[i]``, else -1.
+    """``ways[i]`` = the lowest ``w`` with ``keys[sets[i], w] == ids[i]``, else -1; with
+    SLOTS, that way's slot ``sets[i] * W + w`` instead (else -1).
 
     One program per block of ids; each gathers the ``W`` keys of its ids' sets, ``BLOCK_W`` ways
     at a time. A set outside ``[0, S)`` reads nothing and gives -1.
@@ -176,7 +221,10 @@ def _cache_lookup_kernel(
         b_key = tl.load(p_key, mask=m_nw, other=-1)  # [BLOCK_N, BLOCK_W]
         b_hit = m_nw & (b_key == b_id[:, None])
         b_way = tl.minimum(b_way, tl.min(tl.where(b_hit, o_w[None, :], W), axis=1))
-    b_way = tl.where(b_way < W, b_way, -1)
+    if SLOTS:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+        b_way = tl.where(b_way < W, b_set * W + b_way, -1)
+    else:
+        b_way = tl.where(b_way < W, b_way, -1)
     tl.store(ways_ptr + o_n, b_way, mask=m_n)
 
 
@@ -264,8 +312,11 @@ def set_index_triton(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
     return sets.view(ids.shape)
 
 
-def cache_lookup_triton(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:
-    """Launch `_cache_lookup_kernel`. keys int64 [S, W] (any strides), ids/sets int64 [n]."""
+def cache_lookup_triton(
+    keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor, slots: bool = False
+) -> torch.Tensor:
+    """Launch `_cache_lookup_kernel`. keys int64 [S, W] (any strides), ids/sets int64 [n];
+    ``slots``: each hit's slot (``set * W + way``), not its way."""
     ids = ids.contiguous()
     sets = sets.contiguous()
     n = ids.numel()
@@ -287,6 +338,7 @@ def cache_lookup_triton(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tenso
             keys.stride(1),
             BLOCK_N=block_n,
             BLOCK_W=block_w,
+            SLOTS=slots,
         )
     return ways
 
@@ -338,6 +390,47 @@ def _check_table(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
         t.shape[0] >= 1 and t.shape[1] >= 1,
         f"{name} must have at least one set and one way, got {tuple(t.shape)}",
     )
+
+
+def add_at_held(t: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
+    """``t[s] += delta`` for each slot ``s`` of ``slots`` that is not -1 (a plan's locks of its
+    hits): one kernel on the device path (int32 ``t``), torch ops elsewhere, where a -1 adds 0
+    to slot 0."""
+    if use_triton(slots) and t.dtype == torch.int32:
+        n = slots.numel()
+        if n:
+            grid = (triton.cdiv(n, _SET_INDEX_BLOCK),)
+            _add_at_held_kernel[grid](t, slots, n, delta, BLOCK_N=_SET_INDEX_BLOCK)
+        return
+    hit = slots >= 0
+    t.index_add_(0, slots.clamp(min=0), hit.to(t.dtype) * delta)
+
+
+def lookup_counts(
+    slots: torch.Tensor, num_slots: int, admitted: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(missing, counts)`` of a lookup's int64 ``slots`` (-1: not held): bool ``[n]``, the
+    ids not held (and admitted, when ``admitted`` says which are), and 0-d int64 counts of the
+    ids missing, held, held in the scratch area (slot >= ``num_slots``) and, with
+    ``admitted``, not admitted: what a plan reads before it sorts its misses. One kernel and
+    one zeroed buffer on the device path; torch ops elsewhere."""
+    if not use_triton(slots):
+        missing = slots < 0
+        counts = [(slots >= 0).sum(), (slots >= num_slots).sum()]
+        if admitted is not None:  # ids not admitted keep slot -1 and are no misses
+            missing &= admitted
+            counts.append((~admitted).sum())
+        return missing, [missing.sum(), *counts]
+    n = slots.numel()
+    missing = torch.empty(n, dtype=torch.bool, device=slots.device)
+    found = torch.zeros(4, dtype=torch.int64, device=slots.device)
+    if n:
+        grid = (triton.cdiv(n, _SET_INDEX_BLOCK),)
+        _lookup_counts_kernel[grid](
+            slots, admitted if admitted is not None else slots, missing, found, n, num_slots,
+            HAS_ADMITTED=admitted is not None, BLOCK_N=_SET_INDEX_BLOCK,
+        )  # fmt: skip
+    return missing, list(found.unbind(0))[: 3 if admitted is None else 4]
 
 
 def assign_misses_triton(
@@ -430,6 +523,23 @@ def cache_lookup(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> t
     if use_triton(keys):
         return cache_lookup_triton(keys, ids, sets)
     return cache_lookup_ref(keys, ids, sets)
+
+
+def cache_slots(keys: torch.Tensor, ids: torch.Tensor, sets: torch.Tensor) -> torch.Tensor:
+    """`cache_lookup` as slots: ``sets[i] * W + way`` where ``ids[i]`` is held, else -1 (one
+    kernel on the device path, where a lookup's slots are what the plan wants).
+
+    Args: as `cache_lookup`'s.
+    """
+    _check_table("keys", keys, torch.int64)
+    check_tensor("ids", ids, torch.int64, 1)
+    check_tensor("sets", sets, torch.int64, 1)
+    if ids.shape != sets.shape:
+        raise ValueError(f"ids and sets differ in shape: {tuple(ids.shape)} vs {tuple(sets.shape)}")
+    if use_triton(keys):
+        return cache_lookup_triton(keys, ids, sets, True)  # slots
+    ways = cache_lookup_ref(keys, ids, sets)
+    return torch.where(ways >= 0, sets * keys.shape[1] + ways, -1)
 
 
 def assign_ways(

@@ -381,3 +381,77 @@ def test_assign_misses_matches_the_plans_torch_ops(ways: int, seed: int) -> None
     assert place.tolist() == want.tolist()
     assert counts.tolist() == want_counts
     assert 0 < want_counts[0] < miss_sets.numel()  # some placed, some overflow: both checked
+
+
+@pytest.mark.parametrize("ways", [1, 4, 6])
+def test_cache_slots_are_the_lookups_ways_as_slots(
+    backend: str, device: torch.device, ways: int
+) -> None:
+    """`cache_slots` (the device plan's lookup, slots straight from the kernel) equals
+    ``set * W + way`` of `cache_lookup`'s way where it finds the id, else -1."""
+    from embcache.kernels.cache_index import cache_slots
+
+    gen = torch.Generator().manual_seed(ways)
+    num_sets = 23
+    keys = torch.full((num_sets, ways), -1, dtype=torch.int64)
+    held = torch.randperm(5000, generator=gen)[: num_sets * ways].view(num_sets, ways)
+    keep = torch.rand(num_sets, ways, generator=gen) < 0.7
+    keys[keep] = held[keep]
+    n_held = num_sets * ways
+    absent = torch.randint(5000, 9000, (40,), generator=gen)
+    ids = torch.cat([held.reshape(-1), absent])  # each held id in its own set, kept or emptied
+    sets = torch.cat(
+        [torch.arange(n_held) // ways, torch.randint(0, num_sets, (40,), generator=gen)]
+    )
+    ways_found = cache_lookup(keys.to(device), ids.to(device), sets.to(device)).cpu()
+    got = cache_slots(keys.to(device), ids.to(device), sets.to(device)).cpu()
+    want = torch.where(ways_found >= 0, sets * ways + ways_found, -1)
+    assert torch.equal(got, want)
+    assert int((got >= 0).sum()) == int(keep.sum())  # every kept id found, no absent one
+
+
+@pytest.mark.parametrize("with_admitted", [False, True], ids=["all-admitted", "admitted"])
+def test_lookup_counts_match_the_plans_reads(
+    backend: str, device: torch.device, with_admitted: bool
+) -> None:
+    """`lookup_counts` (what a plan reads before its sort): the missing mask and the counts of
+    missing, held, held in scratch and refused ids, against plain Python over fresh slots."""
+    from embcache.kernels.cache_index import lookup_counts
+
+    gen = torch.Generator().manual_seed(int(with_admitted))
+    num_slots = 50
+    slots = torch.randint(-1, 70, (3000,), generator=gen)  # >= 50: scratch rows
+    slots[torch.rand(3000, generator=gen) < 0.3] = -1
+    admitted = torch.rand(3000, generator=gen) < 0.8 if with_admitted else None
+    missing, counts = lookup_counts(
+        slots.to(device), num_slots, None if admitted is None else admitted.to(device)
+    )
+    s, a = slots.tolist(), admitted.tolist() if admitted is not None else [True] * 3000
+    want_missing = [x < 0 and ok for x, ok in zip(s, a, strict=True)]
+    want = [sum(want_missing), sum(x >= 0 for x in s), sum(x >= num_slots for x in s)]
+    if with_admitted:
+        want.append(sum(not ok for ok in a))
+    assert missing.cpu().tolist() == want_missing
+    assert [int(c) for c in counts] == want
+
+
+@pytest.mark.parametrize("delta", [1, -1, 3])
+def test_add_at_held_adds_to_every_held_slot(
+    backend: str, device: torch.device, delta: int
+) -> None:
+    """`add_at_held` (a plan's locks of its hits): ``delta`` added once per occurrence of each
+    slot that is not -1, repeats included, nothing anywhere else (slot 0 too, which a -1
+    clamps to in the twin)."""
+    from embcache.kernels.cache_index import add_at_held
+
+    gen = torch.Generator().manual_seed(delta + 5)
+    locks = torch.randint(0, 4, (300,), generator=gen, dtype=torch.int32)
+    slots = torch.randint(-1, 300, (2500,), generator=gen)
+    slots[::7] = -1
+    want = locks.clone()
+    for s in slots.tolist():
+        if s >= 0:
+            want[s] += delta
+    got = locks.to(device)
+    add_at_held(got, slots.to(device), delta)
+    assert torch.equal(got.cpu(), want)
