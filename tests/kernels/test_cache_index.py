@@ -342,7 +342,9 @@ def test_salted_mix64_matches_reference(backend: str, device: torch.device, salt
 
 @pytest.mark.parametrize("ways", [4, 6, 8])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_assign_misses_matches_the_plans_torch_ops(ways: int, seed: int) -> None:
+def test_assign_misses_matches_the_plans_torch_ops(
+    device: torch.device, ways: int, seed: int
+) -> None:
     """`assign_misses_triton` (the device path's ways for misses sorted by set, placed and
     counted in one kernel) against what `SetPlan._choose_ways` computes with `assign_ways`'
     twin and torch ops: fresh random scores (empty ways -1), locks, last-batch guards, keys and
@@ -375,9 +377,8 @@ def test_assign_misses_matches_the_plans_torch_ops(ways: int, seed: int) -> None
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EMBCACHE_BACKEND", "triton")
-        place, counts = assign_misses_triton(
-            miss_sets, scores, locks, batch_of, keys, dirty, ways, batch_seq
-        )
+        on = [t.to(device) for t in (miss_sets, scores, locks, batch_of, keys, dirty)]
+        place, counts = assign_misses_triton(*on, ways, batch_seq)
     assert place.tolist() == want.tolist()
     assert counts.tolist() == want_counts
     assert 0 < want_counts[0] < miss_sets.numel()  # some placed, some overflow: both checked
