@@ -166,6 +166,45 @@ def _axpy(a, x, y):
     return tl.fma(tl.zeros_like(x) + a, x, y)
 
 
+@triton.jit
+def _rowwise_adagrad_rows(
+    p_row, p_state, p_grad, m_n, b_row, dim, stride_wd, stride_gd, lr, eps, weight_decay,
+    HAS_WEIGHT_DECAY: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """`_row_update_kernel`'s ROWWISE_ADAGRAD rows (inlined there): ``a = a + sum(g * g) / dim``;
+    ``mult = lr / (sqrt(a) + eps)``; ``w = (1 - mult * weight_decay) * w - g * mult``."""
+    # Two passes over the columns: the mean square needs the whole row before any update.
+    b_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, dim, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
+        m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
+        p_g = p_grad[:, None] + o_d[None, :] * stride_gd
+        b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if HAS_WEIGHT_DECAY:
+            p_w = p_row[:, None] + o_d[None, :] * stride_wd
+            b_w = tl.load(p_w, mask=m_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            b_g = _axpy(weight_decay, b_w, b_g)
+        b_sq += tl.sum(b_g * b_g, axis=1)
+    p_acc = p_state  # [BLOCK_N]
+    b_acc = tl.load(p_acc, mask=m_n, other=0.0)  # [BLOCK_N]
+    b_acc = b_acc + tl.div_rn(b_sq, tl.zeros_like(b_sq) + dim)
+    tl.store(p_acc, b_acc, mask=m_n)
+    b_mult = tl.div_rn(tl.zeros_like(b_acc) + lr, tl.sqrt_rn(b_acc) + eps)  # [BLOCK_N]
+    b_corr = 1.0 - b_mult * weight_decay  # [BLOCK_N]
+    for d0 in range(0, dim, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
+        m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
+        p_w = p_row[:, None] + o_d[None, :] * stride_wd
+        p_g = p_grad[:, None] + o_d[None, :] * stride_gd
+        b_w = tl.load(p_w, mask=m_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if HAS_WEIGHT_DECAY:
+            b_w = b_corr[:, None] * b_w
+        b_w = b_w - b_g * b_mult[:, None]
+        store_weights(p_w, b_w, m_nd, b_row, o_d, STOCHASTIC)
+
+
 @triton.jit(do_not_specialize=["n", "key"])  # per-batch values: one variant
 def _row_update_kernel(
     weights_ptr,
@@ -230,35 +269,10 @@ def _row_update_kernel(
     p_grad = grads_ptr + o_n * stride_gn  # [BLOCK_N]
 
     if RULE == _ROWWISE_ADAGRAD:
-        # Two passes over the columns: the mean square needs the whole row before any update.
-        b_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for d0 in range(0, dim, BLOCK_D):
-            o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
-            m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
-            p_g = p_grad[:, None] + o_d[None, :] * stride_gd
-            b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-            if HAS_WEIGHT_DECAY:
-                p_w = p_row[:, None] + o_d[None, :] * stride_wd
-                b_w = tl.load(p_w, mask=m_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-                b_g = _axpy(weight_decay, b_w, b_g)
-            b_sq += tl.sum(b_g * b_g, axis=1)
-        p_acc = p_state  # [BLOCK_N]
-        b_acc = tl.load(p_acc, mask=m_n, other=0.0)  # [BLOCK_N]
-        b_acc = b_acc + tl.div_rn(b_sq, tl.zeros_like(b_sq) + dim)
-        tl.store(p_acc, b_acc, mask=m_n)
-        b_mult = tl.div_rn(tl.zeros_like(b_acc) + lr, tl.sqrt_rn(b_acc) + eps)  # [BLOCK_N]
-        b_corr = 1.0 - b_mult * weight_decay  # [BLOCK_N]
-        for d0 in range(0, dim, BLOCK_D):
-            o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
-            m_nd = m_n[:, None] & (o_d < dim)[None, :]  # [BLOCK_N, BLOCK_D]
-            p_w = p_row[:, None] + o_d[None, :] * stride_wd
-            p_g = p_grad[:, None] + o_d[None, :] * stride_gd
-            b_w = tl.load(p_w, mask=m_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-            b_g = tl.load(p_g, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-            if HAS_WEIGHT_DECAY:
-                b_w = b_corr[:, None] * b_w
-            b_w = b_w - b_g * b_mult[:, None]
-            store_weights(p_w, b_w, m_nd, b_row, o_d, STOCHASTIC)
+        _rowwise_adagrad_rows(
+            p_row, p_state, p_grad, m_n, b_row, dim, stride_wd, stride_gd, lr, eps,
+            weight_decay, HAS_WEIGHT_DECAY, STOCHASTIC, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
     else:
         for d0 in range(0, dim, BLOCK_D):
             o_d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D]
