@@ -50,21 +50,24 @@ install-args:
 	@echo $(TORCH_SOURCE) $(TORCH_PIN) $(TRITON_PIN) -e '.[$(EXTRAS)]'
 	@echo $(NODEPS_PINS)
 
-# The check to run after every change, about 2 minutes on 2 cores: lint, then the in-process
-# tests, each test function's first case per backend (EMBCACHE_TEST_SUBSET). Left to `make test`:
-# the tests marked `integration` (tests/conftest.py marks every test that starts a process or a
-# server) or `slow`.
+# Both run pytest on two pytest-xdist workers: one process keeps about one core busy (Triton's
+# interpreter is single-threaded; much of `make test` waits on ranks, servers and CLI runs).
+# --dist loadfile keeps each file's tests in order in one worker, so a module-scoped fixture
+# (ranks, a redis-server, the README's clone) starts once. Without -n, pytest runs in one
+# process: `.venv/bin/python -m pytest -q tests/test_cli.py` runs one file, in order.
+XDIST := -n 2 --dist loadfile
+
+# The check to run after every change, about 2.5 minutes on 2 cores (3.5 without -n): lint, then
+# the in-process tests, each test function's first case per backend (EMBCACHE_TEST_SUBSET). Left
+# to `make test`: the tests marked `integration` (tests/conftest.py marks every test that starts a
+# process or a server) or `slow`.
 check: lint
 	EMBCACHE_TEST_SUBSET=first-per-function $(BIN)/python -m pytest -q --disable-warnings \
-		-m "not integration and not slow"
+		-m "not integration and not slow" $(XDIST)
 
-# The whole suite, what CI runs: about 13 minutes on 2 cores, on two pytest-xdist workers (much
-# of it waits on ranks, servers and CLI runs, so one process kept about one core busy: ~16
-# minutes). --dist loadfile keeps each file's tests in order in one worker, so a module-scoped
-# fixture (ranks, a redis-server, the README's clone) starts once. Without -n, pytest runs in
-# one process: `.venv/bin/python -m pytest -q tests/test_cli.py` runs one file in order.
+# The whole suite, what CI runs: about 13 minutes on 2 cores (16 without -n).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q $(XDIST)
 
 demo: $(STAMP)
 	$(BIN)/embcache train
