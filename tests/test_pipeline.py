@@ -208,9 +208,9 @@ def test_a_forward_on_the_features_a_prefetch_was_issued_for_checks_them_once(
     checked = []
     original = type(model.sparse).checked_input
 
-    def counting(self, features):
+    def counting(self, features, *args):
         checked.append(features)
-        return original(self, features)
+        return original(self, features, *args)
 
     monkeypatch.setattr(type(model.sparse), "checked_input", counting)
     kjt = batches[0][0]

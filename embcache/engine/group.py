@@ -177,6 +177,13 @@ class EngineGroup:
         self._entries = entries
 
     @property
+    def checks_lengths_late(self) -> bool:
+        """Whether a forward's batch may leave its lengths' checks pending
+        (`checked_batch(read_lengths=False)`): every engine fuses on the device path, where
+        `_fuse_together` folds those checks into the ids' own, read with the dedup's."""
+        return all(e.cache.device_path and e.tbe_step is None for e in self.engines)
+
+    @property
     def has_gradients(self) -> bool:
         """Whether a backward's gradients await their step (without computing any rows)."""
         return bool(self._entries or self._pending)
@@ -285,14 +292,20 @@ class EngineGroup:
         engines = [self.engines[i] for i in todo]
         features = [f for e in engines for f in e.layout.features]
         keys, b = batch.keys(), batch.stride()
-        per_key = batch.length_per_key()
+        values, lengths = batch.values(), batch.lengths()
+        weights = batch.weights_or_none()
+        # The counts per key cut the values between engines, into an engine's lookups and
+        # into the engines' feature order; a batch with its lengths still unchecked that
+        # needs no cut keeps its checks on the device, read with the ids' (`IdVerdict.first`).
+        late = batch.lengths_pending and not (
+            keys != features or len(engines) > 1 or len(engines[0].layout.lookups) > 1
+        )
+        per_key = [] if late else batch.length_per_key()
         starts = [0]
         for n in per_key:
             starts.append(starts[-1] + n)
         pos = {k: i for i, k in enumerate(keys)}
         order = [pos[f] for f in features]
-        values, lengths = batch.values(), batch.lengths()
-        weights = batch.weights_or_none()
         if keys != features:  # as `group_inputs` does, from the counts read above
             values = torch.cat([values[starts[i] : starts[i + 1]] for i in order])
             lengths = torch.cat([lengths[i * b : (i + 1) * b] for i in order])
@@ -300,14 +313,24 @@ class EngineGroup:
                 weights = torch.cat([weights[starts[i] : starts[i + 1]] for i in order])
         table_index, table_rows, names = self._fuse_tables(todo, values.device)
         per_feature = lengths.view(len(features), -1).sum(dim=1)
+        if late:  # a negative bag makes its feature's count negative: the ids' check sees it
+            negative = lengths.view(len(features), -1).amin(dim=1) < 0
+            per_feature = per_feature.masked_fill_(negative, -1)
         fused, verdict = fuse_ids_deferred(
             values, per_feature, table_index, table_rows, self.fusion_k, features, names
         )
+        if late:
+            if verdict is None:
+                batch.check_lengths()
+            else:
+                verdict.first = batch.check_lengths
         cut = [0]
         f = 0
         for e in engines:
             nf = len(e.layout.features)
-            cut.append(cut[-1] + sum(per_key[i] for i in order[f : f + nf]))
+            cut.append(
+                values.numel() if late else cut[-1] + sum(per_key[i] for i in order[f : f + nf])
+            )
             f += nf
         fused = fused.to(self.device)
         lengths = lengths.to(self.device)
@@ -322,7 +345,7 @@ class EngineGroup:
                     fused[lo:hi],
                     lengths[f * b : (f + nf) * b],
                     None if weights is None else weights[lo:hi],
-                    e.layout.value_cuts([per_key[i] for i in order[f : f + nf]]),
+                    None if late else e.layout.value_cuts([per_key[i] for i in order[f : f + nf]]),
                 )
             )
             f += nf

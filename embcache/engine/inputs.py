@@ -82,6 +82,10 @@ class JaggedBatch:
     # Values per feature, once a check has read them (`checked_batch`): then
     # `length_per_key` needs no host read of its own.
     _per_key: list[int] | None = field(default=None, repr=False)
+    # Set by `checked_batch(read_lengths=False)`: the lengths' own checks (none negative, the
+    # sum the number of values) wait for the first read of the counts (`length_per_key`,
+    # `check_lengths`), or for the device checks a collection reads with its dedup.
+    _lengths_pending: bool = field(default=False, repr=False)
 
     @classmethod
     def from_lengths(
@@ -145,6 +149,8 @@ class JaggedBatch:
     def length_per_key(self) -> list[int]:
         """Values per feature (one host synchronisation, none once a collection has checked
         the batch)."""
+        if self._lengths_pending:
+            self.check_lengths()
         if self._per_key is not None:
             return list(self._per_key)
         B = self.stride()
@@ -153,6 +159,23 @@ class JaggedBatch:
             if B
             else ([0] * len(self._keys))
         )
+
+    @property
+    def lengths_pending(self) -> bool:
+        """Whether the lengths' checks wait for a read (`checked_batch` with
+        ``read_lengths=False``)."""
+        return self._lengths_pending
+
+    def check_lengths(self) -> None:
+        """The checks `checked_batch` left pending (none when it read the lengths): one host
+        read, which also gives `length_per_key`.
+
+        Raises:
+            ValueError: a negative length, or lengths that do not sum to the values.
+        """
+        if self._lengths_pending:
+            self._per_key = _read_lengths(self._values, self._lengths, len(self._keys))
+            self._lengths_pending = False
 
     def offset_per_key(self) -> list[int]:
         out = [0]
@@ -287,12 +310,20 @@ def as_jagged(features: object) -> JaggedBatch:
     )
 
 
-def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool) -> JaggedBatch:
+def checked_batch(
+    batch: JaggedBatch, features: Sequence[str], is_weighted: bool, read_lengths: bool = True
+) -> JaggedBatch:
     """``batch`` checked for a collection that looks up ``features``: each of them present,
     integer 1-D ids, consistent lengths, weights when ``is_weighted``. As in torchrec, keys the
     collection does not look up are ignored, and so are the weights of a batch given to an
     unweighted collection (the batch returned then carries none). Raises naming what is wrong;
-    nothing is changed either way."""
+    nothing is changed either way.
+
+    Without ``read_lengths`` the checks that need the lengths' values on the host (none
+    negative, their sum the number of values) are left pending on the batch returned
+    (`JaggedBatch.check_lengths`): its first `length_per_key` makes them, and a caller that
+    needs no counts folds them into a device check it reads anyway (the device path's fuse,
+    `EngineGroup._fuse_together`), so the check costs no host sync of its own."""
     keys = batch.keys()
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})
@@ -320,19 +351,7 @@ def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool
         raise ValueError(
             f"lengths has {lengths.numel()} entries, not a multiple of the {len(keys)} features"
         )
-    # One host read for every fact: the lowest length and the values per feature (their sum
-    # is the total; the forward then cuts the values by feature without reading again).
-    lowest = lengths.min() if lengths.numel() else lengths.new_zeros(())
-    stride = lengths.numel() // max(len(keys), 1)
-    per_key = (
-        lengths.reshape(len(keys), stride).sum(dim=1) if stride else lengths.new_zeros(len(keys))
-    )
-    low, *per_key_list = torch.cat([lowest.reshape(1), per_key.to(lowest.dtype)]).tolist()
-    total = sum(per_key_list)
-    if low < 0:
-        raise ValueError("lengths must be >= 0")
-    if total != values.numel():
-        raise ValueError(f"lengths sum to {total} but there are {values.numel()} values")
+    per_key_list = _read_lengths(values, lengths, len(keys)) if read_lengths else None
     weights = batch.weights_or_none()
     if is_weighted and weights is None:
         raise ValueError("this collection is_weighted=True but the input carries no weights")
@@ -344,7 +363,31 @@ def checked_batch(batch: JaggedBatch, features: Sequence[str], is_weighted: bool
     # A new batch over the same tensors, carrying what the check read (the caller's object is
     # left as it was: a loader may refill its tensors in place for the next step).
     kept = weights if is_weighted else None
-    return JaggedBatch(keys, values, lengths, kept, batch._offsets, per_key_list)
+    return JaggedBatch(
+        keys, values, lengths, kept, batch._offsets, per_key_list, _lengths_pending=not read_lengths
+    )
+
+
+def _read_lengths(values: torch.Tensor, lengths: torch.Tensor, num_keys: int) -> list[int]:
+    """The values per feature, checked: one host read for every fact (the lowest length and
+    the counts, whose sum is the total; the forward then cuts the values by feature without
+    reading again).
+
+    Raises:
+        ValueError: a negative length, or lengths that do not sum to the values.
+    """
+    lowest = lengths.min() if lengths.numel() else lengths.new_zeros(())
+    stride = lengths.numel() // max(num_keys, 1)
+    per_key = (
+        lengths.reshape(num_keys, stride).sum(dim=1) if stride else lengths.new_zeros(num_keys)
+    )
+    low, *per_key_list = torch.cat([lowest.reshape(1), per_key.to(lowest.dtype)]).tolist()
+    total = sum(per_key_list)
+    if low < 0:
+        raise ValueError("lengths must be >= 0")
+    if total != values.numel():
+        raise ValueError(f"lengths sum to {total} but there are {values.numel()} values")
+    return per_key_list
 
 
 def group_inputs(

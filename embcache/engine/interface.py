@@ -291,10 +291,12 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
             "model.load_state_dict(...)"
         )
 
-    def checked_input(self, features: object) -> JaggedBatch:
+    def checked_input(self, features: object, read_lengths: bool = True) -> JaggedBatch:
         """``features`` (a KJT or a `JaggedBatch`) as a checked `JaggedBatch` holding what this
-        collection looks up (other keys are ignored, as are weights when not `is_weighted`)."""
-        return checked_batch(as_jagged(features), self.features, self._is_weighted)
+        collection looks up (other keys are ignored, as are weights when not `is_weighted`);
+        without ``read_lengths``, the checks of its lengths' values pending
+        (`checked_batch`)."""
+        return checked_batch(as_jagged(features), self.features, self._is_weighted, read_lengths)
 
     # -- torchrec's EmbeddingBagCollectionInterface -----------------------------------------
 

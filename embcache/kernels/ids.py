@@ -24,7 +24,7 @@ from which the counts follow. The one host sync reads U, which sizes the outputs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -462,14 +462,21 @@ class IdVerdict:
     ) -> None:
         self.flags = flags
         self._args = args
+        # Checks of the caller's that folded into these flags (a batch's pending length
+        # checks, `JaggedBatch.check_lengths`): run first when a flag is up, so that the
+        # error names what the caller was given.
+        self.first: Callable[[], None] | None = None
 
     def judge(self, flags: Sequence[int]) -> None:
-        """Raise the error `fuse_ids` raises when ``flags`` (the values of `flags`) says so.
+        """Raise the error `fuse_ids` raises when ``flags`` (the values of `flags`) says so
+        (`first`'s, when it raises).
 
         Raises:
             ValueError: as `fuse_ids` says; nothing was changed.
         """
         if any(flags):
+            if self.first is not None:
+                self.first()
             _raise_bad(flags, *self._args)
 
     def verify(self) -> None:

@@ -208,8 +208,8 @@ class CachedEmbeddingBagCollection(LocalCollection):
         self.check_not_replicated()
         # Features a prefetch was issued for were checked then (the handle keeps the batch).
         batch = self.engines.checked_prefetch(features)
-        if batch is None:
-            batch = self.checked_input(features)
+        if batch is None:  # on the device path, the lengths are checked with the ids
+            batch = self.checked_input(features, not self.engines.checks_lengths_late)
         if not self.tables:
             values = torch.empty(batch.stride(), 0, device=self.device)
             return pooled_output(features, self.output_keys, self.output_dims, values)

@@ -5,10 +5,12 @@ The device path is counted on the CPU (``EMBCACHE_BACKEND=triton``, Triton's int
 takes the GPU's branches: no CPU-only check in `fuse_ids`, no grouped dedup for the twins'
 backward), with `tests.sync_count.SyncCounter`. A step reads once: the gradients' finite check
 and the unlocks' lock check together (`EngineGroup.apply`); the backward reads nothing (each
-cache's table bounds came with the forward's dedup read, `dedup_together`); the forward reads
-the batch's per-key counts (`checked_batch`) and then, in one read, every cache's number of
-unique ids, their table bounds and the id checks of `fuse_ids_deferred`. A resolve with misses
-adds its own reads (`cache.lockstep`), the same for any number of caches.
+cache's table bounds came with the forward's dedup read, `dedup_together`); the forward reads,
+in one read, every cache's number of unique ids, their table bounds and the id checks of
+`fuse_ids_deferred`, with the batch's length checks folded in (`checked_batch` with
+``read_lengths=False``). Several caches (distinct dims) read the batch's per-key counts first,
+to cut the values between them. A resolve with misses adds its own reads (`cache.lockstep`),
+the same for any number of caches.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ import embcache
 from tests.launch_count import counted_collection
 from tests.sync_count import SyncCounter
 
-WHOLE_TABLE = {"forward": 2, "backward": 0, "step": 1}
-TENTH = {"forward": 7, "backward": 0, "step": 1}  # the resolve's misses: 5 more reads
+WHOLE_TABLE = {"forward": 1, "backward": 0, "step": 1}
+TENTH = {"forward": 6, "backward": 0, "step": 1}  # the resolve's misses: 5 more reads
+# Caches of several dims: the per-key counts, read to cut the values between them.
+WHOLE_TABLE_DIMS = {**WHOLE_TABLE, "forward": 2}
+TENTH_DIMS = {**TENTH, "forward": 7}
 
 
 def _counts(num_tables: int, num_dims: int, load_factor: float) -> dict[str, int]:
@@ -48,9 +53,9 @@ def _counts(num_tables: int, num_dims: int, load_factor: float) -> dict[str, int
     [
         pytest.param(2, 1, 1.0, WHOLE_TABLE, id="2x1-whole"),
         pytest.param(8, 1, 1.0, WHOLE_TABLE, id="8x1-whole"),
-        pytest.param(6, 3, 1.0, WHOLE_TABLE, id="6x3-whole"),
+        pytest.param(6, 3, 1.0, WHOLE_TABLE_DIMS, id="6x3-whole"),
         pytest.param(2, 1, 0.1, TENTH, id="2x1-10pct"),
-        pytest.param(6, 3, 0.1, TENTH, id="6x3-10pct"),
+        pytest.param(6, 3, 0.1, TENTH_DIMS, id="6x3-10pct"),
     ],
 )
 def test_device_path_syncs_per_step(
@@ -60,7 +65,7 @@ def test_device_path_syncs_per_step(
     load_factor: float,
     expected: dict[str, int],
 ) -> None:
-    """Exact counts, flat in the tables and the distinct dims."""
+    """Exact counts, flat in the tables (and in the dims past the first)."""
     monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
     assert _counts(num_tables, num_dims, load_factor) == expected
 
@@ -203,3 +208,66 @@ def test_several_modules_are_all_checked_before_any_is_applied() -> None:
     with pytest.raises(ValueError, match="NaN or Inf"):
         opt.step()
     _assert_same(before, _snapshot(first) + _snapshot(second))
+
+
+def _bad_lengths(keys: list[str], case: str) -> embcache.JaggedBatch:
+    """Eight bags a feature, 2 ids each; one bag's length broken by ``case``."""
+    lengths = torch.full((len(keys) * 8,), 2, dtype=torch.int64)
+    if case == "negative":  # its feature's total stays positive: only a per-bag check sees it
+        lengths[3], lengths[4] = -1, 5
+    else:  # "short": one value more than the lengths cover
+        lengths[5] = 1
+    values = torch.randint(0, 100, (len(keys) * 16,), generator=torch.Generator().manual_seed(2))
+    return embcache.JaggedBatch.from_lengths(keys, values, lengths)
+
+
+@BACKENDS
+@pytest.mark.parametrize("num_dims", [1, 2], ids=["one-cache", "two-caches"])
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("negative", "lengths must be >= 0"),
+        ("short", r"lengths sum to \d+ but there are \d+ values"),
+    ],
+)
+def test_bad_lengths_are_refused_before_anything_changes(
+    monkeypatch: pytest.MonkeyPatch, backend: str, num_dims: int, case: str, message: str
+) -> None:
+    """A batch whose lengths are wrong: the collection's own message, nothing locked or
+    changed, training goes on. On the device path with one cache the check rides the dedup's
+    read (`checked_batch(read_lengths=False)`); with two, or on the CPU, it reads at once."""
+    if backend == "triton":
+        monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
+    ebc, batch = _collection(num_dims)
+    opt = embcache.SparseAdaGrad([ebc], lr=0.1)
+    _backward(ebc, batch())
+    opt.step()
+    keys = [f"f{i}" for i in range(2 * num_dims)]
+    before = _snapshot(ebc)
+    with pytest.raises(ValueError, match=message):
+        ebc(_bad_lengths(keys, case))
+    _assert_same(before, _snapshot(ebc))
+    assert [c.locked_slots() for c in ebc.caches()] == [0] * num_dims
+    _backward(ebc, batch())
+    opt.step()
+    assert [c.locked_slots() for c in ebc.caches()] == [0] * num_dims
+
+
+def test_a_pending_batch_checks_its_lengths_when_counts_are_read() -> None:
+    """A batch checked without reading its lengths reads and checks them on the first
+    `length_per_key` (so code that needs the counts never sees unchecked ones)."""
+    from embcache.engine.inputs import checked_batch
+
+    keys = ["f0", "f1"]
+    pending = checked_batch(_bad_lengths(keys, "negative"), keys, False, read_lengths=False)
+    assert pending.lengths_pending
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        pending.length_per_key()
+    lengths = torch.tensor([1, 2, 0, 3])
+    ok = checked_batch(
+        embcache.JaggedBatch.from_lengths(keys, torch.arange(6), lengths), keys, False, False
+    )
+    with SyncCounter() as reads:
+        assert ok.length_per_key() == [3, 3]
+        assert ok.length_per_key() == [3, 3]  # read once
+    assert reads.total == 1 and not ok.lengths_pending
