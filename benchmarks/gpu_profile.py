@@ -19,8 +19,12 @@ Per impl, after ``--warmup`` steps, ``--steps`` steps are measured three ways:
 * under ``torch.cuda.set_sync_debug_mode("warn")``: the syncing torch ops per step;
 
 and Triton's compiles are counted per step over the whole run (``triton.knobs.runtime
-.jit_post_compile_hook``). The top kernels by device time and the top host ops by self time go
-to ``gpu_profile_top.txt``. Prints a table and ``summary:`` lines; writes ``--out`` (CSV).
+.jit_post_compile_hook``). Last, on CUDA, it tries to capture the whole-table step in a
+``torch.cuda.CUDAGraph`` and says whether it captured (a host read inside the step refuses the
+capture: the error is printed) and, if so, its replay time against the eager step's. The try
+comes last because a refused capture can leave the process's CUDA context unusable. The top
+kernels by device time and the top host ops by self time go to ``gpu_profile_top.txt``.
+Prints a table and ``summary:`` lines; writes ``--out`` (CSV).
 
     python benchmarks/gpu_profile.py [--quick | --tiny] [--device cuda] [--out FILE.csv]
 """
@@ -172,7 +176,41 @@ def measure(
     )
 
 
-def run(cfg_name: str, device: torch.device, steps: int, warmup: int) -> tuple[list[Row], str]:
+def try_graph(step: Callable[[int], None], at: int, device: torch.device, reps: int = 10) -> str:
+    """Whether ``step`` (warm) captures into a CUDA graph, and the replay's time per step
+    against the eager step's; a sentence either way. Run last: a refused capture can poison
+    the CUDA context."""
+    if device.type != "cuda":
+        return "not tried (no CUDA device)"
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # as torch's docs ask: warm on a side stream first
+        step(at)
+    torch.cuda.current_stream(device).wait_stream(side)
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(reps):
+        step(at + 1 + i)
+    _sync(device)
+    eager_ms = (time.perf_counter() - t0) * 1e3 / reps
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step(at + 1 + reps)
+    except Exception as e:  # the refusal is the finding
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"not captured ({type(e).__name__}: {first[:200]})"
+    graph.replay()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    _sync(device)
+    replay_ms = (time.perf_counter() - t0) * 1e3 / reps
+    return f"captured: replay {replay_ms:.3f} ms/step against {eager_ms:.3f} eager"
+
+
+def run(cfg_name: str, device: torch.device, steps: int, warmup: int) -> tuple[list[Row], str, str]:
     cfg = SIZES[cfg_name]
     total = warmup + 3 * steps
     cfg = type(cfg)(cfg.tables, cfg.rows, cfg.dim, cfg.batch, cfg.pooling, total, warmup)
@@ -187,10 +225,13 @@ def run(cfg_name: str, device: torch.device, steps: int, warmup: int) -> tuple[l
 
     _, base_step = torch_step(weights, batches, device)
 
+    whole_table = None
     with CompileCounter() as compiles:
         rows.append(measure("torch_sparse", base_step, steps, warmup, device, compiles, top))
         for fraction in (1.0, 0.1):
             _, step = cached_step(cfg, fraction, batches, device)
+            if fraction == 1.0:
+                whole_table = step
             compiles.by_step.clear()
             impl = f"embcache_{round(fraction * 100)}"
             rows.append(measure(impl, step, steps, warmup, device, compiles, top))
@@ -198,7 +239,9 @@ def run(cfg_name: str, device: torch.device, steps: int, warmup: int) -> tuple[l
             if first:
                 top.append(f"== {impl}: compiles after step 2:\n" + "\n".join(first[:20]))
             compiles.names.clear()
-    return rows, "\n\n".join(top)
+    assert whole_table is not None
+    graph = try_graph(whole_table, total, device)
+    return rows, "\n\n".join(top), graph
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     header = run_header(device)
     print(header)
     print(f"# {SIZES[name]}; {warmup} warm-up steps, then {steps} steps per measurement")
-    rows, top = run(name, device, steps, warmup)
+    rows, top, graph = run(name, device, steps, warmup)
     cols = ("ms/step", "busy ms", "kernels", "syncs", "sync ops", "memcpy", "compiles>2")
     print(f"{'impl':<14}" + "".join(f"{c:>11}" for c in cols))
     for r in rows:
@@ -235,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r.kernels_per_step:.0f} kernels, {r.syncs_per_step:.0f} syncs, "
             f"{r.compiles_after_warmup} compiles after step 2"
         )
+    print(f"summary: CUDA graph of the embcache_100 step: {graph}")
     write_csv(rows, args.out)
     top_path = args.out.with_name("gpu_profile_top.txt")
     top_path.write_text(header + "\n" + top + "\n")
