@@ -76,7 +76,8 @@ class SetPlan(CacheFields):
 
     def _plan_sets(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> Step:
         """The plan of a set-associative cache (a `lockstep` step: its host reads are the
-        numbers of misses, of the sets they touch and of the victims, each asked once).
+        numbers of misses, of the sets they touch and of the victims, each asked once; on the
+        device path under LRU one read answers all of them, `_choose_ways_ahead`).
         Raises CacheCapacityError with the cache unchanged."""
         if self._native_plan(admitted):
             return self._plan_native(ids)
@@ -85,24 +86,40 @@ class SetPlan(CacheFields):
         slots = self._lookup(ids)
         # Every number this plan needs before its sort, in one read (with other caches').
         missing, wanted = lookup_counts(slots, self.num_slots, admitted)
-        n_miss, n_resident, n_scratch_hits, *refused = yield Counts(wanted)
-        refused = refused[0] if refused else 0
+        ahead = None
+        if self._places_ahead(slots, admitted):
+            # Ways this batch hits are as good as locked while its misses choose victims.
+            self._lock_hits(slots, 1)
+            ahead = self._choose_ways_ahead(ids, missing, wanted[0])
+            wanted = [*wanted, *ahead[3].unbind(0)]
+        try:
+            n_miss, n_resident, n_scratch_hits, *rest = yield Counts(wanted)
+        except BaseException:  # another cache's failure ends this plan here
+            if ahead is not None:
+                self._lock_hits(slots, -1)
+            raise
+        refused = rest[0] if admitted is not None else 0
         self._tick += 1  # both undone if the plan is refused
         self._lookups += 1
         if not n_miss:
-            add_at(self.locks, self._live(slots, n_resident), 1)
+            if ahead is None:
+                add_at(self.locks, self._live(slots, n_resident), 1)
             self._touch(ids, slots, n_resident - n_scratch_hits)
             empty = self._empty_ids()
             plan = Plan(ids, slots, empty, empty, empty, empty)
             plan.refused = refused
             return plan
-        miss_pos = first_true(missing, n_miss)
-        misses = miss_pos, ids.index_select(0, miss_pos)  # in the order of ``ids``
-
-        # Ways this batch hits are as good as locked while its misses choose victims.
-        self._lock_hits(slots, 1)
+        if ahead is None:
+            miss_pos = first_true(missing, n_miss)
+            misses = miss_pos, ids.index_select(0, miss_pos)  # in the order of ``ids``
+            self._lock_hits(slots, 1)
+        else:  # the misses come first in each padded list
+            misses = ahead[0][:n_miss], ahead[1][:n_miss]
         try:
-            found = yield from self._choose_ways(ids, misses)
+            if ahead is None:
+                found = yield from self._choose_ways(ids, misses)
+            else:
+                found = (ahead[2][0][:n_miss], ahead[2][1][:n_miss], *rest)
             miss_pos, place, n_placed, n_evicted, n_dirty = found
             n_over = n_miss - n_placed
             if n_over:
@@ -114,6 +131,41 @@ class SetPlan(CacheFields):
             ids, slots, misses, miss_pos, place, refused, (n_placed, n_evicted, n_dirty),
             n_resident - n_scratch_hits + n_placed,
         )  # fmt: skip
+
+    def _places_ahead(self, slots: torch.Tensor, admitted: torch.Tensor | None) -> bool:
+        """Whether this plan places its misses before it reads how many there are
+        (`_choose_ways_ahead`): on the device path (Triton), for a policy under which every
+        miss may displace a row and whose order takes padding (LRU), admitting every id. The
+        number of misses then comes with the placement's counts: one read fewer a plan."""
+        return (
+            admitted is None
+            and use_triton(slots)
+            and type(self.eviction).admit is EvictionPolicy.admit
+            and self.eviction.orders_padding
+        )
+
+    def _choose_ways_ahead(
+        self, ids: torch.Tensor, missing: torch.Tensor, num_misses: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`_choose_ways` of the device path, made before the number of misses is read: every
+        list is as long as ``ids``, its misses first. Returns the misses' positions (ascending)
+        and ids, their positions in the order they were placed with each one's slot (-1:
+        scratch), and the counts `assign_misses_triton` adds up (placed, evicting, dirty).
+        ``num_misses``: the count `lookup_counts` made, still on the device; the salt is the
+        clock the plan will read at (`_tick` + 1)."""
+        n = ids.numel()
+        miss_pos = torch.nonzero_static(missing, size=n, fill_value=-1).squeeze(1)
+        padding = miss_pos < 0
+        miss_ids = ids.index_select(0, miss_pos.clamp(min=0))
+        shuffle = salted_mix64(miss_ids, self._tick + 1)
+        order_pos, miss_sets, _ = self.eviction.order_misses(
+            ids, miss_pos, miss_ids, shuffle, self.num_sets, padding
+        )
+        place, counts = assign_misses_triton(
+            miss_sets, self.scores, self.locks, self.batch_of, self.slot_keys, self.dirty,
+            self.ways, self._batch_seq, num_misses,
+        )  # fmt: skip
+        return miss_pos, miss_ids, (order_pos, place), counts
 
     def _choose_ways(self, ids: torch.Tensor, misses: tuple[torch.Tensor, torch.Tensor]) -> Step:
         """The ways the ``misses`` (their positions in ``ids``, ascending, and their ids)

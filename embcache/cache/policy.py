@@ -63,6 +63,9 @@ class EvictionPolicy(ABC):
     # `native.reserve` scores the batch's slots as LRU does: a policy whose scores are
     # something else touches them again after a compiled plan.
     rescores_compiled_plan = False
+    # Whether `order_misses` takes ``padding``: a device plan of a policy that admits every
+    # miss then orders and places its misses before reading their number (one read fewer).
+    orders_padding = False
 
     def __init__(
         self, counts: LfuCounts | None, config: CacheConfig, backend: Backend, fusion_k: int
@@ -75,7 +78,7 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def order_misses(
         self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
-        shuffle: torch.Tensor, num_sets: int,
+        shuffle: torch.Tensor, num_sets: int, padding: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """The order misses compete for their sets' ways in: their positions in ``ids`` and
         their sets, sorted by set (runs, for `kernels.cache_index.assign_ways`), and each
@@ -86,6 +89,9 @@ class EvictionPolicy(ABC):
             miss_pos: the misses' positions in ``ids``, ascending; ``miss_ids`` their ids.
             shuffle: a hash of each miss that changes every batch (`hashing.mix64`).
             num_sets: sets of the cache.
+            padding: bool, True for entries of ``miss_pos`` that are no misses (a plan that
+                orders its misses before it has read how many there are); they go last,
+                with set ``num_sets``. Only a policy that `orders_padding` takes it.
         """
 
     def admit(
@@ -125,12 +131,16 @@ class EvictionPolicy(ABC):
 class LruPolicy(EvictionPolicy):
     """Least recently used: a slot's score is the tick of its last use."""
 
+    orders_padding = True
+
     def order_misses(
         self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
-        shuffle: torch.Tensor, num_sets: int,
+        shuffle: torch.Tensor, num_sets: int, padding: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         # One sort: by set, then by the batch's shuffle (20 low bits; num_sets < 2**43).
         miss_sets = set_index(miss_ids, num_sets)
+        if padding is not None:  # past every set: last
+            miss_sets = miss_sets.masked_fill_(padding, num_sets)
         # (sets << 20) | low bits, as one add: the sets are >= 0 and the low bits below 2**20.
         key = torch.add(shuffle & 0xFFFFF, miss_sets, alpha=1 << 20)
         order = torch.sort(key, stable=True).indices
@@ -168,10 +178,10 @@ class LfuPolicy(EvictionPolicy):
 
     def order_misses(
         self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
-        shuffle: torch.Tensor, num_sets: int,
+        shuffle: torch.Tensor, num_sets: int, padding: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         # The most frequent first, ties in the batch's shuffled order.
-        assert self.counts is not None
+        assert self.counts is not None and padding is None  # not `orders_padding`
         miss_pos = miss_pos.index_select(0, torch.argsort(shuffle))
         miss_freq = self.counts.get(ids.index_select(0, miss_pos)) + 1  # with this request
         by_freq = torch.argsort(miss_freq, descending=True, stable=True)

@@ -64,7 +64,7 @@ def _set_index_kernel(
     tl.store(sets_ptr + o_n, b_set, mask=m_n)
 
 
-@triton.jit(do_not_specialize=["m", "search_steps", "batch_seq"])  # per batch: one variant
+@triton.jit(do_not_specialize=["n", "search_steps", "batch_seq"])  # per batch: one variant
 def _assign_misses_kernel(
     miss_sets_ptr,
     scores_ptr,
@@ -74,7 +74,8 @@ def _assign_misses_kernel(
     dirty_ptr,
     place_ptr,
     counts_ptr,
-    m,
+    m_ptr,
+    n,
     search_steps,
     batch_seq: tl.int64,
     W: tl.constexpr,
@@ -88,7 +89,10 @@ def _assign_misses_kernel(
     last locked batch's (``batch_of == batch_seq``), if k is below the set's unblocked ways:
     ``place[i] = set * W + way``, else -1. Adds up (``atomic_add``, integers) into ``counts``
     (int64 ``[3]``, zeroed) the misses placed, those whose way holds a row, and those rows
-    dirty."""
+    dirty. The misses are the first ``m`` (read from ``m_ptr``, int64 ``[1]``, on the device:
+    a plan may launch this before it reads its number of misses) of the ``n`` entries; the
+    others are placed at -1 and count nothing."""
+    m = tl.load(m_ptr)
     i_m = tl.program_id(0).to(tl.int64)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     m_m = o_m < m
@@ -118,7 +122,7 @@ def _assign_misses_kernel(
     b_way = tl.max(tl.where(m_pick, o_w[None, :], -1), axis=1)  # [BLOCK_M]
     m_placed = m_m & (b_rank < b_free) & (b_way >= 0)
     b_place = tl.where(m_placed, b_set * W + b_way, -1)
-    tl.store(place_ptr + o_m, b_place, mask=m_m)
+    tl.store(place_ptr + o_m, b_place, mask=o_m < n)
     b_at = tl.maximum(b_place, 0)
     m_held = m_placed & (tl.load(keys_ptr + b_at, mask=m_placed, other=-1) >= 0)
     m_dirty = m_held & (tl.load(dirty_ptr + b_at, mask=m_held, other=0) != 0)
@@ -442,22 +446,32 @@ def assign_misses_triton(
     dirty: torch.Tensor,
     ways: int,
     batch_seq: int,
+    num_misses: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The place of each miss (`_assign_misses_kernel`) of a cache whose slot ``s * ways + w``
     holds ``scores``, ``locks``, ``batch_of``, ``keys`` and ``dirty`` (1-D, at least every
     set's ways), with its counts: ``(place, counts)``, int64 ``[m]`` (slot or -1) and int64
     ``[3]`` (placed, holding a row, dirty). One launch and one zeroed buffer, no host read:
     what `SetPlan._choose_ways` computes with `assign_ways` and about 25 torch ops around it.
-    Only the device path's misses use it (Triton; the torch ops are its specification)."""
+    Only the device path's misses use it (Triton; the torch ops are its specification).
+
+    ``num_misses`` (a one-value integer tensor on the device, not read here): only the first
+    that many of ``miss_sets`` are misses, sorted by set; the rest of ``place`` is -1 and
+    counts nothing. A plan launches this before it has read its number of misses, and reads
+    the counts with it (`SetPlan._plan_sets`). None: every entry is a miss."""
     m = miss_sets.numel()
-    place = torch.empty(m, dtype=torch.int64, device=miss_sets.device)
-    counts = torch.zeros(3, dtype=torch.int64, device=miss_sets.device)
+    device = miss_sets.device
+    place = torch.empty(m, dtype=torch.int64, device=device)
+    counts = torch.zeros(3, dtype=torch.int64, device=device)
+    if num_misses is None:
+        num_misses = torch.full((1,), m, dtype=torch.int64, device=device)
     if m:
         block_w = triton.next_power_of_2(ways)
         block_m = max(1, min(128, 4096 // (block_w * block_w)))
         _assign_misses_kernel[(triton.cdiv(m, block_m),)](
-            miss_sets, scores, locks, batch_of, keys, dirty, place, counts, m,
-            m.bit_length(), batch_seq, W=ways, BLOCK_W=block_w, BLOCK_M=block_m,
+            miss_sets, scores, locks, batch_of, keys, dirty, place, counts,
+            num_misses.reshape(1).to(torch.int64), m, m.bit_length(), batch_seq,
+            W=ways, BLOCK_W=block_w, BLOCK_M=block_m,
         )  # fmt: skip
     return place, counts
 

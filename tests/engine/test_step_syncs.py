@@ -23,16 +23,22 @@ from tests.launch_count import counted_collection
 from tests.sync_count import SyncCounter
 
 WHOLE_TABLE = {"forward": 1, "backward": 0, "step": 1}
-TENTH = {"forward": 6, "backward": 0, "step": 1}  # the resolve's misses: 5 more reads
+# A tenth of 10,000-row tables: the batch's misses take free or evicted ways. The resolve reads
+# twice: the numbers of misses and victims together (an LRU plan places its misses before it
+# reads, `SetPlan._choose_ways_ahead`), then the ids the tier must read and write.
+TENTH = {"forward": 3, "backward": 0, "step": 1}
+# A tenth of 1,000-row tables: sets overflow into the scratch area, which the next resolve
+# releases first (its own number and ids: two reads more).
+TENTH_OVERFLOW = {"forward": 5, "backward": 0, "step": 1}
 # Caches of several dims: the per-key counts, read to cut the values between them.
 WHOLE_TABLE_DIMS = {**WHOLE_TABLE, "forward": 2}
-TENTH_DIMS = {**TENTH, "forward": 7}
+TENTH_DIMS = {**TENTH, "forward": 4}
 
 
-def _counts(num_tables: int, num_dims: int, load_factor: float) -> dict[str, int]:
+def _counts(num_tables: int, num_dims: int, load_factor: float, rows: int = 1000) -> dict[str, int]:
     """Syncs of the 4th step of `counted_collection`, as `benchmarks/device_counts.py` runs
     it: the cache filled, with hits, misses and victims at 10%."""
-    ebc, opt, batch = counted_collection(num_tables, num_dims, load_factor)
+    ebc, opt, batch = counted_collection(num_tables, num_dims, load_factor, rows)
     gen = torch.Generator().manual_seed(0)
     for samples in (1, 16, 7):
         ebc(batch(samples, gen)).values().sum().backward()
@@ -49,13 +55,15 @@ def _counts(num_tables: int, num_dims: int, load_factor: float) -> dict[str, int
 
 @pytest.mark.filterwarnings("ignore::embcache.CacheOverflowWarning")
 @pytest.mark.parametrize(
-    ("num_tables", "num_dims", "load_factor", "expected"),
+    ("num_tables", "num_dims", "load_factor", "rows", "expected"),
     [
-        pytest.param(2, 1, 1.0, WHOLE_TABLE, id="2x1-whole"),
-        pytest.param(8, 1, 1.0, WHOLE_TABLE, id="8x1-whole"),
-        pytest.param(6, 3, 1.0, WHOLE_TABLE_DIMS, id="6x3-whole"),
-        pytest.param(2, 1, 0.1, TENTH, id="2x1-10pct"),
-        pytest.param(6, 3, 0.1, TENTH_DIMS, id="6x3-10pct"),
+        pytest.param(2, 1, 1.0, 1000, WHOLE_TABLE, id="2x1-whole"),
+        pytest.param(8, 1, 1.0, 1000, WHOLE_TABLE, id="8x1-whole"),
+        pytest.param(6, 3, 1.0, 1000, WHOLE_TABLE_DIMS, id="6x3-whole"),
+        pytest.param(2, 1, 0.1, 10_000, TENTH, id="2x1-10pct"),
+        pytest.param(8, 1, 0.1, 10_000, TENTH, id="8x1-10pct"),
+        pytest.param(6, 3, 0.1, 10_000, TENTH_DIMS, id="6x3-10pct"),
+        pytest.param(2, 1, 0.1, 1000, TENTH_OVERFLOW, id="2x1-10pct-overflow"),
     ],
 )
 def test_device_path_syncs_per_step(
@@ -63,11 +71,12 @@ def test_device_path_syncs_per_step(
     num_tables: int,
     num_dims: int,
     load_factor: float,
+    rows: int,
     expected: dict[str, int],
 ) -> None:
     """Exact counts, flat in the tables (and in the dims past the first)."""
     monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
-    assert _counts(num_tables, num_dims, load_factor) == expected
+    assert _counts(num_tables, num_dims, load_factor, rows) == expected
 
 
 @pytest.mark.filterwarnings("ignore::embcache.CacheOverflowWarning")

@@ -379,9 +379,18 @@ def test_assign_misses_matches_the_plans_torch_ops(
         mp.setenv("EMBCACHE_BACKEND", "triton")
         on = [t.to(device) for t in (miss_sets, scores, locks, batch_of, keys, dirty)]
         place, counts = assign_misses_triton(*on, ways, batch_seq)
+        # A plan's padded list (`SetPlan._choose_ways_ahead`): the misses first, then entries
+        # past every set; their number on the device. The misses' places and counts are the
+        # same, the padding's places -1.
+        pad = 61
+        padded = torch.cat([on[0], torch.full((pad,), num_sets, device=device)])
+        num = torch.tensor(miss_sets.numel(), device=device)
+        place_p, counts_p = assign_misses_triton(padded, *on[1:], ways, batch_seq, num)
     assert place.tolist() == want.tolist()
     assert counts.tolist() == want_counts
     assert 0 < want_counts[0] < miss_sets.numel()  # some placed, some overflow: both checked
+    assert place_p.tolist() == want.tolist() + [-1] * pad
+    assert counts_p.tolist() == want_counts
 
 
 @pytest.mark.parametrize("ways", [1, 4, 6])
