@@ -160,6 +160,7 @@ def run_checks(p: Preflight) -> None:
         cache_lookup,
         cache_slots,
         lookup_counts,
+        miss_keys,
         salted_mix64,
         set_index,
     )
@@ -290,6 +291,15 @@ def run_checks(p: Preflight) -> None:
         "salted_mix64",
         lambda: check_equal("salted_mix64", p.triton(salted_mix64, unique_ids, 12345), shuffled),
     )
+    padded = torch.randint(-1, u, (u,), generator=gen)  # -1: a padded plan's padding
+    keyed = p.twin(miss_keys, unique_ids, padded, 12345, num_sets)
+
+    def miss_keys_check() -> float:
+        got = p.triton(miss_keys, unique_ids, padded, 12345, num_sets)
+        parts = zip(("ids", "sets", "keys"), got, keyed, strict=True)
+        return max(check_equal(f"miss_keys {k}", g, w) for k, g, w in parts)
+
+    p.check("miss_keys (padded LRU order)", miss_keys_check)
     keys = torch.full((num_sets, ways), -1, dtype=torch.int64)
     resident = torch.rand(u, generator=gen) < 0.5
     by_set = torch.argsort(sets[resident], stable=True)

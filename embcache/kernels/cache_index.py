@@ -189,6 +189,42 @@ def _salted_mix64_kernel(ids_ptr, out_ptr, n, salt: tl.int64, BLOCK_N: tl.conste
     tl.store(out_ptr + o_n, b_z.to(tl.int64, bitcast=True), mask=m_n)
 
 
+@triton.jit(do_not_specialize=["n", "salt"])  # per batch: one variant
+def _miss_keys_kernel(
+    ids_ptr,
+    pos_ptr,
+    miss_ids_ptr,
+    sets_ptr,
+    key_ptr,
+    n,
+    salt: tl.int64,
+    num_sets,
+    BLOCK_N: tl.constexpr,
+):
+    """For each position ``pos[i]`` (-1: padding): the id there, its set (``num_sets`` for
+    padding) and its LRU sort key ``(mix64(id ^ salt) & (2**20 - 1)) + set * 2**20``, as
+    `miss_keys`' torch ops compute them, in one pass."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    b_pos = tl.load(pos_ptr + o_n, mask=m_n, other=-1)
+    b_id = tl.load(ids_ptr + tl.maximum(b_pos, 0), mask=m_n, other=0)
+    b_z = b_id.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
+    b_z = (b_z ^ (b_z >> 30)) * 0xBF58476D1CE4E5B9
+    b_z = (b_z ^ (b_z >> 27)) * 0x94D049BB133111EB
+    b_z = b_z ^ (b_z >> 31)
+    b_set = (b_z & 0x7FFFFFFFFFFFFFFF).to(tl.int64, bitcast=True) % num_sets
+    b_set = tl.where(b_pos < 0, num_sets, b_set)
+    b_s = (b_id ^ salt).to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
+    b_s = (b_s ^ (b_s >> 30)) * 0xBF58476D1CE4E5B9
+    b_s = (b_s ^ (b_s >> 27)) * 0x94D049BB133111EB
+    b_s = b_s ^ (b_s >> 31)
+    b_key = (b_s.to(tl.int64, bitcast=True) & 0xFFFFF) + (b_set << 20)
+    tl.store(miss_ids_ptr + o_n, b_id, mask=m_n)
+    tl.store(sets_ptr + o_n, b_set, mask=m_n)
+    tl.store(key_ptr + o_n, b_key, mask=m_n)
+
+
 @triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
 def _cache_lookup_kernel(
     keys_ptr,
@@ -496,6 +532,45 @@ def salted_mix64(ids: torch.Tensor, salt: int) -> torch.Tensor:
         grid = (triton.cdiv(n, _SET_INDEX_BLOCK),)
         _salted_mix64_kernel[grid](flat, out, n, salt, BLOCK_N=_SET_INDEX_BLOCK)
     return out.view(ids.shape)
+
+
+def miss_keys(
+    ids: torch.Tensor, miss_pos: torch.Tensor, salt: int, num_sets: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an LRU plan sorts its misses by, for positions ``miss_pos`` (int64 ``[m]``) into
+    int64 ``ids``, -1 marking padding (a plan that orders its misses before it reads how many
+    there are, `SetPlan._choose_ways_ahead`): ``(miss_ids, sets, key)``, int64 ``[m]`` each:
+    the id at each position (``ids[0]`` for padding), its set (`set_index`; ``num_sets`` for
+    padding, so that it sorts last) and its key, the set above the 20 low bits of the
+    batch's shuffle ``mix64(id ^ salt)`` (`salted_mix64`): a stable sort by key runs the
+    misses by set in an order that changes with the salt. One kernel on the device path,
+    these torch ops elsewhere.
+
+    Raises:
+        TypeError: ``ids`` or ``miss_pos`` not int64, or ``salt`` not an int.
+        ValueError: ``num_sets`` below 1 or at or above 2**43 (the key's set bits).
+    """
+    check_tensor("ids", ids, (torch.int64,))
+    check_tensor("miss_pos", miss_pos, (torch.int64,))
+    if isinstance(salt, bool) or not isinstance(salt, int):
+        raise TypeError(f"salt must be an int, got {type(salt).__name__}")
+    require(1 <= num_sets < 1 << 43, f"num_sets must be in [1, 2**43), got {num_sets}")
+    salt = ((salt + (1 << 63)) % (1 << 64)) - (1 << 63)  # as int64 wraps it
+    m = miss_pos.numel()
+    if not use_triton(ids):
+        padding = miss_pos < 0
+        miss_ids = ids.index_select(0, miss_pos.clamp(min=0))
+        sets = set_index(miss_ids, num_sets).masked_fill_(padding, num_sets)
+        key = torch.add(mix64(miss_ids ^ salt) & 0xFFFFF, sets, alpha=1 << 20)
+        return miss_ids, sets, key
+    out = torch.empty(3, m, dtype=torch.int64, device=ids.device)
+    if m:
+        grid = (triton.cdiv(m, _SET_INDEX_BLOCK),)
+        _miss_keys_kernel[grid](
+            ids.contiguous(), miss_pos.contiguous(), out[0], out[1], out[2], m, salt, num_sets,
+            BLOCK_N=_SET_INDEX_BLOCK,
+        )  # fmt: skip
+    return out[0], out[1], out[2]
 
 
 def set_index(ids: torch.Tensor, num_sets: int) -> torch.Tensor:

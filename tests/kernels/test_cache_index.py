@@ -340,6 +340,38 @@ def test_salted_mix64_matches_reference(backend: str, device: torch.device, salt
         salted_mix64(ids.to(device), 1.5)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("salt", [0, 2**40, -3, 2**63 + 5], ids=lambda s: f"salt{s}")
+@pytest.mark.parametrize("num_sets", [1, 37, 2**42 + 3])
+def test_miss_keys_match_plain_python(
+    backend: str, device: torch.device, salt: int, num_sets: int
+) -> None:
+    """`miss_keys` (an LRU plan's padded misses: id, set, sort key) on fresh random ids,
+    negative ones included, and positions with padding (-1) among them, against plain Python
+    over `hashing.mix64` of one id at a time."""
+    from embcache.hashing import mix64
+    from embcache.kernels.cache_index import miss_keys
+
+    gen = torch.Generator().manual_seed(num_sets % 1000 + salt % 7)
+    ids = torch.randint(-(2**62), 2**62, (1500,), generator=gen)
+    pos = torch.randint(0, 1500, (1300,), generator=gen)
+    pos[torch.rand(1300, generator=gen) < 0.3] = -1
+    wrapped = ((salt + 2**63) % 2**64) - 2**63
+    got = [t.cpu().tolist() for t in miss_keys(ids.to(device), pos.to(device), salt, num_sets)]
+    want: list[list[int]] = [[], [], []]
+    for p in pos.tolist():
+        x = int(ids[max(p, 0)])
+        h = int(mix64(torch.tensor([x]))[0])
+        the_set = num_sets if p < 0 else (h & (2**63 - 1)) % num_sets
+        shuffle = int(mix64(torch.tensor([x ^ wrapped]))[0])
+        for out, v in zip(want, (x, the_set, (shuffle & 0xFFFFF) + (the_set << 20)), strict=True):
+            out.append(v)
+    assert got == want
+    with pytest.raises(ValueError, match="num_sets"):
+        miss_keys(ids.to(device), pos.to(device), salt, 0)
+    with pytest.raises(TypeError, match="miss_pos"):
+        miss_keys(ids.to(device), pos.to(device, torch.int32), salt, num_sets)
+
+
 @pytest.mark.parametrize("ways", [4, 6, 8])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_assign_misses_matches_the_plans_torch_ops(
