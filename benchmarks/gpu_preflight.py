@@ -350,7 +350,7 @@ def run_checks(p: Preflight) -> None:
     )
 
     # The device plan's ways, places and counts in one kernel, against the torch ops of
-    # `SetPlan._choose_ways` around the twin: each slot's score, lock, last batch, key, dirty.
+    # `SetPlanner._choose_ways` around the twin: each slot's score, lock, last batch, key, dirty.
     locks = blocked.reshape(-1).to(torch.int32)
     batch_of = torch.where(torch.rand(num_sets * ways, generator=gen) < 0.1, 9, 2)
     slot_keys = torch.where(scores.reshape(-1) < 0, -1, 7)

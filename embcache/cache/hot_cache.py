@@ -20,7 +20,8 @@ the cache's tables, each row gets its own slot instead (direct mapping: no looku
    lock is dropped and a later batch was resolved (each resolve starts with one).
 
 On a CPU, a set-associative cache of bounded tables also records the slot of every row it
-holds (``_where``, int32 over its tables' rows, scratch included), so step 1 is one gather.
+holds (``SlotStore.where``, int32 over its tables' rows, scratch included), so step 1 is one
+gather.
 A cache on the device path (``device_path``: a GPU, or a CPU under ``EMBCACHE_BACKEND=triton``,
 `embcache.backend.Backend.device_path`) finds hits through the set index and the scratch area
 instead, as a GPU does. A direct-mapped cache can serve a batch without a resolve
@@ -50,25 +51,28 @@ slot while resident (scratch included), the tier otherwise; a locked slot is nev
 `flush` writes every dirty row back, after which the tier alone holds the model.
 
 This module is the coordinator (construction, the three phases of `resolve` and
-`resolve_together`, flush, invalidate, stats); the parts, each in its own module of
-``embcache.cache``:
+`resolve_together`, flush, invalidate, stats). A `HotCache` is composed of parts, each an
+object with its own state, in its own module of ``embcache.cache``, talking to the others
+through the references it was built with:
 
-* `policy`: `EvictionPolicy`, `LruPolicy`, `LfuPolicy` (the cache holds one as ``eviction``,
-  the class `policy_registry` names for ``CacheConfig.policy``): miss order, scores, LFU's
-  admission of misses over resident rows, the compiled plan's call;
-* `plan`: `SetPlan`, the set-associative plan (lookup, ways, reserve) and its rollback;
-* `direct`: `DirectMapping`, the direct cache's plan and `serve_direct`;
-* `scratch`: `ScratchArea`, the scratch area's growth, lookup and `release`;
-* `storage`: `SlotRows`, the slot storage, the row index, rows to and from the tier;
-* `locks`: `SlotLocks` and `unlock_together`;
-* `dedup`: `RowDedup` (the cache holds one as ``dedup``), a batch's dedup through its rows;
-* `snapshot`: `PolicyState`, the checkpointed policy state;
-* `fields`: `CacheFields`, the base of those parts: the state they share, declared once.
+* `storage`: `SlotStore` (``slot_store``), the slots: rows, keys, locks, dirty flags, scores,
+  the row index; `locks`: `unlock_together`, several caches' unlocks at once;
+* `plan`: `SetPlanner` (``planner``), the set-associative plan (lookup, ways, reserve), its
+  rollback and clocks, holding the eviction policy and the scratch area (`scratch`:
+  `ScratchArea`, its growth, lookup and release);
+* `policy`: `EvictionPolicy`, `LruPolicy`, `LfuPolicy` (the planner holds one, also
+  ``eviction``, the class `policy_registry` names for ``CacheConfig.policy``): miss order,
+  scores, LFU's admission of misses over resident rows, the compiled plan's call;
+* `writeback`: `WriteBack` (``writeback``), phase (2) of a resolve and every write to the
+  tier, over the `transfer.TierTransfer` (``transfer``: tier I/O on host tensors);
+* `direct`: `DirectMap` (``direct_map``, a direct cache's), its plan and `serve_direct`;
+* `dedup`: `RowDedup` (``dedup``), a batch's dedup through its rows;
+* `snapshot`: `PolicySnapshot` (``snapshot``), the checkpointed policy state;
+* `stats`: `CacheStats` (``stats``), the counters every part counts into.
 
-`SetPlan`, `DirectMapping`, `ScratchArea`, `SlotLocks`, `SlotRows` and `PolicyState` are base
-classes of `HotCache`, not objects of their own: they share the cache's slot arrays, which
-growing the scratch area replaces together, and its locks. What varies (the eviction policy)
-is an object the cache holds.
+The slot store's arrays (``weights``, ``state``, ``slot_keys``, ...) are read through the cache
+as attributes of its own: growing the scratch area replaces them, and the cache always gives
+the current ones.
 """
 
 from __future__ import annotations
@@ -78,25 +82,29 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
+from operator import attrgetter
+from typing import Generic, TypeVar, overload
 
 import torch
 
 from embcache.backend import for_device
 from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig
-from embcache.cache.dedup import RowDedup, row_index
-from embcache.cache.direct import DirectMapping
-from embcache.cache.locks import SlotLocks, unlock_together
-from embcache.cache.lockstep import Counts, Step, ToHost, run_together
-from embcache.cache.plan import Plan, SetPlan
+from embcache.cache.dedup import RowDedup
+from embcache.cache.direct import DirectMap
+from embcache.cache.locks import unlock_together
+from embcache.cache.lockstep import Step, run_together
+from embcache.cache.plan import Plan, SetPlanner
 from embcache.cache.policy import make_policy, policy_type
 from embcache.cache.scratch import CacheCapacityError, ScratchArea
 from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.sketch import Counters
-from embcache.cache.snapshot import PolicyState
-from embcache.cache.storage import SlotRows
-from embcache.cache.transfer import Staged, TierTransfer, take
+from embcache.cache.snapshot import PolicySnapshot
+from embcache.cache.stats import CacheStats
+from embcache.cache.storage import SlotStore
+from embcache.cache.transfer import Staged, TierTransfer
+from embcache.cache.writeback import WriteBack
 from embcache.devices import resolve_device
-from embcache.indexing import add_at, fill_at, true_at
+from embcache.indexing import add_at
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
@@ -114,8 +122,30 @@ __all__ = [
     "unlock_together",
 ]
 
+T = TypeVar("T")
 
-class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyState):
+
+class _Forward(Generic[T]):
+    """A read-only attribute of the cache that is an attribute of one of its parts (a dotted
+    path from the cache: ``"slot_store.weights"``), read at each access."""
+
+    def __init__(self, path: str) -> None:
+        self._get = attrgetter(path)
+
+    @overload
+    def __get__(self, cache: None, owner: type) -> _Forward[T]: ...
+
+    @overload
+    def __get__(self, cache: object, owner: type) -> T: ...
+
+    def __get__(self, cache: object | None, owner: type) -> T | _Forward[T]:
+        return self if cache is None else self._get(cache)
+
+    def __set__(self, cache: object, value: object) -> None:
+        raise AttributeError("a part's attribute: set it on the part")
+
+
+class HotCache:
     """Device slots for the rows of tables of one dim, with write-back to a `Store`.
 
     Args:
@@ -131,8 +161,9 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         weights: ``[num_slots + scratch_rows, dim]`` of the tables' dtype, the slots' weights,
         and
         state: float32 ``[num_slots + scratch_rows, state_dim]``, their optimizer state: the slot
-            storage. Read them under ``lock`` or ``storage_lock`` when another thread may resolve
-            concurrently (the scratch area may grow, which replaces both tensors).
+            storage (`SlotStore`, as ``slot_keys``, ``locks``, ``dirty``, ``scores`` and
+            ``batch_of``). Read them under ``lock`` or ``storage_lock`` when another thread may
+            resolve concurrently (the scratch area may grow, which replaces both tensors).
         storage_lock: held while the slot storage is replaced, and by whoever reads or writes
             rows through a view of it that must stay the storage (the TBE step,
             for its forward's table and its backward's update), without holding ``lock``: the
@@ -143,7 +174,31 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         policy: the eviction policy's registered name (``"lru"``, ``"lfu"``, ...).
         eviction: the `policy.EvictionPolicy` of ``policy``.
         dedup: the `dedup.RowDedup` of a cache with a row index.
+        slot_store, planner, writeback, direct_map, snapshot, stats: the parts (see the
+            module's docstring).
     """
+
+    # The slot store's arrays and sizes, and the counters (`CacheStats`), read through the
+    # cache: the parts replace or change them.
+    weights = _Forward[torch.Tensor]("slot_store.weights")
+    state = _Forward[torch.Tensor]("slot_store.state")
+    slot_keys = _Forward[torch.Tensor]("slot_store.slot_keys")
+    locks = _Forward[torch.Tensor]("slot_store.locks")
+    dirty = _Forward[torch.Tensor]("slot_store.dirty")
+    scores = _Forward[torch.Tensor]("slot_store.scores")
+    batch_of = _Forward[torch.Tensor]("slot_store.batch_of")
+    state_dim = _Forward[int]("slot_store.state_dim")
+    width = _Forward[int]("slot_store.width")
+    scratch_rows = _Forward[int]("slot_store.scratch_rows")
+    hits = _Forward[int]("stats.hits")
+    misses = _Forward[int]("stats.misses")
+    evictions = _Forward[int]("stats.evictions")
+    writebacks = _Forward[int]("stats.writebacks")
+    admissions_refused = _Forward[int]("stats.admissions_refused")
+    gradients_dropped = _Forward[int]("stats.gradients_dropped")
+    # Read by tests that watch a run from outside the cache package.
+    _scratch_used = _Forward[int]("planner.scratch.used")
+    _deferred = _Forward[list[Staged]]("writeback.deferred")
 
     def __init__(
         self,
@@ -164,12 +219,9 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         # EMBCACHE_BACKEND=triton, so the GPU's plan runs and is tested without a GPU.
         self.backend = for_device(self.device)
         self.device_path = self.backend.device_path
-        self.lock = threading.RLock()
-        self.storage_lock = threading.RLock()  # see the class docstring: after `lock`
         self._resolve_mutex = threading.RLock()  # serialises resolves (and flush, read)
         self._specs = {idx: spec for idx, spec in tables}
         self.transfer = TierTransfer(store, self._specs, fusion_k, self.device, self.backend)
-        self.state_dim = tables[0][1].state_dim
         self.pins = self.transfer.pins()  # bounded tier tables: pin what the cache holds
         self.rounding_seed = tables[0][1].seed
         self.stochastic_rounding = config.stochastic_rounding
@@ -179,73 +231,20 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         capacity = cache_capacity(config, total_rows, self.dim, self.device, self._names())
         self.direct = total_rows is not None and capacity >= total_rows and not self.pins
         self.policy = str(config.policy)  # its registered name (`CacheConfig` checked it)
-
-        row_offset, thresholds, bounded_rows = self._index_tables(tables)
-        self._shape_slots(capacity, total_rows)
-        self._make_counters(row_offset, bounded_rows, thresholds)
-        self._overflow_warned = False
-        self._tick = 0
-        self._lookups = 0
-        self._batch_seq = 0  # number of the last locked resolve; its rows are guarded
-        self._scratch_used = 0
-        self._seen: torch.Tensor | None = None  # `serve_direct`'s map of a batch's slots
-        self._seen_batch = -1  # the batch `_seen` maps (-1: none)
-        self._served = 0  # batches served directly
-        self._stamps: torch.Tensor | None = None  # `_distinct`'s positions, made on first use
-        self.dedup = RowDedup(
-            self._row_offset, self._index_rows, self._specs, fusion_k, self.backend
+        row_offset, thresholds, bounded_rows, self._key_limits = _table_rows(
+            tables, config, fusion_k
         )
-        self._deferred: list[Staged] = []  # rows a resolve left to write (`write_deferred`)
-        self._allocate(scratch_rows=0)
-        self.reset_stats()
-
-    def _index_tables(
-        self, tables: Sequence[tuple[int, TableSpec]]
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Sets ``_row_offset`` (each table's first row among the bounded tables' rows: a
-        direct slot, an LFU count's base) and ``_key_limits`` (the raw ids each table index
-        takes, 0: not a table of this cache, for `_check_keys`). Returns the row offsets and
-        the admission thresholds, by table index on the CPU, and the bounded tables' rows."""
-        fusion_k = self.fusion_k
-        n_idx = max(self._specs) + 1
-        # Built on the CPU whatever torch's default device (`with torch.device("meta")`).
-        row_offset = torch.full((n_idx,), -1, dtype=torch.int64, device="cpu")
-        thresholds = torch.ones(n_idx, dtype=torch.int64, device="cpu")
-        offset = 0
-        for idx, spec in sorted(tables, key=lambda t: t[0]):
-            if spec.num_embeddings is not None:
-                row_offset[idx] = offset
-                offset += spec.num_embeddings
-            thresholds[idx] = self.config.admit_after_of(spec.name)
         self._row_offset = row_offset.to(self.device)  # slot (direct) / LFU count base per table
-        # The raw ids each table index takes (0: not a table of this cache), for `_check_keys`.
-        self._key_limits = torch.zeros(n_idx, dtype=torch.int64)
-        for idx, spec in tables:
-            rows = spec.num_embeddings
-            self._key_limits[idx] = 1 << fusion_k if rows is None else min(rows, 1 << fusion_k)
-        return row_offset, thresholds, offset
-
-    def _shape_slots(self, capacity: int, total_rows: int | None) -> None:
-        """Sets ``ways``, ``num_sets`` and ``num_slots`` (a direct cache: one way, a set per
-        row), and ``_index_rows``, the rows of the slot index (`_where`), 0 for none."""
-        if self.direct:
-            assert total_rows is not None  # direct mapping needs every table bounded
-            self.ways, self.num_sets = 1, total_rows
-        else:
-            self.ways = min(self.config.ways, capacity)
-            self.num_sets = math.ceil(capacity / self.ways)
+        self.ways, self.num_sets, index_rows = _slot_shape(
+            config, capacity, total_rows, self.direct, self.device_path
+        )
         self.num_slots = self.ways * self.num_sets
-        # Rows indexed by slot (`_where`): set-associative caches of bounded tables on a CPU
-        # (not on the device path, whose lookup is the set index).
-        self._index_rows = (
-            total_rows
-            if total_rows is not None and not self.direct and not self.device_path
-            and total_rows <= ROW_INDEX_MAX_ROWS
-            else 0
-        )  # fmt: skip
+        self._make_counters(row_offset, bounded_rows, thresholds, tables[0][1].state_dim)
+        self._overflow_warned = False
+        self._make_parts(tables[0][1].state_dim, index_rows)
 
     def _make_counters(
-        self, row_offset: torch.Tensor, bounded_rows: int, thresholds: torch.Tensor
+        self, row_offset: torch.Tensor, bounded_rows: int, thresholds: torch.Tensor, state_dim: int
     ) -> None:
         """Sets ``_counts`` (LFU's), ``_admission`` (the admission sketch) and ``eviction``,
         once the slots and the counters are known to fit on the device (`check_fits`)."""
@@ -255,13 +254,48 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             row_offset, bounded_rows, thresholds, lfu, config.lfu_counters, EXACT_LFU_MAX_ROWS,
             config.sketch_width, config.sketch_depth, config.effective_admission_window,
         )  # fmt: skip
-        which = self._names()
-        check_fits(self.num_slots, self.width, counters.nbytes // 8, self.device, which, self.dim)
+        which, width = self._names(), self.dim + state_dim
+        check_fits(self.num_slots, width, counters.nbytes // 8, self.device, which, self.dim)
         self._counts, self._admission = counters.build(self.device, self.fusion_k)
         self.eviction = make_policy(self.policy, self._counts, config, self.backend, self.fusion_k)
 
+    def _make_parts(self, state_dim: int, index_rows: int) -> None:
+        """The parts (see the module's docstring), each given the others it talks to."""
+        self.stats = CacheStats()
+        self.slot_store = slots = SlotStore(
+            self.dim, self.dtype, state_dim, self.num_slots, index_rows, self._row_offset,
+            self.fusion_k, self.device, self.backend, self.transfer, self._admission is None,
+            self.stats,
+        )  # fmt: skip
+        self.lock = slots.lock
+        self.storage_lock = slots.storage_lock  # see the class docstring: after `lock`
+        self.writeback = WriteBack(slots, self.transfer, self.stats, self.pins)
+        scratch = ScratchArea(
+            slots, self.config.max_scratch_rows, self.writeback.write_host, self.pins, self.stats
+        )
+        self.planner = SetPlanner(
+            slots, scratch, self.eviction, self.ways, self.num_sets, self.pins
+        )
+        self.direct_map = (
+            DirectMap(slots, self._specs, self.store, self.stats) if self.direct else None
+        )
+        geometry: dict[str, object] = {
+            "num_slots": self.num_slots,
+            "ways": self.ways,
+            "direct": self.direct,
+            "policy": self.policy,
+            "dtype": str(self.dtype),
+            "fusion_k": self.fusion_k,  # slot keys are fused ids: their table bits move with it
+        }
+        self.snapshot = PolicySnapshot(
+            self.planner, self._counts, self._admission, geometry, self._key_limits
+        )
+        self.dedup = RowDedup(
+            self._row_offset, index_rows, self._specs, self.fusion_k, self.backend
+        )
+
     # ------------------------------------------------------------------------------------------
-    # tables, rows and ids (the slot storage: `storage.SlotRows`)
+    # tables, rows and ids
 
     @property
     def admits_all(self) -> bool:
@@ -281,7 +315,11 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
     def row_index(self, keys: torch.Tensor) -> torch.Tensor:
         """Row of each fused key of a bounded table among all the cache's tables' rows (in
         ascending table index): under direct mapping, its slot."""
-        return row_index(self._row_offset, keys, self.fusion_k)
+        return self.slot_store.row_index(keys)
+
+    def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The stored tier rows (`TableSpec.pack`: weights, then state) held at ``slots``."""
+        return self.slot_store.rows_of(slots)
 
     def unique_by_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``torch.unique(ids, sorted=True, return_inverse=True)`` of valid fused ids of this
@@ -289,16 +327,14 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         return self.dedup.unique_by_rows(ids)
 
     def maps_batch(self, n: int) -> bool:
-        """Whether `unique_values` takes a batch of ``n`` ids: the compiled kernels run, the
-        cache keeps the slot of every row of its tables (a set-associative cache of bounded
-        tables on a CPU, up to `ROW_INDEX_MAX_ROWS` rows), and the batch is dense enough for
-        the map over those rows."""
+        """Whether `unique_values` takes a batch of ``n`` ids (`RowDedup.maps_batch`: the
+        compiled kernels run, the cache keeps the slot of every row of its tables, and the
+        batch is dense enough for the map over those rows)."""
         return self.dedup.maps_batch(n)
 
     def row_ranges(self, tables: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """For `unique_values`: the first row (among this cache's tables' rows) and the number
-        of valid ids (``num_embeddings``, at most ``2**fusion_k``) of each of ``tables``
-        (table indices), int64 ``[len(tables)]`` each."""
+        of valid ids of each of ``tables`` (table indices) (`RowDedup.row_ranges`)."""
         return self.dedup.row_ranges(list(tables))
 
     def unique_values(
@@ -308,17 +344,10 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         ranges: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`unique_by_rows` of raw ids, checked and fused in the same compiled pass
-        (`native.unique_values`): the values of feature ``f``, ``values[bounds[f] :
-        bounds[f + 1]]``, are ids of a table of the cache whose `row_ranges` are
-        ``ranges[0][f], ranges[1][f]``. None when the compiled kernels do not run here, the
-        batch is too sparse for the map (`unique_by_rows`), or an id is out of its table's
-        range or past ``2**fusion_k`` (`kernels.ids.fuse_ids` then says which).
-
-        Args:
-            values: CPU int64 or int32 ``[nnz]`` raw ids, the features one after another.
-            bounds: CPU int64 ``[F + 1]`` the first value of each feature, then ``nnz``.
-            ranges: `row_ranges` of the features' tables.
-        """
+        (`RowDedup.unique_values`: the values of feature ``f``, ``values[bounds[f] :
+        bounds[f + 1]]``, are ids of a table whose `row_ranges` are ``ranges[0][f],
+        ranges[1][f]``), or None where it does not apply or an id is bad (`kernels.ids.fuse_ids`
+        then says which)."""
         return self.dedup.unique_values(values, bounds, ranges)
 
     # ------------------------------------------------------------------------------------------
@@ -396,55 +425,12 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         admitted = None
         if self._admission is not None:
             admitted = self._admission.admit(ids, count_sightings)
-        try:
-            if self.direct:
-                plan = self._plan_direct(ids, admitted)
-            else:
-                plan = yield from self._plan_sets(ids, admitted)
-        except CacheCapacityError:
-            guarding = yield Counts([self._guarded().any()])
-            if not guarding[0]:
-                raise
-            # Too little room beside the last batch's rows: they stop being guarded (its step
-            # is done, or the plan would have met its locks anyway).
-            self._batch_seq += 1
-            yield from self._release_steps()
-            plan = yield from self._plan_sets(ids, admitted)
+        if self.direct_map is not None:
+            plan = self.direct_map.plan(ids, admitted)
+        else:
+            plan = yield from self.planner.plan(ids, admitted)
         plans[at] = plan
         return plan
-
-    def _exchange_steps(self, plan: Plan, defer_writeback: bool, create: bool = True) -> Step:
-        """Phase (2) of a resolve, without ``lock``: the victims written to the tier (or
-        staged, ``defer_writeback``) and the misses read into their slots (created in the
-        tier when missing there, unless not ``create``). A tier error leaves the slots as
-        they were (the plan can be rolled back)."""
-        n_write, n_read = plan.victim_ids.numel(), plan.load_ids.numel()
-        if not (n_write or n_read):
-            plan.exchanged = True
-            return
-        # One copy of all the ids the tier needs (with every other cache's of a group).
-        wanted = [plan.victim_ids, plan.load_ids]
-        if plan.released is not None:
-            wanted.append(plan.released)
-        host = yield ToHost(wanted)
-        write_ids, read_ids = host[0], host[1]
-        released = host[2] if plan.released is not None else None
-
-        def victim_rows(positions: torch.Tensor | slice) -> torch.Tensor:
-            return self._host_rows(take(plan.victim_slots, positions))
-
-        staged = None
-        if n_write and defer_writeback and self.transfer.grouped and not self.pins:
-            staged = self.transfer.stage(write_ids, victim_rows)
-            write_ids = write_ids[:0]
-        loaded = self.transfer.exchange(
-            write_ids, victim_rows, read_ids, released,
-            self._slot_storage(plan.victim_slots, plan.load_slots), create,
-        )  # fmt: skip
-        self.transfer.place(self.weights, self.state, plan.load_slots, loaded)
-        if staged is not None:
-            self._deferred.append(staged)
-        plan.exchanged = True
 
     @profiled("cache.deferred_write")
     def write_deferred(self) -> None:
@@ -452,9 +438,7 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         no-op when there are none). A tier error propagates and the rows not yet written stay
         staged: the next call, or the next resolve, writes them."""
         with self._resolve_mutex:
-            while self._deferred:
-                self.transfer.write_staged(self._deferred[0])
-                del self._deferred[0]
+            self.writeback.write_deferred()
 
     def _check_keys(self, ids: torch.Tensor) -> None:
         """A ValueError naming the first of CPU int64 ``ids`` that is no row of this cache's
@@ -474,25 +458,144 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
             )
 
     def _commit(self, plan: Plan, lock: bool) -> None:
-        live = self._live(plan.slots)
+        store, stats = self.slot_store, self.stats
+        live = store.live(plan.slots)
         if not lock:
-            add_at(self.locks, live, -1)
+            add_at(store.locks, live, -1)
         n_miss = plan.load_ids.numel()
-        self.hits += plan.ids.numel() - n_miss - plan.refused
-        self.misses += n_miss
-        self.admissions_refused += plan.refused
-        self.evictions += plan.evicted
-        self.writebacks += plan.victim_ids.numel()
+        stats.hits += plan.ids.numel() - n_miss - plan.refused
+        stats.misses += n_miss
+        stats.admissions_refused += plan.refused
+        stats.evictions += plan.evicted
+        stats.writebacks += plan.victim_ids.numel()
         if lock and not self.direct:
-            self._batch_seq += 1
-            fill_at(self.batch_of, live, self._batch_seq)
+            self.planner.guard(live)
 
-    def _touch(self, ids: torch.Tensor, slots: torch.Tensor, n_main: int | None = None) -> None:
-        """Update the eviction scores of the resident slots of a batch (`EvictionPolicy.touch`);
-        ``n_main``: how many of ``slots`` are in the cache proper (not -1, not scratch), when
-        known (no host read then)."""
-        all_main = n_main == slots.numel() or (self._scratch_used == 0 and self._admission is None)
-        self.eviction.touch(ids, slots, self.scores, n_main, all_main, self._tick, self._lookups)
+    # ------------------------------------------------------------------------------------------
+    # locks and rows (the slot store's)
+
+    def hold(self, slots: torch.Tensor) -> None:
+        """Lock ``slots`` (distinct, resident) once each, as a resolve with ``lock`` does: for
+        a batch served by `serve_direct` that turns into the ordinary locked form later."""
+        self.slot_store.hold(slots)
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Record that the rows at ``slots`` were changed in place (e.g. by an optimizer); a
+        slot of -1 is an id not admitted, whose update was dropped (counted)."""
+        self.slot_store.mark_dirty(slots)
+
+    def unlock(self, slots: torch.Tensor, dirty: bool = False) -> None:
+        """Drop one lock from each of ``slots`` (distinct); with ``dirty``, also record that
+        their rows were changed in place, as `mark_dirty` does (a batch after its update).
+
+        Never calls the tier: scratch rows left without a lock are written back and freed by
+        the next `release` (which the next `resolve`, `flush` and unlocked forwards call).
+        Several caches at once: `unlock_together` (one host read for all their checks).
+
+        Raises:
+            RuntimeError: a slot is not locked (nothing is changed then).
+        """
+        unlock_together([(self, slots)], dirty)
+
+    @profiled("cache.release_scratch")
+    def release(self) -> None:
+        """Write back and free the scratch rows no batch holds any more (those of the last
+        locked batch are kept until the next one). If the write fails the rows stay in
+        scratch, dirty, and the error propagates: call again later."""
+        with self.lock:
+            run_together([self.planner.release_steps()])
+
+    def _resident_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each of ``ids`` where it is resident (scratch included), else -1."""
+        if self.direct:
+            slots = self.row_index(ids)
+            return torch.where(self.slot_store.slot_keys[slots] == ids, slots, -1)
+        return self.planner.lookup(ids)
+
+    def read(self, fused_ids: torch.Tensor) -> torch.Tensor:
+        """Current rows of ``fused_ids`` wherever they live, as float32 ``[n, width]``
+        (weights widened, then state); changes nothing.
+
+        Rows resident in a slot (scratch included) are read there, others from the tier.
+        """
+        with self._resolve_mutex, self.lock:
+            self.write_deferred()  # rows that left the cache are in the tier before it is read
+            ids = fused_ids.to(self.device, torch.int64)
+            slots = self._resident_slots(ids)
+            found = slots >= 0
+            spec = self.transfer.spec
+            out = torch.empty(ids.numel(), self.slot_store.width, device=self.device)
+            out[found] = spec.to_float(self.slot_store.rows_of(slots[found]))
+            if not bool(found.all()):
+                out[~found] = spec.to_float(self.transfer.read(ids[~found].cpu())).to(self.device)
+            return out
+
+    def write_weights(self, fused_ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Overwrite the weights of the rows of ``fused_ids`` (distinct) wherever they live,
+        keeping their optimizer state: in their slot (scratch included), which becomes dirty,
+        or in the tier. The tier is written first, so a tier error changes nothing here.
+
+        Args:
+            fused_ids: int64 ``[n]`` distinct fused ids.
+            weights: float32 ``[n, dim]`` their new weights.
+        """
+        with self._resolve_mutex, self.lock:
+            self.write_deferred()
+            ids = fused_ids.to(self.device, torch.int64)
+            weights = weights.to(self.device, torch.float32)
+            slots = self._resident_slots(ids)
+            found = slots >= 0
+            if not bool(found.all()):
+                absent = ids[~found].cpu()
+                current = self.transfer.read(absent)
+                current[:, : self.dim] = weights[~found].cpu()
+                self.transfer.write(absent, current)
+            resident = slots[found]
+            self.slot_store.weights[resident] = weights[found]
+            self.slot_store.dirty[resident] = True
+
+    # ------------------------------------------------------------------------------------------
+    # direct mapping (`DirectMap`)
+
+    def direct_bases(self) -> dict[int, int]:
+        """Direct mapping: the slot of row 0 of each table (by table index); its rows follow
+        in order, and the tables lie in the slots in ascending table index."""
+        if self.direct_map is None:
+            raise RuntimeError("direct_bases: this cache does not map rows directly")
+        return self.direct_map.bases()
+
+    def serve_direct(
+        self, value_slots: torch.Tensor | None, rows: torch.Tensor | None = None
+    ) -> int:
+        """A batch served straight from a direct-mapped cache, without a resolve (the TBE
+        step reads its slots by table and id): load every row on first use, and count the
+        batch's distinct rows as hits, as `resolve` counts its unique ids. No lock is taken:
+        a direct-mapped cache evicts nothing.
+
+        Args:
+            value_slots: int64 ``[nnz]`` the slot of each value of the batch (repeats allowed),
+                or None when ``rows`` is given.
+            rows: int64 ``[U]`` the batch's distinct slots, when the caller found them (a
+                compiled pass, `native.direct.DistinctRows`); else they are counted here.
+
+        Returns:
+            the batch's number, for `mark_dirty_direct` (which marks the same rows faster
+            while no other batch was served since).
+        """
+        if self.direct_map is None:
+            raise RuntimeError("serve_direct: this cache does not map rows directly")
+        with self._resolve_mutex, self.lock:
+            return self.direct_map.serve(value_slots, rows)
+
+    def mark_dirty_direct(
+        self, value_slots: torch.Tensor | None, batch: int, rows: torch.Tensor | None = None
+    ) -> None:
+        """`mark_dirty` for the rows of a batch that `serve_direct` numbered ``batch``
+        (``value_slots`` and ``rows`` as given to it)."""
+        if self.direct_map is None:
+            raise RuntimeError("mark_dirty_direct: this cache does not map rows directly")
+        with self.lock:
+            self.direct_map.mark_dirty(value_slots, batch, rows)
 
     # ------------------------------------------------------------------------------------------
     # after the batch
@@ -502,27 +605,22 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
         """Write every dirty row back to the tier (rows stay cached, now clean)."""
         with self._resolve_mutex, self.lock:
             self.write_deferred()
-            dirty = true_at(self.dirty)
-            if dirty.numel():
-                self._write_tier(self.slot_keys[dirty], dirty)
-                self.dirty[dirty] = False
+            self.writeback.flush()
 
     def invalidate(self) -> None:
         """Flush, then drop every cached row (the next batch reads all from the tier)."""
         with self._resolve_mutex, self.lock:
-            if bool((self.locks > 0).any()):
+            store = self.slot_store
+            if bool((store.locks > 0).any()):
                 raise RuntimeError("HotCache.invalidate: slots are locked by a batch in flight")
             self.flush()
             if self.pins:
-                held = self.slot_keys[self.slot_keys >= 0]
+                held = store.slot_keys[store.slot_keys >= 0]
                 self.transfer.unpin(held.cpu())
-            self.slot_keys.fill_(-1)
-            if self._where is not None:
-                self._where.fill_(-1)
-            self.scores.fill_(-1)
-            self.batch_of.fill_(-1)
-            self._scratch_used = 0
-            self._filled = False
+            store.clear()
+            self.planner.scratch.used = 0
+            if self.direct_map is not None:
+                self.direct_map.forget()
 
     def set_state(self, state_dim: int, state_init: float) -> None:
         """Change the optimizer-state columns of every row (tier included), keeping weights.
@@ -538,8 +636,61 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
                 new = replace(spec, state_dim=state_dim, state_init=state_init)
                 self.store.init_table(new)
                 self._specs[idx] = new
-            self.state_dim = state_dim
-            self._allocate(scratch_rows=0)
+            self.slot_store.state_dim = state_dim
+            self.slot_store.allocate(scratch_rows=0)
+
+    # ------------------------------------------------------------------------------------------
+    # policy state (`PolicySnapshot`)
+
+    def policy_state(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """The rows the cache holds (their ids, slot by slot), their scores, the LFU and
+        admission counts and the clocks: with the tier's rows and scores, what makes a resumed
+        run evict the same rows as the run that saved (bit-exact with a bounded tier). Call
+        after `flush`, with no batch in flight.
+
+        Returns:
+            ``(tensors, meta)``: CPU tensors, and JSON-able numbers (the geometry they fit).
+        """
+        with self._resolve_mutex, self.lock:
+            return self.snapshot.state()
+
+    def load_policy_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, int]) -> bool:
+        """Restore `policy_state`: the cache is emptied, then the rows it held are read from
+        the tier (pinned where bounded) into the same slots, clean, with the same scores,
+        counts and clocks. A direct cache is only emptied (it reads every row again).
+
+        Returns:
+            False, having changed nothing, when the saved cache had another geometry (slots,
+            ways, policy, dtype, counters): this cache then starts empty.
+
+        Raises:
+            ValueError: a state that could not be this cache's (`check_policy_state`),
+                before anything changed.
+        """
+        if not self.check_policy_state(tensors, meta):
+            return False
+        with self._resolve_mutex, self.lock:
+            self.invalidate()
+            if not self.direct:
+                self.snapshot.restore(tensors, meta)
+            return True
+
+    def check_policy_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, int]) -> bool:
+        """Whether `load_policy_state` restores this state (False: saved by a cache of another
+        geometry, so this one would start empty). Changes nothing; a checkpoint calls it before
+        applying anything.
+
+        Raises:
+            ValueError: the geometry fits but the state could not be this cache's: a slot key
+                that is no row of its tables (another table order), outside its set or held
+                twice, a negative clock.
+        """
+        with self._resolve_mutex, self.lock:
+            return self.snapshot.check(tensors, meta)
+
+    def policy_state_shape(self) -> dict[str, object]:
+        """What a saved `policy_state` must match to be restored here."""
+        return self.snapshot.shape()
 
     # ------------------------------------------------------------------------------------------
     # statistics
@@ -558,31 +709,61 @@ class HotCache(SetPlan, DirectMapping, ScratchArea, SlotLocks, SlotRows, PolicyS
           of a batch not admitted yet (neither hits nor misses: they read zeros and touch no
           tier), and ``gradients_dropped``, the gradient rows of such ids the optimizer dropped.
         """
-        looked_up = self.hits + self.misses
-        stats: dict[str, float] = {
-            "hits": self.hits,
-            "misses": self.misses,
-            "evictions": self.evictions,
-            "writebacks": self.writebacks,
-        }
-        if self._admission is not None:
-            stats["admissions_refused"] = self.admissions_refused
-            stats["gradients_dropped"] = self.gradients_dropped
-        stats["hit_rate"] = self.hits / looked_up if looked_up else 0.0
-        return stats
+        return self.stats.as_dict(admission=self._admission is not None)
 
     def reset_stats(self) -> None:
         """Zero the counters of `cache_stats`."""
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
-        self.writebacks = 0
-        self.admissions_refused = 0
-        self.gradients_dropped = 0
+        self.stats.reset()
 
     def locked_slots(self) -> int:
         """Number of slots locked by batches in flight."""
-        return int((self.locks > 0).sum())
+        return int((self.slot_store.locks > 0).sum())
+
+
+def _table_rows(
+    tables: Sequence[tuple[int, TableSpec]], config: CacheConfig, fusion_k: int
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """By table index, on the CPU: each table's first row among the bounded tables' rows (a
+    direct slot, an LFU count's base; -1: unbounded) and its admission threshold; the bounded
+    tables' rows; and the raw ids each table index takes (0: not a table of the cache, for
+    `HotCache._check_keys`)."""
+    n_idx = max(idx for idx, _ in tables) + 1
+    # Built on the CPU whatever torch's default device (`with torch.device("meta")`).
+    row_offset = torch.full((n_idx,), -1, dtype=torch.int64, device="cpu")
+    thresholds = torch.ones(n_idx, dtype=torch.int64, device="cpu")
+    offset = 0
+    for idx, spec in sorted(tables, key=lambda t: t[0]):
+        if spec.num_embeddings is not None:
+            row_offset[idx] = offset
+            offset += spec.num_embeddings
+        thresholds[idx] = config.admit_after_of(spec.name)
+    key_limits = torch.zeros(n_idx, dtype=torch.int64)
+    for idx, spec in tables:
+        rows = spec.num_embeddings
+        key_limits[idx] = 1 << fusion_k if rows is None else min(rows, 1 << fusion_k)
+    return row_offset, thresholds, offset, key_limits
+
+
+def _slot_shape(
+    config: CacheConfig, capacity: int, total_rows: int | None, direct: bool, device_path: bool
+) -> tuple[int, int, int]:
+    """``(ways, num_sets, index_rows)``: a direct cache has one way and a set per row; the
+    rows of the row index (`SlotStore.where`), 0 for none."""
+    if direct:
+        assert total_rows is not None  # direct mapping needs every table bounded
+        ways, num_sets = 1, total_rows
+    else:
+        ways = min(config.ways, capacity)
+        num_sets = math.ceil(capacity / ways)
+    # Rows indexed by slot: set-associative caches of bounded tables on a CPU (not on the
+    # device path, whose lookup is the set index).
+    index_rows = (
+        total_rows
+        if total_rows is not None and not direct and not device_path
+        and total_rows <= ROW_INDEX_MAX_ROWS
+        else 0
+    )  # fmt: skip
+    return ways, num_sets, index_rows
 
 
 def _shared_dim_and_dtype(tables: Sequence[tuple[int, TableSpec]]) -> tuple[int, torch.dtype]:
@@ -619,7 +800,7 @@ def _all_locked(caches: Sequence[HotCache]) -> Iterator[None]:
 
 @profiled("cache.release_scratch")
 def _release_all(caches: Sequence[HotCache]) -> None:
-    run_together([c._release_steps() for c in caches])
+    run_together([c.planner.release_steps() for c in caches])
 
 
 @profiled("cache.plan")
@@ -683,7 +864,7 @@ def resolve_together(
             # only ever replaced by a resolve. The training thread keeps using its own slots.
             run_together(
                 [
-                    c._exchange_steps(p, d, create)
+                    c.writeback.exchange_steps(p, d, create)
                     for c, p, d in zip(caches, made, defer, strict=True)
                 ]
             )
@@ -695,7 +876,7 @@ def resolve_together(
                     if plan.exchanged:  # its rows are in their slots: kept, not locked
                         cache._commit(plan, lock=False)
                     else:
-                        cache._rollback(plan)
+                        cache.planner.rollback(plan)
             raise
         with _all_locked(caches):
             for cache, plan in zip(caches, made, strict=True):

@@ -1,15 +1,16 @@
 """Phase (1) of a `HotCache` resolve in a set-associative cache: hits looked up, misses
 given ways (or scratch rows), those slots reserved, and the undo of it all.
 
-`SetPlan` is a part of `HotCache` (its base class, as `snapshot.PolicyState` is), kept apart
-so the cache's coordinator (resolve, write-back, flush) reads on its own. What varies with the
-policy (the misses' order, the scores, which misses may displace a row) is the cache's
-`policy.EvictionPolicy`; the compiled CPU plan (`native.plan_lru`/`plan_lfu`, `native.reserve`)
-makes the same plan as the torch code here, which is its specification.
+`SetPlanner` is a part a `HotCache` holds (``HotCache.planner``): the plan's clocks, the
+eviction policy and the scratch area are its own; the slots it plans over are the cache's
+`storage.SlotStore`. What varies with the policy (the misses' order, the scores, which misses
+may displace a row) is the cache's `policy.EvictionPolicy`; the compiled CPU plan
+(`native.plan_lru`/`plan_lfu`, `native.reserve`) makes the same plan as the torch code here,
+which is its specification.
 
 A plan changes the index (keys, scores, dirty flags, locks, the row index, the scratch count)
 before the tier is called, and records what it replaced in its `Plan`: a tier that fails
-then gets the cache back as it was (`SetPlan._rollback`).
+then gets the cache back as it was (`SetPlanner.rollback`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 import embcache.native as native
-from embcache.cache.fields import CacheFields
 from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
 from embcache.cache.policy import EvictionPolicy
-from embcache.cache.scratch import CacheCapacityError
+from embcache.cache.scratch import CacheCapacityError, ScratchArea
+from embcache.cache.storage import SlotStore
 from embcache.indexing import add_at, fill_at, put, true_at
 from embcache.kernels.backend import use_triton
 from embcache.kernels.cache_index import (
@@ -57,33 +58,102 @@ class Plan:
     exchanged: bool = False  # the tier transfer is done (the rows are in their slots)
 
 
-class SetPlan(CacheFields):
-    """`HotCache`'s plan of a set-associative cache: its methods read and set the cache's own
-    slots, clocks and policy, so they run on a `HotCache` only."""
+class SetPlanner:
+    """Phase (1) of a resolve in a set-associative cache, and its undo.
 
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    Args:
+        slots: the cache's slot store (its ``num_slots`` slots are ``num_sets`` sets of
+            ``ways`` ways, then the scratch rows).
+        scratch: the scratch area behind them.
+        eviction: the eviction policy.
+        ways: ways of a set.
+        num_sets: sets of the cache.
+        pins: the tier bounds a table: a plan lists every row it evicts (to unpin).
+
+    Attributes:
+        tick: plans made (a clock: LRU's scores, the misses' shuffle).
+        lookups: plans made (LFU's decay counts them).
+        batch_seq: number of the last locked resolve; its rows are guarded (`guarded`).
+    """
+
+    def __init__(
+        self,
+        slots: SlotStore,
+        scratch: ScratchArea,
+        eviction: EvictionPolicy,
+        ways: int,
+        num_sets: int,
+        pins: bool,
+    ) -> None:
+        self.slots = slots
+        self.scratch = scratch
+        self.eviction = eviction
+        self.ways, self.num_sets = ways, num_sets
+        self.num_slots = slots.num_slots
+        self.pins = pins
+        self.device = slots.device
+        self.backend = slots.backend
+        self.tick = 0
+        self.lookups = 0
+        self.batch_seq = 0
+
+    def plan(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> Step:
+        """`plan_sets`, and when the batch finds too little room beside the last locked
+        batch's rows, again with them no longer guarded (its step is done, or the plan would
+        have met its locks anyway)."""
+        try:
+            return (yield from self.plan_sets(ids, admitted))
+        except CacheCapacityError:
+            guarding = yield Counts([self.guarded().any()])
+            if not guarding[0]:
+                raise
+            self.batch_seq += 1
+            yield from self.release_steps()
+            return (yield from self.plan_sets(ids, admitted))
+
+    def release_steps(self) -> Step:
+        """The scratch area's release (`ScratchArea.release_steps`), the last locked batch's
+        rows kept."""
+        return self.scratch.release_steps(self.batch_seq)
+
+    def guard(self, live: torch.Tensor) -> None:
+        """A locked batch's commit: its ``live`` slots are the last locked batch's."""
+        self.batch_seq += 1
+        fill_at(self.slots.batch_of, live, self.batch_seq)
+
+    def touch(self, ids: torch.Tensor, slots: torch.Tensor, n_main: int | None = None) -> None:
+        """Update the eviction scores of the resident slots of a batch (`EvictionPolicy.touch`);
+        ``n_main``: how many of ``slots`` are in the cache proper (not -1, not scratch), when
+        known (no host read then)."""
+        store = self.slots
+        all_main = n_main == slots.numel() or (not self.scratch.used and store.admits_all)
+        self.eviction.touch(ids, slots, store.scores, n_main, all_main, self.tick, self.lookups)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each of ``ids`` held in the cache proper or its scratch area, else -1: a
         gather from the row index on a CPU, else the set index, then the scratch area."""
-        if self._where is not None:  # the slot of every held row, scratch included
-            return self._where.index_select(0, self.row_index(ids)).to(torch.int64)
+        store = self.slots
+        if store.where is not None:  # the slot of every held row, scratch included
+            return store.where.index_select(0, store.row_index(ids)).to(torch.int64)
         W = self.ways
         sets = set_index(ids, self.num_sets)
-        keys = self.slot_keys[: self.num_slots].view(self.num_sets, W)
+        keys = store.slot_keys[: self.num_slots].view(self.num_sets, W)
         slots = cache_slots(keys, ids, sets)
-        if self._scratch_used:
-            self._find_in_scratch(ids, slots)
+        if self.scratch.used:
+            self.scratch.find(ids, slots)
         return slots
 
-    def _plan_sets(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> Step:
+    def plan_sets(self, ids: torch.Tensor, admitted: torch.Tensor | None) -> Step:
         """The plan of a set-associative cache (a `lockstep` step: its host reads are the
         numbers of misses, of the sets they touch and of the victims, each asked once; on the
         device path under LRU one read answers all of them, `_choose_ways_ahead`).
         Raises CacheCapacityError with the cache unchanged."""
+        store = self.slots
         if self._native_plan(admitted):
             return self._plan_native(ids)
         # Gathers are index_select and writes scatter_/index_add_ (`embcache.indexing`): on a
         # CPU, advanced indexing takes a general path several times slower.
-        slots = self._lookup(ids)
+        slots = self.lookup(ids)
         # Every number this plan needs before its sort, in one read (with other caches').
         missing, wanted = lookup_counts(slots, self.num_slots, admitted)
         ahead = None
@@ -99,13 +169,13 @@ class SetPlan(CacheFields):
                 self._lock_hits(slots, -1)
             raise
         refused = rest[0] if admitted is not None else 0
-        self._tick += 1  # both undone if the plan is refused
-        self._lookups += 1
+        self.tick += 1  # both undone if the plan is refused
+        self.lookups += 1
         if not n_miss:
             if ahead is None:
-                add_at(self.locks, self._live(slots, n_resident), 1)
-            self._touch(ids, slots, n_resident - n_scratch_hits)
-            empty = self._empty_ids()
+                add_at(store.locks, store.live(slots, n_resident), 1)
+            self.touch(ids, slots, n_resident - n_scratch_hits)
+            empty = self.empty_ids()
             plan = Plan(ids, slots, empty, empty, empty, empty)
             plan.refused = refused
             return plan
@@ -123,7 +193,7 @@ class SetPlan(CacheFields):
             miss_pos, place, n_placed, n_evicted, n_dirty = found
             n_over = n_miss - n_placed
             if n_over:
-                self._grow_scratch(n_over)
+                self.scratch.grow(n_over)
         except BaseException:  # a refused plan (or one another cache's failure ends)
             self._refuse(slots)
             raise
@@ -153,17 +223,18 @@ class SetPlan(CacheFields):
         scratch), and the counts `assign_misses_triton` adds up (placed, evicting, dirty).
         ``num_misses``: the count `lookup_counts` made, still on the device; the salt is the
         clock the plan will read at (`_tick` + 1)."""
+        store = self.slots
         n = ids.numel()
         miss_pos = torch.nonzero_static(missing, size=n, fill_value=-1).squeeze(1)
         padding = miss_pos < 0
         miss_ids = ids.index_select(0, miss_pos.clamp(min=0))
-        shuffle = salted_mix64(miss_ids, self._tick + 1)
+        shuffle = salted_mix64(miss_ids, self.tick + 1)
         order_pos, miss_sets, _ = self.eviction.order_misses(
             ids, miss_pos, miss_ids, shuffle, self.num_sets, padding
         )
         place, counts = assign_misses_triton(
-            miss_sets, self.scores, self.locks, self.batch_of, self.slot_keys, self.dirty,
-            self.ways, self._batch_seq, num_misses,
+            miss_sets, store.scores, store.locks, store.batch_of, store.slot_keys, store.dirty,
+            self.ways, self.batch_seq, num_misses,
         )  # fmt: skip
         return miss_pos, miss_ids, (order_pos, place), counts
 
@@ -172,12 +243,13 @@ class SetPlan(CacheFields):
         take: returns their positions in the order they were placed, the slot each takes (-1:
         scratch), and how many got a way, how many of those evict a row, and how many of
         those rows are dirty."""
+        store = self.slots
         W = self.ways
         # Misses compete for a set's ways in an order that changes every batch: dedup hands
         # ids sorted, and a fixed order would give the same rows the ways each time. LFU:
         # the most frequent first.
         miss_pos, miss_ids = misses
-        shuffle = salted_mix64(miss_ids, self._tick)
+        shuffle = salted_mix64(miss_ids, self.tick)
         miss_pos, miss_sets, priority = self.eviction.order_misses(
             ids, miss_pos, miss_ids, shuffle, self.num_sets
         )
@@ -185,8 +257,8 @@ class SetPlan(CacheFields):
             # Every miss may displace a row (LRU): one kernel places them and counts, no
             # read of the runs first.
             place, counts = assign_misses_triton(
-                miss_sets, self.scores, self.locks, self.batch_of, self.slot_keys, self.dirty,
-                W, self._batch_seq,
+                miss_sets, store.scores, store.locks, store.batch_of, store.slot_keys, store.dirty,
+                W, self.batch_seq,
             )  # fmt: skip
             n_placed, n_evicted, n_dirty = yield Counts([counts[0], counts[1], counts[2]])
             return miss_pos, place, n_placed, n_evicted, n_dirty
@@ -196,13 +268,13 @@ class SetPlan(CacheFields):
         owner = torch.cumsum(first, 0) - 1
         (n_touched,) = yield Counts([owner[-1] + 1])
         touched = miss_sets.index_select(0, first_true(first, n_touched))
-        locks_view = self.locks[: self.num_slots].view(self.num_sets, W)
-        scores_view = self.scores.view(self.num_sets, W)
+        locks_view = store.locks[: self.num_slots].view(self.num_sets, W)
+        scores_view = store.scores.view(self.num_sets, W)
         # The last locked batch's rows are as good as locked: under prefetch they are (that
         # batch is in flight), so a run evicts the same rows with and without prefetch.
         guarded = locks_view.index_select(0, touched) > 0
-        batch_of = self.batch_of[: self.num_slots].view(self.num_sets, W)
-        guarded |= batch_of.index_select(0, touched) == self._batch_seq
+        batch_of = store.batch_of[: self.num_slots].view(self.num_sets, W)
+        guarded |= batch_of.index_select(0, touched) == self.batch_seq
         runs = None if numpy_reads(self.device) else n_touched
         assigned = assign_ways(scores_view.index_select(0, touched), guarded, owner, runs)
         # LFU: a miss displaces a resident row only if asked for more often; the others are
@@ -212,9 +284,9 @@ class SetPlan(CacheFields):
         place = torch.where(assigned >= 0, touched.index_select(0, owner) * W + assigned, assigned)
         placed = place >= 0
         at = place.clamp(min=0)
-        held = placed & (self.slot_keys.index_select(0, at) >= 0)
+        held = placed & (store.slot_keys.index_select(0, at) >= 0)
         n_placed, n_evicted, n_dirty = yield Counts(
-            [placed.sum(), held.sum(), (held & self.dirty.index_select(0, at)).sum()]
+            [placed.sum(), held.sum(), (held & store.dirty.index_select(0, at)).sum()]
         )
         return miss_pos, place, n_placed, n_evicted, n_dirty
 
@@ -222,7 +294,8 @@ class SetPlan(CacheFields):
         """Whether this plan runs as compiled CPU kernels (`embcache.native`): a CPU cache
         with a row index, admitting every id, LRU or LFU with exact counts (no sketch). The
         torch path is the specification."""
-        if self._where is None or admitted is not None or not self.backend.compiled:
+        store = self.slots
+        if store.where is None or admitted is not None or not self.backend.compiled:
             return False
         return self.eviction.compiled()
 
@@ -230,38 +303,39 @@ class SetPlan(CacheFields):
         """`_plan_sets` through `native.plan_lru` (or `plan_lfu` and `touch_lfu`) and
         `native.reserve`: the same plan, the same changes to the index, in a few passes over
         the batch's ids."""
-        assert self._where is not None
+        store = self.slots
+        assert store.where is not None
         ids = ids.contiguous()
         slots = torch.empty_like(ids)
-        self._tick += 1  # both undone if the plan is refused
-        self._lookups += 1
+        self.tick += 1  # both undone if the plan is refused
+        self.lookups += 1
         rescore = self.eviction.rescores_compiled_plan
         planned = self.eviction.plan_compiled(
-            ids, self._where, self._row_offset, self.scores, self.locks, self.batch_of,
-            (self.num_slots, self.num_sets, self.ways), self._tick, self._batch_seq, slots,
+            ids, store.where, store.row_offset, store.scores, store.locks, store.batch_of,
+            (self.num_slots, self.num_sets, self.ways), self.tick, self.batch_seq, slots,
         )  # fmt: skip
         if not planned[0].size:  # every id hit: its slot is locked and touched
             if rescore:
-                self._touch(ids, slots)
-            empty = self._empty_ids()
+                self.touch(ids, slots)
+            empty = self.empty_ids()
             return Plan(ids, slots, empty, empty, empty, empty)
         miss_pos, order, place = map(torch.from_numpy, planned)
         over = true_at(place < 0)  # misses whose set has no free way: scratch rows
         if over.numel():
             try:
-                self._grow_scratch(over.numel())  # may replace the arrays: views come after
+                self.scratch.grow(over.numel())  # may replace the arrays: views come after
             except CacheCapacityError:
                 self._refuse(slots)
                 raise
-            free = true_at(self.slot_keys[self.num_slots :] < 0)[: over.numel()]
+            free = true_at(store.slot_keys[self.num_slots :] < 0)[: over.numel()]
             put(place, over, self.num_slots + free)  # in the planned order, as `_reserve`
-            self._scratch_used += over.numel()
+            self.scratch.used += over.numel()
         load_slots, victim_ids, victim_slots, evicted, old_keys, old_scores, old_dirty = (
             map(torch.from_numpy, native.reserve(
                 ids.numpy(), slots.numpy(), miss_pos.numpy(), order.numpy(), place.numpy(),
-                self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
-                self.slot_keys.numpy(), self.scores.numpy(), self.locks.numpy(),
-                self.dirty.numpy(), self.num_slots, self._tick,
+                store.where.numpy(), store.row_offset.numpy(), store.fusion_k,
+                store.slot_keys.numpy(), store.scores.numpy(), store.locks.numpy(),
+                store.dirty.numpy(), self.num_slots, self.tick,
             ))
         )  # fmt: skip
         plan = Plan(ids, slots, ids.index_select(0, miss_pos), load_slots, victim_ids, victim_slots)
@@ -271,7 +345,7 @@ class SetPlan(CacheFields):
         if self.pins:
             plan.released = evicted
         if rescore:  # `reserve` scored the batch's slots as LRU does: LFU scores replace them
-            self._touch(ids, slots)
+            self.touch(ids, slots)
         return plan
 
     def _reserve(
@@ -292,10 +366,11 @@ class SetPlan(CacheFields):
         order they are read from the tier in. ``sizes``: how many misses got a way, how many
         of those evict a row, how many of those rows are dirty; ``n_main``: how many slots of
         the batch will be in the cache proper (`_choose_ways` read them)."""
+        store = self.slots
         n_placed, n_evicted, n_dirty = sizes
         n_over = place.numel() - n_placed
         if not n_over:  # no overflow: no selection to make
-            place_slots, placed_pos, overflow_pos = place, miss_pos, self._empty_ids()
+            place_slots, placed_pos, overflow_pos = place, miss_pos, self.empty_ids()
         else:
             placed = place >= 0
             placed_at = first_true(placed, n_placed)
@@ -303,18 +378,18 @@ class SetPlan(CacheFields):
             placed_pos = miss_pos.index_select(0, placed_at)
             overflow_pos = miss_pos.index_select(0, first_true(~placed, n_over))
         if n_over:
-            free = first_true(self.slot_keys[self.num_slots :] < 0, n_over)
+            free = first_true(store.slot_keys[self.num_slots :] < 0, n_over)
             over_slots = self.num_slots + free
         else:
-            over_slots = self._empty_ids()
+            over_slots = self.empty_ids()
 
-        victims = self.slot_keys.index_select(0, place_slots)
+        victims = store.slot_keys.index_select(0, place_slots)
         resident = victims >= 0
-        dirty = resident & self.dirty.index_select(0, place_slots)
+        dirty = resident & store.dirty.index_select(0, place_slots)
         dirty_victims = place_slots.index_select(0, first_true(dirty, n_dirty))
         new_slots = torch.cat([place_slots, over_slots]) if n_over else place_slots
         new_pos = torch.cat([placed_pos, overflow_pos]) if n_over else placed_pos
-        old_keys = self.slot_keys.index_select(0, new_slots)
+        old_keys = store.slot_keys.index_select(0, new_slots)
         put(slots, new_pos, new_slots)
         # Every miss got a slot: the rows to read, in the order of ``ids`` (sorted ids read
         # from the tier without another sort).
@@ -324,56 +399,59 @@ class SetPlan(CacheFields):
             slots,
             misses[1],
             load_slots,
-            self.slot_keys.index_select(0, dirty_victims),
+            store.slot_keys.index_select(0, dirty_victims),
             dirty_victims,
         )
         plan.reserved, plan.old_keys = new_slots, old_keys
-        plan.old_scores = self.scores.index_select(0, place_slots)
-        plan.old_dirty = self.dirty.index_select(0, new_slots)
+        plan.old_scores = store.scores.index_select(0, place_slots)
+        plan.old_dirty = store.dirty.index_select(0, new_slots)
         evicted = victims.index_select(0, first_true(resident, n_evicted))
         plan.n_scratch, plan.evicted = n_over, n_evicted
         plan.refused = refused
         if self.pins:
             plan.released = evicted
-        self._unindex(evicted)
-        put(self.slot_keys, load_slots, plan.load_ids)
-        self._index(plan.load_ids, load_slots)
-        fill_at(self.dirty, new_slots, False)
-        self._scratch_used += n_over
-        add_at(self.locks, new_slots, 1)  # now every slot of the batch holds one lock
-        self._touch(ids, slots, n_main)
+        store.unindex(evicted)
+        put(store.slot_keys, load_slots, plan.load_ids)
+        store.index(plan.load_ids, load_slots)
+        fill_at(store.dirty, new_slots, False)
+        self.scratch.used += n_over
+        add_at(store.locks, new_slots, 1)  # now every slot of the batch holds one lock
+        self.touch(ids, slots, n_main)
         return plan
 
     def _lock_hits(self, slots: torch.Tensor, delta: int) -> None:
         """Add ``delta`` to the locks of the slots of ``slots`` that are not -1 (without
         selecting them: a -1 adds 0 to slot 0)."""
-        add_at_held(self.locks, slots, delta)
+        add_at_held(self.slots.locks, slots, delta)
 
     def _refuse(self, slots: torch.Tensor) -> None:
         """Undo what a plan did before it was refused (a full scratch area, or another cache's
         failure): the hits' locks and the clocks it advanced."""
         self._lock_hits(slots, -1)
-        self._tick -= 1
-        self._lookups -= 1
+        self.tick -= 1
+        self.lookups -= 1
 
-    def _guarded(self) -> torch.Tensor:
+    def guarded(self) -> torch.Tensor:
         """Which slots hold an unlocked row guarded as the last locked batch's."""
-        return (self.batch_of == self._batch_seq) & (self.locks == 0)
+        store = self.slots
+        return (store.batch_of == self.batch_seq) & (store.locks == 0)
 
-    def _empty_ids(self) -> torch.Tensor:
+    def empty_ids(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def _rollback(self, plan: Plan) -> None:
-        """Undo `_plan_*` after a failed tier transfer (victims stay resident and dirty)."""
+    def rollback(self, plan: Plan) -> None:
+        """Undo a plan (this planner's or `DirectMap.plan`'s) after a failed tier transfer:
+        victims stay resident and dirty."""
+        store = self.slots
         if plan.reserved is not None:
             assert plan.old_keys is not None  # recorded with reserved
-            self.slot_keys[plan.reserved] = plan.old_keys
-            self._reindex()
+            store.slot_keys[plan.reserved] = plan.old_keys
+            store.reindex()
             if plan.old_dirty is not None:  # set together with reserved
-                self.dirty[plan.reserved] = plan.old_dirty
+                store.dirty[plan.reserved] = plan.old_dirty
             if plan.old_scores is not None:  # of the reserved ways (scratch rows have none)
                 reserved = plan.reserved[: plan.old_scores.numel()]
                 ways = reserved < self.num_slots
-                self.scores[reserved[ways]] = plan.old_scores[ways]
-        self._scratch_used -= plan.n_scratch
-        self.locks[self._live(plan.slots)] -= 1
+                store.scores[reserved[ways]] = plan.old_scores[ways]
+        self.scratch.used -= plan.n_scratch
+        store.locks[store.live(plan.slots)] -= 1

@@ -46,7 +46,7 @@ def main_slots(slots: torch.Tensor, num_slots: int, n_main: int | None) -> torch
 
 
 class EvictionPolicy(ABC):
-    """What varies between policies in a cache's plan (`HotCache._plan_sets`).
+    """What varies between policies in a cache's plan (`SetPlanner.plan_sets`).
 
     Args:
         counts: the row frequencies (for a policy that `needs_counts`; None for the others

@@ -1,21 +1,24 @@
 """The scratch area behind a `HotCache`'s slots: rows ``num_slots`` and up of its storage,
 holding the misses of a batch that found no free way in their set. It grows when a batch
 needs more (up to `CacheConfig.max_scratch_rows`, contents kept) and its rows are written back
-(when dirty) and freed by the first `release` after their last lock is dropped and a later
-batch was resolved.
+(when dirty) and freed by the first `HotCache.release` after their last lock is dropped and a
+later batch was resolved.
 
-`ScratchArea` is a part of `HotCache` (its base class, as `snapshot.PolicyState` is).
+`ScratchArea` counts the rows in use; the rows themselves are the slot store's
+(`storage.SlotStore.grow`). The cache's planner (`plan.SetPlanner`) holds it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import embcache.native as native
-from embcache.cache.fields import CacheFields
-from embcache.cache.lockstep import Counts, Step, ToHost, first_true, run_together
+from embcache.cache.lockstep import Counts, Step, ToHost, first_true
+from embcache.cache.stats import CacheStats
+from embcache.cache.storage import SlotStore
 from embcache.indexing import fill_at
-from embcache.profiling import profiled
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -24,84 +27,93 @@ class CacheCapacityError(ValueError):
     """A batch's rows cannot all be held by the cache plus its scratch area."""
 
 
-class ScratchArea(CacheFields):
-    """`HotCache`'s scratch area: its methods read and set the cache's own slots, so they run
-    on a `HotCache` only."""
+class ScratchArea:
+    """The scratch rows of a cache.
 
-    def _grow_scratch(self, needed_free: int) -> None:
+    Args:
+        slots: the cache's slot store, whose rows past ``num_slots`` are the area.
+        max_rows: the most rows it may grow to (`CacheConfig.max_scratch_rows`).
+        write_rows: writes the rows at some slots to the tier under ids on the host
+            (`writeback.WriteBack.write_host`), for the dirty rows a release frees.
+        pins: the tier bounds a table: a freed row is unpinned there.
+        stats: the cache's counters (a freed row is an eviction).
+
+    Attributes:
+        used: scratch rows holding a row.
+    """
+
+    def __init__(
+        self,
+        slots: SlotStore,
+        max_rows: int,
+        write_rows: Callable[[torch.Tensor, torch.Tensor], None],
+        pins: bool,
+        stats: CacheStats,
+    ) -> None:
+        self.slots = slots
+        self.max_rows = max_rows
+        self.write_rows = write_rows
+        self.pins = pins
+        self.stats = stats
+        self.used = 0
+
+    def grow(self, needed_free: int) -> None:
         """Make at least ``needed_free`` scratch rows free, growing the area (kept contents)."""
-        free = self.scratch_rows - self._scratch_used
-        if free >= needed_free:
+        store = self.slots
+        rows, used = store.scratch_rows, self.used
+        if rows - used >= needed_free:
             return
-        want = max(2 * self.scratch_rows, self._scratch_used + needed_free)
-        want = min(want, self.config.max_scratch_rows)
-        if want - self._scratch_used < needed_free:
-            need = self._scratch_used + needed_free
+        want = min(max(2 * rows, used + needed_free), self.max_rows)
+        if want - used < needed_free:
             raise CacheCapacityError(
-                f"cache (dim {self.dim}) cannot hold this batch: {needed_free} rows found no "
-                f"free way and the scratch area is limited to {self.config.max_scratch_rows} "
-                f"rows ({self._scratch_used} in use); set CacheConfig(max_scratch_rows>={need}) "
+                f"cache (dim {store.dim}) cannot hold this batch: {needed_free} rows found no "
+                f"free way and the scratch area is limited to {self.max_rows} "
+                f"rows ({used} in use); set CacheConfig(max_scratch_rows>={used + needed_free}) "
                 f"or a capacity of at least the batch's unique rows (cache has "
-                f"{self.num_slots} slots)"
+                f"{store.num_slots} slots)"
             )
-        grow = want - self.scratch_rows
-        dev = self.device
-        zeros = torch.zeros(grow, self.dim, dtype=self.dtype, device=dev)
-        with self.storage_lock:  # no TBE update writes the old storage while it is copied
-            self.weights = torch.cat([self.weights, zeros])
-            self.state = torch.cat([self.state, torch.zeros(grow, self.state_dim, device=dev)])
-        self.slot_keys = torch.cat(
-            [self.slot_keys, torch.full((grow,), -1, dtype=torch.int64, device=dev)]
-        )
-        self.locks = torch.cat([self.locks, torch.zeros(grow, dtype=torch.int32, device=dev)])
-        self.dirty = torch.cat([self.dirty, torch.zeros(grow, dtype=torch.bool, device=dev)])
-        self.batch_of = torch.cat(
-            [self.batch_of, torch.full((grow,), -1, dtype=torch.int64, device=dev)]
-        )
+        store.grow(want - rows)
 
-    def _find_in_scratch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+    def find(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Fill ``slots`` (in place) for the ids held in the scratch area."""
-        scratch_keys = self.slot_keys[self.num_slots :]
+        num_slots = self.slots.num_slots
+        scratch_keys = self.slots.slot_keys[num_slots:]
         sorted_keys, perm = torch.sort(
             torch.where(scratch_keys >= 0, scratch_keys, torch.full_like(scratch_keys, _INT64_MAX))
         )
         pos = torch.searchsorted(sorted_keys, ids).clamp(max=sorted_keys.numel() - 1)
         found = (sorted_keys[pos] == ids) & (slots < 0)
         # torch.where, not a boolean-mask assignment: no host synchronisation.
-        slots.copy_(torch.where(found, self.num_slots + perm[pos], slots))
+        slots.copy_(torch.where(found, num_slots + perm[pos], slots))
 
-    @profiled("cache.release_scratch")
-    def release(self) -> None:
-        """Write back and free the scratch rows no batch holds any more (those of the last
-        locked batch are kept until the next one). If the write fails the rows stay in
-        scratch, dirty, and the error propagates: call again later."""
-        with self.lock:
-            run_together([self._release_steps()])
-
-    def _release_steps(self) -> Step:
-        """`release` as a `lockstep` step, under ``lock``: its host reads (how many scratch
-        rows are done and dirty, then their ids) asked once each."""
-        if not self._scratch_used:
+    def release_steps(self, batch_seq: int) -> Step:
+        """Write back and free the scratch rows no batch holds any more, those of batch
+        ``batch_seq`` (the last locked one) excepted, as a `lockstep` step under the cache's
+        ``lock``: its host reads (how many scratch rows are done and dirty, then their ids)
+        asked once each. A failed write leaves the rows in scratch, dirty."""
+        if not self.used:
             return
-        compiled = self._where is not None and self.backend.compiled
+        store = self.slots
+        num_slots = store.num_slots
+        compiled = store.where is not None and store.backend.compiled
         if compiled:  # the same rows and writes, in two compiled passes
             done_slots, dirty, dirty_keys = map(torch.from_numpy, native.scratch_done(
-                self.slot_keys.numpy(), self.locks.numpy(), self.batch_of.numpy(),
-                self.dirty.numpy(), self.num_slots, self._batch_seq,
+                store.slot_keys.numpy(), store.locks.numpy(), store.batch_of.numpy(),
+                store.dirty.numpy(), num_slots, batch_seq,
             ))  # fmt: skip
         else:
-            scratch = slice(self.num_slots, None)
-            done = (self.slot_keys[scratch] >= 0) & (self.locks[scratch] == 0)
-            done &= self.batch_of[scratch] != self._batch_seq  # guarded until the next batch
-            done_dirty = done & self.dirty[scratch]
+            scratch = slice(num_slots, None)
+            done = (store.slot_keys[scratch] >= 0) & (store.locks[scratch] == 0)
+            done &= store.batch_of[scratch] != batch_seq  # guarded until the next batch
+            done_dirty = done & store.dirty[scratch]
             n_done, n_dirty = yield Counts([done.sum(), done_dirty.sum()])
-            done_slots = self.num_slots + first_true(done, n_done)
-            dirty = self.num_slots + first_true(done_dirty, n_dirty)
-            dirty_keys = self.slot_keys.index_select(0, dirty)
+            done_slots = num_slots + first_true(done, n_done)
+            dirty = num_slots + first_true(done_dirty, n_dirty)
+            dirty_keys = store.slot_keys.index_select(0, dirty)
         if not done_slots.numel():
             return
         done_keys = None if compiled and not self.pins else (
-            self.slot_keys.index_select(0, done_slots))  # fmt: skip
+            store.slot_keys.index_select(0, done_slots))  # fmt: skip
         if dirty.numel() or self.pins:
             wanted = [dirty_keys]
             if self.pins:
@@ -109,19 +121,19 @@ class ScratchArea(CacheFields):
                 wanted.append(done_keys)
             host = yield ToHost(wanted)
             if dirty.numel():
-                self._write_host(host[0], dirty)
+                self.write_rows(host[0], dirty)
             if self.pins:
-                self.transfer.unpin(host[1])
+                store.transfer.unpin(host[1])
         if compiled:
-            assert self._where is not None
+            assert store.where is not None
             native.free_slots(
-                done_slots.numpy(), self.slot_keys.numpy(), self.dirty.numpy(),
-                self._where.numpy(), self._row_offset.numpy(), self.fusion_k,
+                done_slots.numpy(), store.slot_keys.numpy(), store.dirty.numpy(),
+                store.where.numpy(), store.row_offset.numpy(), store.fusion_k,
             )  # fmt: skip
         else:
             assert done_keys is not None  # read off the compiled path
-            self._unindex(done_keys)
-            fill_at(self.slot_keys, done_slots, -1)
-            fill_at(self.dirty, done_slots, False)
-        self._scratch_used -= done_slots.numel()
-        self.evictions += done_slots.numel()
+            store.unindex(done_keys)
+            fill_at(store.slot_keys, done_slots, -1)
+            fill_at(store.dirty, done_slots, False)
+        self.used -= done_slots.numel()
+        self.stats.evictions += done_slots.numel()

@@ -10,6 +10,7 @@ table only when its slots fit the memory budget, and says so once in the log whe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -23,7 +24,9 @@ from embcache.cache.config import WIDEST_STATE, CacheConfig, device_memory, slot
 
 logger = logging.getLogger("embcache.cache")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # embcache/
-_THREADING = threading.__file__
+# The standard library's frames between embcache's own: a thread's start, and the `__enter__`
+# of a `contextlib.contextmanager` the library enters (a step's phases).
+_PLUMBING = (threading.__file__, contextlib.__file__)
 _LIBRARY = (_PACKAGE, os.path.dirname(torch.__file__) + os.sep)  # torch: nn.Module.__call__
 
 
@@ -87,12 +90,13 @@ def warn_overflow(unique_rows: int, num_slots: int, what: str, dim: int) -> None
 
 def _outside_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised here at the first caller outside the
-    embcache package and torch (the user's forward); past the stack's end, which names no
-    line, where every frame is theirs or the thread's start (a prefetch worker's)."""
+    embcache package, torch and the plumbing between them (`_PLUMBING`): the user's forward;
+    past the stack's end, which names no line, where every frame is theirs or the thread's
+    start (a prefetch worker's)."""
     frame: FrameType | None = sys._getframe(1)
     level = 1  # warn_overflow's frame is level 1
     while frame is not None and (
-        frame.f_code.co_filename.startswith(_LIBRARY) or frame.f_code.co_filename == _THREADING
+        frame.f_code.co_filename.startswith(_LIBRARY) or frame.f_code.co_filename in _PLUMBING
     ):
         frame, level = frame.f_back, level + 1
     return level

@@ -488,13 +488,13 @@ def assign_misses_triton(
     holds ``scores``, ``locks``, ``batch_of``, ``keys`` and ``dirty`` (1-D, at least every
     set's ways), with its counts: ``(place, counts)``, int64 ``[m]`` (slot or -1) and int64
     ``[3]`` (placed, holding a row, dirty). One launch and one zeroed buffer, no host read:
-    what `SetPlan._choose_ways` computes with `assign_ways` and about 25 torch ops around it.
+    what `SetPlanner._choose_ways` computes with `assign_ways` and about 25 torch ops around it.
     Only the device path's misses use it (Triton; the torch ops are its specification).
 
     ``num_misses`` (a one-value integer tensor on the device, not read here): only the first
     that many of ``miss_sets`` are misses, sorted by set; the rest of ``place`` is -1 and
     counts nothing. A plan launches this before it has read its number of misses, and reads
-    the counts with it (`SetPlan._plan_sets`). None: every entry is a miss."""
+    the counts with it (`SetPlanner.plan_sets`). None: every entry is a miss."""
     m = miss_sets.numel()
     device = miss_sets.device
     place = torch.empty(m, dtype=torch.int64, device=device)
@@ -514,7 +514,7 @@ def assign_misses_triton(
 
 def salted_mix64(ids: torch.Tensor, salt: int) -> torch.Tensor:
     """``hashing.mix64(ids ^ salt)`` of int64 ``ids`` (any shape): one kernel on the device
-    path (a batch's shuffle of its misses, `SetPlan._choose_ways`), the torch ops elsewhere.
+    path (a batch's shuffle of its misses, `SetPlanner._choose_ways`), the torch ops elsewhere.
 
     Raises:
         TypeError: ``ids`` not int64, or ``salt`` not an int.
@@ -539,7 +539,7 @@ def miss_keys(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What an LRU plan sorts its misses by, for positions ``miss_pos`` (int64 ``[m]``) into
     int64 ``ids``, -1 marking padding (a plan that orders its misses before it reads how many
-    there are, `SetPlan._choose_ways_ahead`): ``(miss_ids, sets, key)``, int64 ``[m]`` each:
+    there are, `SetPlanner._choose_ways_ahead`): ``(miss_ids, sets, key)``, int64 ``[m]`` each:
     the id at each position (``ids[0]`` for padding), its set (`set_index`; ``num_sets`` for
     padding, so that it sorts last) and its key, the set above the 20 low bits of the
     batch's shuffle ``mix64(id ^ salt)`` (`salted_mix64`): a stable sort by key runs the

@@ -19,7 +19,7 @@ never this module:
   value written or added at positions of a 1-D array (`indexing.fill_at`, `add_at`);
   `unlock`: a batch's locks dropped after checking them (`HotCache.unlock`), `unlock_dirty`
   its rows marked dirty in the same pass (`HotCache.unlock` with ``dirty``);
-* `plan_lru`, `reserve`: a set-associative LRU cache's plan (`HotCache._plan_sets`): lookup
+* `plan_lru`, `reserve`: a set-associative LRU cache's plan (`SetPlanner.plan_sets`): lookup
   through the row index, victim choice (`cache_index_ref.assign_ways_ref` on the ways of the
   touched sets, misses ordered by set and the batch's shuffle) and the index changes that
   reserve the chosen ways; `plan_lfu`, `touch_lfu` the same for an LFU cache whose rows are

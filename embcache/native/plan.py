@@ -66,7 +66,7 @@ def plan_lru(
     batch_seq: int,
     slots: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A set-associative LRU cache's plan (`HotCache._plan_sets`): ``slots`` filled (hits; -1
+    """A set-associative LRU cache's plan (`SetPlanner.plan_sets`): ``slots`` filled (hits; -1
     for misses), the hits locked, and ``(miss_pos, order, place)``: the misses' positions,
     their order by (set, shuffle) and each one's way in that order (-1: none free); three
     empty arrays when there is no miss (every slot locked and touched)."""
@@ -134,7 +134,7 @@ def touch_lfu(
     num_slots: int,
 ) -> None:
     """One more request of each (distinct) id counted, each slot of the cache proper scored
-    with its row's count (`HotCache._touch` for an LFU cache counted exactly)."""
+    with its row's count (`SetPlanner.touch` for an LFU cache counted exactly)."""
     _plan().touch_lfu(ids, slots, counts, count_offset, fusion_k, scores, num_slots)
 
 

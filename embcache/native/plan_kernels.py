@@ -317,7 +317,7 @@ def _by_set_freq(sets, freq, shuffle, num_sets):
 
 @jit
 def touch_lfu(ids, slots, counts, count_offset, fusion_k, scores, num_slots):
-    """`HotCache._touch` for an LFU cache counted exactly: one more request of each id
+    """`SetPlanner.touch` for an LFU cache counted exactly: one more request of each id
     (distinct), and each slot of the cache proper scored with its row's count."""
     mask = (np.int64(1) << fusion_k) - 1
     n = ids.shape[0]

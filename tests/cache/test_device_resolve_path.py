@@ -1,8 +1,8 @@
 """The GPU's resolve path run on a CPU, against the torch plan, state for state.
 
 On a GPU a set-associative cache finds its hits through the set index (`set_index`,
-`cache_lookup`) and the scratch area (`HotCache._find_in_scratch`), and picks victims with the
-Triton `assign_ways`; on a CPU it keeps a row index (``_where``) instead. Under
+`cache_lookup`) and the scratch area (`ScratchArea.find`), and picks victims with the
+Triton `assign_ways`; on a CPU it keeps a row index (``SlotStore.where``) instead. Under
 ``EMBCACHE_BACKEND=triton`` a CPU cache takes the GPU's path (``device_path``), with the Triton
 kernels in the interpreter, so that path runs here before it runs on a GPU.
 
@@ -23,6 +23,7 @@ import embcache.kernels.cache_index as cache_index
 from embcache.backend import for_device
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
+from embcache.cache.scratch import ScratchArea
 from embcache.kernels.cache_index_ref import set_index_ref
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
@@ -97,7 +98,7 @@ def test_the_device_path_is_taken_on_a_cpu_only_under_triton(
     assert for_device(torch.device("cuda")).device_path is True  # a GPU has no other path
     cache = _cache(backend, 16, 4, "lru", monkeypatch)
     assert cache.device_path is expected
-    assert (cache._where is None) is expected  # the row index is the CPU path's
+    assert (cache.slot_store.where is None) is expected  # the row index is the CPU path's
 
 
 @pytest.mark.parametrize(
@@ -113,8 +114,8 @@ def test_device_path_on_cpu_equals_the_torch_plan(
 ) -> None:
     caches = {b: _cache(b, capacity, ways, policy, monkeypatch) for b in ("triton", "torch")}
     device, spec = caches["triton"], caches["torch"]
-    assert device.device_path and device._where is None  # the GPU's structures
-    assert not spec.device_path and spec._where is not None  # the CPU's row index
+    assert device.device_path and device.slot_store.where is None  # the GPU's structures
+    assert not spec.device_path and spec.slot_store.where is not None  # the CPU's row index
 
     # Count the launches of the Triton kernels and the scratch searches, so the test fails when
     # the device branch is not the one taken.
@@ -135,13 +136,13 @@ def test_device_path_on_cpu_equals_the_torch_plan(
         if hasattr(cache_plan, name):
             monkeypatch.setattr(cache_plan, name, counted)
     found_in_scratch = []
-    find = HotCache._find_in_scratch
+    find = ScratchArea.find
 
-    def counted_find(self: HotCache, ids: torch.Tensor, slots: torch.Tensor) -> None:
+    def counted_find(self: ScratchArea, ids: torch.Tensor, slots: torch.Tensor) -> None:
         find(self, ids, slots)
-        found_in_scratch.append(int((slots >= self.num_slots).sum()))
+        found_in_scratch.append(int((slots >= self.slots.num_slots).sum()))
 
-    monkeypatch.setattr(HotCache, "_find_in_scratch", counted_find)
+    monkeypatch.setattr(ScratchArea, "find", counted_find)
 
     dense = _tier(spec).double()  # the rows as first touched (HostKV.read creates nothing)
     gen = torch.Generator().manual_seed(capacity * 10 + ways)
@@ -193,8 +194,8 @@ def test_device_path_on_cpu_equals_the_torch_plan(
         assert torch.equal(set_index_ref(main[held_ways], device.num_sets), in_set[held_ways])
         monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
         everywhere = device._resident_slots(_all_ids())
-        assert spec._where is not None
-        torch.testing.assert_close(everywhere, spec._where.long(), rtol=0, atol=0)
+        assert spec.slot_store.where is not None
+        torch.testing.assert_close(everywhere, spec.slot_store.where.long(), rtol=0, atol=0)
 
     # What the sequence was built to reach, on the device path itself.
     stats = device.cache_stats()

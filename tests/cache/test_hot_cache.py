@@ -692,7 +692,7 @@ def test_serve_direct_counts_and_marks_the_rows_of_each_batch(
     second[-1] = second[0]
     n_first = cache.serve_direct(first)
     n_second = cache.serve_direct(second)
-    assert (cache._seen_batch == n_second) == (n_values * 8 >= TOTAL)
+    assert (cache.direct_map.seen_batch == n_second) == (n_values * 8 >= TOTAL)
     distinct = torch.unique(first).numel() + torch.unique(second).numel()
     assert cache.cache_stats()["hits"] == distinct and cache.cache_stats()["misses"] == 0
     assert torch.equal(cache.slot_keys[: SIZES["t0"]].cpu(), torch.arange(SIZES["t0"]))

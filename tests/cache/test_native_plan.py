@@ -50,7 +50,7 @@ def _batch(gen: torch.Generator, n: int) -> torch.Tensor:
 
 
 def _state(cache: HotCache) -> dict[str, torch.Tensor]:
-    assert cache._where is not None
+    assert cache.slot_store.where is not None
     counts = {} if cache._counts is None else {"counts": cache._counts.exact.clone()}
     return counts | {
         "slot_keys": cache.slot_keys.clone(),
@@ -58,7 +58,7 @@ def _state(cache: HotCache) -> dict[str, torch.Tensor]:
         "locks": cache.locks.clone(),
         "dirty": cache.dirty.clone(),
         "batch_of": cache.batch_of.clone(),
-        "where": cache._where.clone(),
+        "where": cache.slot_store.where.clone(),
         "weights": cache.weights.clone(),
         "state": cache.state.clone(),
     }
@@ -125,9 +125,9 @@ def test_native_plan_equals_the_torch_plan(
         slots = {}
         for backend, cache in caches.items():
             monkeypatch.setenv("EMBCACHE_BACKEND", backend)
-            before = cache._tick
+            before = cache.planner.tick
             slots[backend] = cache.resolve(ids, lock=lock)
-            assert cache._tick == before + 1
+            assert cache.planner.tick == before + 1
             live = slots[backend]
             cache.weights[live[updated]] += delta[updated]  # an update of some of its rows
             cache.mark_dirty(live[updated])

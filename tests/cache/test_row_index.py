@@ -1,4 +1,4 @@
-"""The row index of a set-associative cache on a CPU (`HotCache._where`): the slot of every row
+"""The row index of a set-associative cache on a CPU (`SlotStore.where`): the slot of every row
 it holds, scratch included, kept in step with ``slot_keys`` through plans, releases, rollbacks,
 invalidation and restored checkpoints, and choosing nothing: a cache without it (the lookup
 through the sets) makes the same choices and counts the same on the same batches."""
@@ -36,7 +36,7 @@ CONFIGS = {
 
 def _index_matches(cache) -> None:
     """Every held key's row points at its slot, and nothing else is indexed."""
-    where = cache._where
+    where = cache.slot_store.where
     assert where is not None, "a CPU cache of bounded tables keeps a row index"
     held = (cache.slot_keys >= 0).nonzero().squeeze(1)
     keys = cache.slot_keys[held]
@@ -61,7 +61,7 @@ def _run(cache, seed: int, steps: int = 12) -> list:
             cache.unlock(previous)
         previous = slots
         seen.append((slots.clone(), cache.slot_keys.clone(), dict(cache.cache_stats())))
-        if cache._where is not None:
+        if cache.slot_store.where is not None:
             _index_matches(cache)
         if step % 5 == 4:
             cache.unlock(previous)
@@ -76,7 +76,7 @@ def test_the_row_index_follows_every_change_and_chooses_nothing(monkeypatch, nam
     with_index = _run(indexed, seed=3)
     monkeypatch.setattr(hot_cache_module, "ROW_INDEX_MAX_ROWS", 0)
     plain, _, _ = make_cache(CONFIGS[name], OptimRule.SGD, CPU)
-    assert plain._where is None
+    assert plain.slot_store.where is None
     without = _run(plain, seed=3)
     for step, (a, b) in enumerate(zip(with_index, without, strict=True)):
         assert torch.equal(a[0], b[0]), f"step {step}: slots differ"
@@ -89,11 +89,11 @@ def test_the_row_index_follows_every_change_and_chooses_nothing(monkeypatch, nam
 def test_a_failed_resolve_leaves_the_index_as_it_was() -> None:
     cache, store, _ = make_cache(CacheConfig(capacity=4, ways=2), OptimRule.SGD, CPU, FlakyStore())
     _run(cache, seed=5, steps=6)
-    before = cache._where.clone()
+    before = cache.slot_store.where.clone()
     store.down = True
     with pytest.raises(ConnectionError):
         cache.resolve(torch.arange(30, 50))  # evicts dirty rows: the write-back fails
-    assert torch.equal(cache._where, before)
+    assert torch.equal(cache.slot_store.where, before)
     _index_matches(cache)
     store.down = False
     cache.resolve(torch.arange(30, 50), lock=False)
@@ -107,17 +107,17 @@ def test_invalidate_and_a_restored_policy_state_rebuild_the_index() -> None:
     tensors, meta = cache.policy_state()
     tensors = {k: v.clone() for k, v in tensors.items()}  # as saved (on a CPU: the live tensors)
     cache.invalidate()
-    assert int((cache._where >= 0).sum()) == 0
+    assert int((cache.slot_store.where >= 0).sum()) == 0
     assert cache.load_policy_state(tensors, meta)
     _index_matches(cache)
-    assert int((cache._where >= 0).sum()) == int((cache.slot_keys >= 0).sum()) > 0
+    assert int((cache.slot_store.where >= 0).sum()) == int((cache.slot_keys >= 0).sum()) > 0
 
 
 def test_no_index_for_unbounded_tables_or_a_direct_cache() -> None:
     unbounded, _, _ = make_cache(CONFIGS["quarter"], OptimRule.SGD, CPU, unbounded=True)
-    assert unbounded._where is None
+    assert unbounded.slot_store.where is None
     whole, _, _ = make_cache(CacheConfig(capacity=sum(SIZES.values())), OptimRule.SGD, CPU)
-    assert whole.direct and whole._where is None
+    assert whole.direct and whole.slot_store.where is None
 
 
 def _four_tables() -> tuple[HotCache, dict[int, int]]:

@@ -25,7 +25,7 @@ from tests.sync_count import SyncCounter
 WHOLE_TABLE = {"forward": 1, "backward": 0, "step": 1}
 # A tenth of 10,000-row tables: the batch's misses take free or evicted ways. The resolve reads
 # twice: the numbers of misses and victims together (an LRU plan places its misses before it
-# reads, `SetPlan._choose_ways_ahead`), then the ids the tier must read and write.
+# reads, `SetPlanner._choose_ways_ahead`), then the ids the tier must read and write.
 TENTH = {"forward": 3, "backward": 0, "step": 1}
 # A tenth of 1,000-row tables: sets overflow into the scratch area, which the next resolve
 # releases first (its own number and ids: two reads more).

@@ -324,7 +324,7 @@ def test_assign_ways_hypothesis(
 
 @pytest.mark.parametrize("salt", [0, 7, 2**40, -3, 2**63 + 5], ids=lambda s: f"salt{s}")
 def test_salted_mix64_matches_reference(backend: str, device: torch.device, salt: int) -> None:
-    """The misses' shuffle (`SetPlan._choose_ways`): one kernel on the device path, equal to
+    """The misses' shuffle (`SetPlanner._choose_ways`): one kernel on the device path, equal to
     `hashing.mix64` of the ids xor the salt (wrapped to int64) on fresh random ids, negative
     ones and a 2-D shape included."""
     from embcache.hashing import mix64
@@ -378,7 +378,7 @@ def test_assign_misses_matches_the_plans_torch_ops(
     device: torch.device, ways: int, seed: int
 ) -> None:
     """`assign_misses_triton` (the device path's ways for misses sorted by set, placed and
-    counted in one kernel) against what `SetPlan._choose_ways` computes with `assign_ways`'
+    counted in one kernel) against what `SetPlanner._choose_ways` computes with `assign_ways`'
     twin and torch ops: fresh random scores (empty ways -1), locks, last-batch guards, keys and
     dirty flags, runs of 1 to more misses than ways."""
     from embcache.kernels.cache_index import assign_misses_triton
@@ -411,7 +411,7 @@ def test_assign_misses_matches_the_plans_torch_ops(
         mp.setenv("EMBCACHE_BACKEND", "triton")
         on = [t.to(device) for t in (miss_sets, scores, locks, batch_of, keys, dirty)]
         place, counts = assign_misses_triton(*on, ways, batch_seq)
-        # A plan's padded list (`SetPlan._choose_ways_ahead`): the misses first, then entries
+        # A plan's padded list (`SetPlanner._choose_ways_ahead`): the misses first, then entries
         # past every set; their number on the device. The misses' places and counts are the
         # same, the padding's places -1.
         pad = 61
