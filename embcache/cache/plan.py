@@ -226,11 +226,8 @@ class SetPlanner:
         store = self.slots
         n = ids.numel()
         miss_pos = torch.nonzero_static(missing, size=n, fill_value=-1).squeeze(1)
-        padding = miss_pos < 0
-        miss_ids = ids.index_select(0, miss_pos.clamp(min=0))
-        shuffle = salted_mix64(miss_ids, self.tick + 1)
-        order_pos, miss_sets, _ = self.eviction.order_misses(
-            ids, miss_pos, miss_ids, shuffle, self.num_sets, padding
+        miss_ids, order_pos, miss_sets = self.eviction.order_padded_misses(
+            ids, miss_pos, self.tick + 1, self.num_sets
         )
         place, counts = assign_misses_triton(
             miss_sets, store.scores, store.locks, store.batch_of, store.slot_keys, store.dirty,

@@ -32,7 +32,7 @@ from embcache.cache.lockstep import first_true
 from embcache.cache.policy_registry import policy_class
 from embcache.cache.sketch import LfuCounts
 from embcache.indexing import fill_at, put, select, true_at
-from embcache.kernels.cache_index import set_index
+from embcache.kernels.cache_index import miss_keys, set_index
 
 PlanArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -63,8 +63,8 @@ class EvictionPolicy(ABC):
     # `native.reserve` scores the batch's slots as LRU does: a policy whose scores are
     # something else touches them again after a compiled plan.
     rescores_compiled_plan = False
-    # Whether `order_misses` takes ``padding``: a device plan of a policy that admits every
-    # miss then orders and places its misses before reading their number (one read fewer).
+    # Whether it has `order_padded_misses`: a device plan of a policy that admits every miss
+    # then orders and places its misses before reading their number (one read fewer).
     orders_padding = False
 
     def __init__(
@@ -78,7 +78,7 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def order_misses(
         self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
-        shuffle: torch.Tensor, num_sets: int, padding: torch.Tensor | None = None,
+        shuffle: torch.Tensor, num_sets: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """The order misses compete for their sets' ways in: their positions in ``ids`` and
         their sets, sorted by set (runs, for `kernels.cache_index.assign_ways`), and each
@@ -89,10 +89,18 @@ class EvictionPolicy(ABC):
             miss_pos: the misses' positions in ``ids``, ascending; ``miss_ids`` their ids.
             shuffle: a hash of each miss that changes every batch (`hashing.mix64`).
             num_sets: sets of the cache.
-            padding: bool, True for entries of ``miss_pos`` that are no misses (a plan that
-                orders its misses before it has read how many there are); they go last,
-                with set ``num_sets``. Only a policy that `orders_padding` takes it.
         """
+
+    def order_padded_misses(
+        self, ids: torch.Tensor, miss_pos: torch.Tensor, salt: int, num_sets: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`order_misses` for a plan that orders its misses before it has read how many
+        there are (`SetPlanner._choose_ways_ahead`), on the device path: ``miss_pos`` holds
+        the misses' positions, ascending, then -1 (padding), and the shuffle is
+        ``mix64(id ^ salt)``. Returns the misses' ids (in the order of ``miss_pos``), then
+        the positions and sets sorted as `order_misses` sorts them, the padding last with set
+        ``num_sets``. Only a policy that `orders_padding` has it."""
+        raise NotImplementedError(f"{type(self).__name__} does not order padded misses")
 
     def admit(
         self, assigned: torch.Tensor, set_scores: torch.Tensor, touched: torch.Tensor,
@@ -135,16 +143,22 @@ class LruPolicy(EvictionPolicy):
 
     def order_misses(
         self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
-        shuffle: torch.Tensor, num_sets: int, padding: torch.Tensor | None = None,
+        shuffle: torch.Tensor, num_sets: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         # One sort: by set, then by the batch's shuffle (20 low bits; num_sets < 2**43).
         miss_sets = set_index(miss_ids, num_sets)
-        if padding is not None:  # past every set: last
-            miss_sets = miss_sets.masked_fill_(padding, num_sets)
         # (sets << 20) | low bits, as one add: the sets are >= 0 and the low bits below 2**20.
         key = torch.add(shuffle & 0xFFFFF, miss_sets, alpha=1 << 20)
         order = torch.sort(key, stable=True).indices
         return miss_pos.index_select(0, order), miss_sets.index_select(0, order), None
+
+    def order_padded_misses(
+        self, ids: torch.Tensor, miss_pos: torch.Tensor, salt: int, num_sets: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The same key as `order_misses`, the padding's set past every set: one kernel.
+        miss_ids, miss_sets, key = miss_keys(ids, miss_pos, salt, num_sets)
+        order = torch.sort(key, stable=True).indices
+        return miss_ids, miss_pos.index_select(0, order), miss_sets.index_select(0, order)
 
     def compiled(self) -> bool:
         return True
@@ -178,10 +192,10 @@ class LfuPolicy(EvictionPolicy):
 
     def order_misses(
         self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,
-        shuffle: torch.Tensor, num_sets: int, padding: torch.Tensor | None = None,
+        shuffle: torch.Tensor, num_sets: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         # The most frequent first, ties in the batch's shuffled order.
-        assert self.counts is not None and padding is None  # not `orders_padding`
+        assert self.counts is not None
         miss_pos = miss_pos.index_select(0, torch.argsort(shuffle))
         miss_freq = self.counts.get(ids.index_select(0, miss_pos)) + 1  # with this request
         by_freq = torch.argsort(miss_freq, descending=True, stable=True)

@@ -563,14 +563,16 @@ def miss_keys(
         sets = set_index(miss_ids, num_sets).masked_fill_(padding, num_sets)
         key = torch.add(mix64(miss_ids ^ salt) & 0xFFFFF, sets, alpha=1 << 20)
         return miss_ids, sets, key
-    out = torch.empty(3, m, dtype=torch.int64, device=ids.device)
+    # Three allocations, not rows of one: a row's start would be 16-byte aligned or not with
+    # the parity of m, and Triton compiles a variant per pointer alignment.
+    miss_ids, sets, key = (torch.empty(m, dtype=torch.int64, device=ids.device) for _ in "isk")
     if m:
         grid = (triton.cdiv(m, _SET_INDEX_BLOCK),)
         _miss_keys_kernel[grid](
-            ids.contiguous(), miss_pos.contiguous(), out[0], out[1], out[2], m, salt, num_sets,
+            ids.contiguous(), miss_pos.contiguous(), miss_ids, sets, key, m, salt, num_sets,
             BLOCK_N=_SET_INDEX_BLOCK,
         )  # fmt: skip
-    return out[0], out[1], out[2]
+    return miss_ids, sets, key
 
 
 def set_index(ids: torch.Tensor, num_sets: int) -> torch.Tensor:
