@@ -30,6 +30,7 @@ _HOMES = {
     "SyntheticCriteo": "embcache.data",
     "ShardedEmbeddingBagCollection": "embcache.distributed",
     "ShardedEmbeddingCollection": "embcache.distributed",
+    "CollectionOptions": "embcache.engine.options",
     "JaggedBatch": "embcache.engine",
     "JaggedRows": "embcache.engine",
     "PooledEmbeddings": "embcache.engine",

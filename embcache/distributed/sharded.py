@@ -82,8 +82,9 @@ from embcache.distributed.exchange import (
 from embcache.distributed.sharded_kv import ShardedKVClient
 from embcache.engine.batch_state import FusedPrefetchHandle, InFlight, Prefetched, Prepared
 from embcache.engine.inputs import JaggedBatch, pooled_output
-from embcache.engine.interface import FUSION_K, CachedCollectionInterface
+from embcache.engine.interface import CachedCollectionInterface
 from embcache.engine.lookup import lookup
+from embcache.engine.options import FUSION_K, CollectionOptions
 from embcache.kernels.optim import aggregate_grads
 from embcache.kv.base import Store
 from embcache.models.row_grads import GradAnchor, RowGradients
@@ -197,46 +198,20 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         self,
         tables: Sequence[Any],
         is_weighted: bool,
-        cache: CacheConfig | None,
-        store: Store | str | Callable[[int], Store | str] | None,
-        device: torch.device | str | None,
-        enable_fusion: bool,
-        fusion_k: int,
-        update_in_backward: bool,
-        accumulate_grads: bool,
-        lr: float | None,
-        seed: int | None,
+        options: CollectionOptions,
         process_group: dist.ProcessGroup | None,
-        optimizer_type: type | None = None,
-        optimizer_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if optimizer_type is None and optimizer_kwargs:
-            raise ValueError("optimizer_kwargs needs an optimizer_type (e.g. torch.optim.SGD)")
-        if cache is not None and not isinstance(cache, CacheConfig):
-            raise TypeError(
-                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__}"
-            )
         comm = Comm(process_group)
+        store = options.store
         if callable(store) and not isinstance(store, Store):
-            store = store(comm.rank)
+            options = dataclasses.replace(options, store=store(comm.rank))
         super().__init__()
+        # Each rank's caches hold a share of the rows; the rows start as one process's would
+        # (torchrec's draws when every row is cached): decided by the whole config.
         self._setup(
-            tables,
-            is_weighted,
-            _shard_cache_config(cache, comm.world_size),
-            store,
-            device,
-            enable_fusion,
-            fusion_k,
-            update_in_backward or optimizer_type is not None,
-            accumulate_grads,
-            lr,
-            seed,
-            # The rows start as one process's would (torchrec's draws when every row is
-            # cached): decided by the whole tables' config, not this rank's share of it.
-            init_cache=cache,
+            tables, is_weighted, options, cache=_shard_cache_config(options.cache, comm.world_size)
         )
-        self._setup_torch_training(optimizer_type, optimizer_kwargs)
+        self._setup_torch_training(options.optimizer_type, options.optimizer_kwargs)
         self._comm = comm
         self._prefetch_comm = comm.new_comm()  # the prefetch worker's collectives
         self.rank, self.world_size = comm.rank, comm.world_size
@@ -257,6 +232,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         self.grad_anchor = GradAnchor(torch.empty(0, 1, device=self.device))
         self.grad_anchor.rows = self.row_grads
         self.grad_anchor.register_post_accumulate_grad_hook(_backward_done(self.row_grads))
+        self.engines.gradients = self.row_grads
         self._init_fused_optimizer(optimizer_type, optimizer_kwargs)
 
     # ------------------------------------------------------------------------------------------
@@ -289,15 +265,18 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         return outs, step.features
 
     def _lookup(self, features: Any, training: bool) -> tuple[tuple[torch.Tensor, ...], _Step]:
+        """The exchanges of one forward inside the engines' step protocol, as one process
+        makes it (`EngineGroup.forward_shares`) but with the ranks' header between its phases:
+        a training forward is opened (`EngineGroup.open_forward`: a refusal joins the header,
+        so every rank raises), the prefetch taken, and once every rank agrees, the stale locks
+        dropped (`EngineGroup.begin_batch`) and the owned shares recorded
+        (`EngineGroup.start`). `_ShardedStep` claims the step around it."""
         error: BaseException | None = None
         mine: _Exchange | None = None
         prefetched: Prefetched | None = None
         try:
-            if training:
-                self.row_grads.drop_if_zeroed()  # zero_grad(set_to_none=False) ran
-                if self.engines.has_gradients and not self.accumulate_grads:
-                    self.engines.begin_batch()  # raises: an un-stepped trace
-                self.row_grads.forward_started()
+            if training:  # the stale locks are dropped once every rank agrees (below)
+                self.engines.open_forward(release_stale=False)
             features = self.checked_input(features)
             prefetched = self.engines.take_prefetch(features)
             if prefetched is not None:
@@ -589,7 +568,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             seed, optimizer_type, optimizer_kwargs: as in `CachedEmbeddingBagCollection`
             (every rank must give the same).
         location, allow_unsharded_replicas: accepted for `CachedEmbeddingBagCollection`'s
-            signature; the cache decides placement, and a sharded collection is no replica.
+            signature; the cache decides placement, and a sharded collection is no replica
+            (it ignores ``allow_unsharded_replicas``).
         cache: per rank: ``capacity`` is the rows of each of this rank's caches;
             ``load_factor`` a fraction of the rows this rank owns (about ``1/world_size`` of the
             tables); None keeps every owned row resident (direct-mapped slots sized by the whole
@@ -602,6 +582,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             read-only (no lease, every write refused), for a reader beside the job.
         device: where this rank's caches and outputs live (``cuda`` with NCCL or gloo).
         process_group: the ranks sharing the tables (None: the default group).
+        options: the options as one `CollectionOptions`, as `CachedEmbeddingBagCollection`
+            takes it (its ``store`` may be the callable above).
     """
 
     def __init__(
@@ -622,24 +604,12 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         location: Any = None,
         allow_unsharded_replicas: bool = False,
         process_group: dist.ProcessGroup | None = None,
+        *,
+        options: CollectionOptions | None = None,
     ) -> None:
-        del location, allow_unsharded_replicas  # see the docstring
-        super().__init__(
-            tables,
-            is_weighted,
-            cache,
-            store,
-            device,
-            enable_fusion,
-            fusion_k,
-            update_in_backward,
-            accumulate_grads,
-            lr,
-            seed,
-            process_group,
-            optimizer_type,
-            optimizer_kwargs,
-        )
+        options = CollectionOptions.given(options, locals())  # the keywords as called
+        del location  # see the docstring
+        super().__init__(tables, is_weighted, options, process_group)
         column, col = {}, 0
         for f, d in zip(self.output_keys, self.output_dims, strict=True):
             column[f], col = col, col + d
@@ -683,13 +653,8 @@ class _ShardedStep:
         module = self.module
         # The step is this thread's from here (`embcache.engine.claim`): another thread's
         # forward raises before its handshake, so the peers meet this thread's collectives.
-        fresh = module.engines.claim.take("training forward")
-        try:
+        with module.engines.claimed("training forward"):
             outs, self.step = module._lookup(self.features, training=True)
-        except BaseException:
-            if fresh:
-                module.engines.release_claim_if_idle()
-            raise
         return outs
 
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:

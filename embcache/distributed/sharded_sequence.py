@@ -31,8 +31,8 @@ import torch.distributed as dist
 from embcache.cache.config import CacheConfig
 from embcache.distributed.sharded import ShardedCollection
 from embcache.engine.inputs import JaggedBatch
-from embcache.engine.interface import FUSION_K
 from embcache.engine.jagged import SequenceCollection
+from embcache.engine.options import FUSION_K, CollectionOptions
 from embcache.engine.reduction import Share
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
@@ -56,6 +56,8 @@ class ShardedEmbeddingCollection(SequenceCollection, ShardedCollection):
         need_indices: each output `JaggedTensor`'s ``weights()`` holds the ids looked up.
         cache, store, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr, seed,
             process_group: as `ShardedEmbeddingBagCollection` takes them.
+        options: the options as one `CollectionOptions` (``device``, ``optimizer_type`` and
+            ``optimizer_kwargs`` too), as `ShardedEmbeddingBagCollection` takes it.
 
     Raises:
         ValueError: a pooled table (SUM, MEAN or MAX: those belong in a
@@ -79,21 +81,11 @@ class ShardedEmbeddingCollection(SequenceCollection, ShardedCollection):
         lr: float | None = None,
         seed: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        *,
+        options: CollectionOptions | None = None,
     ) -> None:
-        super().__init__(
-            tables,
-            False,
-            cache,
-            store,
-            device,
-            enable_fusion,
-            fusion_k,
-            update_in_backward,
-            accumulate_grads,
-            lr,
-            seed,
-            process_group,
-        )
+        options = CollectionOptions.given(options, locals())  # the keywords as called
+        super().__init__(tables, False, options, process_group)
         self._need_indices = bool(need_indices)
 
     # -- torchrec's EmbeddingCollectionInterface --------------------------------------------

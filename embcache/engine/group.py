@@ -23,12 +23,21 @@ prefetch that will not be used are in `embcache.engine.prefetch`.
 The step belongs to one thread at a time (``claim``, `embcache.engine.claim`): a training
 forward claims it, the step (`apply_trace`) or `zero_grad` ends the claim, and another thread's
 training calls raise before they change anything.
+
+The collections do not sequence these calls themselves: each phase has one entry point here.
+A local forward (bags or sequences) runs its lookup inside `forward_shares`, which claims,
+opens the forward, takes the prefetch or prepares, records the batch and, without gradients,
+gives it back; a local prefetch is `prefetch`; a backward is `record_backward`; a step is
+`apply_trace`. The sharded collections, whose ranks agree between the phases, call `claimed`,
+`open_forward`, `take_prefetch`, `begin_batch` and `start` one by one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -47,6 +56,7 @@ from embcache.engine.engine import CacheEngine, Deduped, dedup_together
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout, bounds_together
 from embcache.engine.optimizer import AttachedOptimizer, DeviceCheck, StepOptimizer
+from embcache.engine.options import CollectionOptions
 from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
 from embcache.engine.tbe_step import PendingUpdate, TbeStep
@@ -83,6 +93,17 @@ def _read_together(values: list[torch.Tensor]) -> list[float]:
     return out
 
 
+class StepGradients(Protocol):
+    """What a training forward tells the collection's rows' gradient, as torch's gradient
+    utilities see it (`models.row_grads.RowGradients`)."""
+
+    def drop_if_zeroed(self) -> None:
+        """A gradient made and then zeroed in place is dropped (with its step's claim)."""
+
+    def forward_started(self) -> None:
+        """The gradient the forward's backward records is nobody's yet."""
+
+
 class EngineGroup:
     """The engines of a collection and the state of its step.
 
@@ -90,11 +111,11 @@ class EngineGroup:
         tables: the collection's tables.
         specs: their tier specs, by name (declared in ``store``).
         store: the tier.
-        cache_config: capacity and policy of each cache.
-        device: where the caches live.
-        fusion_k: bits of the raw id inside a fused id.
-        update_in_backward: apply the attached optimizer inside backward.
-        accumulate_grads: allow several backwards before one step.
+        cache_config: capacity and policy of each cache (a sharded rank's share).
+        device: where the caches live (resolved).
+        fusion_k: bits of the raw id inside a fused id (as the collection uses it).
+        options: the collection's options: whether the update runs in backward
+            (`CollectionOptions.applies_in_backward`) and whether backwards accumulate.
     """
 
     def __init__(
@@ -105,16 +126,15 @@ class EngineGroup:
         cache_config: CacheConfig,
         device: torch.device,
         fusion_k: int,
-        update_in_backward: bool = False,
-        accumulate_grads: bool = False,
+        options: CollectionOptions,
     ) -> None:
         self.tables = tables
         self.specs = specs
         self.store = store
         self.device = device
         self.fusion_k = fusion_k
-        self.update_in_backward = update_in_backward
-        self.accumulate_grads = accumulate_grads
+        self.update_in_backward = options.applies_in_backward
+        self.accumulate_grads = options.accumulate_grads
         self.table_index = {t.name: t.index for t in tables}
         self.engines: list[CacheEngine] = []
         # One cache per dim, and one per table a per-table size names (`CacheConfig.split`).
@@ -139,6 +159,7 @@ class EngineGroup:
         self.generation = 0  # bumped when caches are emptied: older handles become stale
         self.optimizer: AttachedOptimizer | None = None
         self.owner: object = self  # the step counts' key at the optimizer (the collection)
+        self.gradients: StepGradients | None = None  # the collection's, told of each forward
         self.claim = StepClaim("collection")  # the collection names itself (`set_owner`)
 
     def set_owner(self, owner: object) -> None:
@@ -207,18 +228,109 @@ class EngineGroup:
                 return engine
         raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
 
-    # -- forward -----------------------------------------------------------------------------
+    # -- the step protocol: one entry point per phase -----------------------------------------
+    #
+    # forward: `forward_shares` (a local collection) or `claimed` + `open_forward` + `start`
+    # (a sharded one, whose ranks agree between them); backward: `record_backward`; step:
+    # `apply_trace`; prefetch: `prefetch` (a local collection's), `take_prefetch`.
+
+    @contextlib.contextmanager
+    def claimed(self, what: str | None) -> Iterator[None]:
+        """The step claimed for the calling thread while the block runs (``what`` names the
+        call in the refusal; None: nothing to claim, a forward without gradients); a claim
+        taken here ends if the block fails and nothing of a step is left."""
+        fresh = self.claim.take(what) if what is not None else False
+        try:
+            yield
+        except BaseException:
+            if fresh:
+                self.release_claim_if_idle()
+            raise
+
+    @contextlib.contextmanager
+    def forward_shares(
+        self, batch: JaggedBatch, training: bool
+    ) -> Iterator[tuple[list[Prepared], InFlight | None]]:
+        """One forward of a collection in one process, around its lookup: yields every
+        engine's share of the checked ``batch`` and, when ``training``, the `InFlight` batch
+        its backward records against (its slots locked until the step).
+
+        In order: the step is claimed for this thread (`claimed`; another thread's training
+        raises here, before anything changes); a training forward is opened (`open_forward`);
+        the recorded prefetch is taken when it was issued for this batch (`take_prefetch`),
+        else the batch is prepared (`prepare`: ids checked, deduplicated and resolved); a
+        training forward's shares are recorded (`start`). After the block, a forward without
+        gradients gives back what it used (`finish_untracked`); a failure ends a claim taken
+        here when nothing of a step is left."""
+        with self.claimed("training forward" if training else None):
+            if training:
+                self.open_forward()
+            # The recorded prefetch is the training thread's next batch: an inference from
+            # another thread meanwhile reads synchronously and leaves it alone.
+            use_prefetch = training or not self.claim.held_elsewhere()
+            prefetched = self.take_prefetch(batch) if use_prefetch else None
+            # A local prefetch holds every engine's share (`prefetch`); None entries are the
+            # sharded collection's.
+            prepared = (
+                cast(list[Prepared], prefetched.prepared)
+                if prefetched
+                else self.prepare(batch, lock=training)
+            )
+            inflight = self.start(prepared) if training else None
+            try:
+                yield prepared, inflight
+            finally:
+                if not training:
+                    self.finish_untracked(prepared)
+
+    def open_forward(self, release_stale: bool = True) -> None:
+        """A training forward's first phase, before it changes anything: a gradient zeroed in
+        place is dropped and the collection's gradient hears of the forward
+        (`StepGradients`); an un-stepped trace is refused (`refuse_pending_trace`); with
+        ``release_stale``, the locks of forwards never backpropagated are dropped
+        (`begin_batch`: a sharded collection does that once its ranks agree). A refusal
+        releases every prefetch handle, whose locks would belong to no batch."""
+        try:
+            if self.gradients is not None:
+                self.gradients.drop_if_zeroed()  # zero_grad(set_to_none=False) ran
+            if release_stale:
+                self.begin_batch()
+            else:
+                self.refuse_pending_trace()
+            if self.gradients is not None:
+                self.gradients.forward_started()
+        except RuntimeError:
+            self.prefetches.release_all()
+            raise
+
+    def refuse_pending_trace(self) -> None:
+        """Refuse a training forward while a backward's gradients await their step, unless
+        they accumulate (the message says what to do, with or without an optimizer)."""
+        if not self.has_gradients or self.accumulate_grads:
+            return
+        if self.optimizer is None:
+            raise RuntimeError(
+                "forward called while the previous backward's gradients of this "
+                "collection await a step, and no optimizer has stepped them yet. To "
+                "sum the gradients of several backwards before one step, build the "
+                "collection with accumulate_grads=True; to drop them, call "
+                "zero_grad() (the optimizer's, or model.zero_grad()). If nothing "
+                "trains its tables, give its parameters (model.parameters()) to the "
+                "torch optimizer, build it with optimizer_type=..., or attach an "
+                "embcache optimizer (embcache.SparseAdaGrad([collection], lr=...)) "
+                "and call step()"
+            )
+        raise RuntimeError(
+            "forward called while the previous backward's gradients are still in _trace: "
+            "call optimizer.step() first (or drop them with zero_grad(): the optimizer's "
+            "or model.zero_grad()), or build the collection with accumulate_grads=True to "
+            "sum the gradients of several backwards before one step"
+        )
 
     def begin_batch(self) -> None:
         """Before a training forward: refuse to mix in an un-stepped trace; drop the locks of
         forwards that were never backpropagated."""
-        if self.has_gradients and not self.accumulate_grads:
-            raise RuntimeError(
-                "forward called while the previous backward's gradients are still in _trace: "
-                "call optimizer.step() first (or drop them with zero_grad(): the optimizer's "
-                "or model.zero_grad()), or build the collection with accumulate_grads=True to "
-                "sum the gradients of several backwards before one step"
-            )
+        self.refuse_pending_trace()
         kept = []
         for batch in self.inflight:
             if not batch.backward_done:
@@ -653,6 +765,26 @@ class EngineGroup:
         for engine, p in zip(self.engines, prepared, strict=False):
             if p is not None:
                 engine.release(p)
+
+    def prefetch(
+        self, owner_id: int, batch: JaggedBatch, source: object = None
+    ) -> FusedPrefetchHandle:
+        """A local collection's prefetch of a checked batch (under the step's claim,
+        `claimed`): its ids validated here (a bad id raises before anything changes), its
+        dedup and resolve queued on the worker (`issue`), each cache's victims written back
+        after the handle is ready."""
+        shares = self.check(batch, lock=True)
+        job = functools.partial(self._prefetched, shares)
+        return self.issue(owner_id, batch, job, then_write_back=True, source=source)
+
+    def _prefetched(self, shares: list[Prepared | CheckedShare], seq: int) -> Prefetched:
+        """Worker-thread body of `prefetch`: the batch's rows resolved, the victims'
+        write-back left for the worker's next call (`issue`)."""
+        try:
+            prepared = self.prepare_fused(shares, lock=True, defer_writeback=True)
+            return Prefetched(cast(list[Prepared | None], prepared))  # list is invariant
+        except Exception as e:  # the forward reads synchronously (and meets it again)
+            return Prefetched([], error=e)
 
     def issue(
         self,

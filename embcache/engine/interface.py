@@ -28,7 +28,7 @@ import os
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from embcache.engine.batch_state import FusedPrefetchHandle, TraceEntry
 from embcache.engine.group import EngineGroup
 from embcache.engine.inputs import JaggedBatch, as_jagged, checked_batch
 from embcache.engine.optimizer import AttachedOptimizer, DeviceCheck, StepOptimizer
+from embcache.engine.options import FUSION_K as FUSION_K  # where the collections import it
+from embcache.engine.options import MAX_FUSION_K as MAX_FUSION_K
+from embcache.engine.options import CollectionOptions
 from embcache.engine.row_init import table_inits
 from embcache.engine.tables import Table, TableConfig, normalize_tables
 from embcache.kv.base import Store, TableSpec
@@ -47,20 +50,14 @@ from embcache.kv.host import HostKV
 from embcache.kv.url import open_store
 
 UNFUSED_K = 48  # enable_fusion=False: internal fusion with room for ids below 2**48
-FUSION_K = 30  # a collection's default fusion_k
-MAX_FUSION_K = 56  # leaves 6 bits (64 tables) of a non-negative int64 for the table index
 
 
-def checked_fusion_k(fusion_k: int, enable_fusion: bool, tables: Sequence[Table]) -> int:
-    """The fusion width a collection uses, after checking its bounded tables fit it (an
-    unbounded table's ids beyond it are folded into its bits by a hash, `kernels.ids`)."""
-    if (
-        isinstance(fusion_k, bool)
-        or not isinstance(fusion_k, int)
-        or not 1 <= fusion_k <= MAX_FUSION_K
-    ):
-        raise ValueError(f"fusion_k must be an int in [1, {MAX_FUSION_K}], got {fusion_k!r}")
-    k = fusion_k if enable_fusion else UNFUSED_K
+def checked_fusion_k(options: CollectionOptions, tables: Sequence[Table]) -> int:
+    """The fusion width a collection uses (``options.fusion_k``, or 48 bits without
+    ``enable_fusion``), after checking its bounded tables fit it (an unbounded table's ids
+    beyond it are folded into its bits by a hash, `kernels.ids`); ``fusion_k`` itself was
+    checked by `CollectionOptions`."""
+    k = options.fusion_k if options.enable_fusion else UNFUSED_K
     if len(tables) > 1 << (62 - k):
         raise ValueError(
             f"{len(tables)} tables do not fit the {62 - k} prefix bits left by fusion_k={k}"
@@ -165,6 +162,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
     the prefetch calls) and whole-table access (`table_rows`, `write_table_rows`).
 
     Attributes:
+        options: the `CollectionOptions` it was built with (a sharded rank's store resolved).
         tables: the normalised tables (`Table`), in the order given.
         store: the tier.
         device: where the caches and outputs live.
@@ -184,50 +182,45 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         self,
         tables: Sequence[Any],
         is_weighted: bool,
-        cache: CacheConfig | None,
-        store: Store | str | None,
-        device: torch.device | str | None,
-        enable_fusion: bool,
-        fusion_k: int,
-        update_in_backward: bool,
-        accumulate_grads: bool,
-        lr: float | None,
-        seed: int | None,
-        init_cache: CacheConfig | None = None,
+        options: CollectionOptions,
+        cache: CacheConfig | None = None,
     ) -> None:
-        """Build what both collections share: tables, store, initialisers, engines.
+        """Build what every collection shares: tables, store, initialisers, engines.
 
-        ``device=None`` is torch's default device (``with torch.device("meta"):`` included);
-        ``seed=None`` takes the rows' randomness from torch's generator (`engine.row_init`).
-        ``init_cache``: the config that says whether every row is cached, for the rows'
-        initialisation (a sharded collection's whole config: ``cache`` is a rank's share);
-        None: ``cache``.
+        ``options.device=None`` is torch's default device (``with torch.device("meta"):``
+        included); ``options.seed=None`` takes the rows' randomness from torch's generator
+        (`engine.row_init`). ``cache``: the caches' config when it is a share of
+        ``options.cache`` (a sharded rank's); None: ``options.cache``. Whether every row is
+        cached, for the rows' initialisation, is the whole config's answer. A callable
+        ``options.store`` (a sharded collection's, ``store(rank)``) is resolved before.
         """
+        self.options = options
         self.tables = normalize_tables(tables, self.pooled)
         self._configs = [_as_config(t, cfg) for t, cfg in zip(self.tables, tables, strict=True)]
-        self.fusion_k = checked_fusion_k(fusion_k, enable_fusion, self.tables)
-        self.enable_fusion = enable_fusion
+        self.fusion_k = checked_fusion_k(options, self.tables)
+        self.enable_fusion = options.enable_fusion
         self._is_weighted = bool(is_weighted)
         # Resolved here, on the caller's thread: ``cuda`` means its current device.
+        device = options.device
         self.device = resolve_device(torch.get_default_device() if device is None else device)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
-        self.cache_config = cache or CacheConfig()
+        whole_cfg = options.cache or CacheConfig()
+        self.cache_config = cache or whole_cfg
         self.cache_config.check_tables([t.name for t in self.tables])  # before the store opens
         # A store the collection opened (a URL, None) is its own: `close` closes it.
+        store = cast("Store | str | None", options.store)  # a callable is refused there
         self._owns_store = not isinstance(store, Store)
         self.store = open_store(store)
-        self.update_in_backward = update_in_backward
-        self.accumulate_grads = accumulate_grads
-        self.lr = lr
+        self.update_in_backward = options.applies_in_backward
+        self.accumulate_grads = options.accumulate_grads
+        self.lr = options.lr
         self.features = list(dict.fromkeys(f for t in self.tables for f in t.feature_names))
         self.output_keys = [k for t in self.tables for k in t.key_names]
         self.output_dims = [t.dim for t in self.tables for _ in t.key_names]
         cfg = self.cache_config
-        whole_cfg = cfg if init_cache is None else init_cache
         whole = whole_cfg.tier_capacity is None and _whole_tables(
             self.tables, whole_cfg, self.device
         )
+        seed = options.seed
         inits = table_inits(self.tables, seed, whole, self.device, per_table=not self.pooled)
         weight_dtype = cfg.weight_dtype
         assert weight_dtype is None or isinstance(weight_dtype, torch.dtype)  # __post_init__
@@ -247,15 +240,9 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         for spec in self.specs.values():
             self.store.init_table(spec)
         self.engines = EngineGroup(
-            self.tables,
-            self.specs,
-            self.store,
-            self.cache_config,
-            self.device,
-            self.fusion_k,
-            update_in_backward,
-            accumulate_grads,
-        )
+            self.tables, self.specs, self.store, self.cache_config, self.device, self.fusion_k,
+            options,
+        )  # fmt: skip
         self.engines.set_owner(self)
         # Requires grad, so the pooling op is recorded although the rows are no leaves.
         self.grad_anchor = torch.empty(0, requires_grad=True)

@@ -58,7 +58,7 @@ import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.engine.inputs import JaggedBatch, pooled_output
-from embcache.engine.interface import FUSION_K
+from embcache.engine.options import FUSION_K, CollectionOptions
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
 from embcache.models.local import LocalCollection, opaque_to_compile
@@ -108,6 +108,10 @@ class CachedEmbeddingBagCollection(LocalCollection):
             this collection and ``DistributedDataParallel`` averages only the dense
             parameters, so each rank's tables would silently diverge. Shard the rows with
             `embcache.distributed.ShardedEmbeddingBagCollection` instead.
+        options: every option above (``cache`` to ``allow_unsharded_replicas``, ``location``
+            and ``is_weighted`` aside) as one `CollectionOptions`, which checks them, to share
+            between collections; a keyword given a value other than its default beside it
+            raises `TypeError`, naming it.
 
     Copies: ``copy.deepcopy``, ``pickle`` and ``torch.save(module)`` raise `TypeError` (the
     rows live in a cache and a tier, not in the module; `CachedCollectionInterface`).
@@ -130,24 +134,12 @@ class CachedEmbeddingBagCollection(LocalCollection):
         optimizer_kwargs: Mapping[str, Any] | None = None,
         location: Any = None,
         allow_unsharded_replicas: bool = False,
+        *,
+        options: CollectionOptions | None = None,
     ) -> None:
+        options = CollectionOptions.given(options, locals())  # the keywords as called
         del location  # the cache decides placement
-        super().__init__(
-            tables,
-            is_weighted,
-            cache,
-            store,
-            device,
-            enable_fusion,
-            fusion_k,
-            update_in_backward,
-            accumulate_grads,
-            lr,
-            seed,
-            optimizer_type,
-            optimizer_kwargs,
-            allow_unsharded_replicas,
-        )
+        super().__init__(tables, is_weighted, options)
         register_with_torchrec()
         self._export_name: str | None = None
         _LIVE.add(self)
@@ -214,16 +206,7 @@ class CachedEmbeddingBagCollection(LocalCollection):
             values = torch.empty(batch.stride(), 0, device=self.device)
             return pooled_output(features, self.output_keys, self.output_dims, values)
         engines = self.engines
-        training = torch.is_grad_enabled()
-        # A training forward claims the step for this thread (another thread's raises here,
-        # before anything changes); a claim this forward made ends if the forward fails idle.
-        fresh = engines.claim.take("training forward") if training else False
-        try:
-            outs = self._lookup(batch, training)
-        except BaseException:
-            if fresh:
-                engines.release_claim_if_idle()
-            raise
+        outs = self._lookup(batch, training=torch.is_grad_enabled())
         if len(outs) == 1 and engines.engines[0].layout.keys == self.output_keys:
             values = outs[0]
         else:

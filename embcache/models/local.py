@@ -17,19 +17,18 @@ import importlib.abc
 import importlib.util
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from embcache.cache.config import CacheConfig
-from embcache.engine.batch_state import FusedPrefetchHandle, Prefetched, Prepared
+from embcache.engine.batch_state import FusedPrefetchHandle
 from embcache.engine.inputs import JaggedBatch
-from embcache.engine.interface import FUSION_K, CachedCollectionInterface
+from embcache.engine.interface import CachedCollectionInterface
 from embcache.engine.lookup import GroupLookup, lookup
+from embcache.engine.options import CollectionOptions
 from embcache.engine.tables import Table
-from embcache.kv.base import Store
 from embcache.models.row_grads import GradAnchor, RowGradients
 from embcache.models.torch_optim import FusedOptimizerConventions
 
@@ -88,9 +87,10 @@ def _disable(cls: type, name: str, fn: Callable[..., Any]) -> None:
 
 
 class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
-    """The rows of one process's tables in its device caches, over a write-back tier; the
-    arguments are `CachedEmbeddingBagCollection`'s. Subclasses give ``forward`` its output,
-    and hold the tables' `TableWeights` under their torchrec name (`weights_prefix`)."""
+    """The rows of one process's tables in its device caches, over a write-back tier, built
+    from the tables, ``is_weighted`` and the `CollectionOptions` a public constructor made of
+    its arguments (`CollectionOptions.given`). Subclasses give ``forward`` its output, and
+    hold the tables' `TableWeights` under their torchrec name (`weights_prefix`)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -99,44 +99,11 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
                 _when_dynamo_loads(functools.partial(_disable, cls, name, value))
 
     def __init__(
-        self,
-        tables: Sequence[Any],
-        is_weighted: bool = False,
-        cache: CacheConfig | None = None,
-        store: Store | str | None = None,
-        device: torch.device | str | None = None,
-        enable_fusion: bool = True,
-        fusion_k: int = FUSION_K,
-        update_in_backward: bool = False,
-        accumulate_grads: bool = False,
-        lr: float | None = None,
-        seed: int | None = None,
-        optimizer_type: type | None = None,
-        optimizer_kwargs: Mapping[str, Any] | None = None,
-        allow_unsharded_replicas: bool = False,
+        self, tables: Sequence[Any], is_weighted: bool, options: CollectionOptions
     ) -> None:
         super().__init__()
-        if optimizer_type is None and optimizer_kwargs:
-            raise ValueError("optimizer_kwargs needs an optimizer_type (e.g. torch.optim.SGD)")
-        if cache is not None and not isinstance(cache, CacheConfig):
-            raise TypeError(
-                f"cache must be an embcache.CacheConfig or None, got {type(cache).__name__} "
-                "(torchrec's third positional argument is device: pass device=...)"
-            )
-        self._setup(
-            tables,
-            is_weighted,
-            cache,
-            store,
-            device,
-            enable_fusion,
-            fusion_k,
-            update_in_backward or optimizer_type is not None,
-            accumulate_grads,
-            lr,
-            seed,
-        )
-        self.allow_unsharded_replicas = bool(allow_unsharded_replicas)
+        self._setup(tables, is_weighted, options)
+        self.allow_unsharded_replicas = options.allow_unsharded_replicas
         # The tables' stand-in in model.parameters(): a torch optimizer holding it trains them,
         # and its .grad is their gradient (`models.row_grads`). Zero rows of a 2-D "table", as
         # optimizers written for embedding weights expect.
@@ -144,6 +111,7 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
         self.grad_anchor = GradAnchor(torch.empty(0, 1, device=self.device))
         self.grad_anchor.rows = self.row_grads
         self.grad_anchor.register_post_accumulate_grad_hook(_backward_done(self.row_grads))
+        self.engines.gradients = self.row_grads
         clash = [t.name for t in self.tables if hasattr(nn.ModuleDict, t.name) or "." in t.name]
         if clash:  # torchrec's ModuleDict of tables refuses them too, less clearly
             raise ValueError(
@@ -152,7 +120,7 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
             )
         weights = nn.ModuleDict({t.name: TableWeights(self, t) for t in self.tables})
         setattr(self, self.weights_prefix, weights)
-        self._init_fused_optimizer(optimizer_type, optimizer_kwargs)
+        self._init_fused_optimizer(options.optimizer_type, options.optimizer_kwargs)
 
     # -- torchrec's accessors (the fused optimizer's: `FusedOptimizerConventions`) -----------
 
@@ -166,51 +134,13 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
     # -- the data path -----------------------------------------------------------------------
 
     def _lookup(self, batch: JaggedBatch, training: bool) -> tuple[torch.Tensor, ...]:
-        """`forward`'s lookup (`engine.lookup.GroupLookup`): one output per engine,
+        """`forward`'s lookup (`engine.lookup.GroupLookup`) over the shares the engines' step
+        protocol gives it (`EngineGroup.forward_shares`): one output per engine,
         ``[B, F_e * dim_e]`` pooled or ``[nnz_e, dim_e]`` unpooled."""
         engines = self.engines
-        if training:
-            try:
-                self.row_grads.drop_if_zeroed()  # zero_grad(set_to_none=False) ran
-                if (
-                    engines.has_gradients
-                    and not self.accumulate_grads
-                    and engines.optimizer is None
-                ):
-                    raise RuntimeError(
-                        "forward called while the previous backward's gradients of this "
-                        "collection await a step, and no optimizer has stepped them yet. To "
-                        "sum the gradients of several backwards before one step, build the "
-                        "collection with accumulate_grads=True; to drop them, call "
-                        "zero_grad() (the optimizer's, or model.zero_grad()). If nothing "
-                        "trains its tables, give its parameters (model.parameters()) to the "
-                        "torch optimizer, build it with optimizer_type=..., or attach an "
-                        "embcache optimizer (embcache.SparseAdaGrad([collection], lr=...)) "
-                        "and call step()"
-                    )
-                engines.begin_batch()
-                self.row_grads.forward_started()
-            except RuntimeError:
-                engines.prefetches.release_all()  # its locks would belong to no batch
-                raise
-        # The recorded prefetch is the training thread's next batch: an inference from
-        # another thread meanwhile reads synchronously and leaves it alone.
-        use_prefetch = training or not engines.claim.held_elsewhere()
-        prefetched = engines.take_prefetch(batch) if use_prefetch else None
-        # A local prefetch holds every engine's share (`_prefetch`); None entries are the
-        # sharded collection's.
-        prepared = (
-            cast(list[Prepared], prefetched.prepared)
-            if prefetched
-            else engines.prepare(batch, lock=training)
-        )
-        inflight = engines.start(prepared) if training else None
-        try:
+        with engines.forward_shares(batch, training) as (prepared, inflight):
             step = GroupLookup(engines, prepared, inflight, batch.stride())
             return lookup(self.grad_anchor, step)
-        finally:
-            if not training:
-                engines.finish_untracked(prepared)
 
     def check_not_replicated(self) -> None:
         """Refuse to run as one unsharded replica per rank (unless the collection was built
@@ -261,25 +191,9 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
         """
         self.check_not_replicated()
         engines = self.engines
-        fresh = engines.claim.take("prefetch")  # part of the step its forward starts
-        try:
+        with engines.claimed("prefetch"):  # part of the step its forward starts
             batch = self.checked_input(features)
-            shares = engines.check(batch, lock=True)
-            job = functools.partial(self._prefetch, shares)
-            return engines.issue(id(self), batch, job, then_write_back=True, source=features)
-        except BaseException:
-            if fresh:
-                engines.release_claim_if_idle()
-            raise
-
-    def _prefetch(self, shares: list, seq: int) -> Prefetched:
-        """Worker-thread body of `issue_fused_prefetch`: the batch's rows resolved, the
-        victims' write-back left for the worker's next call (`EngineGroup.issue`)."""
-        try:
-            prepared = self.engines.prepare_fused(shares, lock=True, defer_writeback=True)
-            return Prefetched(cast(list[Prepared | None], prepared))  # list is invariant
-        except Exception as e:  # the forward reads synchronously (and meets it again)
-            return Prefetched([], error=e)
+            return engines.prefetch(id(self), batch, source=features)
 
     # -- whole tables ------------------------------------------------------------------------
 

@@ -30,8 +30,8 @@ import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.engine.inputs import JaggedBatch
-from embcache.engine.interface import FUSION_K
 from embcache.engine.jagged import SequenceCollection
+from embcache.engine.options import FUSION_K, CollectionOptions
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
 from embcache.models.local import LocalCollection, opaque_to_compile
@@ -53,8 +53,8 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
         need_indices: each output `JaggedTensor`'s ``weights()`` holds the ids looked up, as
             torchrec's ``need_indices`` does.
         cache, store, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr, seed,
-        optimizer_type, optimizer_kwargs, allow_unsharded_replicas: as
-            `CachedEmbeddingBagCollection` takes them.
+        optimizer_type, optimizer_kwargs, allow_unsharded_replicas, options: as
+            `CachedEmbeddingBagCollection` takes them (``device`` too may be in ``options``).
 
     Raises:
         ValueError: a pooled table (``pooling`` SUM, MEAN or MAX: those belong in a
@@ -80,27 +80,15 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
         optimizer_type: type | None = None,
         optimizer_kwargs: Mapping[str, Any] | None = None,
         allow_unsharded_replicas: bool = False,
+        *,
+        options: CollectionOptions | None = None,
         **torchrec_options: Any,
     ) -> None:
+        options = CollectionOptions.given(options, locals())  # the keywords as called
         unknown = set(torchrec_options) - {"use_gather_select", "use_gather_select_per_sharding"}
         if unknown:
             raise TypeError(f"unexpected arguments {sorted(unknown)}")
-        super().__init__(
-            tables,
-            False,
-            cache,
-            store,
-            device,
-            enable_fusion,
-            fusion_k,
-            update_in_backward,
-            accumulate_grads,
-            lr,
-            seed,
-            optimizer_type,
-            optimizer_kwargs,
-            allow_unsharded_replicas,
-        )
+        super().__init__(tables, False, options)
         self._need_indices = bool(need_indices)
         register_with_torchrec()
 
@@ -150,15 +138,7 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
 
     def _rows(self, batch: JaggedBatch, counts: dict[str, int]) -> dict[str, torch.Tensor]:
         """Each output key's rows ``[n, dim]``: views of the engines' outputs."""
-        engines = self.engines
-        training = torch.is_grad_enabled()
-        fresh = engines.claim.take("training forward") if training else False
-        try:
-            outs = self._lookup(batch, training)
-        except BaseException:
-            if fresh:
-                engines.release_claim_if_idle()
-            raise
+        outs = self._lookup(batch, training=torch.is_grad_enabled())
         return self.split_per_key(outs, counts)
 
 

@@ -18,14 +18,16 @@ collection. `DistEmbedding` keeps its Python-side SGD either way.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from embcache.engine.batch_state import TraceEntry
+from embcache.engine.options import CollectionOptions, option_names
 from embcache.engine.tables import Table, TableConfig
 from embcache.kernels.optim import OptimRule, RowUpdate, aggregate_grads
 from embcache.kv.base import Store
@@ -33,6 +35,9 @@ from embcache.models.collection import CachedEmbeddingBagCollection
 from embcache.models.local import LocalCollection
 from embcache.models.sequence import CachedEmbeddingCollection
 from embcache.recstore.kv_client import KVClient, KVOptimizer, get_kv_client
+
+# RecStore's defaults where they differ from `CollectionOptions`' own.
+RECSTORE_DEFAULTS = {"lr": 0.01}
 
 
 class KVClientCollection(LocalCollection):
@@ -53,9 +58,7 @@ class KVClientCollection(LocalCollection):
     def init_on_client(
         self,
         tables: Sequence[Any],
-        lr: float,
-        enable_fusion: bool,
-        fusion_k: int,
+        called: dict[str, Any],
         ps_host: str | None,
         ps_port: int | None,
         kv_client: KVClient | None,
@@ -63,20 +66,25 @@ class KVClientCollection(LocalCollection):
         kwargs: dict[str, Any],
     ) -> None:
         """The cached collection after this class in the MRO built on the client's store: the
-        client resolved first (`resolve_kv_client`, which checks every argument), then the
-        collection's ``__init__``, then `join_kv_client`."""
-        store = kwargs.pop("store", None)
+        options gathered (RecStore's ``lr``, ``enable_fusion`` and ``fusion_k``, the cached
+        collection's option keywords in ``kwargs``, or ``options=``), the client resolved
+        (`resolve_kv_client`, which checks every argument), then the collection's ``__init__``
+        with those options, then `join_kv_client`.
+
+        Args:
+            called: the RecStore constructor's locals (its option keywords as called).
+        """
+        given = {**called, **{k: kwargs.pop(k) for k in option_names() if k in kwargs}}
+        passed = kwargs.pop("options", None)
+        options = CollectionOptions.given(passed, given, RECSTORE_DEFAULTS)
+        if passed is not None and options.lr is None:  # RecStore's default lr applies
+            options = dataclasses.replace(options, lr=RECSTORE_DEFAULTS["lr"])
+        store = cast("Store | str | None", options.store)  # a callable is refused there
         kv_client = resolve_kv_client(
-            kv_client, store, ps_host, ps_port, fast_path_mode, kwargs.get("optimizer_type")
+            kv_client, store, ps_host, ps_port, fast_path_mode, options.optimizer_type
         )
-        super().__init__(  # the cached collection's, next in the MRO
-            tables=tables,
-            store=kv_client.store,
-            lr=lr,
-            enable_fusion=enable_fusion,
-            fusion_k=fusion_k,
-            **kwargs,
-        )
+        options = dataclasses.replace(options, store=kv_client.store)
+        super().__init__(tables, options=options, **kwargs)  # the cached collection's, next
         self.join_kv_client(kv_client)
 
     def join_kv_client(self, kv_client: KVClient) -> None:
@@ -179,7 +187,8 @@ class RecStoreEmbeddingBagCollection(KVClientCollection, CachedEmbeddingBagColle
         fast_path_mode: ``"auto"`` only (RecStore's shared-memory fast path has no equivalent:
             every lookup goes through the device cache).
         **kwargs: any other `CachedEmbeddingBagCollection` argument (``store``, ``cache``,
-            ``device``, ...).
+            ``device``, ...), ``options=CollectionOptions(...)`` included (its ``lr`` None:
+            0.01).
 
     Attributes:
         backend_optimizer: the `BackendOptimizer` that updates the rows when the client has a
@@ -205,9 +214,8 @@ class RecStoreEmbeddingBagCollection(KVClientCollection, CachedEmbeddingBagColle
     ) -> None:
         del initialize_tables  # see Args: both values mean the same here
         self.init_on_client(
-            embedding_bag_configs, lr, enable_fusion, fusion_k, ps_host, ps_port, kv_client,
-            fast_path_mode, kwargs,
-        )  # fmt: skip
+            embedding_bag_configs, locals(), ps_host, ps_port, kv_client, fast_path_mode, kwargs
+        )  # locals(): the option keywords as called
 
 
 class RecStoreEmbeddingCollection(KVClientCollection, CachedEmbeddingCollection):
@@ -257,9 +265,8 @@ class RecStoreEmbeddingCollection(KVClientCollection, CachedEmbeddingCollection)
     ) -> None:
         del initialize_tables  # as in RecStoreEmbeddingBagCollection
         self.init_on_client(
-            embedding_configs, lr, enable_fusion, fusion_k, ps_host, ps_port, kv_client,
-            fast_path_mode, kwargs,
-        )  # fmt: skip
+            embedding_configs, locals(), ps_host, ps_port, kv_client, fast_path_mode, kwargs
+        )  # locals(): the option keywords as called
 
 
 class BackendOptimizer:
