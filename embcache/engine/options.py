@@ -166,6 +166,17 @@ class CollectionOptions:
         return options
 
 
+def model_collection_kwargs(kwargs: Mapping[str, Any], **model: Any) -> dict[str, Any]:
+    """The keywords a model (`DLRM`, `SequenceRecommender`) builds a collection with: its own
+    collection arguments ``model`` (``cache``, ``store``, ``device``, ``seed``) beside the
+    caller's ``kwargs``. When the caller gave ``options=``, only the model arguments it set
+    (those not None) go with it, so `CollectionOptions.given` names an option given twice
+    instead of refusing the model's own defaults."""
+    if kwargs.get("options") is None:
+        return {**model, **kwargs}
+    return {**{k: v for k, v in model.items() if v is not None}, **kwargs}
+
+
 def option_names() -> tuple[str, ...]:
     """The names of `CollectionOptions`' fields, in order."""
     return tuple(f.name for f in dataclasses.fields(CollectionOptions))

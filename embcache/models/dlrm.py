@@ -42,6 +42,7 @@ from torch.nn import functional
 
 from embcache.cache.config import CacheConfig
 from embcache.devices import resolve_device
+from embcache.engine.options import model_collection_kwargs
 from embcache.engine.tables import normalize_tables
 from embcache.kv.base import Store
 from embcache.models.collection import CachedEmbeddingBagCollection
@@ -147,7 +148,10 @@ class DLRM(nn.Module):
         seed: seeds the MLP weights and, for a collection built here, the rows' initialiser.
         collection_cls: the collection class built from ``tables`` (e.g.
             ``ShardedEmbeddingBagCollection`` to shard the tables by row over the ranks).
-        **collection_kwargs: any other `CachedEmbeddingBagCollection` argument.
+        **collection_kwargs: any other `CachedEmbeddingBagCollection` argument, ``options``
+            (a `CollectionOptions`) included: then ``cache``, ``store`` and ``device``
+            here must not repeat it (``device`` defaults to the options'), and ``seed`` seeds
+            the MLPs only (the rows' seed is the options').
 
     ``forward(dense [B, N], sparse KJT) -> logits [B]``.
     """
@@ -166,6 +170,10 @@ class DLRM(nn.Module):
         **collection_kwargs: Any,
     ) -> None:
         super().__init__()
+        options = collection_kwargs.get("options")
+        given_device = device  # under options=, a device here is one given twice
+        if device is None and options is not None and options.device is not None:
+            device = options.device  # the MLPs live with the collection
         self.device = resolve_device(device) if device is not None else torch.device("cpu")
         _check_dense(dense_in_features, bottom_mlp)
         if isinstance(tables, nn.Module):
@@ -198,9 +206,13 @@ class DLRM(nn.Module):
         if isinstance(tables, nn.Module):
             self.sparse_arch = tables
         else:
-            self.sparse_arch = collection_cls(
-                tables, cache=cache, store=store, device=self.device, seed=seed, **collection_kwargs
-            )
+            # Under options=, the collection's seed is the options' (``seed`` seeds the MLPs).
+            built_with = model_collection_kwargs(
+                collection_kwargs, cache=cache, store=store,
+                device=self.device if options is None else given_device,
+                seed=seed if options is None else None,
+            )  # fmt: skip
+            self.sparse_arch = collection_cls(tables, **built_with)
         gen = torch.Generator().manual_seed(seed)
         # nn.Linear(0, ...) would warn and learn nothing: no dense features, no bottom MLP.
         self.bottom_mlp = (

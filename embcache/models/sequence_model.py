@@ -29,6 +29,7 @@ dense features), so `embcache.train.loop` trains and evaluates either.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
 from embcache.devices import resolve_device
 from embcache.engine.interface import CachedCollectionInterface
+from embcache.engine.options import model_collection_kwargs
 from embcache.engine.tables import TableConfig, normalize_tables
 from embcache.kv.base import Store
 from embcache.models.collection import CachedEmbeddingBagCollection
@@ -166,7 +168,10 @@ class SequenceRecommender(nn.Module):
         bag_collection_cls, sequence_collection_cls: the two collections' classes (e.g.
             ``ShardedEmbeddingBagCollection`` and ``ShardedEmbeddingCollection`` to shard the
             rows over the ranks).
-        **collection_kwargs: any other argument both collections take (``fusion_k``, ...).
+        **collection_kwargs: any other argument both collections take (``fusion_k``, ...),
+            ``options`` (a `CollectionOptions`) included: then ``cache``, ``store`` and ``device``
+            here must not repeat it (``device`` defaults to the options'), and ``seed`` seeds
+            the MLP only (the rows' seed is the options').
 
     ``forward(dense, sparse) -> logits [B]``: ``sparse`` a `JaggedBatch` or KJT with every
     bag feature, ``target`` and ``history``; ``dense`` is ignored.
@@ -188,6 +193,10 @@ class SequenceRecommender(nn.Module):
         **collection_kwargs: Any,
     ) -> None:
         super().__init__()
+        options = collection_kwargs.get("options")
+        given_device = device  # under options=, a device here is one given twice
+        if device is None and options is not None and options.device is not None:
+            device = options.device  # the MLP lives with the collections
         self.device = resolve_device(device) if device is not None else torch.device("cpu")
         if isinstance(history_length, bool) or not isinstance(history_length, int):
             raise TypeError(f"history_length must be an int, got {history_length!r}")
@@ -217,14 +226,23 @@ class SequenceRecommender(nn.Module):
         self.embedding_dim = item.dim
         self.num_bags = sum(len(t.feature_names) for t in normalized) - 1
         self.target, self.history, self.history_length = target, history, history_length
-        common = {"cache": cache, "device": self.device, "seed": seed, **collection_kwargs}
-        bags = bag_collection_cls(bag_tables, store=store, **common)
+        # Under options=, the collections' seed is the options' (``seed`` seeds the MLP).
+        seed_given = seed if options is None else None
+        common = model_collection_kwargs(
+            collection_kwargs,
+            cache=cache,
+            seed=seed_given,
+            device=self.device if options is None else given_device,
+        )
+        bags = bag_collection_cls(bag_tables, **model_collection_kwargs(common, store=store))
         # The second collection keeps its rows in the first one's tier (opened there from a
         # URL or None, and closed by it, after this one's exit write-back: atexit runs the
         # last registered first).
-        self.sparse_arch = SparseArch(
-            bags, sequence_collection_cls([item_table], store=bags.store, **common)
-        )
+        if options is not None:
+            common["options"] = dataclasses.replace(options, store=bags.store)
+        else:
+            common["store"] = bags.store
+        self.sparse_arch = SparseArch(bags, sequence_collection_cls([item_table], **common))
         gen = torch.Generator().manual_seed(seed)
         width = (self.num_bags + 3) * self.embedding_dim
         self.mlp = MLP(width, [*mlp, 1], final_relu=False, generator=gen).to(self.device)

@@ -333,3 +333,71 @@ def test_public_constructors_keep_the_dataclass_defaults(kind: str) -> None:
         assert params["options"].kind is inspect.Parameter.KEYWORD_ONLY
     for name in set(option_names()) & set(params):
         assert params[name].default == defaults[name], f"{cls.__name__}({name}=...)"
+
+
+# -- the models that build collections: DLRM and SequenceRecommender -------------------------
+
+
+def _dlrm_tables() -> list[TableConfig]:
+    return [
+        TableConfig(name=f"t{i}", embedding_dim=4, num_embeddings=50, feature_names=[f"f{i}"])
+        for i in range(2)
+    ]
+
+
+def _seq_tables() -> list[TableConfig]:
+    return [
+        TableConfig(name="t_user", embedding_dim=6, num_embeddings=5, feature_names=["user"]),
+        TableConfig(name="t_item", embedding_dim=6, num_embeddings=9, feature_names=["item"]),
+    ]
+
+
+def _seq_batch() -> JaggedBatch:
+    return JaggedBatch.from_lengths(
+        keys=["user", "item", "history"],
+        values=torch.tensor([1, 4, 0, 1, 5, 6, 7]),
+        lengths=torch.tensor([1, 1, 1, 1, 0, 3]),
+    )
+
+
+@pytest.mark.parametrize("model", ["dlrm", "sequence"])
+def test_models_build_their_collections_from_options(model: str) -> None:
+    """`DLRM` and `SequenceRecommender` take ``options=`` (through their collection keywords):
+    the collections get those options (cache, lr, seed) and train to the same rows as when
+    the same options are given as the models' keywords; a model keyword that repeats one
+    (``cache``) is refused, naming it."""
+    from embcache.models.dlrm import DLRM
+    from embcache.models.sequence_model import SequenceRecommender
+
+    cache = CacheConfig(capacity=64)
+
+    def build(**kw: Any) -> Any:
+        if model == "dlrm":
+            return DLRM(_dlrm_tables(), dense_in_features=0, bottom_mlp=(), **kw)
+        return SequenceRecommender(_seq_tables(), target="item", history_length=2, **kw)
+
+    def rows(m: Any) -> list[torch.Tensor]:
+        if model == "dlrm":
+            batch = JaggedBatch.from_lengths(
+                ["f0", "f1"], torch.tensor([3, 7, 7, 1]), torch.ones(4, dtype=torch.int64)
+            )
+            dense = torch.zeros(2, 0)
+        else:
+            batch, dense = _seq_batch(), None
+        arch = m.sparse_arch
+        parts = [arch] if model == "dlrm" else arch.collections()
+        opt = embcache.SparseAdaGrad(parts, lr=0.1)
+        m(dense, batch).sum().backward()
+        opt.step()
+        return [p.table_rows(t.name) for p in parts for t in p.tables]
+
+    with_keywords = build(cache=cache, seed=3)
+    with_options = build(options=CollectionOptions(cache=cache, seed=3), seed=3)
+    arch = with_options.sparse_arch
+    collections = [arch] if model == "dlrm" else arch.collections()
+    for c in collections:
+        assert c.options.cache is cache and c.options.seed == 3
+    for a, b in zip(rows(with_keywords), rows(with_options), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="cache given both"):
+        build(cache=cache, options=CollectionOptions(cache=cache))
