@@ -55,9 +55,11 @@ class ShardedEmbeddingCollection(SequenceCollection, ShardedCollection):
             positional after ``tables``, as torchrec's and `CachedEmbeddingCollection`'s.
         need_indices: each output `JaggedTensor`'s ``weights()`` holds the ids looked up.
         cache, store, enable_fusion, fusion_k, update_in_backward, accumulate_grads, lr, seed,
-            process_group: as `ShardedEmbeddingBagCollection` takes them.
-        options: the options as one `CollectionOptions` (``device``, ``optimizer_type`` and
-            ``optimizer_kwargs`` too), as `ShardedEmbeddingBagCollection` takes it.
+            process_group, optimizer_type, optimizer_kwargs, allow_unsharded_replicas: as
+            `ShardedEmbeddingBagCollection` takes them (the last three after
+            ``process_group``, where older code's positions stay as they were).
+        options: the options as one `CollectionOptions`, as `ShardedEmbeddingBagCollection`
+            takes it.
 
     Raises:
         ValueError: a pooled table (SUM, MEAN or MAX: those belong in a
@@ -81,6 +83,9 @@ class ShardedEmbeddingCollection(SequenceCollection, ShardedCollection):
         lr: float | None = None,
         seed: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        optimizer_type: type | None = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        allow_unsharded_replicas: bool = False,
         *,
         options: CollectionOptions | None = None,
     ) -> None:

@@ -109,13 +109,7 @@ OPTION_SETS: dict[str, tuple[dict[str, Any], int, bool]] = {
     ),
 }  # fmt: skip
 
-# The sharded sequence collection takes no optimizer_type keyword (options= gives it one).
-CASES = [
-    (kind, name)
-    for kind in KINDS
-    for name in OPTION_SETS
-    if not (kind == "sharded-sequence" and name == "fused-adagrad")
-]
+CASES = [(kind, name) for kind in KINDS for name in OPTION_SETS]
 
 
 def _build(kind: str, request: pytest.FixtureRequest, **arguments: Any) -> Any:
