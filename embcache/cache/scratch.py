@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 import embcache.native as native
-from embcache.cache.lockstep import Counts, Step, ToHost, first_true
+from embcache.cache.lockstep import Step, ToHost, first_true
 from embcache.cache.stats import CacheStats
 from embcache.cache.storage import SlotStore
+from embcache.cache.transfer import unpadded
 from embcache.indexing import fill_at
 
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -86,54 +87,68 @@ class ScratchArea:
         # torch.where, not a boolean-mask assignment: no host synchronisation.
         slots.copy_(torch.where(found, num_slots + perm[pos], slots))
 
+    def _release_read(self, batch_seq: int) -> Step:
+        """`release_steps` in torch ops (the device path and the torch twins): one host read,
+        a copy of the two counts and of every scratch row's key where that row is done and
+        dirty (-1 elsewhere; where done, too, when rows are pinned), the scratch area being
+        small and its size known, so the numbers and the ids to write come together."""
+        store = self.slots
+        num_slots = store.num_slots
+        scratch = slice(num_slots, None)
+        keys = store.slot_keys[scratch]
+        done = (keys >= 0) & (store.locks[scratch] == 0)
+        done &= store.batch_of[scratch] != batch_seq  # guarded until the next batch
+        done_dirty = done & store.dirty[scratch]
+        counts = torch.stack([done.sum(), done_dirty.sum()])
+        wanted = [torch.cat([counts, torch.where(done_dirty, keys, -1)])]
+        if self.pins:
+            wanted.append(torch.cat([counts, torch.where(done, keys, -1)]))
+        host = yield ToHost(wanted)
+        (n_done, n_dirty), dirty_keys = unpadded(host[0])
+        if not n_done:
+            return
+        done_slots = num_slots + first_true(done, n_done)
+        if n_dirty:  # in slot order, as `first_true` gives the slots
+            self.write_rows(dirty_keys, num_slots + first_true(done_dirty, n_dirty))
+        if self.pins:
+            store.transfer.unpin(unpadded(host[1])[1])
+        store.unindex(store.slot_keys.index_select(0, done_slots))
+        fill_at(store.slot_keys, done_slots, -1)
+        fill_at(store.dirty, done_slots, False)
+        self.used -= n_done
+        self.stats.evictions += n_done
+
     def release_steps(self, batch_seq: int) -> Step:
         """Write back and free the scratch rows no batch holds any more, those of batch
         ``batch_seq`` (the last locked one) excepted, as a `lockstep` step under the cache's
-        ``lock``: its host reads (how many scratch rows are done and dirty, then their ids)
-        asked once each. A failed write leaves the rows in scratch, dirty."""
+        ``lock``: one host read (`_release_read`; on the compiled CPU path, the ids of the
+        rows to write or unpin, when there are any). A failed write leaves the rows in
+        scratch, dirty."""
         if not self.used:
             return
         store = self.slots
-        num_slots = store.num_slots
-        compiled = store.where is not None and store.backend.compiled
-        if compiled:  # the same rows and writes, in two compiled passes
-            done_slots, dirty, dirty_keys = map(torch.from_numpy, native.scratch_done(
-                store.slot_keys.numpy(), store.locks.numpy(), store.batch_of.numpy(),
-                store.dirty.numpy(), num_slots, batch_seq,
-            ))  # fmt: skip
-        else:
-            scratch = slice(num_slots, None)
-            done = (store.slot_keys[scratch] >= 0) & (store.locks[scratch] == 0)
-            done &= store.batch_of[scratch] != batch_seq  # guarded until the next batch
-            done_dirty = done & store.dirty[scratch]
-            n_done, n_dirty = yield Counts([done.sum(), done_dirty.sum()])
-            done_slots = num_slots + first_true(done, n_done)
-            dirty = num_slots + first_true(done_dirty, n_dirty)
-            dirty_keys = store.slot_keys.index_select(0, dirty)
+        if store.where is None or not store.backend.compiled:
+            yield from self._release_read(batch_seq)
+            return
+        # The same rows and writes, in two compiled passes.
+        done_slots, dirty, dirty_keys = map(torch.from_numpy, native.scratch_done(
+            store.slot_keys.numpy(), store.locks.numpy(), store.batch_of.numpy(),
+            store.dirty.numpy(), store.num_slots, batch_seq,
+        ))  # fmt: skip
         if not done_slots.numel():
             return
-        done_keys = None if compiled and not self.pins else (
-            store.slot_keys.index_select(0, done_slots))  # fmt: skip
         if dirty.numel() or self.pins:
             wanted = [dirty_keys]
             if self.pins:
-                assert done_keys is not None  # read whenever rows are pinned
-                wanted.append(done_keys)
+                wanted.append(store.slot_keys.index_select(0, done_slots))
             host = yield ToHost(wanted)
             if dirty.numel():
                 self.write_rows(host[0], dirty)
             if self.pins:
                 store.transfer.unpin(host[1])
-        if compiled:
-            assert store.where is not None
-            native.free_slots(
-                done_slots.numpy(), store.slot_keys.numpy(), store.dirty.numpy(),
-                store.where.numpy(), store.row_offset.numpy(), store.fusion_k,
-            )  # fmt: skip
-        else:
-            assert done_keys is not None  # read off the compiled path
-            store.unindex(done_keys)
-            fill_at(store.slot_keys, done_slots, -1)
-            fill_at(store.dirty, done_slots, False)
+        native.free_slots(
+            done_slots.numpy(), store.slot_keys.numpy(), store.dirty.numpy(),
+            store.where.numpy(), store.row_offset.numpy(), store.fusion_k,
+        )  # fmt: skip
         self.used -= done_slots.numel()
         self.stats.evictions += done_slots.numel()

@@ -75,6 +75,14 @@ class SlotStorage:
     read_slots: torch.Tensor | None = None
 
 
+def unpadded(host: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """A host copy made for the tier, read: ``host`` is int64 ``[2 + k]``, two counts then k
+    ids with -1 where a row is skipped (a padded copy: the counts and the ids in one device
+    read, `ScratchArea._release_read`). Returns the counts and the ids kept, in order. Host
+    tensors only: nothing here reads the device."""
+    return host[:2].tolist(), host[2:][host[2:] >= 0]
+
+
 def take(t: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
     """``t[positions]`` along dim 0 for a slice or int64 positions (moved to ``t``'s device),
     the latter through ``index_select`` (whole rows at once)."""

@@ -28,8 +28,9 @@ WHOLE_TABLE = {"forward": 1, "backward": 0, "step": 1}
 # reads, `SetPlanner._choose_ways_ahead`), then the ids the tier must read and write.
 TENTH = {"forward": 3, "backward": 0, "step": 1}
 # A tenth of 1,000-row tables: sets overflow into the scratch area, which the next resolve
-# releases first (its own number and ids: two reads more).
-TENTH_OVERFLOW = {"forward": 5, "backward": 0, "step": 1}
+# releases first (one read more: its counts and the ids to write in one copy,
+# `ScratchArea._release_read`).
+TENTH_OVERFLOW = {"forward": 4, "backward": 0, "step": 1}
 # Caches of several dims: the per-key counts, read to cut the values between them.
 WHOLE_TABLE_DIMS = {**WHOLE_TABLE, "forward": 2}
 TENTH_DIMS = {**TENTH, "forward": 4}
