@@ -21,7 +21,7 @@ import torch
 
 import embcache.native as native
 from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
-from embcache.cache.policy import EvictionPolicy
+from embcache.cache.policy import EvictionPolicy, orders_padded_misses
 from embcache.cache.scratch import CacheCapacityError, ScratchArea
 from embcache.cache.storage import SlotStore
 from embcache.indexing import add_at, fill_at, put, true_at
@@ -211,7 +211,7 @@ class SetPlanner:
             admitted is None
             and use_triton(slots)
             and type(self.eviction).admit is EvictionPolicy.admit
-            and self.eviction.orders_padding
+            and orders_padded_misses(self.eviction)
         )
 
     def _choose_ways_ahead(

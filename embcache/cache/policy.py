@@ -45,6 +45,18 @@ def main_slots(slots: torch.Tensor, num_slots: int, n_main: int | None) -> torch
         0, first_true(main, n_main))  # fmt: skip
 
 
+def orders_padded_misses(policy: EvictionPolicy) -> bool:
+    """Whether ``policy`` orders a device plan's padded misses (`order_padded_misses`) as its
+    `order_misses` orders misses: both defined by one class, not the base (a subclass that
+    reorders misses but inherits a padded order would place them differently)."""
+
+    def owner(name: str) -> type:
+        return next(c for c in type(policy).__mro__ if name in vars(c))
+
+    found = owner("order_padded_misses")
+    return found is not EvictionPolicy and found is owner("order_misses")
+
+
 class EvictionPolicy(ABC):
     """What varies between policies in a cache's plan (`SetPlanner.plan_sets`).
 
@@ -63,9 +75,6 @@ class EvictionPolicy(ABC):
     # `native.reserve` scores the batch's slots as LRU does: a policy whose scores are
     # something else touches them again after a compiled plan.
     rescores_compiled_plan = False
-    # Whether it has `order_padded_misses`: a device plan of a policy that admits every miss
-    # then orders and places its misses before reading their number (one read fewer).
-    orders_padding = False
 
     def __init__(
         self, counts: LfuCounts | None, config: CacheConfig, backend: Backend, fusion_k: int
@@ -99,7 +108,9 @@ class EvictionPolicy(ABC):
         the misses' positions, ascending, then -1 (padding), and the shuffle is
         ``mix64(id ^ salt)``. Returns the misses' ids (in the order of ``miss_pos``), then
         the positions and sets sorted as `order_misses` sorts them, the padding last with set
-        ``num_sets``. Only a policy that `orders_padding` has it."""
+        ``num_sets``. A policy that overrides it lets a device plan under it (admitting
+        every miss) order and place its misses before reading their number: one read
+        fewer (`orders_padded_misses` says whether it applies)."""
         raise NotImplementedError(f"{type(self).__name__} does not order padded misses")
 
     def admit(
@@ -138,8 +149,6 @@ class EvictionPolicy(ABC):
 
 class LruPolicy(EvictionPolicy):
     """Least recently used: a slot's score is the tick of its last use."""
-
-    orders_padding = True
 
     def order_misses(
         self, ids: torch.Tensor, miss_pos: torch.Tensor, miss_ids: torch.Tensor,

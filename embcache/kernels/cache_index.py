@@ -38,6 +38,16 @@ _ASSIGN_MAX_BLOCK_T = 128
 # ----------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _mix64(x):
+    """splitmix64's finaliser of int64 ``x``, as uint64 (the products wrap, the shifts are
+    logical): bit for bit `hashing.mix64`."""
+    z = x.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
 @triton.jit(do_not_specialize=["n"])  # per-batch values: one variant
 def _set_index_kernel(
     ids_ptr,
@@ -55,11 +65,7 @@ def _set_index_kernel(
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < n
-    b_z = tl.load(ids_ptr + o_n, mask=m_n, other=0).to(tl.uint64, bitcast=True)
-    b_z = b_z + 0x9E3779B97F4A7C15
-    b_z = (b_z ^ (b_z >> 30)) * 0xBF58476D1CE4E5B9
-    b_z = (b_z ^ (b_z >> 27)) * 0x94D049BB133111EB
-    b_z = b_z ^ (b_z >> 31)
+    b_z = _mix64(tl.load(ids_ptr + o_n, mask=m_n, other=0).to(tl.int64))
     b_set = (b_z & 0x7FFFFFFFFFFFFFFF).to(tl.int64, bitcast=True) % num_sets
     tl.store(sets_ptr + o_n, b_set, mask=m_n)
 
@@ -181,11 +187,7 @@ def _salted_mix64_kernel(ids_ptr, out_ptr, n, salt: tl.int64, BLOCK_N: tl.conste
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < n
-    b_x = tl.load(ids_ptr + o_n, mask=m_n, other=0).to(tl.int64) ^ salt
-    b_z = b_x.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
-    b_z = (b_z ^ (b_z >> 30)) * 0xBF58476D1CE4E5B9
-    b_z = (b_z ^ (b_z >> 27)) * 0x94D049BB133111EB
-    b_z = b_z ^ (b_z >> 31)
+    b_z = _mix64(tl.load(ids_ptr + o_n, mask=m_n, other=0).to(tl.int64) ^ salt)
     tl.store(out_ptr + o_n, b_z.to(tl.int64, bitcast=True), mask=m_n)
 
 
@@ -209,17 +211,9 @@ def _miss_keys_kernel(
     m_n = o_n < n
     b_pos = tl.load(pos_ptr + o_n, mask=m_n, other=-1)
     b_id = tl.load(ids_ptr + tl.maximum(b_pos, 0), mask=m_n, other=0)
-    b_z = b_id.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
-    b_z = (b_z ^ (b_z >> 30)) * 0xBF58476D1CE4E5B9
-    b_z = (b_z ^ (b_z >> 27)) * 0x94D049BB133111EB
-    b_z = b_z ^ (b_z >> 31)
-    b_set = (b_z & 0x7FFFFFFFFFFFFFFF).to(tl.int64, bitcast=True) % num_sets
+    b_set = (_mix64(b_id) & 0x7FFFFFFFFFFFFFFF).to(tl.int64, bitcast=True) % num_sets
     b_set = tl.where(b_pos < 0, num_sets, b_set)
-    b_s = (b_id ^ salt).to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
-    b_s = (b_s ^ (b_s >> 30)) * 0xBF58476D1CE4E5B9
-    b_s = (b_s ^ (b_s >> 27)) * 0x94D049BB133111EB
-    b_s = b_s ^ (b_s >> 31)
-    b_key = (b_s.to(tl.int64, bitcast=True) & 0xFFFFF) + (b_set << 20)
+    b_key = (_mix64(b_id ^ salt).to(tl.int64, bitcast=True) & 0xFFFFF) + (b_set << 20)
     tl.store(miss_ids_ptr + o_n, b_id, mask=m_n)
     tl.store(sets_ptr + o_n, b_set, mask=m_n)
     tl.store(key_ptr + o_n, b_key, mask=m_n)

@@ -141,3 +141,22 @@ def test_register_policy_refuses_a_taken_or_malformed_name(mru: str) -> None:
     config = CacheConfig(policy="dict")  # a registered name: its class is checked at build
     with pytest.raises(TypeError, match="not an EvictionPolicy"):
         make_policy(config.policy, None, config, for_device("cpu"), 20)
+
+
+def test_only_a_policy_whose_padded_order_matches_its_order_plans_ahead() -> None:
+    """A device plan orders padded misses (`order_padded_misses`) only for a policy whose
+    `order_misses` comes from the same class: LRU yes; the base, LFU and a policy of its own
+    order no; a subclass of LRU that reorders misses but inherits the padded order no."""
+    from embcache.cache.policy import LfuPolicy, LruPolicy, orders_padded_misses
+
+    class Reordered(LruPolicy):
+        def order_misses(self, ids, miss_pos, miss_ids, shuffle, num_sets):  # type: ignore[no-untyped-def]
+            return super().order_misses(ids, miss_pos, miss_ids, -shuffle, num_sets)
+
+    def bare(cls: type) -> EvictionPolicy:
+        return cls.__new__(cls)  # the answer depends on the class only
+
+    assert orders_padded_misses(bare(LruPolicy))
+    assert not orders_padded_misses(bare(LfuPolicy))
+    assert not orders_padded_misses(bare(MruPolicy))
+    assert not orders_padded_misses(bare(Reordered))
