@@ -238,6 +238,36 @@ def run_checks(p: Preflight) -> None:
 
     p.check("dedup_together (one read)", together_check)
 
+    # Several caches deduplicated in one sort (`engine.joint`): the batch's features split
+    # into two groups (caches), each taking its features in another order than the batch's;
+    # the Triton route (`sort_and_mark`, one read, `scatter_joint`) against the torch spec.
+    from embcache.kernels.ids import sort_and_mark
+    from embcache.kernels.joint_ids import plan, scatter_joint, scatter_joint_ref
+
+    per_key = b.feature_lengths.tolist()
+    group_keys = [list(range(0, b.num_features, 2))[::-1], list(range(1, b.num_features, 2))]
+    tag_shift = b.fusion_k + b.num_features.bit_length()
+    group_of = torch.tensor([k % 2 for k in range(b.num_features)])
+    tagged = fused | (group_of.repeat_interleave(b.feature_lengths) << tag_shift)
+    group_start = torch.tensor([1 << tag_shift])
+
+    def joint_check() -> float:
+        os.environ["EMBCACHE_BACKEND"] = "triton"
+        marked = sort_and_mark(p.dev(tagged), p.dev(group_start), None)
+        read = marked.read.tolist()
+        where = plan(per_key, group_keys, read[1:], read[0])
+        got = scatter_joint(marked.ordered, marked.order, marked.is_start, marked.seen, where,
+                            tag_shift, p.dev(b.weights))  # fmt: skip
+        p.sync()
+        want = scatter_joint_ref(tagged, where, tag_shift, b.weights)
+        names = ("unique", "inverse", "order", "starts", "weights")
+        for g in range(len(group_keys)):
+            for name, x, y in zip(names, got.group(where, g), want.group(where, g), strict=True):
+                check_equal(f"dedup_joint group {g} {name}", x, y)
+        return 0.0
+
+    p.check("dedup_joint (caches in one sort)", joint_check)
+
     # Pooling: the batch's unique ids sit in shuffled cache slots of rows [weights | state].
     u = unique_ids.numel()
     cache_rows = torch.randn(u + 7, dim + 2, generator=gen)

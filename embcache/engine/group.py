@@ -54,12 +54,14 @@ from embcache.engine.batch_state import (
 from embcache.engine.claim import StepClaim
 from embcache.engine.engine import CacheEngine, Deduped, dedup_together
 from embcache.engine.inputs import JaggedBatch
+from embcache.engine.joint import JointLayout, dedup_joint
 from embcache.engine.layout import CacheLayout, bounds_together
 from embcache.engine.optimizer import AttachedOptimizer, DeviceCheck, StepOptimizer
 from embcache.engine.options import CollectionOptions
 from embcache.engine.prefetch import Prefetcher
 from embcache.engine.tables import Table
 from embcache.engine.tbe_step import PendingUpdate, TbeStep
+from embcache.kernels.backend import use_triton
 from embcache.kernels.ids import IdVerdict, fuse_ids_deferred
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
@@ -152,6 +154,8 @@ class EngineGroup:
         self._joined: dict[
             tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor, list[str]]
         ] = {}
+        # `_joint_layout`, by key order and device (None: the joint dedup does not apply)
+        self._joint: dict[tuple[tuple[str, ...], torch.device], JointLayout | None] = {}
         self._entries: list[TraceEntry] = []
         self._pending: list[PendingUpdate] = []  # TBE step updates not yet applied
         self.inflight: list[InFlight] = []
@@ -356,8 +360,30 @@ class EngineGroup:
     def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
         """Every engine's share of a checked batch; every id is validated (fused) before any
         cache changes, and a failing resolve leaves nothing locked."""
+        joint = self._joint_layout(batch)
+        if joint is not None:  # every cache on the device path: one dedup for all
+            joint_shares, found = dedup_joint(joint, batch, self.fusion_k, self.device)
+            return self.prepare_fused(list(joint_shares), lock, found=found)
         shares, verdict = self._check(batch, lock, defer=True)
         return self.prepare_fused(shares, lock, verdict=verdict)
+
+    def _joint_layout(self, batch: JaggedBatch) -> JointLayout | None:
+        """The `JointLayout` of ``batch``'s keys when `dedup_joint` applies: every cache's
+        share is a plain dedup on the device path, the batch is on the caches' device, and
+        cutting it would cost a read (several caches, or keys in another order)."""
+        keys = batch.keys()
+        if not all(e.cache.device_path and e.tbe_step is None for e in self.engines):
+            return None
+        if len(self.engines) == 1 and keys == self.engines[0].layout.features:
+            return None  # nothing to cut: `_fuse_together` reads nothing more
+        values = batch.values()
+        if values.device != self.device or not use_triton(values):
+            return None
+        key = (tuple(keys), self.device)
+        if key not in self._joint:
+            layouts = [e.layout for e in self.engines]
+            self._joint[key] = JointLayout.of(layouts, keys, self.device, self.fusion_k)
+        return self._joint[key]
 
     def check(self, batch: JaggedBatch, lock: bool) -> list[Prepared | CheckedShare]:
         """Every engine's share of a checked batch, validated and not yet resolved: the fused
@@ -687,13 +713,15 @@ class EngineGroup:
         lock: bool,
         defer_writeback: bool = False,
         verdict: IdVerdict | None = None,
+        found: list[Deduped] | None = None,
     ) -> list[Prepared]:
         """`prepare` after `check` (every id validated, or with ``verdict``, the id checks of
         the shares made and not yet read: they are read with the dedup's read and judged
         before any cache changes): dedup and resolve each engine's share, or serve a direct
         one; a failing resolve leaves nothing locked. ``defer_writeback``: each cache's
         victims are written by `write_deferred` (or the cache's next tier access), not before
-        this returns (`HotCache.resolve`)."""
+        this returns (`HotCache.resolve`). ``found``: every share already deduplicated
+        (`dedup_joint`), one per engine."""
         # Plain dedups at once: one host read for all (`dedup_together`), with the tables'
         # bounds of their unique ids (for the backward) and the id checks; a single one too
         # where that saves a read (the device path, or a cache of several tables).
@@ -714,16 +742,18 @@ class EngineGroup:
             (share,) = shares
             if isinstance(share, Prepared) and share.direct is not None:
                 return [self.engines[0].serve_direct(share)]
-        found: dict[int, Deduped] = {}
-        if together:
+        deduped: dict[int, Deduped] = {}
+        if found is not None:
+            deduped = dict(enumerate(found))
+        elif together:
             starts = [self.engines[i].layout.fused_starts(v.device, self.fusion_k)
                       for i, v in plain.items()]  # fmt: skip
-            deduped, flags = dedup_together(
+            deduped_list, flags = dedup_together(
                 list(plain.values()), starts, None if verdict is None else verdict.flags
             )
             if verdict is not None:
                 verdict.judge(flags)
-            found = dict(zip(plain, deduped, strict=True))
+            deduped = dict(zip(plain, deduped_list, strict=True))
         # The caches resolve together (`resolve_together`: each phase's host reads made once
         # for all of them); direct shares are served first.
         out: list[Prepared | None] = [None] * len(self.engines)
@@ -736,7 +766,7 @@ class EngineGroup:
                     todo.append((i, share, defer_writeback))
                 else:
                     fused, lengths, weights, cuts = share
-                    p = engine.dedup(fused, lengths, weights, cuts, found=found.get(i))
+                    p = engine.dedup(fused, lengths, weights, cuts, found=deduped.get(i))
                     todo.append((i, p, False))  # as `CacheEngine.prepare`
             if todo:
                 unique = []

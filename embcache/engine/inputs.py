@@ -177,6 +177,13 @@ class JaggedBatch:
             self._per_key = _read_lengths(self._values, self._lengths, len(self._keys))
             self._lengths_pending = False
 
+    def lengths_checked(self, per_key: list[int]) -> None:
+        """The pending checks were made on the device and passed, and ``per_key`` (values per
+        key) came with their read (a collection's joint dedup, `engine.joint`): nothing is
+        left to read."""
+        self._per_key = list(per_key)
+        self._lengths_pending = False
+
     def offset_per_key(self) -> list[int]:
         out = [0]
         for n in self.length_per_key():

@@ -304,60 +304,101 @@ class Deduped:
     segment_starts: torch.Tensor | None = None  # int64 [U + 1]
 
 
+@dataclass
+class Marked:
+    """Ids sorted and their runs marked (`sort_and_mark`), their sizes not yet read: the sorted
+    ids and where each came from (``order``, a stable sort), run starts (int32 ``[n]``), the
+    running count of runs (``seen``, int64 ``[n]``, inclusive), and ``read``, the device buffer
+    that one host read brings back (``[0]`` the number of runs, ``[1 + t]`` the runs below
+    ``starts[t]``, then ``extra``)."""
+
+    ordered: torch.Tensor
+    order: torch.Tensor
+    is_start: torch.Tensor
+    seen: torch.Tensor
+    read: torch.Tensor
+
+
+def sort_and_mark(
+    ids: torch.Tensor,
+    starts: torch.Tensor | None,
+    extra: torch.Tensor | None,
+    read: torch.Tensor | None = None,
+) -> Marked:
+    """A stable sort of ``ids`` (int64 ``[n]``), one kernel marking its runs and adding up
+    the runs below each of ``starts`` (int64, ascending: a table's first fused id) into
+    ``read`` (zeroed here, or given: a slice of a buffer the caller reads whole), which also
+    receives a copy of ``extra`` (int64) after those counts; and the runs' running count."""
+    device = ids.device
+    n = ids.numel()
+    num_starts = 0 if starts is None else starts.numel()
+    num_extra = 0 if extra is None else extra.numel()
+    if read is None:
+        read = torch.zeros(1 + num_starts + num_extra, dtype=torch.int64, device=device)
+    ordered, order = torch.sort(ids.to(torch.int64), stable=True)
+    is_start = torch.empty(n, dtype=torch.int32, device=device)
+    _dedup_mark_kernel[_grid(n)](
+        ordered,
+        is_start,
+        starts if starts is not None else read,
+        extra.to(torch.int64) if extra is not None else read,
+        read,
+        read[1 + num_starts :] if num_extra else read,
+        n,
+        num_starts,
+        num_extra,
+        BLOCK_N=_BLOCK_N,
+    )
+    seen = torch.cumsum(is_start, 0, dtype=torch.int64)  # [n]
+    return Marked(ordered, order, is_start, seen, read)
+
+
 def dedup_together_triton(
     ids: list[torch.Tensor],
     table_starts: Sequence[torch.Tensor | None] | None = None,
     also_read: torch.Tensor | None = None,
 ) -> tuple[list[Deduped], list[int]]:
-    """`dedup_together` on the device path: per cache a stable sort, one kernel marking its
-    runs and adding up the sizes the host needs (`_dedup_mark_kernel`), their running count,
-    and after the one read, one kernel writing the unique ids, the inverse and the runs'
-    starts (`_dedup_scatter_kernel`): four launches a cache, plus one zeroed buffer that the
-    read brings back whole (sizes, table bounds and ``also_read``, copied in by the first
-    mark)."""
+    """`dedup_together` on the device path: per cache `sort_and_mark` (a stable sort, one
+    kernel marking its runs and adding up the sizes the host needs, their running count), and
+    after the one read, one kernel writing the unique ids, the inverse and the runs' starts
+    (`_dedup_scatter_kernel`): four launches a cache, plus one zeroed buffer that the read
+    brings back whole (each cache's sizes and table bounds, ``also_read`` after the first's,
+    copied in by its mark)."""
     device = ids[0].device
     tables = [0 if ts is None else ts.numel() for ts in (table_starts or [None] * len(ids))]
     extra = 0 if also_read is None else also_read.numel()
     read = torch.zeros(sum(tables) + len(ids) + extra, dtype=torch.int64, device=device)
     runs, at = [], 0
     for i, x in enumerate(ids):
-        n = x.numel()
-        ordered, order = torch.sort(x.to(torch.int64), stable=True)
-        is_start = torch.empty(n, dtype=torch.int32, device=device)
         first = table_starts[i] if table_starts is not None else None
-        copy = i == 0 and also_read is not None
-        _dedup_mark_kernel[_grid(n)](
-            ordered,
-            is_start,
-            first if first is not None else read,
-            also_read.to(torch.int64) if also_read is not None and copy else read,
-            read[at:],
-            read[len(read) - extra :] if copy else read,
-            n,
-            tables[i],
-            extra if copy else 0,
-            BLOCK_N=_BLOCK_N,
-        )
-        seen = torch.cumsum(is_start, 0, dtype=torch.int64)  # [n]
-        runs.append((ordered, order, is_start, seen, tables[i]))
-        at += 1 + tables[i]
+        size = 1 + tables[i] + (extra if i == 0 else 0)
+        copy = also_read if i == 0 else None
+        runs.append((sort_and_mark(x, first, copy, read[at : at + size]), at, tables[i]))
+        at += size
     values = read.tolist()  # the one host read
-    out, at = [], 0
-    for ordered, order, is_start, seen, num_tables in runs:
-        num_unique, n = values[at], ordered.numel()
+    out = []
+    for marked, at, num_tables in runs:
+        num_unique, n = values[at], marked.ordered.numel()
         bounds = [*values[at + 1 : at + 1 + num_tables], num_unique] if num_tables else None
-        at += 1 + num_tables
         unique = torch.empty(num_unique, dtype=torch.int64, device=device)
         inverse = torch.empty(n, dtype=torch.int64, device=device)
         starts = torch.empty(num_unique + 1, dtype=torch.int64, device=device)
         if n:
             _dedup_scatter_kernel[_grid(n)](
-                ordered, order, is_start, seen, unique, inverse, starts, n, BLOCK_N=_BLOCK_N
+                marked.ordered,
+                marked.order,
+                marked.is_start,
+                marked.seen,
+                unique,
+                inverse,
+                starts,
+                n,
+                BLOCK_N=_BLOCK_N,
             )
         else:
             starts.zero_()
-        out.append(Deduped(unique, inverse, bounds, order, starts))
-    return out, values[at:]
+        out.append(Deduped(unique, inverse, bounds, marked.order, starts))
+    return out, values[1 + tables[0] : 1 + tables[0] + extra] if ids else []
 
 
 # ----------------------------------------------------------------------------------------------

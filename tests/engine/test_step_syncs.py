@@ -8,9 +8,10 @@ and the unlocks' lock check together (`EngineGroup.apply`); the backward reads n
 cache's table bounds came with the forward's dedup read, `dedup_together`); the forward reads,
 in one read, every cache's number of unique ids, their table bounds and the id checks of
 `fuse_ids_deferred`, with the batch's length checks folded in (`checked_batch` with
-``read_lengths=False``). Several caches (distinct dims) read the batch's per-key counts first,
-to cut the values between them. A resolve with misses adds its own reads (`cache.lockstep`),
-the same for any number of caches.
+``read_lengths=False``). Several caches (distinct dims) are deduplicated together
+(`engine.joint`): the same read brings the batch's per-key counts, which cut the values between
+them. A resolve with misses adds its own reads (`cache.lockstep`), the same for any number of
+caches.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ TENTH = {"forward": 3, "backward": 0, "step": 1}
 # releases first (one read more: its counts and the ids to write in one copy,
 # `ScratchArea._release_read`).
 TENTH_OVERFLOW = {"forward": 4, "backward": 0, "step": 1}
-# Caches of several dims: the per-key counts, read to cut the values between them.
-WHOLE_TABLE_DIMS = {**WHOLE_TABLE, "forward": 2}
-TENTH_DIMS = {**TENTH, "forward": 4}
 
 
 def _counts(num_tables: int, num_dims: int, load_factor: float, rows: int = 1000) -> dict[str, int]:
@@ -60,10 +58,10 @@ def _counts(num_tables: int, num_dims: int, load_factor: float, rows: int = 1000
     [
         pytest.param(2, 1, 1.0, 1000, WHOLE_TABLE, id="2x1-whole"),
         pytest.param(8, 1, 1.0, 1000, WHOLE_TABLE, id="8x1-whole"),
-        pytest.param(6, 3, 1.0, 1000, WHOLE_TABLE_DIMS, id="6x3-whole"),
+        pytest.param(6, 3, 1.0, 1000, WHOLE_TABLE, id="6x3-whole"),
         pytest.param(2, 1, 0.1, 10_000, TENTH, id="2x1-10pct"),
         pytest.param(8, 1, 0.1, 10_000, TENTH, id="8x1-10pct"),
-        pytest.param(6, 3, 0.1, 10_000, TENTH_DIMS, id="6x3-10pct"),
+        pytest.param(6, 3, 0.1, 10_000, TENTH, id="6x3-10pct"),
         pytest.param(2, 1, 0.1, 1000, TENTH_OVERFLOW, id="2x1-10pct-overflow"),
     ],
 )
@@ -75,7 +73,7 @@ def test_device_path_syncs_per_step(
     rows: int,
     expected: dict[str, int],
 ) -> None:
-    """Exact counts, flat in the tables (and in the dims past the first)."""
+    """Exact counts, flat in the tables and the dims."""
     monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
     assert _counts(num_tables, num_dims, load_factor, rows) == expected
 
