@@ -42,7 +42,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from embcache.cache.config import CacheConfig
-from embcache.cache.hot_cache import HotCache, resolve_together, unlock_together
+from embcache.cache.hot_cache import HotCache, unlock_together
 from embcache.cache.locks import check_floors, lock_floors
 from embcache.engine.batch_state import (
     FusedPrefetchHandle,
@@ -52,24 +52,16 @@ from embcache.engine.batch_state import (
     TraceEntry,
 )
 from embcache.engine.claim import StepClaim
-from embcache.engine.engine import CacheEngine, Deduped, dedup_together
+from embcache.engine.engine import CacheEngine
 from embcache.engine.inputs import JaggedBatch
-from embcache.engine.joint import JointLayout, dedup_joint
 from embcache.engine.layout import CacheLayout, bounds_together
 from embcache.engine.optimizer import AttachedOptimizer, DeviceCheck, StepOptimizer
 from embcache.engine.options import CollectionOptions
 from embcache.engine.prefetch import Prefetcher
+from embcache.engine.shares import CheckedShare, ShareMaker
 from embcache.engine.tables import Table
 from embcache.engine.tbe_step import PendingUpdate, TbeStep
-from embcache.kernels.backend import use_triton
-from embcache.kernels.ids import IdVerdict, fuse_ids_deferred
 from embcache.kv.base import Store, TableSpec
-from embcache.profiling import profiled
-
-# An engine's share of a batch checked and fused, not yet deduplicated (`EngineGroup.check`):
-# its fused ids, bag lengths and weights (`CacheEngine.fuse`), and its `Prepared.cuts`.
-CheckedShare = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int] | None]
-
 
 _EXACT_IN_FLOAT32 = (torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
@@ -150,12 +142,7 @@ class EngineGroup:
         # Each engine's table names (the step counts' keys), and joined (a gradient's name).
         self._names = [[t.name for t in e.layout.tables] for e in self.engines]
         self._joined_names = [", ".join(names) for names in self._names]
-        # `_fuse_tables`, by engines and device
-        self._joined: dict[
-            tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor, list[str]]
-        ] = {}
-        # `_joint_layout`, by key order and device (None: the joint dedup does not apply)
-        self._joint: dict[tuple[tuple[str, ...], torch.device], JointLayout | None] = {}
+        self.shares = ShareMaker(self.engines, fusion_k, device)
         self._entries: list[TraceEntry] = []
         self._pending: list[PendingUpdate] = []  # TBE step updates not yet applied
         self.inflight: list[InFlight] = []
@@ -205,7 +192,7 @@ class EngineGroup:
     def checks_lengths_late(self) -> bool:
         """Whether a forward's batch may leave its lengths' checks pending
         (`checked_batch(read_lengths=False)`): every engine fuses on the device path, where
-        `_fuse_together` folds those checks into the ids' own, read with the dedup's."""
+        `ShareMaker._fuse_together` folds those checks into the ids' own, read with the dedup's."""
         return all(e.cache.device_path and e.tbe_step is None for e in self.engines)
 
     @property
@@ -358,154 +345,13 @@ class EngineGroup:
         self.release_claim_if_idle()
 
     def prepare(self, batch: JaggedBatch, lock: bool) -> list[Prepared]:
-        """Every engine's share of a checked batch; every id is validated (fused) before any
-        cache changes, and a failing resolve leaves nothing locked."""
-        joint = self._joint_layout(batch)
-        if joint is not None:  # every cache on the device path: one dedup for all
-            joint_shares, found = dedup_joint(joint, batch, self.fusion_k, self.device)
-            return self.prepare_fused(list(joint_shares), lock, found=found)
-        shares, verdict = self._check(batch, lock, defer=True)
-        return self.prepare_fused(shares, lock, verdict=verdict)
-
-    def _joint_layout(self, batch: JaggedBatch) -> JointLayout | None:
-        """The `JointLayout` of ``batch``'s keys when `dedup_joint` applies: every cache's
-        share is a plain dedup on the device path, the batch is on the caches' device, and
-        cutting it would cost a read (several caches, or keys in another order)."""
-        keys = batch.keys()
-        if not all(e.cache.device_path and e.tbe_step is None for e in self.engines):
-            return None
-        if len(self.engines) == 1 and keys == self.engines[0].layout.features:
-            return None  # nothing to cut: `_fuse_together` reads nothing more
-        values = batch.values()
-        if values.device != self.device or not use_triton(values):
-            return None
-        key = (tuple(keys), self.device)
-        if key not in self._joint:
-            layouts = [e.layout for e in self.engines]
-            self._joint[key] = JointLayout.of(layouts, keys, self.device, self.fusion_k)
-        return self._joint[key]
+        """Every engine's share of a checked batch (`ShareMaker.prepare`)."""
+        return self.shares.prepare(batch, lock)
 
     def check(self, batch: JaggedBatch, lock: bool) -> list[Prepared | CheckedShare]:
-        """Every engine's share of a checked batch, validated and not yet resolved: the fused
-        ids, lengths and weights (`CacheEngine.fuse`); for a training batch of a direct-mapped
-        cache on the TBE step, a share that skips dedup and resolve
-        (`CacheEngine.direct_share`); for a cache on that step that indexes its rows, the
-        share checked and deduplicated in one pass (`CacheEngine.unique_share`). A bad id
-        raises here, before any cache changes."""
-        return self._check(batch, lock, defer=False)[0]
-
-    def _check(
-        self, batch: JaggedBatch, lock: bool, defer: bool
-    ) -> tuple[list[Prepared | CheckedShare], IdVerdict | None]:
-        """`check`; with ``defer``, the id checks of the shares that `fuse_ids` makes are
-        returned unread (`IdVerdict`), for `prepare_fused` to read with its dedup's read and
-        judge before any cache changes."""
-        shares: list[Prepared | None] = []
-        for engine in self.engines:
-            share = engine.direct_share(batch) if lock else None
-            if share is None:  # checked and deduplicated at once where that applies
-                share = engine.unique_share(batch)
-            shares.append(share)
-        todo = [i for i, share in enumerate(shares) if share is None]
-        # One engine or several: the same host reads (and the bags' cut points).
-        checked: dict[int, CheckedShare] = {}
-        verdict = None
-        if todo:
-            fused, verdict = self._fuse_together(todo, batch)
-            checked = dict(zip(todo, fused, strict=True))
-            if verdict is not None and not defer:
-                verdict.verify()
-                verdict = None
-        return [checked[i] if share is None else share for i, share in enumerate(shares)], verdict
-
-    @profiled("engine.fuse")
-    def _fuse_together(
-        self, todo: list[int], batch: JaggedBatch
-    ) -> tuple[list[CheckedShare], IdVerdict | None]:
-        """What `CacheEngine.fuse` gives each engine of ``todo``, and its `Prepared.cuts`,
-        made in one pass over their features together: one `fuse_ids_deferred` (its checks
-        returned unread, to read once for all caches) and the batch's values per key (read
-        by its check), which group the features in the engines' order and say where each
-        engine's values end and where its lookups start."""
-        engines = [self.engines[i] for i in todo]
-        features = [f for e in engines for f in e.layout.features]
-        keys, b = batch.keys(), batch.stride()
-        values, lengths = batch.values(), batch.lengths()
-        weights = batch.weights_or_none()
-        # The counts per key cut the values between engines, into an engine's lookups and
-        # into the engines' feature order; a batch with its lengths still unchecked that
-        # needs no cut keeps its checks on the device, read with the ids' (`IdVerdict.first`).
-        late = batch.lengths_pending and not (
-            keys != features or len(engines) > 1 or len(engines[0].layout.lookups) > 1
-        )
-        per_key = [] if late else batch.length_per_key()
-        starts = [0]
-        for n in per_key:
-            starts.append(starts[-1] + n)
-        pos = {k: i for i, k in enumerate(keys)}
-        order = [pos[f] for f in features]
-        if keys != features:  # as `group_inputs` does, from the counts read above
-            values = torch.cat([values[starts[i] : starts[i + 1]] for i in order])
-            lengths = torch.cat([lengths[i * b : (i + 1) * b] for i in order])
-            if weights is not None:
-                weights = torch.cat([weights[starts[i] : starts[i + 1]] for i in order])
-        table_index, table_rows, names = self._fuse_tables(todo, values.device)
-        per_feature = lengths.view(len(features), -1).sum(dim=1)
-        if late:  # a negative bag makes its feature's count negative: the ids' check sees it
-            negative = lengths.view(len(features), -1).amin(dim=1) < 0
-            per_feature = per_feature.masked_fill_(negative, -1)
-        fused, verdict = fuse_ids_deferred(
-            values, per_feature, table_index, table_rows, self.fusion_k, features, names
-        )
-        if late:
-            if verdict is None:
-                batch.check_lengths()
-            else:
-                verdict.first = batch.check_lengths
-        cut = [0]
-        f = 0
-        for e in engines:
-            nf = len(e.layout.features)
-            cut.append(
-                values.numel() if late else cut[-1] + sum(per_key[i] for i in order[f : f + nf])
-            )
-            f += nf
-        fused = fused.to(self.device)
-        lengths = lengths.to(self.device)
-        if weights is not None:
-            weights = weights.to(self.device, torch.float32)
-        out = []
-        f = 0
-        for e, lo, hi in zip(engines, cut, cut[1:], strict=False):
-            nf = len(e.layout.features)
-            out.append(
-                (
-                    fused[lo:hi],
-                    lengths[f * b : (f + nf) * b],
-                    None if weights is None else weights[lo:hi],
-                    None if late else e.layout.value_cuts([per_key[i] for i in order[f : f + nf]]),
-                )
-            )
-            f += nf
-        return out, verdict
-
-    def _fuse_tables(
-        self, todo: list[int], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """The engines' `CacheLayout.indexes` joined and their table names: made once per set
-        of engines and device."""
-        key = (tuple(todo), device)
-        found = self._joined.get(key)
-        if found is None:
-            layouts = [self.engines[i].layout for i in todo]
-            pairs = [layout.indexes(device) for layout in layouts]
-            found = (
-                torch.cat([p[0] for p in pairs]),
-                torch.cat([p[1] for p in pairs]),
-                [n for layout in layouts for n in layout.table_names],
-            )
-            self._joined[key] = found
-        return found
+        """Every engine's share of a checked batch, validated and not yet resolved
+        (`ShareMaker.check`)."""
+        return self.shares.check(batch, lock)
 
     def start(self, prepared: list[Prepared]) -> InFlight:
         """Record a training forward's shares as a batch in flight (of the claimed step)."""
@@ -712,89 +558,13 @@ class EngineGroup:
         shares: list[Prepared | CheckedShare],
         lock: bool,
         defer_writeback: bool = False,
-        verdict: IdVerdict | None = None,
-        found: list[Deduped] | None = None,
     ) -> list[Prepared]:
-        """`prepare` after `check` (every id validated, or with ``verdict``, the id checks of
-        the shares made and not yet read: they are read with the dedup's read and judged
-        before any cache changes): dedup and resolve each engine's share, or serve a direct
-        one; a failing resolve leaves nothing locked. ``defer_writeback``: each cache's
-        victims are written by `write_deferred` (or the cache's next tier access), not before
-        this returns (`HotCache.resolve`). ``found``: every share already deduplicated
-        (`dedup_joint`), one per engine."""
-        # Plain dedups at once: one host read for all (`dedup_together`), with the tables'
-        # bounds of their unique ids (for the backward) and the id checks; a single one too
-        # where that saves a read (the device path, or a cache of several tables).
-        plain = {
-            i: share[0]
-            for i, (engine, share) in enumerate(zip(self.engines, shares, strict=True))
-            if not isinstance(share, Prepared) and engine.plain_dedup(share[0], share[2])
-        }
-        together = len(plain) > 1 or any(
-            self.engines[i].cache.device_path or len(self.engines[i].layout.tables) > 1
-            for i in plain
-        )
-        checked = sum(not isinstance(share, Prepared) for share in shares)
-        if verdict is not None and not (together and len(plain) == checked):
-            verdict.verify()  # before any other dedup or direct share sees the ids
-            verdict = None
-        if len(shares) == 1:  # one direct share (a whole table on a CPU): nothing to join
-            (share,) = shares
-            if isinstance(share, Prepared) and share.direct is not None:
-                return [self.engines[0].serve_direct(share)]
-        deduped: dict[int, Deduped] = {}
-        if found is not None:
-            deduped = dict(enumerate(found))
-        elif together:
-            starts = [self.engines[i].layout.fused_starts(v.device, self.fusion_k)
-                      for i, v in plain.items()]  # fmt: skip
-            deduped_list, flags = dedup_together(
-                list(plain.values()), starts, None if verdict is None else verdict.flags
-            )
-            if verdict is not None:
-                verdict.judge(flags)
-            deduped = dict(zip(plain, deduped_list, strict=True))
-        # The caches resolve together (`resolve_together`: each phase's host reads made once
-        # for all of them); direct shares are served first.
-        out: list[Prepared | None] = [None] * len(self.engines)
-        todo: list[tuple[int, Prepared, bool]] = []
-        try:
-            for i, (engine, share) in enumerate(zip(self.engines, shares, strict=True)):
-                if isinstance(share, Prepared) and share.direct is not None:
-                    out[i] = engine.serve_direct(share)
-                elif isinstance(share, Prepared):
-                    todo.append((i, share, defer_writeback))
-                else:
-                    fused, lengths, weights, cuts = share
-                    p = engine.dedup(fused, lengths, weights, cuts, found=deduped.get(i))
-                    todo.append((i, p, False))  # as `CacheEngine.prepare`
-            if todo:
-                unique = []
-                for _, p, _ in todo:
-                    assert p.unique is not None  # deduplicated (`dedup`, `unique_share`)
-                    unique.append(p.unique)
-                slots = resolve_together(
-                    [self.engines[i].cache for i, _, _ in todo],
-                    unique,
-                    lock,
-                    defer_writeback=[d for _, _, d in todo],
-                    checked=True,
-                )
-                for (i, p, _), s in zip(todo, slots, strict=True):
-                    p.slots, p.locked = s, lock
-                    out[i] = p
-        except BaseException:
-            self.release_shares(out)
-            raise
-        done = [p for p in out if p is not None]
-        assert len(done) == len(out)  # every engine's share was filled
-        return done
+        """`prepare` after `check` (`ShareMaker.prepare_fused`)."""
+        return self.shares.prepare_fused(shares, lock, defer_writeback)
 
     def release_shares(self, prepared: list[Prepared | None]) -> None:
         """Unlock the shares of a batch that will not run (a prefetch released unused)."""
-        for engine, p in zip(self.engines, prepared, strict=False):
-            if p is not None:
-                engine.release(p)
+        self.shares.release_shares(prepared)
 
     def prefetch(
         self, owner_id: int, batch: JaggedBatch, source: object = None

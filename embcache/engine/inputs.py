@@ -330,7 +330,7 @@ def checked_batch(
     negative, their sum the number of values) are left pending on the batch returned
     (`JaggedBatch.check_lengths`): its first `length_per_key` makes them, and a caller that
     needs no counts folds them into a device check it reads anyway (the device path's fuse,
-    `EngineGroup._fuse_together`), so the check costs no host sync of its own."""
+    `ShareMaker._fuse_together`), so the check costs no host sync of its own."""
     keys = batch.keys()
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})

@@ -12,7 +12,7 @@ writes each cache's unique ids, inverse, grouping and per-sample weights apart.
 
 `JointLayout.of` says when this applies (the caches' shares are plain dedups on the device
 path, the batch's keys are the collection's features, and the tag fits above the fused ids);
-`dedup_joint` runs it and gives what `EngineGroup.prepare_fused` takes.
+`dedup_joint` runs it and gives what `ShareMaker.prepare_fused` takes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from embcache.engine.layout import CacheLayout
 from embcache.kernels.ids import Deduped, fuse_ids_deferred, sort_and_mark
 from embcache.kernels.joint_ids import plan, scatter_joint
 
-# A cache's share as `EngineGroup.prepare_fused` takes it: ids (here its unique ids, already
+# A cache's share as `ShareMaker.prepare_fused` takes it: ids (here its unique ids, already
 # deduplicated), bag lengths, per-sample weights and `Prepared.cuts`.
 JointShare = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int] | None]
 

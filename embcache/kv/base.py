@@ -12,8 +12,18 @@ alone: the value a row starts with never depends on the order in which rows are 
 
 A table may be bounded (`TableSpec.capacity`): the tier then keeps at most that many rows and,
 to make room, evicts the rows of lowest score (`ScorePolicy`) that no reader has pinned
-(`Store.get` with ``pin=True``, released by `Store.unpin`). An evicted row is gone: touched
-again, it is created from its initialiser as a new id would be.
+(`Store.get` with ``pin=True``, a count per row, released by `Store.unpin`). An evicted row is
+gone: touched again, it is created from its initialiser as a new id would be. The device cache
+pins the rows it holds, so a row that is resident, dirty or locked by a batch is never dropped
+underneath it. Tiers that bound no table ignore pins.
+
+Which rows exist matters for checkpoints: `Store.export_rows` lists only them, so whole-table
+reads (``state_dict()``, ``table_rows``) go through `Store.read` and a checkpoint holds only
+the rows that were looked up for training or written. The device cache reads misses through
+`Store.get` when it trains and through `Store.read` under ``torch.no_grad()``: inference over
+ids the tier never held writes nothing, and such a row, held clean by the cache, reaches the
+tier only once a training step updates it and it is written back (as a direct-mapped cache's
+rows do).
 """
 
 from __future__ import annotations
@@ -399,16 +409,8 @@ class Store(abc.ABC):
     the table's dtype (float32 ``[n, dim + state_dim]`` for a float32 table; see
     `TableSpec.pack`), and ``put`` also takes the float32 view. Ids within one call are
     distinct. Calls are synchronous: when ``put`` returns, a later ``get`` or ``read`` sees the
-    rows.
-
-    Which rows exist matters for checkpoints: `export_rows` lists only them, so whole-table
-    reads (``state_dict()``, ``table_rows``) go through ``read`` and a checkpoint holds only
-    the rows that were looked up for training or written.
-
-    Bounded tables (``spec.capacity``): ``get(..., pin=True)`` pins the rows it returns (a
-    count per row) until `unpin`; a pinned row is never evicted. The device cache pins the
-    rows it holds, so a row that is resident, dirty or locked by a batch is never dropped
-    underneath it. Tiers that bound no table ignore pins.
+    rows. Which rows exist, pins of bounded tables, and which of ``get`` and ``read`` the
+    device cache calls: see the module's docstring.
 
     Capabilities, declared here with their defaults so callers never probe for them:
 
@@ -425,11 +427,6 @@ class Store(abc.ABC):
     * `remove`, `row_count`: drop rows, count them (not every tier can).
     * `get_grouped` / `read_grouped` / `put_grouped`: several tables in one call (here, one
       call per table; an in-process tier does them in one pass).
-
-    The device cache reads misses through ``get`` when it trains and through ``read`` under
-    ``torch.no_grad()``: inference over ids the tier never held writes nothing, and such a row,
-    held clean by the cache, reaches the tier only once a training step updates it and it is
-    written back (as a direct-mapped cache's rows do).
     """
 
     parallel_io: bool = False
@@ -494,14 +491,7 @@ class Store(abc.ABC):
         """`put` of several tables (of one row layout) at once, ``ids`` as `get_grouped` takes
         them and ``rows`` in their order. Here, one `put` per table, after every table's ids
         are checked (a bad one raises before any table is written)."""
-        start = 0
-        for table, n in zip(tables, counts, strict=True):
-            checked_ids(self.table_spec(table), ids[start : start + n])
-            start += n
-        start = 0
-        for table, n in zip(tables, counts, strict=True):
-            self.put(table, ids[start : start + n], rows[start : start + n])
-            start += n
+        _put_per_table(self, tables, ids, counts, rows)
 
     def get_grouped_into(
         self,
@@ -664,3 +654,21 @@ def _per_table(
         parts.append(call(table, part, pin=True) if pinned else call(table, part))
         start += n
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _put_per_table(
+    store: Store,
+    tables: Sequence[str],
+    ids: torch.Tensor,
+    counts: Sequence[int],
+    rows: torch.Tensor,
+) -> None:
+    """`Store.put` per table of a grouped write, after every table's ids are checked."""
+    start = 0
+    for table, n in zip(tables, counts, strict=True):
+        checked_ids(store.table_spec(table), ids[start : start + n])
+        start += n
+    start = 0
+    for table, n in zip(tables, counts, strict=True):
+        store.put(table, ids[start : start + n], rows[start : start + n])
+        start += n

@@ -12,10 +12,10 @@ Three table layouts behind one `Store` interface (`embcache.kv.host_tables`):
 Either way a row is created on first touch by ``spec.initial_rows`` (one vectorised call per
 batch of missing ids), so its initial value is a function of its id alone, never of the order
 of access. A dense table chooses its row moves when declared (`DenseTable.compiled`); a
-grouped call over tables that all chose the compiled passes takes them, rows to create
-included, and any other takes the tables one by one: no call tries one implementation and
-then another. Every operation is vectorised over the ids of a call: no Python loop over ids, no
-``.item()`` per id.
+grouped call over tables that all chose the compiled passes takes them (a part `HostKV` holds,
+`embcache.kv.host_grouped.GroupedPasses`), rows to create included, and any other takes the
+tables one by one: no call tries one implementation and then another. Every operation is
+vectorised over the ids of a call: no Python loop over ids, no ``.item()`` per id.
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
-import embcache.native as native
-from embcache.indexing import copy_rows, true_at
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
-from embcache.kv.host_tables import BoundedTable, DenseTable, Table, make_table
+from embcache.kv.host_grouped import GroupedPasses
+from embcache.kv.host_tables import BoundedTable, Table, empty_rows, make_table
 
 
 class HostKV(Store):
@@ -64,8 +62,7 @@ class HostKV(Store):
         self._lock = threading.Lock()
         self._closed = False
         self._stats = IOStats()
-        # `_dense_arrays`: per group of tables, their arrays and the kernels' lists of them.
-        self._typed: dict[tuple[str, ...], tuple] = {}
+        self._grouped = GroupedPasses(self._tables, self._stats, self.pin_memory, self._check_open)
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -93,7 +90,7 @@ class HostKV(Store):
             if table is None:
                 self._tables[spec.name] = make_table(spec)
                 return
-            self._typed.clear()  # a re-declared table may get new arrays
+            self._grouped.forget()  # a re-declared table may get new arrays
             old = table.spec
             for field in ("dim", "num_embeddings", "dtype", "capacity", "score"):
                 if getattr(old, field) != getattr(spec, field):
@@ -189,88 +186,26 @@ class HostKV(Store):
         pins: Sequence[bool] | None = None,
     ) -> torch.Tensor:
         """`Store.get_grouped`: dense tables that chose the compiled passes are read in one
-        (`native.gather_tables`, which checks every id first), the rows never created then
-        created table by table; any other call (a table of another layout or not yet
-        allocated, pins) goes table by table through `get`."""
-        if not (pins is not None and any(pins)):
+        (`GroupedPasses.get`), the rows never created then created table by table; any other
+        call (a table of another layout or not yet allocated, pins) goes table by table
+        through `get`."""
+        if not (pins is not None and any(pins)) and self._compiled_calls():
             with self._lock:
-                # Not allocated here: a table's first read allocates it through `get` (after
-                # its init ran, so that an init that raises changes nothing).
-                arrays = self._dense_arrays(tables, ids, counts)
-                if arrays is not None:
-                    rows, created, limits, bounds, spec = arrays
-                    out = self._empty(spec, ids.numel())
-                    try:
-                        absent = native.gather_tables(
-                            tables=rows, created=created, limits=limits, ids=ids.numpy(),
-                            bounds=bounds, out=out.numpy(),
-                        )  # fmt: skip
-                    except native.OutOfRangeError:
-                        self._check_ids(tables, ids, counts)  # the error naming the table
-                        raise
-                    if absent:
-                        self._create_missing(tables, ids, bounds, out)
-                    for table, n in zip(tables, counts, strict=True):
-                        self._count("read", n, self._tables[table].spec)
-                    return out
+                out = self._grouped.get(tables, ids, counts)
+            if out is not None:
+                return out
         return super().get_grouped(tables, ids, counts, pins)
-
-    def _create_missing(
-        self, tables: Sequence[str], ids: torch.Tensor, bounds: np.ndarray, out: torch.Tensor
-    ) -> None:
-        """The rows of a grouped read never created, created and written into ``out`` (the
-        others gathered there already): every table's fresh rows made before any is stored,
-        so that an init that raises changes nothing."""
-        missing = []
-        for k, name in enumerate(tables):
-            t = self._tables[name]
-            assert isinstance(t, DenseTable) and t.created is not None
-            lo, hi = int(bounds[k]), int(bounds[k + 1])
-            at = true_at(~t.created.index_select(0, ids[lo:hi]))
-            if at.numel():
-                fresh_ids = ids[lo:hi].index_select(0, at)
-                missing.append((t, at + lo, fresh_ids, t.spec.initial_rows(fresh_ids)))
-        for t, at, fresh_ids, fresh in missing:
-            t.put(fresh_ids, fresh.contiguous())
-            copy_rows(out, at, fresh)
-            self._stats["rows_created"] += fresh_ids.numel()
-
-    def _check_ids(self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int]) -> None:
-        """`checked_ids` of each table's part of a grouped call: the error `get` and `put`
-        give for a bad id."""
-        start = 0
-        for table, n in zip(tables, counts, strict=True):
-            checked_ids(self._tables[table].spec, ids[start : start + n])
-            start += n
 
     def put_grouped(
         self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int], rows: torch.Tensor
     ) -> None:
         """`Store.put_grouped`: dense tables that chose the compiled passes take stored
-        float32 rows in one (`native.scatter_tables`, which checks every id before writing
-        any); any other call goes table by table through `put`."""
-        with self._lock:
-            arrays = self._dense_arrays(tables, ids, counts, allocate=True)
-            if (
-                arrays is not None
-                and rows.dtype == torch.float32
-                and rows.device.type == "cpu"
-                and rows.dim() == 2
-                and rows.shape == (ids.numel(), arrays[4].stored_width)
-            ):
-                tables_rows, created, limits, bounds, _ = arrays
-                src = rows.detach().numpy()
-                try:
-                    native.scatter_tables(
-                        tables=tables_rows, created=created, limits=limits, ids=ids.numpy(),
-                        bounds=bounds, src=src,
-                    )  # fmt: skip
-                except native.OutOfRangeError:
-                    self._check_ids(tables, ids, counts)  # the error naming the table
-                    raise
-                for table, n in zip(tables, counts, strict=True):
-                    self._count("written", n, self._tables[table].spec)
-                return
+        float32 rows in one (`GroupedPasses.put`); any other call goes table by table through
+        `put`."""
+        if self._compiled_calls():
+            with self._lock:
+                if self._grouped.put(tables, ids, counts, rows):
+                    return
         super().put_grouped(tables, ids, counts, rows)
 
     def get_grouped_into(
@@ -286,7 +221,10 @@ class HostKV(Store):
         all exist, go to the slots in one (`native.gather_tables_into`), which checks every id
         and slot and that every row exists before moving any; anything else (rows to create,
         a bad id, another layout) is left to `get_grouped` (False)."""
-        return self._straight("read", tables, ids, counts, weights, state, slots)
+        if not self._compiled_calls():
+            return False
+        with self._lock:
+            return self._grouped.move("read", tables, ids, counts, weights, state, slots)
 
     def put_grouped_from(
         self,
@@ -300,123 +238,15 @@ class HostKV(Store):
         """`Store.put_grouped_from`: dense tables that chose the compiled passes take their rows
         from the slots in one (`native.scatter_tables_from`, which checks every id and slot before
         writing any); anything else is left to `put_grouped` (False)."""
-        return self._straight("written", tables, ids, counts, weights, state, slots)
-
-    def _straight(
-        self,
-        direction: str,
-        tables: Sequence[str],
-        ids: torch.Tensor,
-        counts: Sequence[int],
-        weights: torch.Tensor,
-        state: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> bool:
-        """A straight move, ``"read"`` into the slots or ``"written"`` out of them, counted as
-        its direction when it moved every row; False, with nothing moved, when it cannot."""
-        reading = direction == "read"
+        if not self._compiled_calls():
+            return False
         with self._lock:
-            arrays = self._slot_arrays(tables, ids, counts, weights, state, slots, not reading)
-            if arrays is None:
-                return False
-            rows, created, limits, bounds, _ = arrays
-            move = native.gather_tables_into if reading else native.scatter_tables_from
-            try:
-                absent = move(
-                    tables=rows, created=created, limits=limits, ids=ids.numpy(), bounds=bounds,
-                    weights=weights.numpy(), state=state.numpy(), slots=slots.numpy(),
-                )  # fmt: skip
-            except native.OutOfRangeError:
-                return False  # nothing moved: `get_grouped` / `put_grouped` raise as they say
-            if absent:
-                return False  # rows to create: nothing moved, `get_grouped` creates them
-            for table, n in zip(tables, counts, strict=True):
-                self._count(direction, n, self._tables[table].spec)
-            return True
+            return self._grouped.move("written", tables, ids, counts, weights, state, slots)
 
-    def _slot_arrays(
-        self,
-        tables: Sequence[str],
-        ids: torch.Tensor,
-        counts: Sequence[int],
-        weights: torch.Tensor,
-        state: torch.Tensor,
-        slots: torch.Tensor,
-        allocate: bool = False,
-    ) -> tuple | None:
-        """`_dense_arrays` for a move between the tables and slot storage, or None when the
-        compiled pass cannot take it: storage that is not CPU float32 ``[S, dim]`` and ``[S,
-        width]`` (contiguous, not requiring grad) with ``dim + width`` the tables' stored
-        width, or ``slots`` that are not contiguous CPU int64 of ``ids``'s length."""
-        for t in (weights, state):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
-                return None
-            if not t.is_contiguous() or t.requires_grad:
-                return None
-        if weights.shape[0] != state.shape[0]:
-            return None
-        if slots.dtype != torch.int64 or slots.device.type != "cpu" or not slots.is_contiguous():
-            return None
-        if slots.shape != ids.shape:
-            return None
-        arrays = self._dense_arrays(tables, ids, counts, allocate=allocate)
-        if arrays is None or arrays[4].stored_width != weights.shape[1] + state.shape[1]:
-            return None
-        return arrays
-
-    def _dense_arrays(
-        self,
-        tables: Sequence[str],
-        ids: torch.Tensor,
-        counts: Sequence[int],
-        allocate: bool = False,
-    ) -> tuple | None:
-        """``(rows, created, limits, bounds, spec)`` for `native.gather_tables` /
-        `scatter_tables` over ``tables``, or None when a grouped call cannot take the compiled
-        pass: a table that is not dense or did not choose the compiled passes when declared
-        (`DenseTable.compiled`), ids that are not contiguous CPU int64 matching ``counts``, a
-        table (unless ``allocate``) not yet allocated, tables of different row widths, or a
-        subclass that overrides `get` or `put` (which then sees every call). The typed lists
-        are kept while the arrays live."""
-        if not tables:
-            return None
-        if type(self).get is not HostKV.get or type(self).put is not HostKV.put:
-            return None
-        if ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
-            return None
-        if sum(counts) != ids.numel() or len(counts) != len(tables):
-            return None
-        self._check_open()
-        looked_up = [self._tables.get(name) for name in tables]
-        found = [t for t in looked_up if isinstance(t, DenseTable) and t.compiled]
-        if len(found) != len(looked_up):
-            return None
-        if len({t.spec.stored_width for t in found}) != 1:
-            return None
-        if allocate:
-            for t in found:
-                t.allocate()
-        arrays = tuple(
-            (t.rows, t.created) for t in found if t.rows is not None and t.created is not None
-        )
-        if len(arrays) != len(found):  # a table not allocated yet
-            return None
-        key = tuple(tables)
-        kept = self._typed.get(key)
-        if kept is None or any(
-            a is not b or c is not d for (a, c), (b, d) in zip(kept[0], arrays, strict=True)
-        ):
-            limits = np.array([t.spec.num_embeddings for t in found], dtype=np.int64)
-            lists = (
-                native.array_list([r.numpy() for r, _ in arrays]),
-                native.array_list([c.numpy() for _, c in arrays]),
-            )
-            kept = (arrays, lists, limits)
-            self._typed[key] = kept
-        _, (rows, created), limits = kept
-        bounds = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=bounds[1:])
-        return rows, created, limits, bounds, found[0].spec
+    def _compiled_calls(self) -> bool:
+        """Whether grouped calls may take the compiled passes: not in a subclass that
+        overrides `get` or `put`, which then sees every call."""
+        return type(self).get is HostKV.get and type(self).put is HostKV.put
 
     def unpin(self, table: str, ids: torch.Tensor) -> None:
         """Release one pin of each of ``ids`` (bounded tables; a no-op for others) and count
@@ -524,7 +354,7 @@ class HostKV(Store):
         """Drop every table. Any later call but `close` raises `RuntimeError`."""
         with self._lock:
             self._tables.clear()
-            self._typed.clear()
+            self._grouped.forget()
             self._closed = True
 
     # -- helpers (called with the lock held) -----------------------------------------------
@@ -549,4 +379,4 @@ class HostKV(Store):
             t.evictions = 0
 
     def _empty(self, spec: TableSpec, n: int) -> torch.Tensor:
-        return torch.empty(n, spec.stored_width, dtype=spec.dtype, pin_memory=self.pin_memory)
+        return empty_rows(spec, n, self.pin_memory)

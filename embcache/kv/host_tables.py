@@ -35,6 +35,12 @@ _MIN_ROWS = 64
 _NO_POSITIONS = torch.empty(0, dtype=torch.int64)
 
 
+def empty_rows(spec: TableSpec, n: int, pin_memory: bool) -> torch.Tensor:
+    """Uninitialised stored rows ``[n, stored_width]`` of ``spec.dtype`` (pinned memory when
+    ``pin_memory``), for a call to fill and return."""
+    return torch.empty(n, spec.stored_width, dtype=spec.dtype, pin_memory=pin_memory)
+
+
 def check_dense_fits(spec: TableSpec) -> None:
     """A bounded table is one dense array, allocated at its first write (pages committed as
     rows are touched): refuse, before allocating, one larger than this machine's memory, which

@@ -1,10 +1,7 @@
-"""The machinery under every `RedisKV` call: the constructor's option checks, retries with
-backoff (`RedisCalls._call`), the checks made before and after each try (the table still
-leased to us, not known lost, the server not evicting keys, the write marks read back), and
-the table's spec record on the server (claimed, compared).
-
-`RedisCalls` is a base class of `RedisKV` only: it works on the client, the guards and the
-table registry that `RedisKV.__init__` sets up.
+"""The machinery under every `RedisKV` call: the constructor's option checks, and the call
+layer `RedisKV` holds (`RedisCalls`): the connection and its guards, retries with backoff
+(`RedisCalls.call`) and the checks made before and after each try (the table still leased to
+us, not known lost, the server not evicting keys, the write marks read back).
 """
 
 from __future__ import annotations
@@ -13,12 +10,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
 import redis.cluster
 
-from embcache.kv.base import TableSpec
 from embcache.kv.errors import (
     TierAuthError,
     TierCommandError,
@@ -30,6 +27,7 @@ from embcache.kv.errors import (
 from embcache.kv.redact import check_url, redact_url
 from embcache.kv.redis_identity import TierIdentity, eviction_problem
 from embcache.kv.redis_lease import RAISE_FENCE, TableLeases
+from embcache.kv.redis_tables import RedisTables
 from embcache.kv.redis_wire import (
     NAMESPACE_RE,
     TRANSIENT,
@@ -37,7 +35,6 @@ from embcache.kv.redis_wire import (
     TableLayout,
     auth_message,
     error_text,
-    parse_spec_record,
     redis_url_params,
     run_commands,
 )
@@ -97,40 +94,83 @@ def check_options(
         )
 
 
-class RedisCalls:
-    """Retries and checks around each network call of `RedisKV` (its base class)."""
+def describe_tier(url: str, namespace: str) -> str:
+    """How messages name a tier: "Redis tier URL (namespace 'ns')"."""
+    return f"Redis tier {url} (namespace {namespace!r})"
 
-    # Set by `RedisKV.__init__`.
-    url: str
-    namespace: str
-    cluster: bool
-    retry_timeout_s: float
-    backoff_s: float
-    max_backoff_s: float
-    verify_interval_s: float
-    _client: Any
-    _marks: MarkGuard
-    _identity: TierIdentity
-    _leases: TableLeases
-    _tables: dict[str, TableLayout]
-    _lock: threading.Lock
-    _closed: bool
-    _config_error: str | None
-    _verified_at: float
-    _reconnected: threading.Event
+
+@dataclass(frozen=True)
+class Backoff:
+    """How one chunk retries a lost connection: for up to ``timeout_s`` in all, pausing
+    ``first_s`` at first and twice as long each time after, up to ``max_s``."""
+
+    timeout_s: float
+    first_s: float
+    max_s: float
+
+
+class RedisCalls:
+    """The connection of one `RedisKV` and its guards, with the retries and checks around each
+    network call (`call`).
+
+    Args:
+        client: the redis-py client (`embcache.kv.redis_wire.connect`).
+        tables: the client's tables (whether it is closed, which tables to verify).
+        marks: the write marks of the tables (`MarkGuard`).
+        identity: the namespace record and the state it is expected to continue from.
+        leases: the tables' owner leases and epochs (`TableLeases`).
+        reconnected: set by every new connection: the server behind it may have restarted.
+        url: the server's URL without its password; ``namespace``: the key prefix.
+        cluster: whether ``client`` talks to a Redis Cluster.
+        backoff: the retries of a lost connection.
+        verify_interval_s: how often every write mark this client wrote is read back.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        tables: RedisTables,
+        marks: MarkGuard,
+        identity: TierIdentity,
+        leases: TableLeases,
+        reconnected: threading.Event,
+        *,
+        url: str,
+        namespace: str,
+        cluster: bool,
+        backoff: Backoff,
+        verify_interval_s: float,
+    ) -> None:
+        self.client = client
+        self.marks = marks
+        self.identity = identity
+        self.leases = leases
+        self.url = url
+        self.namespace = namespace
+        self.cluster = cluster
+        self.backoff = backoff
+        self.verify_interval_s = verify_interval_s
+        self._tables = tables
+        self._reconnected = reconnected
+        self._verified_at = time.monotonic()
+        self._config_error: str | None = None  # the server may evict keys: why
 
     @property
     def shared(self) -> bool:
         """True when tables are opened shared, that is read-only (see `RedisKV`)."""
-        return self._leases.shared
+        return self.leases.shared
 
-    def _describe(self) -> str:
-        return f"Redis tier {self.url} (namespace {self.namespace!r})"
+    def describe(self) -> str:
+        return describe_tier(self.url, self.namespace)
 
-    def _check_writable(self, op: str, table: str) -> None:
+    def fence(self, table: str) -> bytes | None:
+        """The epoch this client writes ``table`` under (None for a read-only client)."""
+        return self.leases.epoch(table)
+
+    def check_writable(self, op: str, table: str) -> None:
         if self.shared:
             raise TierOwnershipError(
-                f"{self._describe()}: {op} on table {table!r} refused: this client opened the "
+                f"{self.describe()}: {op} on table {table!r} refused: this client opened the "
                 f"tables shared (?shared=1, RedisKV(shared=True)), which is read-only. Two "
                 f"jobs writing one table overwrite each other's updates (each write-back is "
                 f"a whole row). Train from one job (the default: its tables are leased to "
@@ -138,9 +178,9 @@ class RedisCalls:
                 f"each job its own ?namespace=NAME."
             )
 
-    def _call(self, op: str, table: str, fn: Callable[[], _T]) -> _T:
+    def call(self, op: str, table: str, fn: Callable[[], _T]) -> _T:
         """``fn()``, retried on connection errors with exponential backoff for up to
-        ``retry_timeout_s``; then `TierUnavailableError` naming URL, table and operation.
+        ``backoff.timeout_s``; then `TierUnavailableError` naming URL, table and operation.
 
         Before each try the table must still be ours (lease) and not known to be lost; a try
         that finds the table's epoch moved on (another job took it over) is
@@ -148,12 +188,12 @@ class RedisCalls:
         ``verify_interval_s``, every write mark this client wrote is read back.
         """
         start = time.monotonic()
-        deadline = start + self.retry_timeout_s
-        pause = self.backoff_s
+        deadline = start + self.backoff.timeout_s
+        pause = self.backoff.first_s
         attempts = 0
         restored = False
         while True:
-            self._check_open()
+            self._tables.check_open()
             self._check_usable(table)
             attempts += 1
             try:
@@ -161,149 +201,107 @@ class RedisCalls:
                     self._recheck_config(table)
                 result = fn()
             except Fenced as err:
-                if not err.found and not restored and self._leases.restore(table):
+                if not err.found and not restored and self.leases.restore(table):
                     # The epoch was gone with the server's keys, and nobody took the table:
                     # this client's is back (lost rows are the write marks' business).
                     restored = True
-                    self._raise_fences(table)
+                    self.raise_fences(table)
                     continue
-                self._leases.deposed(table, err.found)
+                self.leases.deposed(table, err.found)
             except redis.exceptions.AuthenticationError as err:
                 raise TierAuthError(auth_message(self.url, err)) from None
             except TRANSIENT as err:
                 now = time.monotonic()
                 if now >= deadline:
                     raise TierUnavailableError(
-                        f"{self._describe()} unavailable: {op} on table {table!r} failed "
+                        f"{self.describe()} unavailable: {op} on table {table!r} failed "
                         f"{attempts} time(s) over {now - start:.2f}s "
-                        f"(retry_timeout_s={self.retry_timeout_s:g}): {error_text(err)}"
+                        f"(retry_timeout_s={self.backoff.timeout_s:g}): {error_text(err)}"
                     ) from None
                 time.sleep(min(pause, deadline - now))
-                pause = min(pause * 2, self.max_backoff_s)
+                pause = min(pause * 2, self.backoff.max_s)
                 self._refresh_topology()
                 continue
             except redis.exceptions.ResponseError as err:
                 if isinstance(err, redis.exceptions.OutOfMemoryError):
                     raise TierFullError(
-                        f"{self._describe()} is full: {op} on table {table!r} was refused "
+                        f"{self.describe()} is full: {op} on table {table!r} was refused "
                         f"({type(err).__name__}): {error_text(err)} Nothing was lost (the rows "
                         f"stay in the cache); "
                         f"raise the server's maxmemory, or bound the tables in front of it "
                         f"(a tier capacity), then repeat the call"
                     ) from None
                 raise TierCommandError(
-                    f"{self._describe()}: {op} on table {table!r} was refused by the server "
+                    f"{self.describe()}: {op} on table {table!r} was refused by the server "
                     f"({type(err).__name__}): {error_text(err)}"
                 ) from None
             overdue = time.monotonic() - self._verified_at > self.verify_interval_s
             if attempts > 1 or overdue or self._reconnected.is_set():
                 self._reconnected.clear()
-                self._verify_tables()
+                self.verify_tables()
             return result
 
-    def _raise_fences(self, table: str, t: TableLayout | None = None) -> None:
+    def raise_fences(self, table: str, t: TableLayout | None = None) -> None:
         """On a cluster, raise every bucket's fence of ``table`` (laid out as ``t``, or as
         declared) to this client's epoch (taken in bucket 0's), before this client writes; a
         single server has one fence."""
         if t is None:
-            with self._lock:
-                t = self._tables.get(table)
-        epoch = self._leases.epoch(table)
+            t = self._tables.find(table, check_open=False)
+        epoch = self.leases.epoch(table)
         if not self.cluster or t is None or not epoch:
             return
         commands = [
             (slot, ("EVAL", RAISE_FENCE, 1, key, epoch))
             for key, slot in zip(t.fence_keys, t.mark_slots, strict=True)
         ]
-        run_commands(self._client, commands)
+        run_commands(self.client, commands)
 
-    def _check_usable(self, table: str) -> None:
-        self._identity.check_usable()
-        self._marks.check_usable(table)
-        self._leases.check(table)
-
-    def _refresh_topology(self) -> None:
-        """On a cluster, re-read the slot map (a node failed over, a slot moved)."""
-        if not isinstance(self._client, redis.cluster.RedisCluster):
-            return
-        # When the cluster is still down this fails too; the next retry tries again.
-        with contextlib.suppress(
-            redis.exceptions.RedisError, redis.exceptions.RedisClusterException
-        ):
-            self._client.nodes_manager.initialize()
-
-    def _verify_tables(self) -> None:
+    def verify_tables(self) -> None:
         """`MarkGuard.verify` of every table; a server down again is left to the next call."""
         self._verified_at = time.monotonic()
-        with self._lock:
-            tables = list(self._tables.values())
+        tables = self._tables.layouts()
         problem = None
         with contextlib.suppress(*TRANSIENT):
-            self._marks.verify(tables, restore=not self.shared)
+            self.marks.verify(tables, restore=not self.shared)
             if tables:
                 problem = eviction_problem(
-                    self._client, self._describe(), tables[0].spec.name, running=True
+                    self.client, self.describe(), tables[0].spec.name, running=True
                 )
         if problem is not None:
             self._config_error = problem
             raise TierConfigError(problem)
 
-    def _recheck_config(self, table: str) -> None:
-        """While the server may evict keys, every call asks again (one INFO) and is refused
-        until the policy is back to noeviction."""
-        problem = eviction_problem(self._client, self._describe(), table, running=True)
-        self._config_error = problem
-        if problem is not None:
-            raise TierConfigError(problem)
-
-    def _check_eviction_policy(self, table: str) -> None:
+    def check_eviction_policy(self, table: str) -> None:
         """Refuse a server that may evict keys once full: any ``maxmemory-policy`` but
         ``noeviction`` under a ``maxmemory``. ``allkeys-*`` would drop rows, re-created from
         their initial values, silently when their bucket's write mark survived; ``volatile-*``
         evicts the keys with a TTL, which are the owner leases: a lease dropped while its job
         runs lets a second job take the table and both write it. ``noeviction`` refuses writes
         instead (`TierFullError`), and nothing is lost. Checked again every
-        ``verify_interval_s`` and on `flush` while the job runs."""
-        problem = eviction_problem(self._client, self._describe(), table)
+        ``verify_interval_s`` and on `RedisKV.flush` while the job runs."""
+        problem = eviction_problem(self.client, self.describe(), table)
         if problem is not None:
             raise TierConfigError(problem)
 
-    def _claim_meta(self, key: bytes, payload: bytes, table: str) -> dict[str, Any] | None:
-        """Record a spec unless one is there; returns the one there (None when ours won, or
-        when a read-only client found none)."""
-        if not self.shared and self._client.set(key, payload, nx=True):
-            return None
-        stored = self._client.get(key)
-        if stored is None and self.shared:
-            return None
-        if stored is None:  # deleted between the two commands: claim again
-            return self._claim_meta(key, payload, table)
-        try:
-            return parse_spec_record(stored, table)
-        except ValueError as err:
-            raise ValueError(
-                f"{self._describe()}: the record {key.decode(errors='replace')} of table "
-                f"{table!r} is damaged or was not written by embcache ({err}); delete it and "
-                f"the table's rows, or use another namespace"
-            ) from None
+    def _check_usable(self, table: str) -> None:
+        self.identity.check_usable()
+        self.marks.check_usable(table)
+        self.leases.check(table)
 
-    def _check_compatible(self, spec: TableSpec, stored: dict[str, Any], where: str) -> None:
-        dtype = str(spec.dtype).removeprefix("torch.")
-        if stored.get("dtype", "float32") != dtype:
-            raise ValueError(
-                f"table {spec.name!r} is declared with dtype {stored.get('dtype')} {where} "
-                f"(Redis tier {self.url}, namespace {self.namespace!r}); cannot declare it "
-                f"with dtype {dtype}"
-            )
-        for field in ("dim", "num_embeddings"):
-            if stored[field] != getattr(spec, field):
-                raise ValueError(
-                    f"table {spec.name!r} is declared with {field}={stored[field]} {where} "
-                    f"(Redis tier {self.url}, namespace {self.namespace!r}); cannot declare it "
-                    f"with {field}={getattr(spec, field)}. Another model using this namespace? "
-                    f"Give each model its own namespace."
-                )
+    def _refresh_topology(self) -> None:
+        """On a cluster, re-read the slot map (a node failed over, a slot moved)."""
+        if not isinstance(self.client, redis.cluster.RedisCluster):
+            return
+        # When the cluster is still down this fails too; the next retry tries again.
+        with contextlib.suppress(
+            redis.exceptions.RedisError, redis.exceptions.RedisClusterException
+        ):
+            self.client.nodes_manager.initialize()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"RedisKV({self.url}) is closed")
+    def _recheck_config(self, table: str) -> None:
+        """While the server may evict keys, every call asks again (one INFO) and is refused
+        until the policy is back to noeviction."""
+        problem = eviction_problem(self.client, self.describe(), table, running=True)
+        self._config_error = problem
+        if problem is not None:
+            raise TierConfigError(problem)

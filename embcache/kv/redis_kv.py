@@ -23,17 +23,18 @@ Two guards make a shared, restartable server safe to train on: write marks
 every write of a job whose lease was taken over. The jobs that opened tables and never closed
 them are remembered on the server (`embcache.kv.redis_jobs`) and reported to the next one.
 
-The class reads top to bottom as its public calls; the retries and checks around each round
-trip are in `embcache.kv.redis_calls` (`RedisCalls`), the chunked row I/O under them in
-`embcache.kv.redis_rows` (`RedisRowIO`), both base classes of `RedisKV` only.
+The class reads top to bottom as its public calls, each handed to a part it holds: the
+connection with its guards and the retries and checks around each round trip
+(`embcache.kv.redis_calls`, `RedisCalls`), the chunked row I/O under them
+(`embcache.kv.redis_rows`, `RedisRowIO`), the declaration of a table
+(`embcache.kv.redis_declare`, `TableDeclarations`) and the registry of the tables declared
+through this client (`embcache.kv.redis_tables`, `RedisTables`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from functools import partial
@@ -41,32 +42,24 @@ from typing import Any
 
 import torch
 
-from embcache.kv.base import IOStats, Store, TableSpec, checked_ids
+from embcache.kv.base import Store, TableSpec
 from embcache.kv.errors import TierUnavailableError
 from embcache.kv.redact import redact_url
-from embcache.kv.redis_calls import check_options
+from embcache.kv.redis_calls import Backoff, RedisCalls, check_options, describe_tier
+from embcache.kv.redis_declare import TableDeclarations
 from embcache.kv.redis_identity import TierIdentity
 from embcache.kv.redis_jobs import JobRegistry, read_record
 from embcache.kv.redis_lease import TableLeases
 from embcache.kv.redis_rows import RedisRowIO
-from embcache.kv.redis_wire import (
-    DEFAULT_BUCKETS,
-    TRANSIENT,
-    TableLayout,
-    connect,
-    key_batch,
-    meta_key,
-    spec_record,
-    table_layout,
-    view_layout,
-)
-from embcache.kv.tier_state import TableState, TierState, WrittenIds
+from embcache.kv.redis_tables import RedisTables
+from embcache.kv.redis_wire import DEFAULT_BUCKETS, TRANSIENT, connect
+from embcache.kv.tier_state import TierState
 from embcache.kv.write_marks import MarkGuard
 
 __all__ = ["RedisKV", "TierUnavailableError"]
 
 
-class RedisKV(RedisRowIO, Store):
+class RedisKV(Store):
     """A `Store` on a Redis server (``redis://``) or a Redis Cluster (``redis+cluster://``).
 
     Args:
@@ -172,24 +165,18 @@ class RedisKV(RedisRowIO, Store):
         self.max_backoff_s = float(max_backoff_s)
         self.default_buckets = buckets
         self.cluster = "+cluster://" in url
-        self._ns = namespace.encode()
-        self._tables: dict[str, TableLayout] = {}
-        self._lock = threading.Lock()
-        self._declare_lock = threading.Lock()  # one init_table at a time (it may rewrite rows)
-        self._closed = False
-        self._stats = IOStats()
         self.verify_interval_s = float(verify_interval_s)
-        self._verified_at = time.monotonic()
+        self._ns = namespace.encode()
+        self._tables = RedisTables(self.url)
+        describe = partial(describe_tier, self.url, namespace)
         # Set by every new connection: the server behind it may have restarted.
-        self._reconnected = threading.Event()
-        self._client = connect(url, self.cluster, socket_timeout_s, self.url, self._reconnected.set)
-        self._marks = MarkGuard(self._client, self.url, namespace, self.cluster)
-        self._written: dict[str, WrittenIds] = {}  # rows whose writes were acknowledged
-        self._identity = TierIdentity(self._client, self._ns, self._describe, self._marks, shared)
-        self._config_error: str | None = None  # the server may evict keys: why
+        reconnected = threading.Event()
+        self._client = connect(url, self.cluster, socket_timeout_s, self.url, reconnected.set)
+        marks = MarkGuard(self._client, self.url, namespace, self.cluster)
+        identity = TierIdentity(self._client, self._ns, describe, marks, shared)
         self._leases = TableLeases(
             self._client,
-            self._describe,
+            describe,
             self._ns,
             owner or uuid.uuid4().hex,
             shared,
@@ -205,6 +192,23 @@ class RedisKV(RedisRowIO, Store):
             )
             # A clean end (close, or the interpreter's exit) deletes the job's field.
             self._leases.before_close = self._jobs.close
+        self._calls = RedisCalls(
+            self._client,
+            self._tables,
+            marks,
+            identity,
+            self._leases,
+            reconnected,
+            url=self.url,
+            namespace=namespace,
+            cluster=self.cluster,
+            backoff=Backoff(self.retry_timeout_s, self.backoff_s, self.max_backoff_s),
+            verify_interval_s=self.verify_interval_s,
+        )
+        self._rows = RedisRowIO(self._calls, self._tables, chunk_rows)
+        self._declarations = TableDeclarations(
+            self._calls, self._rows, self._tables, self._jobs, buckets
+        )
 
     @property
     def owner(self) -> str:
@@ -215,6 +219,11 @@ class RedisKV(RedisRowIO, Store):
     @property
     def lease_owner(self) -> str | None:
         return self.owner
+
+    @property
+    def shared(self) -> bool:
+        """True when tables are opened shared, that is read-only."""
+        return self._leases.shared
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -238,80 +247,15 @@ class RedisKV(RedisRowIO, Store):
           server keeps its weights and gets fresh state columns (rewritten in chunks found by
           SCAN), and the new layout is recorded.
         """
-        if not isinstance(spec, TableSpec):
-            raise TypeError(f"init_table expects a TableSpec, got {type(spec).__name__}")
-        if spec.capacity is not None:
-            raise ValueError(
-                f"table {spec.name!r}: RedisKV does not bound a table's rows (a Redis server is "
-                f"bounded by its maxmemory); bound it in front of Redis: "
-                f"TieredKV(RedisKV(...), capacity_rows=...) with the table's capacity, or a "
-                f"'tiered+redis://' store"
-            )
-        spec = dataclasses.replace(spec)
-        with self._declare_lock:
-            with self._lock:
-                self._check_open()
-                known = self._tables.get(spec.name)
-            if known is not None:
-                self._check_compatible(spec, spec_record(known.spec, known.buckets), "here")
-            self._call("init_table", spec.name, lambda: self._check_eviction_policy(spec.name))
-            # The lease first: a job refused here has changed nothing on the server.
-            if self._jobs is not None:
-                jobs = self._jobs
-                self._call("init_table", spec.name, lambda: self._leases.take(spec.name))
-                self._call("init_table", spec.name, lambda: jobs.opened(spec.name))
-            if self._identity.tier_id is None:
-                self._call("init_table", spec.name, self._identity.check_record)
-            key = meta_key(self._ns, spec.name)
-            record = spec_record(spec, self.default_buckets)
-            payload = json.dumps(record, sort_keys=True).encode()
-            stored = self._call(
-                "init_table", spec.name, lambda: self._claim_meta(key, payload, spec.name)
-            )
-            if stored is not None:
-                self._check_compatible(spec, stored, "on the server")
-                table = self._layout(spec, int(stored["buckets"]))
-                server_state = (stored["state_dim"], float(stored["state_init"]))
-                if server_state != (spec.state_dim, float(spec.state_init)):
-                    if self.shared or spec.state_dim == 0:
-                        # A view: the rows keep the server's state (`view_layout`).
-                        table = view_layout(table, spec, *server_state)
-                        record.update(state_dim=server_state[0], state_init=server_state[1])
-                    else:
-                        self._reset_state(table)
-                if self.shared:
-                    pass  # a reader records nothing
-                elif any(stored[k] != record[k] for k in ("state_dim", "state_init", "seed")):
-                    record["buckets"] = table.buckets
-                    payload = json.dumps(record, sort_keys=True).encode()
-                    self._call("init_table", spec.name, lambda: self._client.set(key, payload))
-            else:
-                table = self._layout(spec, self.default_buckets)
-            with self._lock:
-                self._tables[spec.name] = table
-            self._call("init_table", spec.name, lambda: self._check_expected(table))
-
-    def _layout(self, spec: TableSpec, buckets: int) -> TableLayout:
-        """The table's key layout; its mark book is created on first declaration and kept
-        across re-declarations (the acknowledged writes stay acknowledged)."""
-        table = table_layout(self._ns, spec, buckets, self.cluster)
-        self._marks.register(table)
-        if self.cluster:
-            # The epoch was taken in bucket 0's fence; every bucket's fence follows it before
-            # this job writes (a fence is only ever raised: an older job's epoch never wins).
-            self._call("init_table", spec.name, lambda: self._raise_fences(spec.name, table))
-        return table
+        self._declarations.declare(spec)
 
     def table_spec(self, table: str) -> TableSpec:
         """A copy of the spec ``table`` was (last) declared with through this client."""
-        with self._lock:
-            return dataclasses.replace(self._table(table).spec)
+        return dataclasses.replace(self._tables.table(table).spec)
 
     def tables(self) -> list[str]:
         """Tables declared through this client, in declaration order."""
-        with self._lock:
-            self._check_open()
-            return list(self._tables)
+        return [t.spec.name for t in self._tables.layouts(check_open=True)]
 
     # -- rows ------------------------------------------------------------------------------
 
@@ -328,21 +272,7 @@ class RedisKV(RedisRowIO, Store):
             stored rows ``[n, stored_width]`` of the table's dtype.
         """
         del pin
-        with self._lock:
-            t = self._table(table)
-        ids = checked_ids(t.spec, ids)
-        out = torch.empty(ids.numel(), t.spec.stored_width, dtype=t.spec.dtype)
-        created = 0
-        for start in range(0, ids.numel(), self.chunk_rows):
-            chunk = ids[start : start + self.chunk_rows]
-            if self.shared:  # read-only: nothing is created
-                rows, made = self._call("get", table, partial(self._read_chunk, t, chunk)), 0
-            else:
-                rows, made = self._call("get", table, partial(self._get_chunk, t, chunk))
-            out[start : start + chunk.numel()] = rows
-            created += made
-        self._count("read", ids.numel(), t, created=created)
-        return out
+        return self._rows.get(self._tables.table(table), ids)
 
     def read(self, table: str, ids: torch.Tensor, pin: bool = False) -> torch.Tensor:
         """Rows of ``ids`` without creating any on the server: rows not there read as their
@@ -357,16 +287,7 @@ class RedisKV(RedisRowIO, Store):
             stored rows ``[n, stored_width]`` of the table's dtype.
         """
         del pin
-        with self._lock:
-            t = self._table(table)
-        ids = checked_ids(t.spec, ids)
-        out = torch.empty(ids.numel(), t.spec.stored_width, dtype=t.spec.dtype)
-        for start in range(0, ids.numel(), self.chunk_rows):
-            chunk = ids[start : start + self.chunk_rows]
-            rows = self._call("read", table, partial(self._read_chunk, t, chunk))
-            out[start : start + chunk.numel()] = rows
-        self._count("read", ids.numel(), t)
-        return out
+        return self._rows.read(self._tables.table(table), ids)
 
     def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Overwrite (creating) the rows of ``ids``.
@@ -379,23 +300,13 @@ class RedisKV(RedisRowIO, Store):
             ids: integer ``[n]``, in range for the table.
             rows: stored rows, or floating ``[n, dim + state_dim]``.
         """
-        with self._lock:
-            t = self._table(table)
-        self._write(t, "put", ids, rows)
-        self._count("written", ids.numel(), t)
+        t = self._tables.table(table)
+        self._rows.write(t, "put", ids, rows)
+        self._tables.count("written", ids.numel(), t)
 
     def remove(self, table: str, ids: torch.Tensor) -> None:
         """Delete the rows of ``ids`` (DEL, with the write marks incremented like any write)."""
-        with self._lock:
-            t = self._table(table)
-        self._check_writable("remove", table)
-        ids = checked_ids(t.spec, ids)
-        # Forgotten before the DEL: a read racing it must not take the row for lost.
-        self._written_ids(t).discard(ids)
-        for part in ids.split(self.chunk_rows):
-            batch = key_batch(t, part, self.cluster)
-            fence = self._writer_fence(t)
-            self._call("remove", table, partial(self._marks.write, t, batch, None, fence))
+        self._rows.remove(self._tables.table(table), ids)
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -413,19 +324,7 @@ class RedisKV(RedisRowIO, Store):
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         if scores:
             raise ValueError(f"table {table!r} is not bounded here: it keeps no scores")
-        with self._lock:
-            t = self._table(table)
-        # Marks before listing and after the last fetch: a server that lost writes before or
-        # during the export must not end up in a checkpoint.
-        self._call("export_rows", table, lambda: self._marks.verify([t]))
-        ids = self._call("export_rows", table, lambda: self._scan_ids(t))
-        written = self._written_ids(t).ids()
-        absent = written[~torch.isin(written, ids)]
-        if absent.numel():
-            self._call(
-                "export_rows", table, lambda: self._check_not_lost(t, absent, "a checkpoint export")
-            )
-        return self._export_chunks(t, ids, chunk_rows)
+        return self._rows.export(self._tables.table(table), chunk_rows)
 
     def import_rows(
         self, table: str, ids: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor | None = None
@@ -433,19 +332,16 @@ class RedisKV(RedisRowIO, Store):
         """Load checkpointed rows: `put` without counting in `io_stats` (no scores: no table
         is bounded here)."""
         del scores
-        with self._lock:
-            t = self._table(table)
-        self._write(t, "import_rows", ids, rows)
+        self._rows.write(self._tables.table(table), "import_rows", ids, rows)
 
     # -- accounting and life cycle ---------------------------------------------------------
 
     def flush(self) -> None:
         """Nothing is buffered here; a flush re-checks the tier: every write mark this client
         wrote and the eviction policy (`TierDataLossError`, `TierConfigError`)."""
-        with self._lock:
-            names = list(self._tables)
-        if names:
-            self._call("flush", names[0], self._verify_tables)
+        tables = self._tables.layouts()
+        if tables:
+            self._calls.call("flush", tables[0].spec.name, self._calls.verify_tables)
 
     # -- the tier's identity ---------------------------------------------------------------
 
@@ -454,21 +350,7 @@ class RedisKV(RedisRowIO, Store):
         namespace record's id, each table's write marks and (``count_rows``: a SCAN of its
         keys) its rows. Record it beside a run or checkpoint, after a flush, and hand it to the
         next run's `expect_state`. Checks the marks first (`TierDataLossError`)."""
-        with self._lock:
-            self._check_open()
-            tables = list(self._tables.values())
-        name = tables[0].spec.name if tables else "(none)"
-        if self._identity.tier_id is None:
-            self._call("tier_state", name, self._identity.check_record)
-        states = {}
-        for t in tables:
-            self._call("tier_state", t.spec.name, partial(self._marks.verify, [t], False))
-            marks = self._call("tier_state", t.spec.name, partial(self._identity.marks, t))
-            rows = None
-            if count_rows:
-                rows = self._call("tier_state", t.spec.name, partial(self._scan_ids, t)).numel()
-            states[t.spec.name] = TableState(tuple(marks), rows)
-        return TierState(self.url, self.namespace, self._identity.tier_id, states)
+        return self._declarations.state(count_rows)
 
     def expect_state(self, state: TierState) -> None:
         """Continue from ``state`` (an earlier run's `tier_state`): the namespace record must
@@ -481,21 +363,7 @@ class RedisKV(RedisRowIO, Store):
             ValueError: ``state`` is of another namespace.
             TierDataLossError: the tier lost what ``state`` recorded.
         """
-        if not isinstance(state, TierState):
-            raise TypeError(f"expect_state takes a TierState, got {type(state).__name__}")
-        if state.namespace != self.namespace:
-            raise ValueError(
-                f"{self._describe()}: the expected tier state is of namespace "
-                f"{state.namespace!r}; open the store with ?namespace={state.namespace}"
-            )
-        with self._lock:
-            self._check_open()
-            self._identity.expected = state
-            tables = list(self._tables.values())
-        name = tables[0].spec.name if tables else "(none)"
-        self._call("expect_state", name, self._identity.check_record)
-        for t in tables:
-            self._call("expect_state", t.spec.name, partial(self._check_expected, t))
+        self._declarations.expect(state)
 
     # -- jobs and run records ---------------------------------------------------------------
 
@@ -519,8 +387,8 @@ class RedisKV(RedisRowIO, Store):
         steps = int(record.get("steps_done") or 0)
         checkpoint = record.get("checkpoint")
         what = name or "(record)"
-        self._call("save_run_record", what, lambda: jobs.save_record(name, record))
-        self._call("save_run_record", what, lambda: jobs.note_checkpoint(checkpoint, steps))
+        self._calls.call("save_run_record", what, lambda: jobs.save_record(name, record))
+        self._calls.call("save_run_record", what, lambda: jobs.note_checkpoint(checkpoint, steps))
 
     def run_record(self, name: str) -> dict[str, Any] | None:
         """The run record ``name`` kept on the server by `save_run_record` (None: none).
@@ -528,12 +396,9 @@ class RedisKV(RedisRowIO, Store):
         Raises:
             ValueError: the record is damaged, naming its key.
         """
-        return self._call(
+        return self._calls.call(
             "run_record", name or "(record)", lambda: read_record(self._client, self._ns, name)
         )
-
-    def _check_expected(self, t: TableLayout) -> None:
-        self._identity.check_table(t, self._scan_ids, self._written_ids(t))
 
     def io_stats(self) -> dict[str, int]:
         """Traffic through `get`/`read`/`put` since creation or the last `reset_io_stats`.
@@ -542,22 +407,17 @@ class RedisKV(RedisRowIO, Store):
         (row payload, not protocol bytes), ``get_calls``, ``put_calls``, ``rows_created``
         (rows this client created on the server on first touch, which `get` also writes).
         """
-        with self._lock:
-            return dict(self._stats)
+        return self._tables.io_stats()
 
     def reset_io_stats(self) -> None:
-        with self._lock:
-            self._stats.reset()
+        self._tables.reset_io_stats()
 
     def close(self) -> None:
         """A clean end: delete this job's record of an open job on the server (and those of
         the unclean ends it reported), release this client's exclusive leases and close the
         connections. Any later call but `close` raises ``RuntimeError``."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._tables.clear()
+        if not self._tables.close():
+            return
         self._leases.close()  # the job's field on the server first (`before_close`)
         self._client.close()
 
@@ -571,17 +431,3 @@ class RedisKV(RedisRowIO, Store):
         kind = "cluster" if self.cluster else "server"
         mode = ", shared" if self.shared else ""
         return f"RedisKV({self.url!r}, namespace={self.namespace!r}, {kind}{mode})"
-
-    # -- bookkeeping -----------------------------------------------------------------------
-
-    def _table(self, name: str) -> TableLayout:
-        self._check_open()
-        table = self._tables.get(name)
-        if table is None:
-            raise KeyError(f"unknown table {name!r}; known tables: {sorted(self._tables)}")
-        return table
-
-    def _count(self, direction: str, n: int, t: TableLayout, created: int = 0) -> None:
-        with self._lock:
-            self._stats.count(direction, n, t.row_bytes)
-            self._stats["rows_created"] += created

@@ -43,14 +43,6 @@ LARGE_CLASSES: dict[str, str] = {
         "embcache.models.collection.CachedEmbeddingBagCollection",
         "embcache.models.sequence.CachedEmbeddingCollection",
         "embcache.models.local.LocalCollection",
-        "embcache.engine.group.EngineGroup",
-    )
-} | {
-    name: "issue 47: a tier's parts (calls, row I/O, index) held, not inherited"
-    for name in (
-        "embcache.kv.redis_kv.RedisKV",
-        "embcache.kv.host.HostKV",
-        "embcache.kv.tiered.TieredKV",
     )
 }
 

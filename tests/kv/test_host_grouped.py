@@ -152,7 +152,7 @@ def test_the_compiled_pass_keeps_up_with_reallocated_tables() -> None:
     assert bool((got[:, DIM:] == 0.25).all())
     assert torch.equal(got, Store.get_grouped(kv, tables, ids, counts))
     kv.close()
-    assert not kv._typed, "a closed store keeps no table's arrays alive"
+    assert not kv._grouped.typed, "a closed store keeps no table's arrays alive"
 
 
 # -- straight between the tables and a cache's slots (`get_grouped_into`, `put_grouped_from`) --
