@@ -255,14 +255,16 @@ def run_checks(p: Preflight) -> None:
         os.environ["EMBCACHE_BACKEND"] = "triton"
         marked = sort_and_mark(p.dev(tagged), p.dev(group_start), None)
         read = marked.read.tolist()
-        where = plan(per_key, group_keys, read[1:], read[0])
+        where = plan(per_key, group_keys, read[1:], read[0], b.batch_size)
+        ends = p.dev(torch.cumsum(b.lengths, 0))
         got = scatter_joint(marked.ordered, marked.order, marked.is_start, marked.seen, where,
-                            tag_shift, p.dev(b.weights))  # fmt: skip
+                            tag_shift, p.dev(b.weights), ends)  # fmt: skip
         p.sync()
-        want = scatter_joint_ref(tagged, where, tag_shift, b.weights)
-        names = ("unique", "inverse", "order", "starts", "weights")
+        want = scatter_joint_ref(tagged, where, tag_shift, b.weights, b.lengths)
         for g in range(len(group_keys)):
-            for name, x, y in zip(names, got.group(where, g), want.group(where, g), strict=True):
+            mine, spec = got.group(where, g), want.group(where, g)
+            for name in ("unique", "inverse", "order", "starts", "weights", "offsets"):
+                x, y = getattr(mine, name), getattr(spec, name)
                 check_equal(f"dedup_joint group {g} {name}", x, y)
         return 0.0
 

@@ -284,7 +284,8 @@ class CacheEngine:
             if found.order is not None and len(self.layout.lookups) == 1:
                 assert found.segment_starts is not None  # made with the order
                 grouping = (found.order, found.segment_starts)
-            return Prepared(unique, found.inverse, unique[:0], _offsets(lengths), weights, False,
+            offsets = found.offsets if found.offsets is not None else _offsets(lengths)
+            return Prepared(unique, found.inverse, unique[:0], offsets, weights, False,
                             grouping, cuts=cuts, bounds=found.bounds)  # fmt: skip
         grouping = None
         through_tbe = self.tbe_step is not None and self.tbe_step.takes(weights)

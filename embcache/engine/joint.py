@@ -28,7 +28,8 @@ from embcache.kernels.ids import Deduped, fuse_ids_deferred, sort_and_mark
 from embcache.kernels.joint_ids import plan, scatter_joint
 
 # A cache's share as `ShareMaker.prepare_fused` takes it: ids (here its unique ids, already
-# deduplicated), bag lengths, per-sample weights and `Prepared.cuts`.
+# deduplicated), its bags (here their offsets, made by the dedup: `Deduped.offsets`),
+# per-sample weights and `Prepared.cuts`.
 JointShare = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int] | None]
 
 
@@ -48,7 +49,6 @@ class JointLayout:
     table_names: list[str]  # [K]
     starts: torch.Tensor  # int64 [G - 1 + sum of tables of caches of several]
     table_starts_at: list[int | None]  # per cache: its first table start's entry in ``starts``
-    key_rows: list[torch.Tensor | slice]  # per cache: its keys' rows of the lengths
 
     @classmethod
     def of(
@@ -85,18 +85,12 @@ class JointLayout:
             table_starts_at.append(len(starts) if several else None)
             if several:
                 starts += [(g << tag_shift) | (t.index << fusion_k) for t in layout.tables]
-        key_rows: list[torch.Tensor | slice] = []
-        for ks in group_keys:
-            contiguous = ks == list(range(ks[0], ks[0] + len(ks)))
-            key_rows.append(
-                slice(ks[0], ks[0] + len(ks)) if contiguous else torch.tensor(ks, device=device)
-            )
 
         def tensor(xs: list[int]) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.int64, device=device)
 
         return cls(list(keys), list(layouts), group_keys, tag_shift, tensor(index), tensor(rows),
-                   names, tensor(starts), table_starts_at, key_rows)  # fmt: skip
+                   names, tensor(starts), table_starts_at)  # fmt: skip
 
 
 def dedup_joint(
@@ -120,6 +114,8 @@ def dedup_joint(
     fused, verdict = fuse_ids_deferred(
         values, per_key, joint.table_index, joint.table_rows, fusion_k, keys, joint.table_names
     )
+    # The bags' running ends, for every cache's offsets (`scatter_joint`).
+    ends = torch.cumsum(lengths, 0, dtype=torch.int64)
     extra = per_key if verdict is None else torch.cat([verdict.flags, per_key])
     marked = sort_and_mark(fused, joint.starts, extra)
     num_starts = joint.starts.numel()
@@ -134,25 +130,24 @@ def dedup_joint(
     if late:
         batch.lengths_checked(tail)
     groups = len(joint.layouts)
-    where = plan(tail, joint.group_keys, runs_below[: groups - 1], read[0])
+    where = plan(tail, joint.group_keys, runs_below[: groups - 1], read[0], b)
     weights = batch.weights_or_none()
     if weights is not None:
         weights = weights.to(device, torch.float32)
-    shares = scatter_joint(
-        marked.ordered, marked.order, marked.is_start, marked.seen, where, joint.tag_shift, weights
-    )
+    shares = scatter_joint(marked.ordered, marked.order, marked.is_start, marked.seen, where,
+                           joint.tag_shift, weights, ends)  # fmt: skip
     out: list[JointShare] = []
     found: list[Deduped] = []
     for g, layout in enumerate(joint.layouts):
-        unique, inverse, order, starts, w = shares.group(where, g)
+        share = shares.group(where, g)
         at = joint.table_starts_at[g]
         bounds = None
         if at is not None:
             below = runs_below[at : at + len(layout.tables)]
             bounds = [r - where.u_lo[g] for r in below] + [where.num_unique[g]]
-        found.append(Deduped(unique, inverse, bounds, order, starts))
-        picked = joint.key_rows[g]
-        mine = rows[picked] if isinstance(picked, slice) else rows.index_select(0, picked)
+        found.append(
+            Deduped(share.unique, share.inverse, bounds, share.order, share.starts, share.offsets)
+        )
         cuts = layout.value_cuts([tail[k] for k in joint.group_keys[g]])
-        out.append((unique, mine.reshape(-1), w, cuts))
+        out.append((share.unique, share.offsets, share.weights, cuts))
     return out, found

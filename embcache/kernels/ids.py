@@ -295,13 +295,14 @@ class Deduped:
     (with several tables, when asked for) `CacheLayout.table_bounds` of the unique ids, and on
     the device path, the ids' positions grouped by unique id (``order``, a stable sort: in
     value order within an id) and where each id's run starts in it (``segment_starts``,
-    ``[U + 1]``)."""
+    ``[U + 1]``); and the bags' offsets where the dedup made them (`engine.joint`)."""
 
     unique: torch.Tensor  # int64 [U]
     inverse: torch.Tensor  # int64 [n]
     bounds: list[int] | None
     order: torch.Tensor | None = None  # int64 [n]
     segment_starts: torch.Tensor | None = None  # int64 [U + 1]
+    offsets: torch.Tensor | None = None  # int64 [F * B + 1], the bags', when made here
 
 
 @dataclass

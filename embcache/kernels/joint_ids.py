@@ -13,12 +13,14 @@ outputs. After that read, `scatter_joint` writes each group's share where its ca
 * its runs' starts, local to its sorted values: ``starts[ubase[g] : ubase[g] + U[g] + 1]``;
 * each value's unique id (local), at the value's position in the cache's own feature order:
   ``inverse[vbase[g] : vbase[g] + N[g]]``; and ``order`` (its sorted values' positions) and
-  the per-sample ``weights`` the same way.
+  the per-sample ``weights`` the same way;
+* its bags' offsets in its feature order: ``offsets[obase[g] : obase[g] + F[g] * B + 1]``.
 
-Each share starts at a multiple of `ALIGN` elements (``ubase``, ``vbase``), so that a kernel
-given a share sees the same pointer alignment every batch (Triton compiles a variant per
-alignment). A value's position in its cache's feature order is its position in the batch plus
-its key's ``shift`` (the host computes it from the per-key counts of the same read).
+Each share starts at a multiple of `ALIGN` elements (``ubase``, ``vbase``, ``obase``), so
+that a kernel given a share sees the same pointer alignment every batch (Triton compiles a
+variant per alignment). A value's position in its cache's feature order is its position in
+the batch plus its key's ``shift`` (the host computes it from the per-key counts of the same
+read).
 
 `scatter_joint_ref` is the plain-torch specification the Triton kernel is tested against.
 """
@@ -53,6 +55,13 @@ class JointPlan:
     num_values: list[int]
     ubase: list[int]
     vbase: list[int]
+    # Bag offsets: each key's group and place in it, and where each group's offsets start
+    # (``[F_g * B + 1]`` each, at multiples of `ALIGN`), for ``batch_size`` bags a key.
+    key_group: list[int]
+    key_place: list[int]
+    batch_size: int
+    obase: list[int]
+    num_bags: list[int]
 
     @property
     def unique_size(self) -> int:
@@ -62,18 +71,25 @@ class JointPlan:
     def value_size(self) -> int:
         return self.vbase[-1] + _aligned(self.num_values[-1]) if self.vbase else 0
 
+    @property
+    def offsets_size(self) -> int:
+        return self.obase[-1] + _aligned(self.num_bags[-1] + 1) if self.obase else 0
+
     def meta(self) -> list[int]:
-        """The plan as the kernel reads it: ``[key_ends, shift, u_lo, v_lo, U, N, ubase,
-        vbase]`` (int64)."""
+        """The plan as the kernel reads it: ``[key_ends, shift, key_group, key_place, u_lo,
+        v_lo, U, N, ubase, vbase, obase]`` (int64)."""
         return [
             *self.key_ends,
             *self.shift,
+            *self.key_group,
+            *self.key_place,
             *self.u_lo,
             *self.v_lo,
             *self.num_unique,
             *self.num_values,
             *self.ubase,
             *self.vbase,
+            *self.obase,
         ]
 
 
@@ -86,10 +102,12 @@ def plan(
     group_keys: list[list[int]],
     runs_below: list[int],
     num_runs: int,
+    batch_size: int = 0,
 ) -> JointPlan:
     """The plan of a batch from its per-key counts (in the batch's key order), each group's
     keys in its feature order (the groups in tag order; every key in one group), the runs
-    below each group's first key but the first's (``runs_below[g - 1]``), and all runs.
+    below each group's first key but the first's (``runs_below[g - 1]``), all runs, and the
+    bags of each key (``batch_size``).
 
     Example: keys ``a b c`` with 2, 3, 1 values, groups ``[[2, 0], [1]]`` (group 0 takes
     ``c`` then ``a``): group 0's values are ``c``'s then ``a``'s, so ``a``'s first value
@@ -116,10 +134,20 @@ def plan(
         v += num_values[g]
         u += _aligned(num_unique[g] + 1)
         w += _aligned(num_values[g])
-    return JointPlan(key_starts[1:], shift, u_lo, v_lo, num_unique, num_values, ubase, vbase)
+    key_group, key_place = [0] * len(per_key), [0] * len(per_key)
+    obase, num_bags = [], []
+    o = 0
+    for g, keys in enumerate(group_keys):
+        for place, k in enumerate(keys):
+            key_group[k], key_place[k] = g, place
+        obase.append(o)
+        num_bags.append(len(keys) * batch_size)
+        o += _aligned(num_bags[-1] + 1)
+    return JointPlan(key_starts[1:], shift, u_lo, v_lo, num_unique, num_values, ubase, vbase,
+                     key_group, key_place, batch_size, obase, num_bags)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["n", "search_steps"])  # per-batch values: one variant
+@triton.jit(do_not_specialize=["n", "num_bags", "batch_size", "search_steps"])  # per batch
 def _joint_scatter_kernel(
     sorted_ptr,
     order_ptr,
@@ -127,12 +155,16 @@ def _joint_scatter_kernel(
     seen_ptr,
     meta_ptr,
     weights_ptr,
+    ends_ptr,
     unique_ptr,
     inverse_ptr,
     starts_ptr,
     order_out_ptr,
     weights_out_ptr,
+    offsets_ptr,
     n,
+    num_bags,
+    batch_size,
     num_keys,
     num_groups,
     search_steps,
@@ -146,10 +178,15 @@ def _joint_scatter_kernel(
     group, ``d = p + shift[c]``, and its local run ``r = s - u_lo[g]``;
     ``inverse[vbase[g] + d] = r``, ``order[vbase[g] + i - v_lo[g]] = d``, and at a run's start
     ``unique[ubase[g] + r] = k`` (tag cleared), ``starts[ubase[g] + r] = i - v_lo[g]``.
-    Program 0 ends each group's starts: ``starts[ubase[g] + U[g]] = N[g]``."""
+
+    Bag t of the batch (key ``c = t // B``, bag ``j``; ``ends`` the lengths' inclusive running
+    sums in the batch's order): ``offsets[obase[g] + place[c] * B + j + 1] = ends[t] +
+    shift[c]``, its group's running count at the bag's end. Program 0 writes each group's first
+    offset (0) and ends its starts: ``starts[ubase[g] + U[g]] = N[g]``."""
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < n
+    p_groups = meta_ptr + 4 * num_keys  # u_lo, v_lo, U, N, ubase, vbase, obase: [G] each
     b_key = tl.load(sorted_ptr + o_n, mask=m_n, other=0)
     b_pos = tl.load(order_ptr + o_n, mask=m_n, other=0)
     b_seg = tl.load(seen_ptr + o_n, mask=m_n, other=1) - 1
@@ -165,12 +202,11 @@ def _joint_scatter_kernel(
         b_lo = tl.where(m_open & (b_end <= b_pos), b_mid + 1, b_lo)
         b_hi = tl.where(m_open & (b_end > b_pos), b_mid, b_hi)
     b_keyi = tl.minimum(b_lo, num_keys - 1)
-    p_group = meta_ptr + 2 * num_keys + b_group  # [BLOCK_N] this group's u_lo
     b_dst = b_pos + tl.load(meta_ptr + num_keys + b_keyi, mask=m_n, other=0)
-    b_u_lo = tl.load(p_group, mask=m_n, other=0)
-    b_v_lo = tl.load(p_group + num_groups, mask=m_n, other=0)
-    b_ubase = tl.load(p_group + 4 * num_groups, mask=m_n, other=0)
-    b_vbase = tl.load(p_group + 5 * num_groups, mask=m_n, other=0)
+    b_u_lo = tl.load(p_groups + b_group, mask=m_n, other=0)
+    b_v_lo = tl.load(p_groups + num_groups + b_group, mask=m_n, other=0)
+    b_ubase = tl.load(p_groups + 4 * num_groups + b_group, mask=m_n, other=0)
+    b_vbase = tl.load(p_groups + 5 * num_groups + b_group, mask=m_n, other=0)
     b_run = b_seg - b_u_lo
     tl.store(inverse_ptr + b_vbase + b_dst, b_run, mask=m_n)
     tl.store(order_out_ptr + b_vbase + o_n - b_v_lo, b_dst, mask=m_n)
@@ -180,14 +216,27 @@ def _joint_scatter_kernel(
     if HAS_WEIGHTS:
         b_w = tl.load(weights_ptr + b_pos, mask=m_n, other=0.0)
         tl.store(weights_out_ptr + b_vbase + b_dst, b_w, mask=m_n)
+    # The bags' offsets, each group's in its feature order.
+    m_t = o_n < num_bags
+    b_c = o_n // tl.maximum(batch_size, 1)
+    b_j = o_n - b_c * batch_size
+    b_g = tl.load(meta_ptr + 2 * num_keys + b_c, mask=m_t, other=0)
+    b_place = tl.load(meta_ptr + 3 * num_keys + b_c, mask=m_t, other=0)
+    b_obase = tl.load(p_groups + 6 * num_groups + b_g, mask=m_t, other=0)
+    b_at = b_obase + b_place * batch_size + b_j + 1
+    b_end = tl.load(ends_ptr + o_n, mask=m_t, other=0)
+    b_shift = tl.load(meta_ptr + num_keys + b_c, mask=m_t, other=0)
+    tl.store(offsets_ptr + b_at, b_end + b_shift, mask=m_t)
     o_g = tl.arange(0, BLOCK_N)
     for g0 in range(0, num_groups, BLOCK_N):
         m_g = (i_n == 0) & (g0 + o_g < num_groups)
-        p_g = meta_ptr + 2 * num_keys + g0 + o_g
+        p_g = p_groups + g0 + o_g
         b_u = tl.load(p_g + 2 * num_groups, mask=m_g, other=0)
         b_nv = tl.load(p_g + 3 * num_groups, mask=m_g, other=0)
         b_ub = tl.load(p_g + 4 * num_groups, mask=m_g, other=0)
+        b_ob = tl.load(p_g + 6 * num_groups, mask=m_g, other=0)
         tl.store(starts_ptr + b_ub + b_u, b_nv, mask=m_g)
+        tl.store(offsets_ptr + b_ob, tl.zeros((BLOCK_N,), dtype=tl.int64), mask=m_g)
 
 
 @dataclass
@@ -199,20 +248,35 @@ class JointShares:
     inverse: torch.Tensor  # int64 [plan.value_size]
     order: torch.Tensor  # int64 [plan.value_size]
     weights: torch.Tensor | None  # float32 [plan.value_size]
+    offsets: torch.Tensor  # int64 [plan.offsets_size]
 
-    def group(
-        self, plan: JointPlan, g: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Group g's ``(unique, inverse, order, starts, weights or None)``: views."""
+    def group(self, plan: JointPlan, g: int) -> GroupShare:
+        """Group g's share: views."""
         u, nv, ub, vb = plan.num_unique[g], plan.num_values[g], plan.ubase[g], plan.vbase[g]
-        w = None if self.weights is None else self.weights[vb : vb + nv]
-        return (
+        ob = plan.obase[g]
+        return GroupShare(
             self.unique[ub : ub + u],
             self.inverse[vb : vb + nv],
             self.order[vb : vb + nv],
             self.starts[ub : ub + u + 1],
-            w,
+            None if self.weights is None else self.weights[vb : vb + nv],
+            self.offsets[ob : ob + plan.num_bags[g] + 1],
         )
+
+
+@dataclass
+class GroupShare:
+    """One group's share of `JointShares`: its unique ids ascending, each value's unique id
+    (the inverse), the values grouped by id (``order``, in batch order within an id) and each
+    id's run start in it (``starts``, ``[U + 1]``), its values' weights, and its bags' offsets
+    (``[F_g * B + 1]``, from 0), all in the group's feature order."""
+
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    order: torch.Tensor
+    starts: torch.Tensor
+    weights: torch.Tensor | None
+    offsets: torch.Tensor
 
 
 def _outputs(plan: JointPlan, device: torch.device, weighted: bool) -> JointShares:
@@ -220,9 +284,8 @@ def _outputs(plan: JointPlan, device: torch.device, weighted: bool) -> JointShar
         return torch.empty(size, dtype=dtype, device=device)
 
     us, vs = plan.unique_size, plan.value_size
-    return JointShares(
-        empty(us), empty(us), empty(vs), empty(vs), empty(vs, torch.float32) if weighted else None
-    )
+    w = empty(vs, torch.float32) if weighted else None
+    return JointShares(empty(us), empty(us), empty(vs), empty(vs), w, empty(plan.offsets_size))
 
 
 def scatter_joint(
@@ -233,10 +296,13 @@ def scatter_joint(
     plan: JointPlan,
     tag_shift: int,
     weights: torch.Tensor | None,
+    length_ends: torch.Tensor,
 ) -> JointShares:
     """Write each group's share (module docstring) from a `ids.sort_and_mark` of the tagged
     keys, after the read that made ``plan``: one launch, plus the plan's upload (pinned, not
-    waited for, on a GPU). ``weights``: float32 ``[n]`` in the batch's order, or None."""
+    waited for, on a GPU). ``weights``: float32 ``[n]`` in the batch's order, or None;
+    ``length_ends``: int64 ``[K * B]``, the bag lengths' inclusive running sums in the batch's
+    order."""
     device = ordered.device
     out = _outputs(plan, device, weights is not None)
     meta = torch.tensor(plan.meta(), dtype=torch.int64)
@@ -246,19 +312,24 @@ def scatter_joint(
         meta = meta.to(device)
     n = ordered.numel()
     num_keys, num_groups = len(plan.key_ends), len(plan.u_lo)
-    _joint_scatter_kernel[(max(1, triton.cdiv(n, _BLOCK_N)),)](
+    num_bags = num_keys * plan.batch_size
+    _joint_scatter_kernel[(max(1, triton.cdiv(max(n, num_bags), _BLOCK_N)),)](
         ordered,
         order,
         is_start,
         seen,
         meta,
         weights if weights is not None else meta,
+        length_ends if num_bags else meta,
         out.unique,
         out.inverse,
         out.starts,
         out.order,
         out.weights if out.weights is not None else meta,
+        out.offsets,
         n,
+        num_bags,
+        plan.batch_size,
         num_keys,
         num_groups,
         num_keys.bit_length(),
@@ -274,11 +345,20 @@ def scatter_joint_ref(
     plan: JointPlan,
     tag_shift: int,
     weights: torch.Tensor | None,
+    lengths: torch.Tensor,
 ) -> JointShares:
     """`scatter_joint`'s specification in plain torch, from the tagged keys themselves
-    (unsorted, in the batch's order); the padding between shares is left as allocated."""
+    (unsorted, in the batch's order) and the bag lengths (``[K * B]``, the batch's order);
+    the padding between shares is left as allocated."""
     device = keys.device
     out = _outputs(plan, device, weights is not None)
+    bags = lengths.to(torch.int64).view(len(plan.key_ends), plan.batch_size)
+    for g, ob in enumerate(plan.obase):
+        mine = [k for k in range(len(plan.key_ends)) if plan.key_group[k] == g]
+        mine.sort(key=lambda k: plan.key_place[k])
+        grouped = bags[mine].reshape(-1) if mine else bags.new_zeros(0)
+        out.offsets[ob] = 0
+        out.offsets[ob + 1 : ob + 1 + grouped.numel()] = torch.cumsum(grouped, 0)
     key_ends = torch.tensor(plan.key_ends, dtype=torch.int64, device=device)
     shifts = torch.tensor(plan.shift, dtype=torch.int64, device=device)
     for g in range(len(plan.u_lo)):

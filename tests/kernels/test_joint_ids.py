@@ -52,7 +52,14 @@ def _plan(keys: torch.Tensor, per_key: list[int], group_keys: list[list[int]]) -
     ordered = torch.sort(keys)[0]
     runs = torch.unique_consecutive(ordered)
     below = torch.searchsorted(runs, starts).tolist()
-    return plan(per_key, group_keys, below, runs.numel())
+    return plan(per_key, group_keys, below, runs.numel(), BAGS)
+
+
+BAGS = 3  # bags a key: its values split in three (short keys leave some empty)
+
+
+def _lengths(per_key: list[int]) -> torch.Tensor:
+    return torch.tensor([[n // 3, n // 3, n - 2 * (n // 3)] for n in per_key]).reshape(-1)
 
 
 def _triton(
@@ -62,10 +69,11 @@ def _triton(
     starts = torch.tensor([g << shift for g in range(1, len(group_keys))], dtype=torch.int64)
     marked = sort_and_mark(keys.to(device), starts.to(device), None)
     read = marked.read.tolist()
-    where = plan(per_key, group_keys, read[1:], read[0])
+    where = plan(per_key, group_keys, read[1:], read[0], BAGS)
     w = None if weights is None else weights.to(device)
+    ends = torch.cumsum(_lengths(per_key), 0).to(device)
     return where, scatter_joint(
-        marked.ordered, marked.order, marked.is_start, marked.seen, where, shift, w
+        marked.ordered, marked.order, marked.is_start, marked.seen, where, shift, w, ends
     )
 
 
@@ -93,11 +101,14 @@ def test_triton_route_matches_the_spec(device, case: str, hot: bool, weighted: b
     w = weights if weighted else None
     where, got = _triton(keys, per_key, group_keys, w, device)
     assert where == _plan(keys, per_key, group_keys)  # the read's counts are the host's
-    want = scatter_joint_ref(keys, where, FUSION_K + TABLE_BITS, w)
-    names = ("unique", "inverse", "order", "starts", "weights")
+    want = scatter_joint_ref(keys, where, FUSION_K + TABLE_BITS, w, _lengths(per_key))
+    names = ("unique", "inverse", "order", "starts", "weights", "offsets")
     for g in range(len(group_keys)):
         assert where.ubase[g] % ALIGN == 0 and where.vbase[g] % ALIGN == 0
-        for name, a, b in zip(names, got.group(where, g), want.group(where, g), strict=True):
+        assert where.obase[g] % ALIGN == 0
+        mine, spec = got.group(where, g), want.group(where, g)
+        for name in names:
+            a, b = getattr(mine, name), getattr(spec, name)
             if b is None:
                 assert a is None, name
                 continue
@@ -108,7 +119,8 @@ def test_triton_route_matches_the_spec(device, case: str, hot: bool, weighted: b
 def test_the_spec_is_each_groups_own_dedup(case: str) -> None:
     """Group g's share is the dedup of its values in its feature order: ``unique`` ascending
     and distinct, ``unique[inverse]`` its values, ``starts`` the runs of ``order`` (each id's
-    positions, ascending within an id), its weights moved with its values."""
+    positions, ascending within an id), its weights moved with its values, its bags' offsets
+    those of its keys' bags in its order."""
     per_key, group_keys = CASES[case]
     key_group = [0] * len(per_key)
     for g, ks in enumerate(group_keys):
@@ -117,7 +129,8 @@ def test_the_spec_is_each_groups_own_dedup(case: str) -> None:
     gen = torch.Generator().manual_seed(7)
     keys, weights = _batch(gen, per_key, key_group, rows=20)
     where = _plan(keys, per_key, group_keys)
-    shares = scatter_joint_ref(keys, where, FUSION_K + TABLE_BITS, weights)
+    lengths = _lengths(per_key)
+    shares = scatter_joint_ref(keys, where, FUSION_K + TABLE_BITS, weights, lengths)
     bounds = [0]
     for n in per_key:
         bounds.append(bounds[-1] + n)
@@ -126,7 +139,14 @@ def test_the_spec_is_each_groups_own_dedup(case: str) -> None:
         picked = [torch.arange(bounds[k], bounds[k + 1]) for k in ks]
         positions = torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64)
         values = keys[positions] & mask  # the group's values, in its feature order
-        unique, inverse, order, starts, w = shares.group(where, g)
+        share = shares.group(where, g)
+        unique, inverse, order, starts, w = (
+            share.unique,
+            share.inverse,
+            share.order,
+            share.starts,
+            share.weights,
+        )
         assert torch.equal(unique, torch.unique(values))
         assert torch.equal(unique[inverse], values)
         assert torch.equal(values[order], torch.sort(values, stable=True)[0])
@@ -134,6 +154,8 @@ def test_the_spec_is_each_groups_own_dedup(case: str) -> None:
         counts = torch.bincount(inverse, minlength=unique.numel())
         assert torch.equal(starts.diff(), counts) and int(starts[0]) == 0
         assert w is not None and torch.equal(w, weights[positions])
+        bags = lengths.view(len(per_key), BAGS)[ks].reshape(-1)
+        assert torch.equal(share.offsets, torch.cat([bags.new_zeros(1), bags.cumsum(0)]))
 
 
 def test_plan_places_each_key_in_its_groups_feature_order() -> None:
