@@ -1,5 +1,6 @@
 """`embcache train` on small real data with its default options (issue 37): a file smaller than
-one batch trains with the batch shrunk to fit; the default cache holds one batch's unique rows;
+one batch trains with the batch shrunk to fit; the default cache holds one batch's unique rows
+(at a small split's default batch, 256, and at --batch-size 1024);
 warnings print above the progress bar as one line, attributed to the user's code in a library
 call; --epochs, --eval-every's best step and --early-stop; the first step says when it compiles
 the CPU kernels and the bar's rate leaves it out."""
@@ -52,8 +53,9 @@ def _summary(out: str, key: str) -> str:
 def test_a_file_smaller_than_one_batch_trains(
     criteo_200: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """200 lines, default options (a few steps): the batch shrinks to the training split's
-    180-odd lines, the last 10% stays held out, and the summary says so once."""
+    """200 lines, default options (a few steps): the batch, a small split's 256, shrinks to
+    the training split's 180-odd lines, the last 10% stays held out, and the summary says so
+    once."""
     assert main(["train", "--data", f"criteo:{criteo_200}", "--steps", "20", "--no-progress"]) == 0
     out = capsys.readouterr().out
     held_out = re.search(r"held-out\s+AUC ([\d.]+), logloss [\d.]+ on (\d+) samples", out)
@@ -61,8 +63,8 @@ def test_a_file_smaller_than_one_batch_trains(
     assert 10 <= int(held_out[2]) <= 30, out  # about the last 10% of 200 lines
     batch = _summary(out, "batch")
     found = re.fullmatch(
-        r"(\d+) samples, shrunk from --batch-size 1024 to fit the training split \((\d+) "
-        r"samples\)",
+        r"(\d+) samples, shrunk from 256, the default for a training split of fewer than "
+        r"102,400 samples, to fit the training split \((\d+) samples\)",
         batch,
     )
     assert found and found[1] == found[2] and int(found[1]) + int(held_out[2]) == 200, out
@@ -81,19 +83,27 @@ def test_a_file_too_small_to_hold_out_is_a_clear_error(
     assert capsys.readouterr().err == "embcache train: error: --data: the held-out split is empty\n"
 
 
-def test_default_cache_holds_one_batch(ml_100k: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """MovieLens: the default load factor (10%) is under one batch's unique rows; the default
-    cache is raised to hold them, so no batch overflows it."""
-    argv = ["train", "--data", f"movielens:{ml_100k}", "--steps", "4", "--eval-batches", "0"]
+@pytest.mark.parametrize(
+    ("extra", "batch"), [([], 256), (["--batch-size", "1024"], 1024)], ids=["default", "1024"]
+)
+def test_default_cache_holds_one_batch(
+    ml_100k: Path, extra: list[str], batch: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MovieLens: the default load factor (10%) is under one batch's unique rows, at the small
+    split's default batch and at --batch-size 1024; the default cache is raised to hold them,
+    so no batch overflows it."""
+    argv = ["train", "--data", f"movielens:{ml_100k}", "--steps", "4", "--eval-batches", "0",
+            *extra]  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert main([*argv, "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert not [w for w in caught if issubclass(w.category, CacheOverflowWarning)]
+    assert f"batch {batch}" in _summary(out, "data")
     cache = _summary(out, "cache")
     assert "default sized to hold one batch's unique ids" in cache, cache
     rows = int(re.match(r"([\d,]+) rows", cache)[1].replace(",", ""))
-    assert rows >= 1024  # users and items alone: more than 1024 unique ids in a batch
+    assert rows >= batch  # a batch's users and items alone: more unique ids than a batch
     # A size the user chose stays as given (and does overflow).
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -224,23 +234,29 @@ def test_a_full_disk_while_keeping_the_best_model_is_one_line(
 
 
 def test_the_default_length_is_epochs(ml_100k: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--data without --steps or --epochs: one pass, or on a split of fewer than 20 batches
-    the passes that make 20 steps; the summary says how many epochs ran. --steps on a file
-    says how many epochs those steps were."""
+    """--data without --steps or --epochs on a small split (10,800 training ratings): batches
+    of 256 and two passes, or with a --batch-size leaving fewer than 20 batches the passes that
+    make 20 steps; the summary says how many epochs ran. --steps on a file says how many
+    epochs those steps were. (The rule at its boundary: tests/test_default_length.py.)"""
     argv = ["train", "--data", f"movielens:{ml_100k}", "--dim", "8", "--eval-batches", "0",
             "--no-progress"]  # fmt: skip
     assert main(argv) == 0
-    batches = 12_000 * 9 // 10 // 1024  # 10 full batches: 2 epochs make 20 steps
-    assert _summary(capsys.readouterr().out, "training").startswith(
+    batches = 12_000 * 9 // 10 // 256  # 42 full batches of a small split's 256
+    out = capsys.readouterr().out
+    assert _summary(out, "training").startswith(
         f"{2 * batches} steps (2 epochs of {batches} batches) in"
     )
-    assert main([*argv, "--batch-size", "256"]) == 0  # 42 batches: one epoch
-    assert _summary(capsys.readouterr().out, "training").startswith(
-        "42 steps (1 epoch of 42 batches) in"
+    assert _summary(out, "batch") == (
+        "256 samples, the default for a training split of fewer than 102,400 samples (this "
+        "one: 10,800)"
     )
-    assert main([*argv, "--steps", "15"]) == 0
+    assert main([*argv, "--batch-size", "2048"]) == 0  # 5 batches: 4 epochs make 20 steps
+    out = capsys.readouterr().out
+    assert _summary(out, "training").startswith("20 steps (4 epochs of 5 batches) in")
+    assert "  batch  " not in out  # the batch asked for, as given
+    assert main([*argv, "--steps", "21"]) == 0
     assert _summary(capsys.readouterr().out, "training").startswith(
-        f"15 steps (1.5 epochs of {batches} batches) in"
+        f"21 steps (0.5 epochs of {batches} batches) in"
     )
 
 

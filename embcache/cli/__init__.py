@@ -47,6 +47,9 @@ DEFAULT_EPOCHS = 1
 DEFAULT_MIN_STEPS = 20
 DEFAULT_MAX_EPOCHS = 5
 DEFAULT_BATCH = 1024
+SMALL_SPLIT_BATCHES = 100
+SMALL_BATCH = 256
+SMALL_EPOCHS = 2
 DEFAULT_LOAD_FACTOR = 0.1
 DEFAULT_EVAL_BATCHES = 20
 DEFAULT_BUCKETS = 100_000  # embcache.data
@@ -200,7 +203,13 @@ def _add_data_options(data: argparse._ArgumentGroup) -> None:
 
 def _add_length_options(data: argparse._ArgumentGroup) -> None:
     """How much ``train`` trains: the batch, then steps, a total or epochs."""
-    data.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="samples per step")
+    data.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"samples per step (default {DEFAULT_BATCH}, or {SMALL_BATCH} on a --data training "
+        f"split of fewer than {SMALL_SPLIT_BATCHES} batches of {DEFAULT_BATCH})",
+    )
     data.add_argument(
         "--steps",
         type=int,
@@ -226,10 +235,11 @@ def _add_length_options(data: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="N",
         help=f"--data: train N passes over the training split (its full batches; not with "
-        f"--steps). Default {DEFAULT_EPOCHS} (more over-trains a CTR model's id rows), or on a "
-        f"split of fewer than {DEFAULT_MIN_STEPS} batches the passes that make "
-        f"{DEFAULT_MIN_STEPS} steps, at most {DEFAULT_MAX_EPOCHS}; the summary says how many "
-        "epochs and steps ran",
+        f"--steps). Default {DEFAULT_EPOCHS} (more over-trains a CTR model's id rows), "
+        f"{SMALL_EPOCHS} on a split of fewer than {SMALL_SPLIT_BATCHES} batches of "
+        f"{DEFAULT_BATCH} (one pass under-trains it), and on a split of fewer than "
+        f"{DEFAULT_MIN_STEPS} batches the passes that make {DEFAULT_MIN_STEPS} steps, at most "
+        f"{DEFAULT_MAX_EPOCHS}; the summary says how many epochs and steps ran",
     )
 
 

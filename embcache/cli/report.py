@@ -7,7 +7,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from embcache.cli.settings import batch_rows
+from embcache.cli.settings import DEFAULT_BATCH, SMALL_SPLIT_BATCHES, batch_rows
 from embcache.data import ClickDataset
 from embcache.kv.redact import redact_url
 from embcache.train.loop import Model, TrainResult
@@ -150,16 +150,34 @@ def _setup_rows(
             f"{result.loss_window(last=True):.4f} (last 10%)",
         ),
     ]
-    if data.batch_size != args.batch_size:
-        rows.insert(
-            1,
-            (
-                "batch",
-                f"{data.batch_size} samples, shrunk from --batch-size {args.batch_size} to fit "
-                f"the training split ({data.train_samples():,} samples)",
-            ),
-        )
+    batch = _batch_row(args, data)
+    if batch:
+        rows.insert(1, ("batch", batch))
     return rows
+
+
+def _batch_row(args: Namespace, data: ClickDataset) -> str | None:
+    """The batch's row when it is not --batch-size's default: a small training split's batch
+    (`small_split`), or one shrunk to fit the training split; None otherwise."""
+    default = getattr(args, "default_batch", data.batch_size)  # before a shrink
+    samples = data.train_samples()
+    small = (
+        f"the default for a training split of fewer than {SMALL_SPLIT_BATCHES * DEFAULT_BATCH:,}"
+    )
+    if args.batch_size is not None:
+        origin = f"--batch-size {default}"
+    elif default != DEFAULT_BATCH:
+        origin = f"{default}, {small} samples,"
+    else:
+        origin = f"the default {default}"
+    if data.batch_size != default:
+        return (
+            f"{data.batch_size} samples, shrunk from {origin} to fit the training split "
+            f"({samples:,} samples)"
+        )
+    if args.batch_size is None and default != DEFAULT_BATCH:
+        return f"{default} samples, {small} samples (this one: {samples:,})"
+    return None
 
 
 def _cache_row(

@@ -24,7 +24,13 @@ from embcache.cli.job import (
     run_job,
 )
 from embcache.cli.ranks import spawn_ranks
-from embcache.cli.settings import batches_per_epoch, check_memory, open_data, resolve_steps
+from embcache.cli.settings import (
+    asked_batch,
+    batches_per_epoch,
+    check_memory,
+    open_data,
+    resolve_steps,
+)
 from embcache.data import ClickDataset
 from embcache.engine.interface import MAX_FUSION_K
 
@@ -69,7 +75,7 @@ def _check_sizes(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> N
         ("--dim", args.dim),
         ("--steps", 1 if args.steps is None else args.steps),
         ("--epochs", 1 if args.epochs is None else args.epochs),
-        ("--batch-size", args.batch_size),
+        ("--batch-size", 1 if args.batch_size is None else args.batch_size),
         ("--tier-capacity", args.tier_capacity or 1),
         ("--admit-after", args.admit_after or 1),
     ):
@@ -135,8 +141,8 @@ def _check_ranks(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> i
     if args.nproc < 1:
         fail(f"--nproc must be >= 1, got {args.nproc}")
     world = max(args.nproc, int(os.environ.get("WORLD_SIZE", "1")))
-    if world > 1 and args.batch_size % world:
-        fail(f"--batch-size {args.batch_size} must be a multiple of the number of ranks")
+    if world > 1 and asked_batch(args) % world:
+        fail(f"--batch-size {asked_batch(args)} must be a multiple of the number of ranks")
     return world
 
 

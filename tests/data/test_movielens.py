@@ -41,7 +41,7 @@ def _reference(root: Path, release: str) -> list[dict]:
             )
         }
         age = {u: int(x[1]) for u, x in users.items()}
-        gender, job, zipc = ({u: x[k] for u, x in users.items()} for k in (2, 3, 4))
+        gender, job = ({u: x[k] for u, x in users.items()} for k in (2, 3))
         genres = {i: [g for g, flag in enumerate(x[-19:]) if flag == "1"] for i, x in items.items()}
     else:
         ratings = [line.split("::") for line in (root / "ratings.dat").read_text().splitlines()]
@@ -54,21 +54,20 @@ def _reference(root: Path, release: str) -> list[dict]:
             for ln in (root / "movies.dat").read_text(encoding="latin-1").splitlines()
         ]
         age = {u: int(x[2]) for u, x in users.items()}
-        gender, job, zipc = ({u: x[k] for u, x in users.items()} for k in (1, 3, 4))
+        gender, job = ({u: x[k] for u, x in users.items()} for k in (1, 3))
         genres = {int(x[0]): [ML_1M_GENRES.index(g) for g in x[2].split("|") if g] for x in movies}
 
     def code(values: dict) -> dict:
         order = sorted(set(values.values()))
         return {k: order.index(v) for k, v in values.items()}
 
-    zipc = {u: z[:3].upper() for u, z in zipc.items()}
-    g_code, j_code, z_code = code(gender), code(job), code(zipc)
+    g_code, j_code = code(gender), code(job)
     rows = sorted(
         ((int(r[3]), k, int(r[0]), int(r[1]), int(r[2])) for k, r in enumerate(ratings)),
     )  # by time, then file order
     return [
         {"user": [u], "item": [i], "age": [int(np.searchsorted(AGE_GROUPS, age[u], "right"))],
-         "gender": [g_code[u]], "occupation": [j_code[u]], "zip": [z_code[u]],
+         "gender": [g_code[u]], "occupation": [j_code[u]],
          "genres": genres[i], "label": float(stars >= 4)}
         for _, _, u, i, stars in rows
     ]  # fmt: skip
@@ -90,6 +89,8 @@ def test_every_rating_is_a_sample_with_its_features(tmp_path: Path, release: str
             assert got[key] == [r[key] for r in rows], (name, key)
     assert any(len(g) > 1 for g in held["genres"]) and any(not g for g in train["genres"])
     tables = {t.name: t for t in data.tables(8)}
+    # No zip table: its 3-character prefix acts as a second user id (the module docstring).
+    assert sorted(tables) == sorted(f"t_{key}" for key in reference[0] if key != "label")
     assert str(tables["t_genres"].pooling).lower().endswith("mean")
     assert tables["t_user"].num_embeddings == max(r["user"][0] for r in reference) + 1
     assert tables["t_age"].num_embeddings == 7
