@@ -10,10 +10,10 @@ all_to_all helper (`Comm`) and `CollectiveError`; `ShardedKVClient` lives in
 `ShardedEmbeddingBagCollection` is a `CachedEmbeddingBagCollection` whose caches (one per dim)
 and store hold only the rows this rank owns; `ShardedEmbeddingCollection`
 (`embcache.distributed.sharded_sequence`) is the same for a `CachedEmbeddingCollection` (one
-row per id, unpooled). Both are a `ShardedCollection`, which makes the exchanges; they differ
-only in their outputs (`ShardedCollection._outputs`) and in each cache's reduction
-(`engine.reduction`: pool bags, or gather one row per value). A training step with G caches
-(embedding dims) makes 2 + 2G all_to_alls:
+row per id, unpooled). Both are a `ShardedCollection`, whose `ShardExchange` makes the
+exchanges; they differ only in their outputs (`ShardedCollection._outputs`) and in each
+cache's reduction (`engine.reduction`: pool bags, or gather one row per value). A training
+step with G caches (embedding dims) makes 2 + 2G all_to_alls:
 
 * forward, on every rank: validate, fuse and dedup its own batch per cache; send every unique id
   to its owner (1: a ``[W, 5]`` header of counts, op code, tag, status and prefetch; 2: the ids,
@@ -81,13 +81,14 @@ from embcache.distributed.exchange import (
 )
 from embcache.distributed.sharded_kv import ShardedKVClient
 from embcache.engine.batch_state import FusedPrefetchHandle, InFlight, Prefetched, Prepared
+from embcache.engine.group import EngineGroup
 from embcache.engine.inputs import JaggedBatch, pooled_output
 from embcache.engine.interface import CachedCollectionInterface
 from embcache.engine.lookup import lookup
 from embcache.engine.options import FUSION_K, CollectionOptions
+from embcache.engine.tables import Table
 from embcache.kernels.optim import aggregate_grads
 from embcache.kv.base import Store
-from embcache.models.row_grads import GradAnchor, RowGradients
 from embcache.models.torch_optim import FusedOptimizerConventions
 
 __all__ = [
@@ -174,19 +175,11 @@ def _shard_cache_config(cache: CacheConfig | None, world_size: int) -> CacheConf
     return cache
 
 
-def _backward_done(rows: RowGradients) -> Callable[[torch.Tensor], None]:
-    """The anchor's post-accumulate-grad hook (holding ``rows``, not the collection)."""
-
-    def hook(anchor: torch.Tensor) -> None:
-        rows.backward_done()
-
-    return hook
-
-
 class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
     """The rows of a collection's tables sharded over the ranks, each rank owning a shard:
-    what `ShardedEmbeddingBagCollection` and `ShardedEmbeddingCollection` share (the
-    exchanges, prefetch, whole tables, statistics; the module docstring walks through them).
+    what `ShardedEmbeddingBagCollection` and `ShardedEmbeddingCollection` share. Its
+    `ShardExchange` (``exchange``) makes the exchanges of lookups, prefetches, gradients and
+    whole tables (the module docstring walks through them).
 
     A subclass gives ``forward`` its output: `_outputs` allocates a lookup's outputs and
     `_target` says where in them each cache's reduction writes (and, in the outputs'
@@ -211,29 +204,13 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         self._setup(
             tables, is_weighted, options, cache=_shard_cache_config(options.cache, comm.world_size)
         )
-        self._setup_torch_training(options.optimizer_type, options.optimizer_kwargs)
-        self._comm = comm
-        self._prefetch_comm = comm.new_comm()  # the prefetch worker's collectives
+        # torchrec's ways train the rows as on one process (`models.torch_optim`): a torch
+        # optimizer's step applies this rank's owned rows' gradients with the same row rule.
+        self._setup_torch_training(options)
         self.rank, self.world_size = comm.rank, comm.world_size
-        engines = self.engines.engines
-        engine_of = {t.name: i for i, e in enumerate(engines) for t in e.layout.tables}
-        self._table_engine = torch.tensor(
-            [engine_of[t.name] for t in self.tables], device=self.device
+        self.exchange = ShardExchange(
+            comm, self.engines, self.tables, self.checked_input, self._outputs, self._target
         )
-
-    def _setup_torch_training(
-        self, optimizer_type: type | None, optimizer_kwargs: Mapping[str, Any] | None
-    ) -> None:
-        """What lets torchrec's ways train the rows, as on one process (`models.torch_optim`):
-        the ``grad_anchor`` parameter a torch optimizer over ``parameters()`` holds (its step
-        applies this rank's owned rows' gradients with the same row rule), and the fused
-        ``optimizer_type`` applied inside backward."""
-        self.row_grads = RowGradients(self)
-        self.grad_anchor = GradAnchor(torch.empty(0, 1, device=self.device))
-        self.grad_anchor.rows = self.row_grads
-        self.grad_anchor.register_post_accumulate_grad_hook(_backward_done(self.row_grads))
-        self.engines.gradients = self.row_grads
-        self._init_fused_optimizer(optimizer_type, optimizer_kwargs)
 
     # ------------------------------------------------------------------------------------------
     # the outputs (each collection's own)
@@ -251,20 +228,97 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         ``(tensor, first column of each feature, columns[0] when they lie side by side)``."""
 
     # ------------------------------------------------------------------------------------------
-    # forward and backward
+    # the data path (`ShardExchange`)
 
     def _run(self, features: JaggedBatch | Any) -> tuple[tuple[torch.Tensor, ...], JaggedBatch]:
         """A forward's lookup (collective): its `_outputs` (one autograd node when gradients
         are on, `_ShardedStep`) and the checked batch."""
         if torch.is_grad_enabled():
-            run = _ShardedStep(self, features)
+            run = _ShardedStep(self.exchange, features)
             outs = lookup(self.grad_anchor, run)
             assert run.step is not None
             return outs, run.step.features
-        outs, step = self._lookup(features, training=False)
+        outs, step = self.exchange.lookup(features, training=False)
         return outs, step.features
 
-    def _lookup(self, features: Any, training: bool) -> tuple[tuple[torch.Tensor, ...], _Step]:
+    def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
+        """Start a batch's lookup ahead of its forward and return at once (collective, on the
+        prefetch worker and its own process group: every rank issues the same number of
+        prefetches in the same order). The worker dedups, sends the ids to their owners, and
+        each owner resolves and locks them in its cache (tier I/O included); the forward then
+        only has the owners send their rows. A bad id raises here, and every other rank's
+        prefetch fails (its forward then reads synchronously)."""
+        return self.exchange.issue_prefetch(id(self), features)
+
+    # ------------------------------------------------------------------------------------------
+    # whole tables (collective reads, local writes), statistics
+
+    def table_rows(self, table: str, chunk_rows: int = 1 << 16) -> torch.Tensor:
+        """Every row ``[num_embeddings, dim + state_dim]`` of a table, gathered from the owners
+        to every rank (collective). CPU float32."""
+        return self.exchange.gather_table(self.store, table, chunk_rows)
+
+    def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
+        """Overwrite ``columns`` of the rows this rank owns (``rows`` holds every row of the
+        table, as on every rank); empties the table's cache. Not a collective."""
+        self.exchange.write_owned(self.store, table, rows, columns)
+
+    def cache_stats(self, all_ranks: bool = False) -> dict[str, float]:
+        """This rank's cache counters (hits/misses count the unique ids it was asked for as
+        owner); ``all_ranks=True`` sums them over the ranks (a collective)."""
+        stats = super().cache_stats()
+        return self.exchange.summed_stats(stats) if all_ranks else stats
+
+    def comm_stats(self) -> dict[str, int]:
+        """all_to_alls made and bytes this rank sent (``bytes_to_peers``: excluding the chunk
+        to itself) since creation or `reset_comm_stats`, prefetches included."""
+        return self.exchange.comm_stats()
+
+    def reset_comm_stats(self) -> None:
+        self.exchange.reset_comm_stats()
+
+
+class ShardExchange:
+    """One rank's side of a sharded collection's exchanges (the module docstring walks through
+    them): as requester, its unique ids sent to their owners and the rows they send back
+    reduced into the collection's outputs; as owner, the ids it receives resolved (and locked)
+    in its caches, their rows sent back and their gradients summed into its trace; and the
+    whole tables' collectives. The forward's collectives run on the collection's process
+    group, the prefetch worker's on a group of their own (gloo and NCCL do not order the
+    collectives of one group across threads).
+
+    Args:
+        comm: the collection's process group.
+        engines: the collection's `EngineGroup` (this rank's caches, of the rows it owns).
+        tables: the collection's tables, in order.
+        checked_input: the collection's `CachedCollectionInterface.checked_input`.
+        outputs, target: the collection's `ShardedCollection._outputs` and `_target`.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        engines: EngineGroup,
+        tables: Sequence[Table],
+        checked_input: Callable[[Any], JaggedBatch],
+        outputs: Callable[[int, list[_Request]], tuple[torch.Tensor, ...]],
+        target: Callable[
+            [int, tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor, int | None]
+        ],
+    ) -> None:
+        self.comm = comm
+        self.prefetch_comm = comm.new_comm()  # the prefetch worker's collectives
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.engines = engines
+        self.device = engines.device
+        self.fusion_k = engines.fusion_k
+        self._checked_input = checked_input
+        self._outputs = outputs
+        self._target = target
+        engine_of = {t.name: i for i, e in enumerate(engines.engines) for t in e.layout.tables}
+        self._table_engine = torch.tensor([engine_of[t.name] for t in tables], device=self.device)
+
+    def lookup(self, features: Any, training: bool) -> tuple[tuple[torch.Tensor, ...], _Step]:
         """The exchanges of one forward inside the engines' step protocol, as one process
         makes it (`EngineGroup.forward_shares`) but with the ranks' header between its phases:
         a training forward is opened (`EngineGroup.open_forward`: a refusal joins the header,
@@ -277,7 +331,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         try:
             if training:  # the stale locks are dropped once every rank agrees (below)
                 self.engines.open_forward(release_stale=False)
-            features = self.checked_input(features)
+            features = self._checked_input(features)
             prefetched = self.engines.take_prefetch(features)
             if prefetched is not None:
                 mine = prefetched.payload.exchange
@@ -289,7 +343,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         ids = mine.ids if mine is not None else self._no_ids()
         owners = owner_of(ids, self.world_size)
         try:
-            header = self._comm.handshake(
+            header = self.comm.handshake(
                 torch.bincount(owners, minlength=self.world_size),
                 OP_FORWARD,
                 int(training),
@@ -308,7 +362,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         else:
             if prefetched is not None:  # another rank reads synchronously: so does this one
                 self._unlock(prefetched.payload.owned)
-            route = self._comm.send_ids(ids, owners, header.counts, OP_FORWARD)
+            route = self.comm.send_ids(ids, owners, header.counts, OP_FORWARD)
             owned, error = self._serve(route, training)
         requests = mine.requests
         try:
@@ -316,7 +370,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
             if not training:
                 self._unlock(owned)
             got = [
-                self._comm.reply(r, o.counts, q.counts, error, "the forward's rows")
+                self.comm.reply(r, o.counts, q.counts, error, "the forward's rows")
                 for r, o, q in zip(replies, owned, requests, strict=True)
             ]
         except BaseException:
@@ -346,17 +400,14 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
     # ------------------------------------------------------------------------------------------
     # prefetch
 
-    def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
-        """Start a batch's lookup ahead of its forward and return at once (collective, on the
-        prefetch worker and its own process group: every rank issues the same number of
-        prefetches in the same order). The worker dedups, sends the ids to their owners, and
-        each owner resolves and locks them in its cache (tier I/O included); the forward then
-        only has the owners send their rows. A bad id raises here, and every other rank's
-        prefetch fails (its forward then reads synchronously)."""
+    def issue_prefetch(self, owner_id: int, features: JaggedBatch | Any) -> FusedPrefetchHandle:
+        """`ShardedCollection.issue_fused_prefetch` of the collection ``owner_id``: the
+        refusal of a bad input still takes part in the peers' prefetch header (the refused
+        job), then raises."""
         error: Exception | None = None
         fused = None
         try:
-            batch = self.checked_input(features)
+            batch = self._checked_input(features)
             fused = [engine.fuse(batch) for engine in self.engines.engines]
         except Exception as e:
             error = e
@@ -364,7 +415,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         if error is not None:
             self.engines.prefetches.issue_refused(job)  # the peers' prefetch needs its header
             raise error
-        return self.engines.issue(id(self), batch, job)
+        return self.engines.issue(owner_id, batch, job)
 
     def _prefetch(self, fused: list | None, error: Exception | None, seq: int) -> Prefetched:
         """Worker-thread body of `issue_fused_prefetch`: header, ids to owners, owner resolve
@@ -377,7 +428,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
             except Exception as e:
                 error = e
         ids = mine.ids if mine is not None else self._no_ids()
-        route = self._prefetch_comm.route(
+        route = self.prefetch_comm.route(
             ids, owner_of(ids, self.world_size), OP_PREFETCH, seq, error
         )
         owned, failure = self._serve(route, lock=True)
@@ -446,7 +497,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
             req.saved = engine.reduction.forward(rows, slots, req, B, out, cols, start)
         return outs
 
-    def _backward(self, step: _Step, grad_outs: tuple[torch.Tensor, ...]) -> None:
+    def backward(self, step: _Step, grad_outs: tuple[torch.Tensor, ...]) -> None:
         """Gradient rows per unique id -> their owners, who sum them and record the trace."""
         B = step.batch_size
         grad_outs = tuple(g.to(torch.float32).contiguous() for g in grad_outs)
@@ -458,7 +509,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
             grad = engine.reduction.backward(grad_out, req.order.numel(), req, B, cols, start,
                                              req.saved)  # fmt: skip
             received.append(
-                self._comm.exchange(grad[req.order], req.counts, o.counts, "the gradients")
+                self.comm.exchange(grad[req.order], req.counts, o.counts, "the gradients")
             )
         # Every exchange first: an error below (a NaN refused by update_in_backward) must not
         # leave a peer waiting in one.
@@ -469,7 +520,7 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         self.engines.record_backward(step.batch, summed)
 
     # ------------------------------------------------------------------------------------------
-    # whole tables (collective reads, local writes), statistics
+    # whole tables, statistics
 
     def _owned_ids(self, table: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids in [lo, hi), their owners)`` of a table."""
@@ -477,71 +528,68 @@ class ShardedCollection(FusedOptimizerConventions, CachedCollectionInterface):
         fused = ids | (self.engines.table_index[table] << self.fusion_k)
         return ids, owner_of(fused, self.world_size)
 
-    def table_rows(self, table: str, chunk_rows: int = 1 << 16) -> torch.Tensor:
+    def gather_table(self, store: Store, table: str, chunk_rows: int) -> torch.Tensor:
         """Every row ``[num_embeddings, dim + state_dim]`` of a table, gathered from the owners
-        to every rank (collective). CPU float32."""
+        to every rank (collective): `ShardedCollection.table_rows`."""
         self.engines.engine_of(table).cache.flush()
-        spec = self.store.table_spec(table)
+        spec = store.table_spec(table)
         out = torch.empty(spec.num_embeddings, spec.row_width)
         W = self.world_size
         for lo in range(0, spec.num_embeddings, chunk_rows):
             ids, owners = self._owned_ids(table, lo, min(lo + chunk_rows, spec.num_embeddings))
             counts = torch.bincount(owners, minlength=W)
-            mine = self.store.read(table, ids[owners == self.rank])  # creates no row
+            mine = store.read(table, ids[owners == self.rank])  # creates no row
             padded = torch.zeros(int(counts.max()), spec.row_width)
             padded[: mine.shape[0]] = mine
-            parts = [torch.empty_like(padded, device=self._comm.device) for _ in range(W)]
-            self._comm.run(
+            parts = [torch.empty_like(padded, device=self.comm.device) for _ in range(W)]
+            self.comm.run(
                 f"all_gather of table_rows({table!r})",
                 lambda parts=parts, padded=padded: dist.all_gather(
-                    parts, padded.to(self._comm.device), group=self._comm.group
+                    parts, padded.to(self.comm.device), group=self.comm.group
                 ),
             )
             rows = torch.cat([p[:c].cpu() for p, c in zip(parts, counts.tolist(), strict=True)])
             out[ids[torch.argsort(owners, stable=True)]] = rows
         return out
 
-    def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
+    def write_owned(self, store: Store, table: str, rows: torch.Tensor, columns: slice) -> None:
         """Overwrite ``columns`` of the rows this rank owns (``rows`` holds every row of the
         table, as on every rank); empties the table's cache. Not a collective."""
         if self.engines.inflight or self.engines.has_gradients:
             raise RuntimeError("cannot overwrite tables while a batch is in flight")
         self.engines.engine_of(table).cache.invalidate()
         self.engines.generation += 1
-        n = self.store.table_spec(table).num_embeddings
+        n = store.table_spec(table).num_embeddings
         rows = rows.detach().to(torch.float32).cpu()
         chunk = 1 << 16
         for lo in range(0, n, chunk):
             ids, owners = self._owned_ids(table, lo, min(lo + chunk, n))
             mine = ids[owners == self.rank]
-            current = self.store.get(table, mine)
+            current = store.get(table, mine)
             current[:, columns] = rows[mine]
-            self.store.put(table, mine, current)
+            store.put(table, mine, current)
 
-    def cache_stats(self, all_ranks: bool = False) -> dict[str, float]:
-        """This rank's cache counters (hits/misses count the unique ids it was asked for as
-        owner); ``all_ranks=True`` sums them over the ranks (a collective)."""
-        stats = super().cache_stats()
-        if all_ranks:
-            keys = ("hits", "misses", "evictions", "writebacks")
-            total = torch.tensor([stats[k] for k in keys], device=self._comm.device)
-            self._comm.run(
-                "all_reduce of cache_stats", lambda: dist.all_reduce(total, group=self._comm.group)
-            )
-            stats = dict(zip(keys, (int(v) for v in total.tolist()), strict=True))
-            looked_up = stats["hits"] + stats["misses"]
-            stats["hit_rate"] = stats["hits"] / looked_up if looked_up else 0.0
-        return stats
+    def summed_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        """This rank's cache counters summed over the ranks (a collective), with the hit
+        rate."""
+        keys = ("hits", "misses", "evictions", "writebacks")
+        total = torch.tensor([stats[k] for k in keys], device=self.comm.device)
+        self.comm.run(
+            "all_reduce of cache_stats", lambda: dist.all_reduce(total, group=self.comm.group)
+        )
+        summed: dict[str, float] = dict(zip(keys, (int(v) for v in total.tolist()), strict=True))
+        looked_up = summed["hits"] + summed["misses"]
+        summed["hit_rate"] = summed["hits"] / looked_up if looked_up else 0.0
+        return summed
 
     def comm_stats(self) -> dict[str, int]:
-        """all_to_alls made and bytes this rank sent (``bytes_to_peers``: excluding the chunk
-        to itself) since creation or `reset_comm_stats`, prefetches included."""
-        forward, prefetch = self._comm.stats(), self._prefetch_comm.stats()
+        """`ShardedCollection.comm_stats`: the forward's and the prefetch worker's."""
+        forward, prefetch = self.comm.stats(), self.prefetch_comm.stats()
         return {k: forward[k] + prefetch[k] for k in forward}
 
     def reset_comm_stats(self) -> None:
-        self._comm.reset_stats()
-        self._prefetch_comm.reset_stats()
+        self.comm.reset_stats()
+        self.prefetch_comm.reset_stats()
 
 
 class ShardedEmbeddingBagCollection(ShardedCollection):
@@ -644,19 +692,19 @@ class _ShardedStep:
 
     anchor_grad = True
 
-    def __init__(self, module: ShardedCollection, features: Any) -> None:
-        self.module = module
+    def __init__(self, exchange: ShardExchange, features: Any) -> None:
+        self.exchange = exchange
         self.features = features
         self.step: _Step | None = None
 
     def forward(self) -> tuple[torch.Tensor, ...]:
-        module = self.module
+        exchange = self.exchange
         # The step is this thread's from here (`embcache.engine.claim`): another thread's
         # forward raises before its handshake, so the peers meet this thread's collectives.
-        with module.engines.claimed("training forward"):
-            outs, self.step = module._lookup(self.features, training=True)
+        with exchange.engines.claimed("training forward"):
+            outs, self.step = exchange.lookup(self.features, training=True)
         return outs
 
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
         assert self.step is not None
-        self.module._backward(self.step, grads)
+        self.exchange.backward(self.step, grads)

@@ -8,7 +8,10 @@ tables through `table_rows` / `write_table_rows`), `TrainPipeline` (`issue_fused
 torchrec's ``EmbeddingBagCollectionInterface`` (`embedding_bag_configs`, `is_weighted`,
 ``device``). Each collection holds an `EngineGroup` (``self.engines``) and its own data path;
 neither subclasses the other, as torchrec's sharded modules implement its module interfaces
-rather than extend the unsharded ones.
+rather than extend the unsharded ones. The interface itself is the surface and thin
+delegations: `build_collection` builds what it declares, and its bodies are parts it holds
+or calls (`CollectionLifetime`: the store and closing; `engine.collection_state`: the
+``state_dict()`` keys and the refused copies; `engine.collection_setup`: the tables declared).
 
 Threads: a collection trains from one thread at a time. Its first training forward claims it
 for the calling thread until that thread's step (or `zero_grad` / `reset_trace`) completes;
@@ -21,12 +24,6 @@ works from any thread as before: inference under ``torch.no_grad()``, `flush`,
 from __future__ import annotations
 
 import abc
-import atexit
-import functools
-import gc
-import os
-import sys
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -37,17 +34,22 @@ from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
 from embcache.devices import resolve_device
 from embcache.engine.batch_state import FusedPrefetchHandle, TraceEntry
+from embcache.engine.collection_lifetime import CollectionLifetime
+from embcache.engine.collection_setup import as_config, declare_tables
+from embcache.engine.collection_state import (
+    deepcopy_refused,
+    load_weights,
+    pickle_refused,
+    save_weights,
+)
 from embcache.engine.group import EngineGroup
 from embcache.engine.inputs import JaggedBatch, as_jagged, checked_batch
 from embcache.engine.optimizer import AttachedOptimizer, DeviceCheck, StepOptimizer
 from embcache.engine.options import FUSION_K as FUSION_K  # where the collections import it
 from embcache.engine.options import MAX_FUSION_K as MAX_FUSION_K
 from embcache.engine.options import CollectionOptions
-from embcache.engine.row_init import table_inits
-from embcache.engine.tables import Table, TableConfig, normalize_tables
+from embcache.engine.tables import Table, normalize_tables
 from embcache.kv.base import Store, TableSpec
-from embcache.kv.host import HostKV
-from embcache.kv.url import open_store
 
 UNFUSED_K = 48  # enable_fusion=False: internal fusion with room for ids below 2**48
 
@@ -98,85 +100,100 @@ class WeightedFlag:
         return repr(self._value)
 
 
-def _whole_tables(tables: Sequence[Table], cache: CacheConfig, device: torch.device) -> bool:
-    """Whether every cache (one per dim, or per table: `CacheConfig.split`) holds all the rows
-    of its tables."""
-    for config, mine in cache.split(tables):
-        sizes = [t.num_embeddings for t in mine]
-        if None in sizes:
-            return False
-        rows = sum(s for s in sizes if s is not None)
-        if config.rows_for(rows, mine[0].dim, device) < rows:
-            return False
-    return True
+def summed_cache_stats(caches: Sequence[HotCache]) -> dict[str, float]:
+    """Every counter of ``caches`` (`HotCache.cache_stats`) summed, and the hit rate."""
+    total: dict[str, float] = {}
+    for cache in caches:
+        for k, v in cache.cache_stats().items():
+            total[k] = total.get(k, 0) + v
+    looked_up = total.get("hits", 0) + total.get("misses", 0)
+    total["hit_rate"] = total.get("hits", 0) / looked_up if looked_up else 0.0
+    return total
 
 
-def _as_config(table: Table, cfg: Any) -> Any:
-    """The config object `embedding_bag_configs` returns for one table."""
-    if isinstance(cfg, Mapping):
-        return TableConfig(
-            name=table.name,
-            embedding_dim=table.dim,
-            num_embeddings=table.num_embeddings,
-            feature_names=list(table.feature_names),
-            pooling=table.pooling,
-            init_fn=table.init_fn,
-            data_type=table.dtype,
-        )
-    if not cfg.feature_names:
-        cfg.feature_names = list(table.feature_names)  # torchrec fills it in the same way
-    return cfg
+def build_collection(
+    collection: CachedCollectionInterface,
+    tables: Sequence[Any],
+    is_weighted: bool,
+    options: CollectionOptions,
+    cache: CacheConfig | None,
+) -> None:
+    """Build what every collection shares (`CachedCollectionInterface._setup`): tables,
+    store, initialisers, engines; every attribute the interface declares.
 
-
-class _CloseAtExit:
-    """The exit hook of one collection: `CachedCollectionInterface.close` if the collection is
-    still alive (a weak reference: a collection garbage-collected before is skipped), in the
-    process that built it only. A child forked from that process inherits the hook with a copy
-    of the cache, whose dirty rows are older than what the parent has written since: writing
-    them back at the child's exit would roll the parent's rows back."""
-
-    def __init__(self, collection: CachedCollectionInterface) -> None:
-        self._collection = weakref.ref(collection)
-        self._pid = os.getpid()
-
-    def __call__(self) -> None:
-        if os.getpid() != self._pid:
-            return
-        _collect_garbage_once()
-        collection = self._collection()
-        if collection is not None:
-            collection._close_at_exit()
-
-
-@functools.cache
-def _collect_garbage_once() -> None:
-    """Collect unreachable reference cycles (a collection is one) before the first exit hook,
-    so collections the program dropped are skipped rather than written back."""
-    gc.collect()
+    ``options.device=None`` is torch's default device (``with torch.device("meta"):``
+    included); ``options.seed=None`` takes the rows' randomness from torch's generator
+    (`engine.row_init`). ``cache``: the caches' config when it is a share of ``options.cache``
+    (a sharded rank's); None: ``options.cache``. Whether every row is cached, for the rows'
+    initialisation, is the whole config's answer. A callable ``options.store`` (a sharded
+    collection's, ``store(rank)``) is resolved before.
+    """
+    c = collection
+    c.options = options
+    c.tables = normalize_tables(tables, c.pooled)
+    c._configs = [as_config(t, cfg) for t, cfg in zip(c.tables, tables, strict=True)]
+    c.fusion_k = checked_fusion_k(options, c.tables)
+    c.enable_fusion = options.enable_fusion
+    c._is_weighted = bool(is_weighted)
+    # Resolved here, on the caller's thread: ``cuda`` means its current device.
+    device = options.device
+    c.device = resolve_device(torch.get_default_device() if device is None else device)
+    c.cache_config = cache or options.cache or CacheConfig()
+    c.cache_config.check_tables([t.name for t in c.tables])  # before the store opens
+    store = cast("Store | str | None", options.store)  # a callable is refused there
+    c.lifetime = CollectionLifetime(store, c.device)  # a store it opens is its own
+    c.store = c.lifetime.store
+    c.update_in_backward = options.applies_in_backward
+    c.accumulate_grads = options.accumulate_grads
+    c.lr = options.lr
+    c.features = list(dict.fromkeys(f for t in c.tables for f in t.feature_names))
+    c.output_keys = [k for t in c.tables for k in t.key_names]
+    c.output_dims = [t.dim for t in c.tables for _ in t.key_names]
+    c.specs = declare_tables(c.store, c.tables, options, c.cache_config, c.device, not c.pooled)
+    c.engines = EngineGroup(
+        c.tables, c.specs, c.store, c.cache_config, c.device, c.fusion_k, options
+    )
+    c.engines.set_owner(c)
+    # Requires grad, so the pooling op is recorded although the rows are no leaves.
+    c.grad_anchor = torch.empty(0, requires_grad=True)
+    c.lifetime.watch(c, c.engines)  # after the store's own exit hook: it runs before it
 
 
 class CachedCollectionInterface(nn.Module, abc.ABC):
     """Pooled embedding lookups over device caches with a write-back tier behind them.
 
     Subclasses call `_setup` from their constructor and implement the data path (`forward`,
-    the prefetch calls) and whole-table access (`table_rows`, `write_table_rows`).
-
-    Attributes:
-        options: the `CollectionOptions` it was built with (a sharded rank's store resolved).
-        tables: the normalised tables (`Table`), in the order given.
-        store: the tier.
-        device: where the caches and outputs live.
-        engines: the `EngineGroup` (one `CacheEngine` per embedding dim).
-        features: the input keys looked up, each once, in table order.
-        output_keys: the output's keys: every table's features, in table order
-            (``feature@table`` for a feature several tables look up).
-        output_dims: the embedding dim of each output key.
+    the prefetch calls) and whole-table access (`table_rows`, `write_table_rows`). The rest
+    delegates to the parts the collection holds: its `EngineGroup` (``engines``: steps,
+    caches, prefetch handles), its `CollectionLifetime` (``lifetime``: the store, `close`) and
+    `engine.collection_state` (``state_dict()`` keys, refused copies).
     """
 
     # The tables' kind (pooled bags, or one row per value) and the name torchrec gives their
     # weights in ``state_dict()``: ``<weights_prefix>.<table>.weight``.
     pooled = True
     weights_prefix = "embedding_bags"
+
+    # What `_setup` gives every collection (`build_collection`):
+    options: CollectionOptions  # as built (a sharded rank's store resolved)
+    tables: list[Table]  # normalised (`Table`), in the order given
+    store: Store  # the tier
+    device: torch.device  # where the caches and outputs live
+    engines: EngineGroup  # one `CacheEngine` per embedding dim (or per table given a size)
+    lifetime: CollectionLifetime  # the store's owner; `close`
+    features: list[str]  # the input keys looked up, each once, in table order
+    output_keys: list[str]  # every table's features in table order (or ``feature@table``)
+    output_dims: list[int]  # the embedding dim of each output key
+    specs: dict[str, TableSpec]  # each table as the store declared it
+    cache_config: CacheConfig  # this collection's caches (a sharded rank's share)
+    fusion_k: int
+    enable_fusion: bool
+    update_in_backward: bool
+    accumulate_grads: bool
+    lr: float | None
+    grad_anchor: torch.Tensor
+    _configs: list[Any]
+    _is_weighted: bool
 
     def _setup(
         self,
@@ -185,98 +202,17 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         options: CollectionOptions,
         cache: CacheConfig | None = None,
     ) -> None:
-        """Build what every collection shares: tables, store, initialisers, engines.
-
-        ``options.device=None`` is torch's default device (``with torch.device("meta"):``
-        included); ``options.seed=None`` takes the rows' randomness from torch's generator
-        (`engine.row_init`). ``cache``: the caches' config when it is a share of
-        ``options.cache`` (a sharded rank's); None: ``options.cache``. Whether every row is
-        cached, for the rows' initialisation, is the whole config's answer. A callable
-        ``options.store`` (a sharded collection's, ``store(rank)``) is resolved before.
-        """
-        self.options = options
-        self.tables = normalize_tables(tables, self.pooled)
-        self._configs = [_as_config(t, cfg) for t, cfg in zip(self.tables, tables, strict=True)]
-        self.fusion_k = checked_fusion_k(options, self.tables)
-        self.enable_fusion = options.enable_fusion
-        self._is_weighted = bool(is_weighted)
-        # Resolved here, on the caller's thread: ``cuda`` means its current device.
-        device = options.device
-        self.device = resolve_device(torch.get_default_device() if device is None else device)
-        whole_cfg = options.cache or CacheConfig()
-        self.cache_config = cache or whole_cfg
-        self.cache_config.check_tables([t.name for t in self.tables])  # before the store opens
-        # A store the collection opened (a URL, None) is its own: `close` closes it.
-        store = cast("Store | str | None", options.store)  # a callable is refused there
-        self._owns_store = not isinstance(store, Store)
-        self.store = open_store(store)
-        self.update_in_backward = options.applies_in_backward
-        self.accumulate_grads = options.accumulate_grads
-        self.lr = options.lr
-        self.features = list(dict.fromkeys(f for t in self.tables for f in t.feature_names))
-        self.output_keys = [k for t in self.tables for k in t.key_names]
-        self.output_dims = [t.dim for t in self.tables for _ in t.key_names]
-        cfg = self.cache_config
-        whole = whole_cfg.tier_capacity is None and _whole_tables(
-            self.tables, whole_cfg, self.device
-        )
-        seed = options.seed
-        inits = table_inits(self.tables, seed, whole, self.device, per_table=not self.pooled)
-        weight_dtype = cfg.weight_dtype
-        assert weight_dtype is None or isinstance(weight_dtype, torch.dtype)  # __post_init__
-        self.specs = {
-            t.name: TableSpec(
-                t.name,
-                t.dim,
-                t.num_embeddings,
-                init=inits[t.name],
-                seed=seed or 0,
-                dtype=weight_dtype or t.dtype,
-                capacity=cfg.tier_capacity_of(t.name),
-                score=cfg.tier_policy,
-            )
-            for t in self.tables
-        }
-        for spec in self.specs.values():
-            self.store.init_table(spec)
-        self.engines = EngineGroup(
-            self.tables, self.specs, self.store, self.cache_config, self.device, self.fusion_k,
-            options,
-        )  # fmt: skip
-        self.engines.set_owner(self)
-        # Requires grad, so the pooling op is recorded although the rows are no leaves.
-        self.grad_anchor = torch.empty(0, requires_grad=True)
-        # Registered after the store was opened (and its own exit hook, a Redis tier's lease
-        # release), so it runs before it: atexit runs last-registered first.
-        self._closed = False
-        self._exit_hook = _CloseAtExit(self)
-        atexit.register(self._exit_hook)
-
-    # -- copies: refused, with what to do instead ------------------------------------------
+        """Build what every collection shares: tables, store, initialisers, engines
+        (`build_collection`, where ``options`` and ``cache`` are explained)."""
+        build_collection(self, tables, is_weighted, options, cache)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """Refused: the rows live in the caches and the tier, not in the module (a copy would
-        have to duplicate a tier that may be far larger than memory, or share it and break
-        the one-writer-per-row rule)."""
-        raise TypeError(
-            f"copy.deepcopy of a {type(self).__name__} is not supported: its rows live in a "
-            "device cache and a tier, not in the module. To copy it, build a new collection "
-            "with the same tables and call new.load_state_dict(old.state_dict()) (the "
-            "weights), or embcache.save(path, old_model, optimizers) then "
-            "embcache.load(path, new_model, optimizers) (weights and optimizer state)"
-        )
+        """Refused, saying what to do instead (`collection_state.deepcopy_refused`)."""
+        raise deepcopy_refused(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Refused (``pickle``, ``torch.save(module)``, ``copy.copy``): checkpoints hold data,
-        never pickled modules."""
-        raise TypeError(
-            f"a {type(self).__name__} cannot be pickled (pickle, torch.save(module), "
-            "copy.copy): its rows live in a device cache and a tier, not in the module. Save "
-            "the data instead: embcache.save(path, model, optimizers) (weights and optimizer "
-            "state, checksummed) or torch.save(model.state_dict()) (torchrec's keys); rebuild "
-            "the model and load it with embcache.load(path, model, optimizers) or "
-            "model.load_state_dict(...)"
-        )
+        """Refused (``pickle``, ``torch.save(module)``, ``copy.copy``): checkpoints hold data."""
+        raise pickle_refused(self)
 
     def checked_input(self, features: object, read_lengths: bool = True) -> JaggedBatch:
         """``features`` (a KJT or a `JaggedBatch`) as a checked `JaggedBatch` holding what this
@@ -328,10 +264,7 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         """The handle the next forward uses, if any."""
         return self.engines.prefetches.recorded
 
-    @property
-    def _fused_prefetch_handle(self) -> FusedPrefetchHandle | None:
-        """RecStore's name for `pending_prefetch`."""
-        return self.engines.prefetches.recorded
+    _fused_prefetch_handle = pending_prefetch  # RecStore's name
 
     # -- what a sparse optimizer drives -----------------------------------------------------
 
@@ -385,72 +318,25 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         prefetch handles hold)."""
         self.engines.zero_grad()
 
-    # -- caches, statistics -----------------------------------------------------------------
+    # -- caches, statistics, the end of a run -----------------------------------------------
 
     def flush(self) -> None:
         """Write every dirty cached row back to the tier."""
         self.engines.flush()
 
-    # -- the end of a run ---------------------------------------------------------------------
-
     def close(self) -> None:
-        """End training: drop pending gradients (and prefetch handles), write every dirty
-        cached row back, then close the store if the collection opened it (a URL or None; a
-        Redis tier releases its owner leases, so the next job opens the tables at once) or
-        flush it if it was given (`Store.flush`: a tiered store writes its host rows through)
-        and left open for its owner. Leaving ``with collection:`` calls it, and so does the
-        interpreter's exit for a collection still alive then.
-
-        Idempotent. If the write-back fails nothing is closed, the rows stay dirty in the
-        cache, and the call (or the exit) may try again. Later training calls (a forward with
-        gradients, a prefetch, an optimizer step) raise `RuntimeError`; lookups on a closed
-        store fail.
-        """
-        if self._closed:
-            return
-        if self.device.type != "meta":
-            self.engines.zero_grad()  # waits for an in-flight prefetch before the write-back
-            self.engines.flush()
-        if self._owns_store:
-            self.store.close()
-        else:
-            self.store.flush()
-        self._closed = True
-        self.engines.claim.closed = True  # training calls are refused from now on
-        atexit.unregister(self._exit_hook)
+        """End training: drop pending gradients, write every dirty cached row back, close the
+        store if the collection opened it (a URL or None), else flush it (`CollectionLifetime`).
+        Leaving ``with collection:`` calls it, as does the exit of the interpreter. Idempotent;
+        after a failed write-back nothing is closed and it may be called again. Later training
+        calls raise `RuntimeError`; lookups on a closed store fail."""
+        self.lifetime.close()
 
     def __enter__(self) -> CachedCollectionInterface:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _close_at_exit(self) -> None:
-        """`close` at interpreter exit; a failure is one line on stderr (the collection, the
-        error, the dirty rows left unwritten), never a traceback."""
-        if self._closed:
-            return
-        if isinstance(self.store, HostKV):
-            return  # in-process rows end with the process: nothing to write back
-        # concurrent.futures refuses new work once the interpreter is shutting down, so the
-        # caches make their tier calls in turn (an instance attribute over the class's).
-        self.store.parallel_io = False
-        try:
-            self.close()
-        except Exception as e:
-            print(
-                f"embcache: {type(self).__name__} of tables {[t.name for t in self.tables]} "
-                f"on {self.store!r} could not write back its cache at exit "
-                f"({type(e).__name__}: {' '.join(str(e).split())}); {self._dirty_rows()} "
-                "dirty rows not written",
-                file=sys.stderr,
-            )
-
-    def _dirty_rows(self) -> int | str:
-        try:
-            return sum(int(cache.dirty.sum()) for cache in self.caches())
-        except Exception:
-            return "an unknown number of"
 
     def invalidate_caches(self) -> None:
         """Drop pending gradients, write back and empty every cache (the next batch reads
@@ -465,33 +351,17 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
     def cache_stats(self) -> dict[str, float]:
         """The caches' counters (`HotCache.cache_stats`: hits, misses, evictions, writebacks,
         admissions refused, gradients dropped) summed over the caches, and the hit rate."""
-        total: dict[str, float] = {}
-        for cache in self.caches():
-            for k, v in cache.cache_stats().items():
-                total[k] = total.get(k, 0) + v
-        looked_up = total.get("hits", 0) + total.get("misses", 0)
-        total["hit_rate"] = total.get("hits", 0) / looked_up if looked_up else 0.0
-        return total
+        return summed_cache_stats(self.caches())
 
     def reset_stats(self) -> None:
         self.engines.reset_stats()
 
-    # -- torchrec's state_dict keys ---------------------------------------------------------
+    # -- torchrec's state_dict keys (`engine.collection_state`) -----------------------------
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
-        # An unbounded table has no [num_embeddings, dim] tensor: `embcache.save` holds its rows.
-        for t in self.tables:
-            if t.num_embeddings is None:
-                continue
-            key = f"{prefix}{self.weights_prefix}.{t.name}.weight"
-            if self.device.type == "meta":
-                destination[key] = torch.empty(
-                    t.num_embeddings, t.dim, dtype=t.dtype, device="meta"
-                )
-            else:
-                destination[key] = self.table_rows(t.name)[:, : t.dim].to(t.dtype)
+        save_weights(self, destination, prefix)
 
     def _load_from_state_dict(
         self,
@@ -503,39 +373,4 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        expected = {
-            f"{prefix}{self.weights_prefix}.{t.name}.weight": t
-            for t in self.tables
-            if t.num_embeddings is not None
-        }
-        updates = []
-        for key, t in expected.items():
-            if key not in state_dict:
-                missing_keys.append(key)
-                continue
-            value = state_dict[key]
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                error_msgs.append(
-                    f"{key} has dtype {getattr(value, 'dtype', type(value).__name__)}; table "
-                    f"weights must be floating point"
-                )
-                continue
-            if tuple(value.shape) != (t.num_embeddings, t.dim):
-                error_msgs.append(
-                    f"size mismatch for {key}: checkpoint has {tuple(value.shape)}, table "
-                    f"{t.name!r} is {(t.num_embeddings, t.dim)}"
-                )
-                continue
-            if not value.is_meta and not bool(torch.isfinite(value).all()):
-                error_msgs.append(f"{key} holds NaN or Inf values")
-                continue
-            updates.append((t, value))
-        # Every key under this module's prefix is ours: its parameters stand for the tables,
-        # which state_dict() holds under these keys, and its children hold nothing.
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
-        if error_msgs or (strict and (missing_keys or unexpected_keys)):
-            return  # nn.Module raises with these messages; nothing was written
-        if self.device.type == "meta":
-            return  # no rows to write, as torchrec's meta weights take no values
-        for t, value in updates:
-            self.write_table_rows(t.name, value.detach(), slice(0, t.dim))
+        load_weights(self, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)

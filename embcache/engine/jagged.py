@@ -4,6 +4,7 @@ for a KJT input and a `JaggedRows` (the same read methods, no torchrec) for a `J
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -115,23 +116,43 @@ class SequenceCollection:
     def split_per_key(
         self, outs: tuple[torch.Tensor, ...], counts: dict[str, int]
     ) -> dict[str, torch.Tensor]:
-        """Each output key's rows ``[n, dim]``: views of the engines' ``[nnz_e, dim_e]``
-        outputs, cut by the values of each feature (``counts``)."""
-        values = {}
-        for engine, out in zip(self.engines.engines, outs, strict=True):
-            sizes = [counts[f] for f in engine.layout.features]
-            for key, part in zip(engine.layout.keys, torch.split(out, sizes), strict=True):
-                values[key] = part
-        return values
+        """`split_per_key` over the collection's engines."""
+        return split_per_key(self.engines.engines, outs, counts)
 
     def jagged_output(
         self, features: object, batch: Any, values: dict[str, torch.Tensor]
     ) -> dict[str, Any]:
-        """``{key: JaggedTensor}`` (or `JaggedRows`) of the rows per key, with the input's
-        lengths and, under ``need_indices``, its ids."""
-        rows = {}
-        for key, feature in zip(self.output_keys, self.key_features(), strict=True):
-            part = batch[feature]
-            indices = part.values() if self._need_indices else None
-            rows[key] = (values[key], part.lengths(), indices)
-        return sequence_output(features, rows)
+        """`jagged_output` of the collection's keys, with its ids under ``need_indices``."""
+        keys = zip(self.output_keys, self.key_features(), strict=True)
+        return jagged_output(features, batch, values, keys, self._need_indices)
+
+
+def split_per_key(
+    engines: Sequence[Any], outs: tuple[torch.Tensor, ...], counts: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """Each output key's rows ``[n, dim]``: views of the engines' ``[nnz_e, dim_e]`` outputs,
+    cut by the values of each feature (``counts``)."""
+    values = {}
+    for engine, out in zip(engines, outs, strict=True):
+        sizes = [counts[f] for f in engine.layout.features]
+        for key, part in zip(engine.layout.keys, torch.split(out, sizes), strict=True):
+            values[key] = part
+    return values
+
+
+def jagged_output(
+    features: object,
+    batch: Any,
+    values: dict[str, torch.Tensor],
+    keys: Iterable[tuple[str, str]],
+    need_indices: bool,
+) -> dict[str, Any]:
+    """``{key: JaggedTensor}`` (or `JaggedRows`) of the rows per output key, ``keys`` giving
+    each key's input feature, with the input's lengths and, under ``need_indices``, its
+    ids."""
+    rows = {}
+    for key, feature in keys:
+        part = batch[feature]
+        indices = part.values() if need_indices else None
+        rows[key] = (values[key], part.lengths(), indices)
+    return sequence_output(features, rows)

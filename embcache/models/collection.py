@@ -52,16 +52,51 @@ import gc
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, overload
 
 import torch
 
 from embcache.cache.config import CacheConfig
+from embcache.engine.engine import CacheEngine
 from embcache.engine.inputs import JaggedBatch, pooled_output
 from embcache.engine.options import FUSION_K, CollectionOptions
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
-from embcache.models.local import LocalCollection, opaque_to_compile
+from embcache.models.local import LocalCollection, fx_leaf, opaque_to_compile
+
+
+class ExportName:
+    """The name a ``torch.export`` program of a collection calls it by when it runs: its
+    tables (name, rows, dim, features) unless set. A program saved with ``torch.export.save``
+    runs in any process holding one live collection of that name (a serving process builds
+    the same model and loads its weights, then ``torch.export.load``); set distinct names on
+    collections of the same tables that live in one process.
+
+    A data descriptor (``collection.export_name``, read or set); the name set is the
+    collection's ``_export_name``.
+    """
+
+    @overload
+    def __get__(self, collection: None, owner: type | None = None) -> ExportName: ...
+
+    @overload
+    def __get__(self, collection: Any, owner: type | None = None) -> str: ...
+
+    def __get__(self, collection: Any, owner: type | None = None) -> ExportName | str:
+        if collection is None:
+            return self
+        name = collection.__dict__.get("_export_name")
+        if name is not None:
+            return str(name)
+        return ";".join(
+            f"{t.name}[{t.num_embeddings}x{t.dim}]({','.join(t.feature_names)})"
+            for t in collection.tables
+        )
+
+    def __set__(self, collection: Any, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"export_name must be a non-empty str, got {name!r}")
+        collection.__dict__["_export_name"] = name
 
 
 class CachedEmbeddingBagCollection(LocalCollection):
@@ -141,31 +176,10 @@ class CachedEmbeddingBagCollection(LocalCollection):
         del location  # the cache decides placement
         super().__init__(tables, is_weighted, options)
         register_with_torchrec()
-        self._export_name: str | None = None
         _LIVE.add(self)
 
-    # -- the name an exported program calls it by ---------------------------------------------
-
-    @property
-    def export_name(self) -> str:
-        """The name a ``torch.export`` program of this collection calls it by when it runs:
-        its tables (name, rows, dim, features) unless set. A program saved with
-        ``torch.export.save`` runs in any process holding one live collection of that name (a
-        serving process builds the same model and loads its weights, then
-        ``torch.export.load``); set distinct names on collections of the same tables that
-        live in one process."""
-        if self._export_name is not None:
-            return self._export_name
-        return ";".join(
-            f"{t.name}[{t.num_embeddings}x{t.dim}]({','.join(t.feature_names)})"
-            for t in self.tables
-        )
-
-    @export_name.setter
-    def export_name(self, name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"export_name must be a non-empty str, got {name!r}")
-        self._export_name = name
+    # The name a ``torch.export`` program of it calls it by (`ExportName`).
+    export_name = ExportName()
 
     # -- the data path -----------------------------------------------------------------------
 
@@ -184,16 +198,9 @@ class CachedEmbeddingBagCollection(LocalCollection):
                 ``allow_unsharded_replicas=True`` (`check_not_replicated`).
         """
         if isinstance(features, torch.fx.Proxy):
-            tracer = cast(torch.fx.Tracer, features.tracer)  # symbolic_trace's, with module paths
-            path = tracer.path_of_module(self)
-            if not path:
-                raise TypeError(
-                    "a CachedEmbeddingBagCollection is a leaf of torch.fx traces: trace the "
-                    "model that holds it, not the collection itself"
-                )
-            return tracer.create_proxy("call_module", path, (features,), {})
+            return fx_leaf(self, features, "CachedEmbeddingBagCollection")
         if torch.compiler.is_exporting():
-            return self._exported_forward(features)
+            return exported_forward(self, features)
         if self.device.type == "meta":  # shapes only, as torchrec's meta weights give
             values = torch.empty(features.stride(), sum(self.output_dims), device="meta")
             return pooled_output(features, self.output_keys, self.output_dims, values)
@@ -205,48 +212,56 @@ class CachedEmbeddingBagCollection(LocalCollection):
         if not self.tables:
             values = torch.empty(batch.stride(), 0, device=self.device)
             return pooled_output(features, self.output_keys, self.output_dims, values)
-        engines = self.engines
         outs = self._lookup(batch, training=torch.is_grad_enabled())
-        if len(outs) == 1 and engines.engines[0].layout.keys == self.output_keys:
-            values = outs[0]
-        else:
-            blocks: dict[str, torch.Tensor] = {}
-            for engine, out in zip(engines.engines, outs, strict=True):
-                for i, k in enumerate(engine.layout.keys):
-                    blocks[k] = out[:, i * engine.dim : (i + 1) * engine.dim]
-            values = torch.cat([blocks[k] for k in self.output_keys], dim=1)
+        values = keyed_columns(self.engines.engines, outs, self.output_keys)
         return pooled_output(features, self.output_keys, self.output_dims, values)
 
-    def _exported_forward(self, features: Any) -> Any:
-        """The forward as ``torch.export`` records it: one ``embcache::pooled_lookup`` op that
-        calls the live collection named `export_name` when the exported program runs, in this
-        process or another (inference: the op records no gradient).
 
-        Raises:
-            ValueError: another live collection has the same `export_name`.
-        """
-        name = self.export_name
-        live = len(_live_named(name))
-        if live > 1:
-            raise ValueError(
-                f"torch.export: {live} live collections are named "
-                f"{name!r} (the same tables): set a distinct export_name on each "
-                "(collection.export_name = 'user_tower'), and the same in the process that "
-                "runs the program"
-            )
-        keys = features.keys()
-        if keys != self.features:
-            features = features.permute([keys.index(f) for f in self.features])
-        weights = features.weights_or_none() if self._is_weighted else None
-        values = pooled_lookup(
-            name,
-            features.values(),
-            features.lengths(),
-            weights,
-            features.stride(),
-            sum(self.output_dims),
+def keyed_columns(
+    engines: Sequence[CacheEngine], outs: tuple[torch.Tensor, ...], keys: list[str]
+) -> torch.Tensor:
+    """The engines' pooled outputs ``[B, F_e * dim_e]`` as one ``[B, sum of dims]`` block whose
+    columns follow ``keys`` (the output's order): the one output as it is when it has them in
+    that order already."""
+    if len(outs) == 1 and engines[0].layout.keys == keys:
+        return outs[0]
+    blocks: dict[str, torch.Tensor] = {}
+    for engine, out in zip(engines, outs, strict=True):
+        for i, k in enumerate(engine.layout.keys):
+            blocks[k] = out[:, i * engine.dim : (i + 1) * engine.dim]
+    return torch.cat([blocks[k] for k in keys], dim=1)
+
+
+def exported_forward(collection: CachedEmbeddingBagCollection, features: Any) -> Any:
+    """The forward as ``torch.export`` records it: one ``embcache::pooled_lookup`` op that
+    calls the live collection named `export_name` when the exported program runs, in this
+    process or another (inference: the op records no gradient).
+
+    Raises:
+        ValueError: another live collection has the same `export_name`.
+    """
+    name = collection.export_name
+    live = len(_live_named(name))
+    if live > 1:
+        raise ValueError(
+            f"torch.export: {live} live collections are named "
+            f"{name!r} (the same tables): set a distinct export_name on each "
+            "(collection.export_name = 'user_tower'), and the same in the process that "
+            "runs the program"
         )
-        return pooled_output(features, self.output_keys, self.output_dims, values)
+    keys = features.keys()
+    if keys != collection.features:
+        features = features.permute([keys.index(f) for f in collection.features])
+    weights = features.weights_or_none() if collection.is_weighted else None
+    values = pooled_lookup(
+        name,
+        features.values(),
+        features.lengths(),
+        weights,
+        features.stride(),
+        sum(collection.output_dims),
+    )
+    return pooled_output(features, collection.output_keys, collection.output_dims, values)
 
 
 # Every live collection, for the exported programs that name one (`export_name`).

@@ -18,7 +18,7 @@ import importlib.util
 import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,8 +29,8 @@ from embcache.engine.interface import CachedCollectionInterface
 from embcache.engine.lookup import GroupLookup, lookup
 from embcache.engine.options import CollectionOptions
 from embcache.engine.tables import Table
-from embcache.models.row_grads import GradAnchor, RowGradients
 from embcache.models.torch_optim import FusedOptimizerConventions
+from embcache.models.whole_tables import LocalTables
 
 
 def opaque_to_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,9 +88,10 @@ def _disable(cls: type, name: str, fn: Callable[..., Any]) -> None:
 
 class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
     """The rows of one process's tables in its device caches, over a write-back tier, built
-    from the tables, ``is_weighted`` and the `CollectionOptions` a public constructor made of
-    its arguments (`CollectionOptions.given`). Subclasses give ``forward`` its output, and
-    hold the tables' `TableWeights` under their torchrec name (`weights_prefix`)."""
+    from the tables, ``is_weighted`` and the `CollectionOptions` its public constructor made.
+    Subclasses give ``forward`` its output; the tables' `TableWeights` stand under their
+    torchrec name (`weights_prefix`), and its `LocalTables` (``whole_tables``) reads and
+    writes them whole."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -104,23 +105,9 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
         super().__init__()
         self._setup(tables, is_weighted, options)
         self.allow_unsharded_replicas = options.allow_unsharded_replicas
-        # The tables' stand-in in model.parameters(): a torch optimizer holding it trains them,
-        # and its .grad is their gradient (`models.row_grads`). Zero rows of a 2-D "table", as
-        # optimizers written for embedding weights expect.
-        self.row_grads = RowGradients(self)
-        self.grad_anchor = GradAnchor(torch.empty(0, 1, device=self.device))
-        self.grad_anchor.rows = self.row_grads
-        self.grad_anchor.register_post_accumulate_grad_hook(_backward_done(self.row_grads))
-        self.engines.gradients = self.row_grads
-        clash = [t.name for t in self.tables if hasattr(nn.ModuleDict, t.name) or "." in t.name]
-        if clash:  # torchrec's ModuleDict of tables refuses them too, less clearly
-            raise ValueError(
-                f"table names {clash} cannot key the collection's {self.weights_prefix} "
-                "ModuleDict (a method of nn.ModuleDict, or a dot): rename them"
-            )
-        weights = nn.ModuleDict({t.name: TableWeights(self, t) for t in self.tables})
-        setattr(self, self.weights_prefix, weights)
-        self._init_fused_optimizer(options.optimizer_type, options.optimizer_kwargs)
+        self.whole_tables = LocalTables(self.tables, self.store, self.engines, self.device)
+        setattr(self, self.weights_prefix, table_weights(self, self.weights_prefix))
+        self._setup_torch_training(options)
 
     # -- torchrec's accessors (the fused optimizer's: `FusedOptimizerConventions`) -----------
 
@@ -143,41 +130,17 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
             return lookup(self.grad_anchor, step)
 
     def check_not_replicated(self) -> None:
-        """Refuse to run as one unsharded replica per rank (unless the collection was built
-        with ``allow_unsharded_replicas=True``): in an initialised process group of more than
-        one rank, each rank's copy of the tables would train on its own batches only. A
-        process group of one rank is fine.
-
-        This is how a ``DistributedModelParallel`` or ``DistributedDataParallel`` wrapping
-        the collection is caught: neither shards it (torchrec's planner has no sharder for it,
-        DDP reduces only parameters, of which the collection has one zero-size anchor), and
-        neither tells the module it wraps.
+        """Refuse to run as one unsharded replica per rank (unless built with
+        ``allow_unsharded_replicas=True``) in a process group of more than one rank, where
+        each rank's copy of the tables would train on its own batches only: how a
+        ``DistributedModelParallel`` or ``DistributedDataParallel`` wrapping it is caught.
 
         Raises:
             RuntimeError: naming `embcache.torchrec.CachedEmbeddingBagCollectionSharder` (for
                 DistributedModelParallel) and `embcache.distributed.ShardedEmbeddingBagCollection`.
         """
-        if self.allow_unsharded_replicas:
-            return
-        dist = torch.distributed
-        if not dist.is_available() or not dist.is_initialized():
-            return
-        world = dist.get_world_size()
-        if world > 1:
-            raise RuntimeError(
-                f"{type(self).__name__} is not sharded, but the process group has {world} "
-                "ranks: each rank would train its own copy of the tables and they would "
-                "silently diverge (DistributedDataParallel averages only dense parameters, and "
-                "DistributedModelParallel leaves it unsharded without embcache's sharder). "
-                "Under DistributedModelParallel, a CachedEmbeddingBagCollection takes "
-                "sharders=[embcache.torchrec.CachedEmbeddingBagCollectionSharder(...)] and a "
-                "plan from embcache.torchrec.CachedEmbeddingShardingPlanner (README: Scaling "
-                "out with torchrec). Without torchrec's engine, shard the rows with "
-                "embcache.distributed.ShardedEmbeddingBagCollection (same arguments; "
-                "DLRM(..., collection_cls=ShardedEmbeddingBagCollection)), or run "
-                "`embcache train --nproc N`, which does. To keep one independent replica per "
-                "rank on purpose, build the collection with allow_unsharded_replicas=True."
-            )
+        if not self.allow_unsharded_replicas:
+            refuse_replicas(type(self).__name__)
 
     def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
         """Start the dedup and cache resolve (tier I/O included) of a batch ahead of its
@@ -195,7 +158,7 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
             batch = self.checked_input(features)
             return engines.prefetch(id(self), batch, source=features)
 
-    # -- whole tables ------------------------------------------------------------------------
+    # -- whole tables (`LocalTables`) --------------------------------------------------------
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # torch's: a dict or destination
         """torchrec's keys and shapes: ``embedding_bags.<table>.weight``, a CPU float32
@@ -212,69 +175,79 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
 
     def table_rows(self, table: str, chunk_rows: int = 1 << 16) -> torch.Tensor:
         """Every row ``[num_embeddings, dim + state_dim]`` of a table (weights and optimizer
-        state), after writing back the cache's dirty rows. CPU float32.
-
-        Reads through `Store.read`, so rows never trained are computed from the initialiser
-        and not created in the tier: a later checkpoint still holds only the trained rows.
-        Half-precision weights are widened to float32.
-
-        Raises:
-            ValueError: an unbounded table (it has no whole: `embcache.save` holds its rows).
-        """
-        spec = self._bounded_spec(table)
-        self.engines.engine_of(table).cache.flush()
-        out = torch.empty(spec.num_embeddings, spec.row_width)
-        for lo in range(0, spec.num_embeddings, chunk_rows):
-            ids = torch.arange(lo, min(lo + chunk_rows, spec.num_embeddings))
-            out[lo : lo + ids.numel()] = spec.to_float(self.store.read(table, ids))
-        return out
-
-    def _bounded_spec(self, table: str) -> Any:
-        spec = self.store.table_spec(table)
-        if spec.num_embeddings is None:
-            raise ValueError(
-                f"table {table!r} is unbounded (num_embeddings=None): it has no whole "
-                f"[num_embeddings, dim] tensor; embcache.save / embcache.load hold its rows"
-            )
-        return spec
+        state), CPU float32, read through the tier after a flush (`LocalTables.rows`; an
+        unbounded table raises `ValueError`: `embcache.save` holds its rows)."""
+        return self.whole_tables.rows(table, chunk_rows)
 
     def write_table_rows(self, table: str, rows: torch.Tensor, columns: slice) -> None:
-        """Overwrite ``columns`` of every row of a table (others kept); empties the caches.
-
-        Only rows whose value changes are written, so loading the weights a table already
-        holds (its initial ones, say) creates no row in the tier. Forwards never
-        backpropagated lose their locks (their rows are being replaced)."""
-        engines = self.engines
-        if engines.has_gradients or any(
-            b.backward_done and any(p.locked for p in b.prepared) for b in engines.inflight
-        ):
-            raise RuntimeError("cannot overwrite tables while gradients await their step")
-        spec = self._bounded_spec(table)
-        engines.release_all()
-        self.engines.engine_of(table).cache.invalidate()
-        self.engines.generation += 1
-        rows = rows.to(torch.float32).cpu()
-        n = spec.num_embeddings
-        chunk = 1 << 16
-        for lo in range(0, n, chunk):
-            ids = torch.arange(lo, min(lo + chunk, n))
-            current = self.store.read(table, ids)
-            new = spec.to_float(current)
-            new[:, columns] = rows[lo : lo + ids.numel()]
-            new = spec.from_float(new)  # weights rounded to the table's precision
-            changed = (new.view(torch.uint8) != current.view(torch.uint8)).any(dim=1)
-            if bool(changed.any()):
-                self.store.put(table, ids[changed], new[changed])
+        """Overwrite ``columns`` of every row of a table (others kept); empties the caches
+        (`LocalTables.write`: only rows whose value changes are written)."""
+        self.whole_tables.write(table, rows, columns)
 
     def table_weight(self, table: str) -> torch.Tensor:
         """A copy ``[num_embeddings, dim]`` of a table's current weights on the collection's
         device, in its ``data_type`` (a meta tensor on the meta device)."""
-        t = next((t for t in self.tables if t.name == table), None)
-        if t is None:
-            raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
-        if self.device.type == "meta" and t.num_embeddings is not None:
-            return torch.empty(t.num_embeddings, t.dim, dtype=t.dtype, device="meta")
-        return self.table_rows(table)[:, : t.dim].to(self.device, t.dtype)
+        return self.whole_tables.weight(table)
+
+
+def refuse_replicas(name: str) -> None:
+    """Raise if a process group of more than one rank is initialised: a collection named
+    ``name`` would train one unsharded copy of its tables per rank (`check_not_replicated`).
+    DistributedModelParallel has no sharder for it without embcache's, and
+    DistributedDataParallel reduces only parameters, of which it has one zero-size anchor."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    if world > 1:
+        raise RuntimeError(
+            f"{name} is not sharded, but the process group has {world} "
+            "ranks: each rank would train its own copy of the tables and they would "
+            "silently diverge (DistributedDataParallel averages only dense parameters, and "
+            "DistributedModelParallel leaves it unsharded without embcache's sharder). "
+            "Under DistributedModelParallel, a CachedEmbeddingBagCollection takes "
+            "sharders=[embcache.torchrec.CachedEmbeddingBagCollectionSharder(...)] and a "
+            "plan from embcache.torchrec.CachedEmbeddingShardingPlanner (README: Scaling "
+            "out with torchrec). Without torchrec's engine, shard the rows with "
+            "embcache.distributed.ShardedEmbeddingBagCollection (same arguments; "
+            "DLRM(..., collection_cls=ShardedEmbeddingBagCollection)), or run "
+            "`embcache train --nproc N`, which does. To keep one independent replica per "
+            "rank on purpose, build the collection with allow_unsharded_replicas=True."
+        )
+
+
+def table_weights(owner: LocalCollection, weights_prefix: str) -> nn.ModuleDict:
+    """The ``nn.ModuleDict`` of `TableWeights` a collection holds under ``weights_prefix``,
+    where torchrec's collection holds its tables' modules.
+
+    Raises:
+        ValueError: a table name that cannot key it (a method of ``nn.ModuleDict``, or a dot).
+    """
+    clash = [t.name for t in owner.tables if hasattr(nn.ModuleDict, t.name) or "." in t.name]
+    if clash:  # torchrec's ModuleDict of tables refuses them too, less clearly
+        raise ValueError(
+            f"table names {clash} cannot key the collection's {weights_prefix} "
+            "ModuleDict (a method of nn.ModuleDict, or a dot): rename them"
+        )
+    return nn.ModuleDict({t.name: TableWeights(owner, t) for t in owner.tables})
+
+
+def fx_leaf(module: nn.Module, features: torch.fx.Proxy, name: str) -> torch.fx.Proxy:
+    """``module``'s call as one leaf node of the ``torch.fx`` trace ``features`` belongs to
+    (symbolic_trace's tracer, which knows the module's path); ``name`` is the collection's
+    class in the error.
+
+    Raises:
+        TypeError: the collection itself is being traced.
+    """
+    tracer = cast(torch.fx.Tracer, features.tracer)
+    path = tracer.path_of_module(module)
+    if not path:
+        raise TypeError(
+            f"a {name} is a leaf of torch.fx traces: trace the model that holds it, not the "
+            "collection itself"
+        )
+    return tracer.create_proxy("call_module", path, (features,), {})
 
 
 class TableWeights(nn.Module):
@@ -303,12 +276,3 @@ class TableWeights(nn.Module):
         t = self.table
         mode = "none" if t.pooling is None else t.pooling.name.lower()
         return f"{t.num_embeddings}, {t.dim}, mode={mode}"
-
-
-def _backward_done(rows: RowGradients) -> Any:
-    """The anchor's post-accumulate-grad hook (holding ``rows``, not the collection)."""
-
-    def hook(anchor: torch.Tensor) -> None:
-        rows.backward_done()
-
-    return hook

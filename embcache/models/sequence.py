@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ from embcache.engine.jagged import SequenceCollection
 from embcache.engine.options import FUSION_K, CollectionOptions
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
-from embcache.models.local import LocalCollection, opaque_to_compile
+from embcache.models.local import LocalCollection, fx_leaf, opaque_to_compile
 
 
 class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
@@ -85,9 +85,7 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
         **torchrec_options: Any,
     ) -> None:
         options = CollectionOptions.given(options, locals())  # the keywords as called
-        unknown = set(torchrec_options) - {"use_gather_select", "use_gather_select_per_sharding"}
-        if unknown:
-            raise TypeError(f"unexpected arguments {sorted(unknown)}")
+        check_torchrec_options(torchrec_options)
         super().__init__(tables, False, options)
         self._need_indices = bool(need_indices)
         register_with_torchrec()
@@ -107,14 +105,7 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
                 ``allow_unsharded_replicas=True``.
         """
         if isinstance(features, torch.fx.Proxy):
-            tracer = cast(torch.fx.Tracer, features.tracer)  # symbolic_trace's, with module paths
-            path = tracer.path_of_module(self)
-            if not path:
-                raise TypeError(
-                    "a CachedEmbeddingCollection is a leaf of torch.fx traces: trace the model "
-                    "that holds it, not the collection itself"
-                )
-            return tracer.create_proxy("call_module", path, (features,), {})
+            return fx_leaf(self, features, "CachedEmbeddingCollection")
         if torch.compiler.is_exporting():
             raise NotImplementedError(
                 "torch.export of a CachedEmbeddingCollection is not supported yet (the bag "
@@ -132,14 +123,18 @@ class CachedEmbeddingCollection(SequenceCollection, LocalCollection):
                     self.output_keys, self.key_features(), self.output_dims, strict=True
                 )
             }
-        else:
-            values = self._rows(batch, counts)
+        else:  # each output key's rows: views of the engines' outputs
+            outs = self._lookup(batch, training=torch.is_grad_enabled())
+            values = self.split_per_key(outs, counts)
         return self.jagged_output(features, batch, values)
 
-    def _rows(self, batch: JaggedBatch, counts: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Each output key's rows ``[n, dim]``: views of the engines' outputs."""
-        outs = self._lookup(batch, training=torch.is_grad_enabled())
-        return self.split_per_key(outs, counts)
+
+def check_torchrec_options(torchrec_options: Mapping[str, Any]) -> None:
+    """Accept torchrec's ``EmbeddingCollection`` options that change nothing here (its gather
+    choices); refuse any other keyword, as a signature would."""
+    unknown = set(torchrec_options) - {"use_gather_select", "use_gather_select_per_sharding"}
+    if unknown:
+        raise TypeError(f"unexpected arguments {sorted(unknown)}")
 
 
 def register_with_torchrec() -> None:

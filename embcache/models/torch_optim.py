@@ -38,14 +38,16 @@ import dataclasses
 import functools
 import inspect
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from embcache.engine.options import CollectionOptions
 from embcache.kernels.optim import RowUpdate
 from embcache.kernels.optim_rules import RULES, by_torch_class
+from embcache.models.row_grads import GradAnchor, RowGradients
 from embcache.optim.sparse import SparseOptimizer
 
 _HELP = (
@@ -181,7 +183,39 @@ class FusedRowOptimizer(SparseOptimizer):
         self._update = value
 
 
+def fused_row_optimizer(
+    collection: Any, optimizer_type: type | None, optimizer_kwargs: Mapping[str, Any]
+) -> FusedRowOptimizer | None:
+    """The `FusedRowOptimizer` of a collection built with ``optimizer_type=`` (None
+    without)."""
+    if optimizer_type is None:
+        return None
+    return FusedRowOptimizer(collection, optimizer_type, optimizer_kwargs)
+
+
 # -- torch optimizers over model.parameters() ------------------------------------------------
+
+
+def anchor_rows(collection: Any) -> tuple[RowGradients, GradAnchor]:
+    """``collection``'s stand-in in ``model.parameters()``: zero rows of a 2-D "table" on its
+    device (as optimizers written for embedding weights expect), whose ``.grad`` is the
+    rows' gradient (`RowGradients`, which its engines record into)."""
+    rows = RowGradients(collection)
+    anchor = GradAnchor(torch.empty(0, 1, device=collection.device))
+    anchor.rows = rows
+    anchor.register_post_accumulate_grad_hook(_backward_done(rows))
+    collection.engines.gradients = rows
+    return rows, anchor
+
+
+def _backward_done(rows: RowGradients) -> Callable[[torch.Tensor], None]:
+    """The anchor's post-accumulate-grad hook (holding ``rows``, not the collection)."""
+
+    def hook(anchor: torch.Tensor) -> None:
+        rows.backward_done()
+
+    return hook
+
 
 _COLLECTIONS: weakref.WeakSet = weakref.WeakSet()
 
@@ -252,22 +286,23 @@ def torch_step(
 
 
 class FusedOptimizerConventions:
-    """torchrec's fused-optimizer accessors of a cached collection (one process's or a
-    sharded one's): ``optimizer_type=`` / ``optimizer_kwargs=`` build a `FusedRowOptimizer`
-    applied inside backward, ``fused_optimizer()`` shows it as a torchrec ``KeyedOptimizer``;
-    and the registration that lets a torch optimizer over ``parameters()`` step the rows."""
+    """torchrec's ways to train a cached collection (one process's or a sharded one's): the
+    ``grad_anchor`` that stands for its tables in ``parameters()``, so that a torch optimizer
+    holding it steps the rows (`register_anchor`), and ``optimizer_type=`` /
+    ``optimizer_kwargs=``, a `FusedRowOptimizer` applied inside backward, which
+    ``fused_optimizer()`` shows as a torchrec ``KeyedOptimizer``."""
 
-    def _init_fused_optimizer(
-        self, optimizer_type: type | None, optimizer_kwargs: Mapping[str, Any] | None
-    ) -> None:
+    row_grads: RowGradients
+    grad_anchor: torch.Tensor  # a `GradAnchor`
+
+    def _setup_torch_training(self, options: CollectionOptions) -> None:
+        """The anchor (its ``.grad`` the rows' gradient: `models.row_grads`), the fused
+        optimizer, and the anchor's registration; after the collection's `_setup`."""
+        self.row_grads, self.grad_anchor = anchor_rows(self)
         self.torch_optimizer_rule: Any = None  # set by the first torch optimizer step
-        self._optimizer_type = optimizer_type
-        self._optimizer_kwargs = dict(optimizer_kwargs or {})
-        self._fused = (
-            FusedRowOptimizer(self, optimizer_type, self._optimizer_kwargs)
-            if optimizer_type is not None
-            else None
-        )
+        self._optimizer_type = options.optimizer_type
+        self._optimizer_kwargs = dict(options.optimizer_kwargs or {})
+        self._fused = fused_row_optimizer(self, options.optimizer_type, self._optimizer_kwargs)
         self._keyed_optimizer: Any = None
         register_anchor(self)
 

@@ -43,49 +43,13 @@ RECSTORE_DEFAULTS = {"lr": 0.01}
 class KVClientCollection(LocalCollection):
     """A cached collection whose tables are tensors of a KV client (``kv_client``), read and
     written through its caches: the part the RecStore collections share. A subclass lists it
-    before its cached collection and builds itself through `init_on_client`.
+    before its cached collection, builds that on the options and client `client_options`
+    gives, then joins the client (`join_kv_client`)."""
 
-    Attributes:
-        kv_client: the client whose store holds the tables.
-        backend_optimizer: the `BackendOptimizer` that updates the rows when the client has a
-            backend optimizer (see the module's docstring), else None.
-    """
-
-    kv_client: KVClient
-    # None until `join_kv_client`: a fused optimizer (``optimizer_type=``) attaches before it.
+    kv_client: KVClient  # the client whose store holds the tables
+    # What updates the rows when the client has a backend optimizer (the module's docstring),
+    # else None; None until `join_kv_client` (a fused optimizer attaches before it).
     backend_optimizer: BackendOptimizer | None = None
-
-    def init_on_client(
-        self,
-        tables: Sequence[Any],
-        called: dict[str, Any],
-        ps_host: str | None,
-        ps_port: int | None,
-        kv_client: KVClient | None,
-        fast_path_mode: str,
-        kwargs: dict[str, Any],
-    ) -> None:
-        """The cached collection after this class in the MRO built on the client's store: the
-        options gathered (RecStore's ``lr``, ``enable_fusion`` and ``fusion_k``, the cached
-        collection's option keywords in ``kwargs``, or ``options=``), the client resolved
-        (`resolve_kv_client`, which checks every argument), then the collection's ``__init__``
-        with those options, then `join_kv_client`.
-
-        Args:
-            called: the RecStore constructor's locals (its option keywords as called).
-        """
-        given = {**called, **{k: kwargs.pop(k) for k in option_names() if k in kwargs}}
-        passed = kwargs.pop("options", None)
-        options = CollectionOptions.given(passed, given, RECSTORE_DEFAULTS)
-        if passed is not None and options.lr is None:  # RecStore's default lr applies
-            options = dataclasses.replace(options, lr=RECSTORE_DEFAULTS["lr"])
-        store = cast("Store | str | None", options.store)  # a callable is refused there
-        kv_client = resolve_kv_client(
-            kv_client, store, ps_host, ps_port, fast_path_mode, options.optimizer_type
-        )
-        options = dataclasses.replace(options, store=kv_client.store)
-        super().__init__(tables, options=options, **kwargs)  # the cached collection's, next
-        self.join_kv_client(kv_client)
 
     def join_kv_client(self, kv_client: KVClient) -> None:
         """Adopt the client's backend optimizer, if it has one, and register every table as
@@ -105,27 +69,47 @@ class KVClientCollection(LocalCollection):
     def attach_sparse_optimizer(self, optimizer: Any) -> None:
         """Attach a sparse optimizer. With a backend optimizer, SparseSGD only drives the
         steps (the backend's rule applies); any other must have the backend's rule and
-        hyper-parameters.
+        hyper-parameters (`BackendOptimizer.admit`).
 
         Raises:
             ValueError: a non-SGD optimizer that differs from the backend optimizer.
         """
-        backend = self.backend_optimizer
-        if backend is None:
+        if self.backend_optimizer is None:
             super().attach_sparse_optimizer(optimizer)
-            return
-        mine = (optimizer.update, float(optimizer.state_init))
-        if optimizer.rule is not OptimRule.SGD and mine != (backend.update, backend.state_init):
-            raise ValueError(
-                f"{type(optimizer).__name__} {optimizer.update} differs from the KV client's "
-                f"backend optimizer {backend.update}, which updates this collection's rows; "
-                "use SparseSGD (it hands the gradients to the backend) or the same settings"
-            )
+        else:
+            self.backend_optimizer.admit(optimizer)
 
     def step_optimizer(self, optimizer: Any) -> Any:
         """The backend optimizer when the client has one (it applies the trace), else
         ``optimizer``."""
         return self.backend_optimizer or optimizer
+
+
+def client_options(
+    called: dict[str, Any], kwargs: dict[str, Any]
+) -> tuple[CollectionOptions, KVClient]:
+    """A RecStore collection's options and KV client, from its constructor's locals
+    (``called``: RecStore's ``lr``, ``enable_fusion``, ``fusion_k``, ``ps_host``, ``ps_port``,
+    ``kv_client``, ``fast_path_mode`` as called) and the cached collection's option keywords
+    in its ``kwargs`` (taken out), or ``options=`` (its ``lr`` None: RecStore's 0.01). The
+    client is resolved (`resolve_kv_client`, which checks every argument), and the options'
+    ``store`` is the client's.
+    """
+    given = {**called, **{k: kwargs.pop(k) for k in option_names() if k in kwargs}}
+    passed = kwargs.pop("options", None)
+    options = CollectionOptions.given(passed, given, RECSTORE_DEFAULTS)
+    if passed is not None and options.lr is None:  # RecStore's default lr applies
+        options = dataclasses.replace(options, lr=RECSTORE_DEFAULTS["lr"])
+    store = cast("Store | str | None", options.store)  # a callable is refused there
+    client = resolve_kv_client(
+        called["kv_client"],
+        store,
+        called["ps_host"],
+        called["ps_port"],
+        called["fast_path_mode"],
+        options.optimizer_type,
+    )
+    return dataclasses.replace(options, store=client.store), client
 
 
 def resolve_kv_client(
@@ -213,9 +197,9 @@ class RecStoreEmbeddingBagCollection(KVClientCollection, CachedEmbeddingBagColle
         **kwargs: Any,
     ) -> None:
         del initialize_tables  # see Args: both values mean the same here
-        self.init_on_client(
-            embedding_bag_configs, locals(), ps_host, ps_port, kv_client, fast_path_mode, kwargs
-        )  # locals(): the option keywords as called
+        options, client = client_options(locals(), kwargs)  # locals(): the keywords as called
+        super().__init__(embedding_bag_configs, options=options, **kwargs)  # the cached one's
+        self.join_kv_client(client)
 
 
 class RecStoreEmbeddingCollection(KVClientCollection, CachedEmbeddingCollection):
@@ -264,9 +248,9 @@ class RecStoreEmbeddingCollection(KVClientCollection, CachedEmbeddingCollection)
         **kwargs: Any,
     ) -> None:
         del initialize_tables  # as in RecStoreEmbeddingBagCollection
-        self.init_on_client(
-            embedding_configs, locals(), ps_host, ps_port, kv_client, fast_path_mode, kwargs
-        )  # locals(): the option keywords as called
+        options, client = client_options(locals(), kwargs)  # locals(): the keywords as called
+        super().__init__(embedding_configs, options=options, **kwargs)  # the cached one's
+        self.join_kv_client(client)
 
 
 class BackendOptimizer:
@@ -291,6 +275,21 @@ class BackendOptimizer:
         for name in dict.fromkeys(tables):
             self._steps[name] = steps[name] = self._steps.get(name, 0) + 1
         return steps
+
+    def admit(self, optimizer: Any) -> None:
+        """Let ``optimizer`` drive the steps of rows this updates: SparseSGD (it hands the
+        gradients over), or one of the same rule and hyper-parameters.
+
+        Raises:
+            ValueError: another optimizer.
+        """
+        mine = (optimizer.update, float(optimizer.state_init))
+        if optimizer.rule is not OptimRule.SGD and mine != (self.update, self.state_init):
+            raise ValueError(
+                f"{type(optimizer).__name__} {optimizer.update} differs from the KV client's "
+                f"backend optimizer {self.update}, which updates this collection's rows; "
+                "use SparseSGD (it hands the gradients to the backend) or the same settings"
+            )
 
     def check_gradients(self, entries: Sequence[tuple[str, Any, torch.Tensor]]) -> None:
         """Refuse NaN/Inf gradients (``update_in_backward``), naming the table."""
