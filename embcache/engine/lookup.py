@@ -18,11 +18,13 @@ and a sharded backward makes its exchanges in one place, in cache order, on ever
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from embcache.engine.batch_state import InFlight, Prepared
+from embcache.engine.engine import CacheEngine, TbeStepLike
 from embcache.engine.group import EngineGroup
 from embcache.engine.reduction import Saved
 from embcache.engine.tbe_step import PendingUpdate
@@ -75,16 +77,29 @@ def contiguous_rows(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+@dataclass(frozen=True)
+class KeyedOutput:
+    """One pooled output ``[B, width]`` for all of a collection's engines: the first column of
+    each engine's features in it (int64 ``[F_e]`` each, on the engines' device)."""
+
+    columns: list[torch.Tensor]
+    width: int
+
+
 class GroupLookup:
     """A collection's lookup over its engines, one output per engine: ``[B, F_e * dim_e]``
     pooled (its features' columns side by side, in its layout's order) or ``[nnz_e, dim_e]``
-    unpooled (its features' values in its layout's order).
+    unpooled (its features' values in its layout's order); or, pooled with ``keyed``, one
+    output ``[B, keyed.width]`` that every engine pools into at its features' columns (`keyed`
+    after construction: None where an engine's TBE step pools, whose output is its own), so
+    that nothing joins the outputs after, nor splits their gradient.
 
     Args:
         group: the collection's engines.
         prepared: each engine's share of the batch.
         batch: the `InFlight` the gradients belong to (None under ``torch.no_grad``).
         batch_size: B.
+        keyed: the one output's columns, or None.
     """
 
     anchor_grad = True
@@ -95,16 +110,29 @@ class GroupLookup:
         prepared: list[Prepared],
         batch: InFlight | None,
         batch_size: int,
+        keyed: KeyedOutput | None = None,
     ) -> None:
         self.group = group
         self.prepared = prepared
         self.batch = batch
         self.batch_size = batch_size
+        if keyed is not None and any(
+            self._tbe_step(e, p) is not None for e, p in zip(group.engines, prepared, strict=True)
+        ):
+            keyed = None
+        self.keyed = keyed
         # Per engine: what its reduction's backward needs, or its TBE step's forward.
         self.saved: list[Saved] = []
         self.tbe_forwards: list[TbeForward | None] = []
 
+    def _tbe_step(self, engine: CacheEngine, p: Prepared) -> TbeStepLike | None:
+        """The engine's TBE step where it pools this share (a training one only)."""
+        tbe_step = engine.tbe_step if self.batch is not None else None
+        return tbe_step if tbe_step is not None and tbe_step.takes(p.weights) else None
+
     def forward(self) -> tuple[torch.Tensor, ...]:
+        if self.keyed is not None:
+            return (self._forward_keyed(self.keyed),)
         outs = []
         B = self.batch_size
         for engine, p in zip(self.group.engines, self.prepared, strict=True):
@@ -129,9 +157,28 @@ class GroupLookup:
             outs.append(out)
         return tuple(outs)
 
+    def _forward_keyed(self, keyed: KeyedOutput) -> torch.Tensor:
+        B = self.batch_size
+        engines = self.group.engines
+        out = torch.empty(B, keyed.width, device=engines[0].device)  # every column is written
+        for engine, p, columns in zip(engines, self.prepared, keyed.columns, strict=True):
+            engine.materialize(p)
+            self.saved.append(engine.lookup_rows(p, B, out, columns))
+            self.tbe_forwards.append(None)
+        return out
+
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
         rows: list[torch.Tensor | PendingUpdate] = []
         B = self.batch_size
+        if self.keyed is not None:
+            (grad_out,) = grads
+            grad_out = contiguous_rows(grad_out)
+            for engine, p, saved, columns in zip(
+                self.group.engines, self.prepared, self.saved, self.keyed.columns, strict=True
+            ):
+                rows.append(engine.grad_rows(p, B, grad_out, columns, saved))
+            self.group.record_backward(self.batch, rows)
+            return
         for i, (engine, p, grad_out, saved, tbe_forward) in enumerate(
             zip(
                 self.group.engines, self.prepared, grads, self.saved, self.tbe_forwards, strict=True

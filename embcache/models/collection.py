@@ -59,6 +59,7 @@ import torch
 from embcache.cache.config import CacheConfig
 from embcache.engine.engine import CacheEngine
 from embcache.engine.inputs import JaggedBatch, pooled_output
+from embcache.engine.lookup import GroupLookup, KeyedOutput, lookup
 from embcache.engine.options import FUSION_K, CollectionOptions
 from embcache.engine.tables import TableConfig
 from embcache.kv.base import Store
@@ -175,6 +176,7 @@ class CachedEmbeddingBagCollection(LocalCollection):
         options = CollectionOptions.given(options, locals())  # the keywords as called
         del location  # the cache decides placement
         super().__init__(tables, is_weighted, options)
+        self._keyed: KeyedOutput | None = None  # `_keyed_output`, made on first use
         register_with_torchrec()
         _LIVE.add(self)
 
@@ -212,9 +214,41 @@ class CachedEmbeddingBagCollection(LocalCollection):
         if not self.tables:
             values = torch.empty(batch.stride(), 0, device=self.device)
             return pooled_output(features, self.output_keys, self.output_dims, values)
-        outs = self._lookup(batch, training=torch.is_grad_enabled())
-        values = keyed_columns(self.engines.engines, outs, self.output_keys)
+        values = self._pooled(batch, training=torch.is_grad_enabled())
         return pooled_output(features, self.output_keys, self.output_dims, values)
+
+    def _pooled(self, batch: JaggedBatch, training: bool) -> torch.Tensor:
+        """The lookup's pooled values ``[B, sum of dims]`` in the output keys' order: on the
+        device path with several engines (or one whose features come in another order), each
+        pools into one output at its features' columns (`KeyedOutput`), so that nothing joins
+        the engines' outputs after, nor splits their gradient in the backward."""
+        engines = self.engines
+        with engines.forward_shares(batch, training) as (prepared, inflight):
+            step = GroupLookup(engines, prepared, inflight, batch.stride(), self._keyed_output())
+            outs = lookup(self.grad_anchor, step)
+        if step.keyed is not None:
+            return outs[0]
+        return keyed_columns(engines.engines, outs, self.output_keys)
+
+    def _keyed_output(self) -> KeyedOutput | None:
+        """The one output's columns (made once), or None where the engine's output is it, or
+        off the device path (the twins find a feature's columns by reading them)."""
+        engines = self.engines.engines
+        if len(engines) == 1 and engines[0].layout.keys == self.output_keys:
+            return None
+        if not all(e.cache.device_path for e in engines):
+            return None
+        if self._keyed is None:
+            start, at = 0, {}
+            for k, dim in zip(self.output_keys, self.output_dims, strict=True):
+                at[k] = start
+                start += dim
+            columns = [
+                torch.tensor([at[k] for k in e.layout.keys], dtype=torch.int64, device=e.device)
+                for e in engines
+            ]
+            self._keyed = KeyedOutput(columns, start)
+        return self._keyed
 
 
 def keyed_columns(

@@ -83,3 +83,15 @@ def test_a_tenth_cached_meets_the_launch_target(monkeypatch: pytest.MonkeyPatch)
     total = sum(two[p] for p in ("forward", "backward", "step"))
     assert total <= 70, f"{total} launches a step at 10% cached: {two}"
     assert two == many, f"2 tables: {two}\n26 tables: {many}"
+
+
+def test_three_dims_launch_as_many_for_6_and_24_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caches of three dims, the whole table resident: 6 and 24 tables launch the same (the
+    caches are deduplicated in one sort, `engine.joint`, and pool into one output at their
+    features' columns, `engine.lookup.KeyedOutput`: no per-feature join of the outputs, no
+    per-feature split of their gradient); at most 70, about 16 a cache over one dim's 35."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
+    six, many = _counts(6, 3, 1.0), _counts(24, 3, 1.0)
+    print(f"launches per step, 3 dims, whole table: 6 tables {six}; 24 tables {many}")
+    assert six == many, f"6 tables: {six}\n24 tables: {many}"
+    assert sum(six[p] for p in ("forward", "backward", "step")) <= 70, six
