@@ -45,7 +45,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,8 +54,7 @@ from _common import output_csv, pyplot, run_header, set_threads, write_csv
 
 from embcache.cli import main as embcache_main
 from embcache.cli.bench import RESULTS_DIR
-from embcache.data.batch import Batch
-from embcache.data.movielens import MovieLens
+from embcache.data.movielens import MovieLens, rating_columns
 from embcache.train.metrics import binary_metrics
 
 CSV_NAME = "movielens_defaults.csv"
@@ -152,21 +151,12 @@ def run_embcache(path: Path, seed: int, extra: Sequence[str]) -> dict[str, float
 Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # users, items, labels, each [N]
 
 
-def _columns(batches: Iterable[Batch]) -> Columns:
-    users, items, labels = [], [], []
-    for batch in batches:
-        users.append(batch.sparse_features["user"].values())
-        items.append(batch.sparse_features["item"].values())
-        labels.append(batch.labels)
-    return torch.cat(users), torch.cat(items), torch.cat(labels)
-
-
 def cli_split(path: Path) -> tuple[MovieLens, Columns, Columns]:
     """The data, and the (user, item, label) columns of the samples the CLI trains on (the
     training split's full batches of `CLI_BATCH`) and of every held-out sample."""
     data = MovieLens(path, batch_size=CLI_BATCH)
-    train = _columns(itertools.islice(data.train_batches(), data.cut // CLI_BATCH))
-    return data, train, _columns(data.eval_batches())
+    train = rating_columns(itertools.islice(data.train_batches(), data.cut // CLI_BATCH))
+    return data, train, rating_columns(data.eval_batches())
 
 
 def train_mf(

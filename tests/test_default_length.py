@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from embcache.cli import main
-from embcache.data.movielens import MovieLens
+from embcache.data.movielens import MovieLens, rating_columns
 from embcache.train.loop import binary_metrics
 
 # The DLRM's default AUC moved by 0.002 over seeds 0-2 (0.7113-0.7133) on a file drawn like this
@@ -84,22 +84,13 @@ def write_latent_ml_100k(
     return root
 
 
-def _columns(batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    users, items, labels = [], [], []
-    for batch in batches:
-        users.append(batch.sparse_features["user"].values())
-        items.append(batch.sparse_features["item"].values())
-        labels.append(batch.labels)
-    return torch.cat(users), torch.cat(items), torch.cat(labels)
-
-
 def matrix_factorisation_best_auc(path: Path, epochs: int = 4, dim: int = 16) -> list[float]:
     """Held-out AUC after each epoch of a plain-torch matrix factorisation with biases
     (Adam, shuffled batches of 512, BCE) on the CLI's split of ``path`` (its training
     batches, its held-out samples)."""
     data = MovieLens(path, batch_size=1024)
-    train = _columns(itertools.islice(data.train_batches(), data.cut // 1024))
-    held = _columns(data.eval_batches())
+    train = rating_columns(itertools.islice(data.train_batches(), data.cut // 1024))
+    held = rating_columns(data.eval_batches())
     torch.manual_seed(0)
     n_users, n_items = data.rows[0], data.rows[1]
     p, q = torch.nn.Embedding(n_users, dim), torch.nn.Embedding(n_items, dim)

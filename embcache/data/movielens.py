@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -316,3 +316,15 @@ def _histories(
     starts, counts = np.empty_like(start), np.empty_like(start)
     starts[by_user], counts[by_user] = start, end - start
     return item[by_user], starts, counts
+
+
+def rating_columns(batches: Iterable[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``(user, item, label)`` columns of MovieLens batches, each ``[N]``, joined: what a
+    plain matrix factorisation over the same samples trains on (`benchmarks/
+    movielens_defaults.py`, the default-length tests)."""
+    users, items, labels = [], [], []
+    for batch in batches:
+        users.append(batch.sparse_features["user"].values())
+        items.append(batch.sparse_features["item"].values())
+        labels.append(batch.labels)
+    return torch.cat(users), torch.cat(items), torch.cat(labels)

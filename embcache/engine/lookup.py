@@ -136,8 +136,8 @@ class GroupLookup:
         outs = []
         B = self.batch_size
         for engine, p in zip(self.group.engines, self.prepared, strict=True):
-            tbe_step = engine.tbe_step if self.batch is not None else None  # training only
-            if tbe_step is not None and tbe_step.takes(p.weights):
+            tbe_step = self._tbe_step(engine, p)
+            if tbe_step is not None:
                 assert self.group.optimizer is not None  # a TBE step is made by `attach`
                 lr = self.group.optimizer.update.lr
                 # The TBE pools [B * F, dim] sample-major (by slot) or [B, F * dim] (by table
