@@ -26,7 +26,7 @@ TORCH_SOURCE = $$($(PIP) install -q --dry-run --no-deps --ignore-installed '$(TO
 EXTRAS := dev,cpu,metrics,torchrec,redis,plots
 # The packages `make lint` type-checks (mypy, configured in pyproject.toml); one joins the list
 # once it is clean.
-TYPED := embcache/backend.py embcache/indexing.py embcache/kv embcache/kernels embcache/cache \
+TYPED := embcache/backend.py embcache/indexing.py embcache/ops embcache/kv embcache/kernels embcache/cache \
 	embcache/checkpoint embcache/engine embcache/optim embcache/models
 
 .PHONY: venv check test demo bench lint format clean install-args

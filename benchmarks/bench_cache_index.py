@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from _common import add_output_options, parse_args, quick_note
 
-from embcache.kernels.cache_index import assign_ways_triton, cache_lookup_triton
-from embcache.kernels.cache_index_ref import assign_ways_ref, cache_lookup_ref, set_index_ref
+from embcache.ops.plan.spec import assign_ways_ref, cache_lookup_ref, set_index_ref
+from embcache.ops.plan.triton import assign_ways_triton, cache_lookup_triton
 
 WAYS = 32
 

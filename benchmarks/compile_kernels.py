@@ -11,7 +11,10 @@ and 300) through Triton's interpreter, then the kernels the preflight does not l
 unpooled gather, `record_gather`), and writes every launch's kernel, argument types,
 constexprs and options to a JSON file; the default phase (no interpreter) compiles each distinct
 variant with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", ARCH, 32))``. One line
-per variant, each naming the Triton version that compiled it; exit status 1 if any fails.
+per variant, each naming the Triton version that compiled it; exit status 1 if any fails. The
+record phase also fails when a kernel of an op family in `embcache.ops.registry`
+(`triton_kernels`) was never launched: a new family's kernels are compiled the day it is
+registered, or the preflight is told to launch them.
 
 A constexpr a launcher picks by device (`DEVICE_CONSTEXPRS`: one unique id per program,
 ``BLOCK_U=1``, on CUDA; 64 under the interpreter, which pays per program) is recorded at its CPU
@@ -163,7 +166,24 @@ def record(path: Path) -> None:
             sys.stdout = stdout
     if status != 0:
         raise SystemExit(f"the preflight failed under the interpreter (status {status})")
+    missing = unlaunched(launches)
+    if missing:
+        raise SystemExit(f"registered kernels never launched, so never compiled: {missing}")
     path.write_text(json.dumps(launches, indent=1))
+
+
+def unlaunched(launches: list[dict]) -> list[str]:
+    """The kernels of the registry's op families (`embcache.ops.registry.triton_kernels`)
+    that no recorded launch ran, as ``module.kernel``."""
+    from embcache.ops.registry import families, triton_kernels
+
+    ran = {(e["module"], e["kernel"]) for e in launches}
+    return [
+        f"{fn.fn.__module__}.{name}"
+        for family in families()
+        for name, fn in triton_kernels(family).items()
+        if (fn.fn.__module__, name) not in ran
+    ]
 
 
 def device_variants(entries: list[dict]) -> list[dict]:

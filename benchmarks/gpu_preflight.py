@@ -10,6 +10,10 @@ the run with exit status 1.
     python benchmarks/gpu_preflight.py                       # on CUDA
     python benchmarks/gpu_preflight.py --device cpu --tiny   # dry run: Triton's interpreter
 
+The op families bound through `embcache.ops.registry` (ids, plan) have their operations listed
+there: each must have its check here (`CHECKED`) or be one no Triton kernel runs (`ON_HOST`),
+else the preflight fails before it starts, naming the operation.
+
 Outputs written by a kernel are compared whole, and freshly allocated ones are filled with NaN
 first where the op takes them (pooling), so an element a kernel never writes fails the check.
 Ids, sets, ways and slots must match exactly; float results to float32 rounding of a different
@@ -30,6 +34,46 @@ import torch
 
 class MismatchError(AssertionError):
     """A kernel's result differs from its twin's."""
+
+
+# The registered op families' operations (`embcache.ops.registry.operations`): the check that
+# runs each one's Triton implementation, or why none does.
+CHECKED = {
+    "ids.fuse_ids": "fuse_ids",
+    "ids.fuse_ids_deferred": "fuse_ids",  # what fuse_ids runs, its checks read by it
+    "ids.unfuse_ids": "unfuse_ids",
+    "ids.dedup": "dedup",
+    "ids.dedup_grouped": "dedup_grouped (torch ops)",
+    "ids.sort_and_mark": "dedup_joint (caches in one sort)",
+    "ids.scatter_joint": "dedup_joint (caches in one sort)",
+    "ids.dedup_together": "dedup_together (one read)",
+    "plan.set_index": "set_index",
+    "plan.cache_lookup": "cache_lookup",
+    "plan.cache_slots": "cache_slots",
+    "plan.assign_ways": "assign_ways",
+    "plan.add_at_held": "add_at_held",
+    "plan.lookup_counts": "lookup_counts",
+    "plan.salted_mix64": "salted_mix64",
+    "plan.miss_keys": "miss_keys (padded LRU order)",
+    "plan.assign_misses": "assign_misses (device plan)",
+}
+ON_HOST = {
+    "ids.first_bad_key": "a CPU cache's check of its keys",
+    "ids.row_dedup": "a CPU cache's dedup through its row index",
+    **{
+        f"plan.{op}": "the compiled CPU plan (numba)"
+        for op in ("plan_lru", "plan_lfu", "touch_lfu", "reserve", "scratch_done", "free_slots")
+    },
+}
+
+
+def unchecked_operations() -> list[str]:
+    """The registered families' operations with no check here and no reason (`CHECKED`,
+    `ON_HOST`): a new operation or family the preflight does not run yet."""
+    from embcache.ops.registry import families, operations
+
+    listed = [f"{family}.{op}" for family in families() for op in operations(family)]
+    return [op for op in listed if op not in CHECKED and op not in ON_HOST]
 
 
 def check_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
@@ -116,6 +160,7 @@ class Preflight:
         self.dim = dim
         self.gen = torch.Generator().manual_seed(1)
         self.count = 0
+        self.names: list[str] = []
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -136,6 +181,7 @@ class Preflight:
             print(f"{name:<40} ERROR     {type(e).__name__}: {e}", flush=True)
             raise MismatchError(f"{name}: {type(e).__name__}: {e}") from e
         self.count += 1
+        self.names.append(name)
         print(f"{name:<40} ok  {time.perf_counter() - t0:6.2f} s  max|diff| {err:.2e}", flush=True)
 
     def triton(self, fn: Callable, *args, **kwargs):
@@ -155,7 +201,6 @@ class Preflight:
 def run_checks(p: Preflight) -> None:
     from embcache.kernels.cache_index import (
         add_at_held,
-        assign_misses_triton,
         assign_ways,
         cache_lookup,
         cache_slots,
@@ -164,7 +209,6 @@ def run_checks(p: Preflight) -> None:
         salted_mix64,
         set_index,
     )
-    from embcache.kernels.cache_index_ref import assign_ways_ref
     from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids, unfuse_ids
     from embcache.kernels.optim import (
         OptimRule,
@@ -174,6 +218,8 @@ def run_checks(p: Preflight) -> None:
         state_dim,
     )
     from embcache.kernels.pooling import PoolingMode, pool_backward, pool_forward
+    from embcache.ops.plan.spec import assign_ways_ref
+    from embcache.ops.plan.triton import assign_misses_triton
 
     b, dim, gen = p.batch, p.dim, p.gen
     names = [f"f{i}" for i in range(b.num_features)]
@@ -241,8 +287,9 @@ def run_checks(p: Preflight) -> None:
     # Several caches deduplicated in one sort (`engine.joint`): the batch's features split
     # into two groups (caches), each taking its features in another order than the batch's;
     # the Triton route (`sort_and_mark`, one read, `scatter_joint`) against the torch spec.
-    from embcache.kernels.ids import sort_and_mark
-    from embcache.kernels.joint_ids import plan, scatter_joint, scatter_joint_ref
+    from embcache.ops.ids.shared import joint_plan as plan
+    from embcache.ops.ids.spec import scatter_joint_ref
+    from embcache.ops.ids.triton import scatter_joint, sort_and_mark
 
     per_key = b.feature_lengths.tolist()
     group_keys = [list(range(0, b.num_features, 2))[::-1], list(range(1, b.num_features, 2))]
@@ -465,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Triton on {device.type} vs torch twins on cpu",
         flush=True,
     )
+    unchecked = unchecked_operations()
+    if unchecked:
+        print(f"summary: preflight FAILED: no check for {', '.join(unchecked)} (CHECKED, ON_HOST)")
+        return 1
     pre = Preflight(device, batch, dim)
     backend = os.environ.get("EMBCACHE_BACKEND")
     try:
@@ -477,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("EMBCACHE_BACKEND", None)
         else:
             os.environ["EMBCACHE_BACKEND"] = backend
+    gone = sorted(set(CHECKED.values()) - set(pre.names))
+    if gone:
+        print(f"summary: preflight FAILED: CHECKED names checks that did not run: {gone}")
+        return 1
     print(f"summary: preflight {pre.count} checks ok in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -77,7 +77,7 @@ class Backend:
     Attributes:
         name: ``"native"``, ``"triton"`` or ``"torch"``.
         device_path: code with a CPU-only branch and a device branch takes the device branch
-            (a cache's set index planned by `kernels.cache_index` instead of a row index and
+            (a cache's set index planned by `ops.plan` instead of a row index and
             the compiled CPU plan): off a CPU, and on a CPU under ``triton``.
         triton: the Triton kernels run the tensor ops (`kernels`), else their torch twins.
         compiled: the compiled CPU passes run (numba): the caller keeps the structures they
@@ -94,16 +94,6 @@ class Backend:
     tbe: bool = False
 
     # -- operations: the torch specification ---------------------------------------------
-
-    def first_bad_key(self, ids: torch.Tensor, fusion_k: int, limits: torch.Tensor) -> int:
-        """The position of the first of CPU int64 fused ``ids`` that is no row of tables of
-        ``limits[t]`` raw ids each (0: no such table), or -1."""
-        tables = ids >> fusion_k
-        n = limits.numel()
-        wrong = (ids < 0) | (tables >= n)
-        wrong |= (ids & ((1 << fusion_k) - 1)) >= limits.index_select(0, tables.clamp(0, n - 1))
-        found = np.flatnonzero(wrong.numpy())
-        return int(found[0]) if found.size else -1
 
     def unlocks_checked(self, slots: torch.Tensor) -> bool:
         """Whether `unlock` checks ``slots``' locks itself (in its pass, before dropping any);
@@ -139,11 +129,6 @@ class Backend:
 class NativeBackend(Backend):
     """The compiled family on a CPU: each operation one numba pass over numpy views of the
     tensors (no copy), computing what `Backend`'s torch code computes."""
-
-    def first_bad_key(self, ids: torch.Tensor, fusion_k: int, limits: torch.Tensor) -> int:
-        if not ids.is_contiguous():
-            return super().first_bad_key(ids, fusion_k, limits)
-        return native.first_bad_key(ids.numpy(), fusion_k, limits.numpy())
 
     def unlocks_checked(self, slots: torch.Tensor) -> bool:
         return slots.dtype == torch.int64 and slots.is_contiguous()

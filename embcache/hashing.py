@@ -1,6 +1,6 @@
 """The id hash every layer agrees on: splitmix64's finaliser (``mix64``) on int64 tensors.
 
-The cache's set index (`kernels.cache_index`), the tiers' hash indexes and row initialisers
+The cache's set index (`ops.plan`), the tiers' hash indexes and row initialisers
 (`kv`) and the owner map of sharded tables (`distributed.exchange`) all hash ids with it, so it
 lives here, below all of them. It wraps like uint64 arithmetic (torch has no uint64 ops), which
 the Triton kernel of the set index reproduces bit for bit.

@@ -196,8 +196,13 @@ def unwritten_bag(original):
 
 
 BROKEN = {
-    "wrong-values": ("cache_index", "set_index_triton", wrong_sets, "set_index"),
-    "unwritten-output": ("pooling", "pool_forward_triton", unwritten_bag, "pool_forward SUM"),
+    "wrong-values": ("ops.plan.triton", "set_index_triton", wrong_sets, "set_index"),
+    "unwritten-output": (
+        "kernels.pooling",
+        "pool_forward_triton",
+        unwritten_bag,
+        "pool_forward SUM",
+    ),
 }
 
 
@@ -206,7 +211,7 @@ def test_preflight_stops_at_a_broken_kernel_and_names_it(
     preflight, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, case: str
 ) -> None:
     module, name, breaker, kernel = BROKEN[case]
-    mod = importlib.import_module(f"embcache.kernels.{module}")
+    mod = importlib.import_module(f"embcache.{module}")
     monkeypatch.setattr(mod, name, breaker(getattr(mod, name)))
     assert preflight.main(["--device", "cpu", "--tiny"]) == 1
     out = capsys.readouterr().out

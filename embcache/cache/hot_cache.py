@@ -12,7 +12,7 @@ the cache's tables, each row gets its own slot instead (direct mapping: no looku
 1. hits: keys already resident (or in the scratch area) keep their slot;
 2. misses take distinct ways of their set, lowest score first (LRU: last use; LFU: frequency),
    skipping locked ways, the ways this batch hits and those of the last locked batch
-   (`kernels.cache_index.assign_ways`);
+   (`PlanOps.assign_ways`);
 3. dirty victims are written back to the tier in one batched call per table, then the missing
    rows are read from the tier (created there on first touch) and copied into their slots;
 4. misses that find no free way in their set are served from a scratch area behind the cache,
@@ -66,7 +66,7 @@ through the references it was built with:
 * `writeback`: `WriteBack` (``writeback``), phase (2) of a resolve and every write to the
   tier, over the `transfer.TierTransfer` (``transfer``: tier I/O on host tensors);
 * `direct`: `DirectMap` (``direct_map``, a direct cache's), its plan and `serve_direct`;
-* `dedup`: `RowDedup` (``dedup``), a batch's dedup through its rows;
+* `dedup`: `RowDedup` (``dedup``, `ops.ids.row_map`), a batch's dedup through its rows;
 * `snapshot`: `PolicySnapshot` (``snapshot``), the checkpointed policy state;
 * `stats`: `CacheStats` (``stats``), the counters every part counts into.
 
@@ -89,7 +89,6 @@ import torch
 
 from embcache.backend import for_device
 from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig
-from embcache.cache.dedup import RowDedup
 from embcache.cache.direct import DirectMap
 from embcache.cache.locks import unlock_together
 from embcache.cache.lockstep import Step, run_together
@@ -106,6 +105,7 @@ from embcache.cache.writeback import WriteBack
 from embcache.devices import resolve_device
 from embcache.indexing import add_at
 from embcache.kv.base import Store, TableSpec
+from embcache.ops.registry import bind
 from embcache.profiling import profiled
 
 # A set-associative cache of bounded tables on a CPU keeps the slot of every row it holds in
@@ -173,7 +173,7 @@ class HotCache:
         direct: True when every row has its own slot.
         policy: the eviction policy's registered name (``"lru"``, ``"lfu"``, ...).
         eviction: the `policy.EvictionPolicy` of ``policy``.
-        dedup: the `dedup.RowDedup` of a cache with a row index.
+        dedup: the `RowDedup` of a cache with a row index (`IdsOps.row_dedup`).
         slot_store, planner, writeback, direct_map, snapshot, stats: the parts (see the
             module's docstring).
     """
@@ -214,10 +214,12 @@ class HotCache:
         self.device = resolve_device(device)
         self.fusion_k = fusion_k
         # The implementation family, chosen once (`embcache.backend`): its compiled passes or
-        # the torch code, and on the device path the set index through `kernels.cache_index`
-        # (a GPU's plan) instead of the row index: off a CPU, and on a CPU under
-        # EMBCACHE_BACKEND=triton, so the GPU's plan runs and is tested without a GPU.
+        # the torch code, and on the device path the set index (`ops.plan`, a GPU's plan)
+        # instead of the row index: off a CPU, and on a CPU under EMBCACHE_BACKEND=triton, so
+        # the GPU's plan runs and is tested without a GPU. ``ops``: the op families'
+        # implementations for it, bound once (`embcache.ops.registry`).
         self.backend = for_device(self.device)
+        self.ops = bind(self.backend)
         self.device_path = self.backend.device_path
         self._resolve_mutex = threading.RLock()  # serialises resolves (and flush, read)
         self._specs = {idx: spec for idx, spec in tables}
@@ -290,9 +292,8 @@ class HotCache:
         self.snapshot = PolicySnapshot(
             self.planner, self._counts, self._admission, geometry, self._key_limits
         )
-        self.dedup = RowDedup(
-            self._row_offset, index_rows, self._specs, self.fusion_k, self.backend
-        )
+        rows = {idx: spec.num_embeddings for idx, spec in self._specs.items()}
+        self.dedup = self.ops.ids.row_dedup(self._row_offset, index_rows, rows, self.fusion_k)
 
     # ------------------------------------------------------------------------------------------
     # tables, rows and ids
@@ -346,7 +347,7 @@ class HotCache:
         """`unique_by_rows` of raw ids, checked and fused in the same compiled pass
         (`RowDedup.unique_values`: the values of feature ``f``, ``values[bounds[f] :
         bounds[f + 1]]``, are ids of a table whose `row_ranges` are ``ranges[0][f],
-        ranges[1][f]``), or None where it does not apply or an id is bad (`kernels.ids.fuse_ids`
+        ranges[1][f]``), or None where it does not apply or an id is bad (`IdsOps.fuse_ids`
         then says which)."""
         return self.dedup.unique_values(values, bounds, ranges)
 
@@ -447,7 +448,7 @@ class HotCache:
         reads unchecked."""
         if not ids.numel():
             return
-        bad = self.backend.first_bad_key(ids, self.fusion_k, self._key_limits)
+        bad = self.ops.ids.first_bad_key(ids, self.fusion_k, self._key_limits)
         if bad >= 0:
             key = int(ids[bad])
             raise ValueError(

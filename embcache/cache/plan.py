@@ -4,9 +4,11 @@ given ways (or scratch rows), those slots reserved, and the undo of it all.
 `SetPlanner` is a part a `HotCache` holds (``HotCache.planner``): the plan's clocks, the
 eviction policy and the scratch area are its own; the slots it plans over are the cache's
 `storage.SlotStore`. What varies with the policy (the misses' order, the scores, which misses
-may displace a row) is the cache's `policy.EvictionPolicy`; the compiled CPU plan
-(`native.plan_lru`/`plan_lfu`, `native.reserve`) makes the same plan as the torch code here,
-which is its specification.
+may displace a row) is the cache's `policy.EvictionPolicy`; the plan family's operations
+(`embcache.ops.plan`: the set index, the device path's kernels, the compiled CPU plan) are the
+cache's bound implementation (``SlotStore.ops``); the compiled CPU plan (`PlanOps.plan_lru`,
+`plan_lfu`, `reserve`) makes the same plan as the torch code here, which is its
+specification.
 
 A plan changes the index (keys, scores, dirty flags, locks, the row index, the scratch count)
 before the tier is called, and records what it replaced in its `Plan`: a tier that fails
@@ -19,22 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-import embcache.native as native
 from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
 from embcache.cache.policy import EvictionPolicy, orders_padded_misses
 from embcache.cache.scratch import CacheCapacityError, ScratchArea
 from embcache.cache.storage import SlotStore
 from embcache.indexing import add_at, fill_at, put, true_at
-from embcache.kernels.backend import use_triton
-from embcache.kernels.cache_index import (
-    add_at_held,
-    assign_misses_triton,
-    assign_ways,
-    cache_slots,
-    lookup_counts,
-    salted_mix64,
-    set_index,
-)
 
 
 @dataclass
@@ -92,7 +83,7 @@ class SetPlanner:
         self.num_slots = slots.num_slots
         self.pins = pins
         self.device = slots.device
-        self.backend = slots.backend
+        self.ops = slots.ops.plan  # the plan family, bound with the cache
         self.tick = 0
         self.lookups = 0
         self.batch_seq = 0
@@ -136,9 +127,9 @@ class SetPlanner:
         if store.where is not None:  # the slot of every held row, scratch included
             return store.where.index_select(0, store.row_index(ids)).to(torch.int64)
         W = self.ways
-        sets = set_index(ids, self.num_sets)
+        sets = self.ops.set_index(ids, self.num_sets)
         keys = store.slot_keys[: self.num_slots].view(self.num_sets, W)
-        slots = cache_slots(keys, ids, sets)
+        slots = self.ops.cache_slots(keys, ids, sets)
         if self.scratch.used:
             self.scratch.find(ids, slots)
         return slots
@@ -155,7 +146,7 @@ class SetPlanner:
         # CPU, advanced indexing takes a general path several times slower.
         slots = self.lookup(ids)
         # Every number this plan needs before its sort, in one read (with other caches').
-        missing, wanted = lookup_counts(slots, self.num_slots, admitted)
+        missing, wanted = self.ops.lookup_counts(slots, self.num_slots, admitted)
         ahead = None
         if self._places_ahead(slots, admitted):
             # Ways this batch hits are as good as locked while its misses choose victims.
@@ -209,7 +200,7 @@ class SetPlanner:
         number of misses then comes with the placement's counts: one read fewer a plan."""
         return (
             admitted is None
-            and use_triton(slots)
+            and self.ops.places_misses
             and type(self.eviction).admit is EvictionPolicy.admit
             and orders_padded_misses(self.eviction)
         )
@@ -220,7 +211,7 @@ class SetPlanner:
         """`_choose_ways` of the device path, made before the number of misses is read: every
         list is as long as ``ids``, its misses first. Returns the misses' positions (ascending)
         and ids, their positions in the order they were placed with each one's slot (-1:
-        scratch), and the counts `assign_misses_triton` adds up (placed, evicting, dirty).
+        scratch), and the counts `PlanOps.assign_misses` adds up (placed, evicting, dirty).
         ``num_misses``: the count `lookup_counts` made, still on the device; the salt is the
         clock the plan will read at (`_tick` + 1)."""
         store = self.slots
@@ -229,7 +220,7 @@ class SetPlanner:
         miss_ids, order_pos, miss_sets = self.eviction.order_padded_misses(
             ids, miss_pos, self.tick + 1, self.num_sets
         )
-        place, counts = assign_misses_triton(
+        place, counts = self.ops.assign_misses(
             miss_sets, store.scores, store.locks, store.batch_of, store.slot_keys, store.dirty,
             self.ways, self.batch_seq, num_misses,
         )  # fmt: skip
@@ -246,14 +237,14 @@ class SetPlanner:
         # ids sorted, and a fixed order would give the same rows the ways each time. LFU:
         # the most frequent first.
         miss_pos, miss_ids = misses
-        shuffle = salted_mix64(miss_ids, self.tick)
+        shuffle = self.ops.salted_mix64(miss_ids, self.tick)
         miss_pos, miss_sets, priority = self.eviction.order_misses(
             ids, miss_pos, miss_ids, shuffle, self.num_sets
         )
-        if use_triton(miss_sets) and type(self.eviction).admit is EvictionPolicy.admit:
+        if self.ops.places_misses and type(self.eviction).admit is EvictionPolicy.admit:
             # Every miss may displace a row (LRU): one kernel places them and counts, no
             # read of the runs first.
-            place, counts = assign_misses_triton(
+            place, counts = self.ops.assign_misses(
                 miss_sets, store.scores, store.locks, store.batch_of, store.slot_keys, store.dirty,
                 W, self.batch_seq,
             )  # fmt: skip
@@ -273,7 +264,7 @@ class SetPlanner:
         batch_of = store.batch_of[: self.num_slots].view(self.num_sets, W)
         guarded |= batch_of.index_select(0, touched) == self.batch_seq
         runs = None if numpy_reads(self.device) else n_touched
-        assigned = assign_ways(scores_view.index_select(0, touched), guarded, owner, runs)
+        assigned = self.ops.assign_ways(scores_view.index_select(0, touched), guarded, owner, runs)
         # LFU: a miss displaces a resident row only if asked for more often; the others are
         # served from scratch for this batch, while their counts keep growing.
         assigned = self.eviction.admit(assigned, scores_view, touched, owner, priority)
@@ -288,17 +279,17 @@ class SetPlanner:
         return miss_pos, place, n_placed, n_evicted, n_dirty
 
     def _native_plan(self, admitted: torch.Tensor | None) -> bool:
-        """Whether this plan runs as compiled CPU kernels (`embcache.native`): a CPU cache
+        """Whether this plan runs as compiled CPU kernels (`PlanOps.compiled`): a CPU cache
         with a row index, admitting every id, LRU or LFU with exact counts (no sketch). The
         torch path is the specification."""
         store = self.slots
-        if store.where is None or admitted is not None or not self.backend.compiled:
+        if store.where is None or admitted is not None or not self.ops.compiled:
             return False
         return self.eviction.compiled()
 
     def _plan_native(self, ids: torch.Tensor) -> Plan:
-        """`_plan_sets` through `native.plan_lru` (or `plan_lfu` and `touch_lfu`) and
-        `native.reserve`: the same plan, the same changes to the index, in a few passes over
+        """`_plan_sets` through `PlanOps.plan_lru` (or `plan_lfu` and `touch_lfu`) and
+        `PlanOps.reserve`: the same plan, the same changes to the index, in a few passes over
         the batch's ids."""
         store = self.slots
         assert store.where is not None
@@ -328,7 +319,7 @@ class SetPlanner:
             put(place, over, self.num_slots + free)  # in the planned order, as `_reserve`
             self.scratch.used += over.numel()
         load_slots, victim_ids, victim_slots, evicted, old_keys, old_scores, old_dirty = (
-            map(torch.from_numpy, native.reserve(
+            map(torch.from_numpy, self.ops.reserve(
                 ids.numpy(), slots.numpy(), miss_pos.numpy(), order.numpy(), place.numpy(),
                 store.where.numpy(), store.row_offset.numpy(), store.fusion_k,
                 store.slot_keys.numpy(), store.scores.numpy(), store.locks.numpy(),
@@ -419,7 +410,7 @@ class SetPlanner:
     def _lock_hits(self, slots: torch.Tensor, delta: int) -> None:
         """Add ``delta`` to the locks of the slots of ``slots`` that are not -1 (without
         selecting them: a -1 adds 0 to slot 0)."""
-        add_at_held(self.slots.locks, slots, delta)
+        self.ops.add_at_held(self.slots.locks, slots, delta)
 
     def _refuse(self, slots: torch.Tensor) -> None:
         """Undo what a plan did before it was refused (a full scratch area, or another cache's

@@ -10,8 +10,9 @@ slot's score is, and whether a miss may displace a resident row.
 
 The cache keeps the slots and the clocks; a policy keeps the counts and the rules, and is
 given the score tensor (replaced when the cache reallocates) on each call. Both have compiled
-CPU plans (`native.plan_lru`, `native.plan_lfu`), which run when the cache's backend is the
-compiled one (`embcache.backend.Backend.compiled`); the torch code is their specification.
+CPU plans (`PlanOps.plan_lru`, `PlanOps.plan_lfu`), which run when the plan family bound for
+the cache's backend is the compiled one (`PlanOps.compiled`, `embcache.ops`); the torch code
+is their specification.
 
 Policies are chosen by name (`CacheConfig.policy`) from `embcache.cache.policy_registry`: a
 new one is a subclass here or anywhere (`order_misses` and `touch` at least) and its line
@@ -25,14 +26,13 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-import embcache.native as native
 from embcache.backend import Backend
 from embcache.cache.config import CacheConfig
 from embcache.cache.lockstep import first_true
 from embcache.cache.policy_registry import policy_class
 from embcache.cache.sketch import LfuCounts
 from embcache.indexing import fill_at, put, select, true_at
-from embcache.kernels.cache_index import miss_keys, set_index
+from embcache.ops.registry import bind
 
 PlanArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -64,8 +64,9 @@ class EvictionPolicy(ABC):
         counts: the row frequencies (for a policy that `needs_counts`; None for the others
             and for a direct cache).
         config: the cache's config (``lfu_decay``, ``lfu_decay_interval``).
-        backend: the cache's implementation family (`embcache.backend`): its compiled passes
-            count an exact LFU's requests.
+        backend: the cache's implementation family (`embcache.backend`), whose plan family
+            (`embcache.ops.plan`, bound here) hashes sets and, compiled, plans and counts an
+            exact LFU's requests.
         fusion_k: bits of the raw id inside a fused id.
     """
 
@@ -82,6 +83,7 @@ class EvictionPolicy(ABC):
         self.counts = counts
         self.config = config
         self.backend = backend
+        self.ops = bind(backend).plan
         self.fusion_k = fusion_k
 
     @abstractmethod
@@ -90,7 +92,7 @@ class EvictionPolicy(ABC):
         shuffle: torch.Tensor, num_sets: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """The order misses compete for their sets' ways in: their positions in ``ids`` and
-        their sets, sorted by set (runs, for `kernels.cache_index.assign_ways`), and each
+        their sets, sorted by set (runs, for `PlanOps.assign_ways`), and each
         one's priority for `admit` (None: every miss may displace a row).
 
         Args:
@@ -132,7 +134,7 @@ class EvictionPolicy(ABC):
         scores: torch.Tensor, locks: torch.Tensor, batch_of: torch.Tensor,
         geometry: tuple[int, int, int], tick: int, batch_seq: int, slots: torch.Tensor,
     ) -> PlanArrays:  # fmt: skip
-        """`native.plan_lru` or `native.plan_lfu` (``geometry``: slots, sets, ways): fills
+        """`PlanOps.plan_lru` or `PlanOps.plan_lfu` (``geometry``: slots, sets, ways): fills
         ``slots`` and returns the misses' positions, their order and their places. Called
         only when `compiled` says so."""
         raise NotImplementedError(f"{type(self).__name__} has no compiled plan")
@@ -155,7 +157,7 @@ class LruPolicy(EvictionPolicy):
         shuffle: torch.Tensor, num_sets: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         # One sort: by set, then by the batch's shuffle (20 low bits; num_sets < 2**43).
-        miss_sets = set_index(miss_ids, num_sets)
+        miss_sets = self.ops.set_index(miss_ids, num_sets)
         # (sets << 20) | low bits, as one add: the sets are >= 0 and the low bits below 2**20.
         key = torch.add(shuffle & 0xFFFFF, miss_sets, alpha=1 << 20)
         order = torch.sort(key, stable=True).indices
@@ -165,7 +167,7 @@ class LruPolicy(EvictionPolicy):
         self, ids: torch.Tensor, miss_pos: torch.Tensor, salt: int, num_sets: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The same key as `order_misses`, the padding's set past every set: one kernel.
-        miss_ids, miss_sets, key = miss_keys(ids, miss_pos, salt, num_sets)
+        miss_ids, miss_sets, key = self.ops.miss_keys(ids, miss_pos, salt, num_sets)
         order = torch.sort(key, stable=True).indices
         return miss_ids, miss_pos.index_select(0, order), miss_sets.index_select(0, order)
 
@@ -178,7 +180,7 @@ class LruPolicy(EvictionPolicy):
         geometry: tuple[int, int, int], tick: int, batch_seq: int, slots: torch.Tensor,
     ) -> PlanArrays:  # fmt: skip
         num_slots, num_sets, ways = geometry
-        return native.plan_lru(
+        return self.ops.plan_lru(
             ids.numpy(), where.numpy(), row_offset.numpy(), self.fusion_k, scores.numpy(),
             locks.numpy(), batch_of.numpy(), num_slots, num_sets, ways, tick, batch_seq,
             slots.numpy(),
@@ -209,7 +211,7 @@ class LfuPolicy(EvictionPolicy):
         miss_freq = self.counts.get(ids.index_select(0, miss_pos)) + 1  # with this request
         by_freq = torch.argsort(miss_freq, descending=True, stable=True)
         miss_pos, miss_freq = miss_pos.index_select(0, by_freq), miss_freq[by_freq]
-        miss_sets = set_index(ids.index_select(0, miss_pos), num_sets)
+        miss_sets = self.ops.set_index(ids.index_select(0, miss_pos), num_sets)
         miss_sets, order = torch.sort(miss_sets, stable=True)
         return miss_pos.index_select(0, order), miss_sets, miss_freq[order]
 
@@ -233,7 +235,7 @@ class LfuPolicy(EvictionPolicy):
     ) -> PlanArrays:  # fmt: skip
         assert self.counts is not None
         _, num_sets, ways = geometry
-        return native.plan_lfu(
+        return self.ops.plan_lfu(
             ids.numpy(), where.numpy(), row_offset.numpy(), self.fusion_k,
             self.counts.exact.numpy(), self.counts.row_offset.numpy(),
             scores.numpy(), locks.numpy(), batch_of.numpy(), num_sets,
@@ -245,11 +247,11 @@ class LfuPolicy(EvictionPolicy):
         n_main: int | None, all_main: bool, tick: int, lookups: int,
     ) -> None:  # fmt: skip
         assert self.counts is not None
-        if self.backend.compiled and self.counts.sketch is None:
+        if self.ops.compiled and self.counts.sketch is None:
             # Counted exactly: one compiled pass, the decay (when due) after it, which gives
             # the same counts and scores as before the scores are set (each value is rounded
             # down once either way).
-            native.touch_lfu(
+            self.ops.touch_lfu(
                 ids.numpy(), slots.numpy(), self.counts.exact.numpy(),
                 self.counts.row_offset.numpy(), self.fusion_k, scores.numpy(), scores.numel(),
             )  # fmt: skip

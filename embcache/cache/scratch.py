@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-import embcache.native as native
 from embcache.cache.lockstep import Step, ToHost, first_true
 from embcache.cache.stats import CacheStats
 from embcache.cache.storage import SlotStore
@@ -127,11 +126,11 @@ class ScratchArea:
         if not self.used:
             return
         store = self.slots
-        if store.where is None or not store.backend.compiled:
+        if store.where is None or not store.ops.plan.compiled:
             yield from self._release_read(batch_seq)
             return
         # The same rows and writes, in two compiled passes.
-        done_slots, dirty, dirty_keys = map(torch.from_numpy, native.scratch_done(
+        done_slots, dirty, dirty_keys = map(torch.from_numpy, store.ops.plan.scratch_done(
             store.slot_keys.numpy(), store.locks.numpy(), store.batch_of.numpy(),
             store.dirty.numpy(), store.num_slots, batch_seq,
         ))  # fmt: skip
@@ -146,7 +145,7 @@ class ScratchArea:
                 self.write_rows(host[0], dirty)
             if self.pins:
                 store.transfer.unpin(host[1])
-        native.free_slots(
+        store.ops.plan.free_slots(
             done_slots.numpy(), store.slot_keys.numpy(), store.dirty.numpy(),
             store.where.numpy(), store.row_offset.numpy(), store.fusion_k,
         )  # fmt: skip

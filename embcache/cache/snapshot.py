@@ -15,7 +15,7 @@ import torch
 
 from embcache.cache.plan import SetPlanner
 from embcache.cache.sketch import Admission, LfuCounts
-from embcache.kernels.cache_index_ref import set_index_ref
+from embcache.hashing import LOW63, mix64
 
 
 class PolicySnapshot:
@@ -158,7 +158,10 @@ class PolicySnapshot:
         planner = self.planner
         proper = keys[: planner.num_slots]
         slots = (proper >= 0).nonzero().flatten()
-        if bool((set_index_ref(proper[slots], planner.num_sets) != slots // planner.ways).any()):
+        # Each key's set by the set index's definition (`PlanOps.set_index`), on the host
+        # tensors of a saved state whatever the cache's device.
+        sets = (mix64(proper[slots]) & LOW63) % planner.num_sets
+        if bool((sets != slots // planner.ways).any()):
             raise ValueError("cache state: a slot key lies outside its set")
 
     def shape(self) -> dict[str, object]:

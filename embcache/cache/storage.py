@@ -18,12 +18,13 @@ import torch
 
 import embcache.native as native
 from embcache.backend import Backend
-from embcache.cache.dedup import row_index
 from embcache.cache.lockstep import first_true
 from embcache.cache.stats import CacheStats
 from embcache.cache.transfer import SlotStorage, TierTransfer, packed_float32
 from embcache.hostmem import host_zeros
 from embcache.indexing import add_at, fill_at, put, true_at
+from embcache.ops.ids.row_map import row_index
+from embcache.ops.registry import bind
 
 
 class SlotStore:
@@ -92,6 +93,8 @@ class SlotStore:
         self.fusion_k = fusion_k
         self.device = device
         self.backend = backend
+        # The op families' implementations, bound once for the cache (`embcache.ops`).
+        self.ops = bind(backend)
         self.transfer = transfer
         self.admits_all = admits_all
         self.stats = stats

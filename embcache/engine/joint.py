@@ -4,11 +4,12 @@ A collection of several embedding dims keeps one cache per dim. Cutting a batch 
 caches needs each key's number of values on the host, a read of its own before any dedup can
 be sized; and deduplicating each cache apart costs a sort and its kernels per cache. Here the
 batch is fused in its own key order, each value's fused id tagged with its cache in the bits
-above the fused ids (`kernels.joint_ids`), and sorted once. One host read then brings what
+above the fused ids, and sorted once (`IdsOps.sort_and_mark`). One host read then brings what
 every cache needs: the number of unique ids, where each cache's and each table's ids start,
-the id and length checks of the fuse (`kernels.ids.IdVerdict`), and the per-key counts (which
-place each value in its cache's feature order and check the batch's lengths). A last kernel
-writes each cache's unique ids, inverse, grouping and per-sample weights apart.
+the id and length checks of the fuse (`IdVerdict`), and the per-key counts (which place each
+value in its cache's feature order and check the batch's lengths). A last kernel
+(`IdsOps.scatter_joint`) writes each cache's unique ids, inverse, grouping and per-sample
+weights apart.
 
 `JointLayout.of` says when this applies (the caches' shares are plain dedups on the device
 path, the batch's keys are the collection's features, and the tag fits above the fused ids);
@@ -24,8 +25,8 @@ import torch
 
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout
-from embcache.kernels.ids import Deduped, fuse_ids_deferred, sort_and_mark
-from embcache.kernels.joint_ids import plan, scatter_joint
+from embcache.ops.ids import IdsOps
+from embcache.ops.ids.shared import Deduped, joint_plan
 
 # A cache's share as `ShareMaker.prepare_fused` takes it: ids (here its unique ids, already
 # deduplicated), its bags (here their offsets, made by the dedup: `Deduped.offsets`),
@@ -94,13 +95,14 @@ class JointLayout:
 
 
 def dedup_joint(
-    joint: JointLayout, batch: JaggedBatch, fusion_k: int, device: torch.device
+    joint: JointLayout, batch: JaggedBatch, fusion_k: int, device: torch.device, ops: IdsOps
 ) -> tuple[list[JointShare], list[Deduped]]:
     """Every cache's share of ``batch`` (keys checked, values on ``device``), deduplicated
-    together: one fuse, one sort, one host read, one scatter (module docstring).
+    together by ``ops`` (the ids family bound for the caches, where `IdsOps.joint`): one fuse,
+    one sort, one host read, one scatter (module docstring).
 
     Raises:
-        ValueError: a bad id or length, as `kernels.ids.fuse_ids` says, before anything is
+        ValueError: a bad id or length, as `IdsOps.fuse_ids` says, before anything is
             written.
     """
     keys = joint.keys
@@ -111,13 +113,13 @@ def dedup_joint(
     late = batch.lengths_pending
     if late and b:  # a negative bag makes its key's count negative: the fuse's check sees it
         per_key.masked_fill_(rows.amin(dim=1) < 0, -1)
-    fused, verdict = fuse_ids_deferred(
+    fused, verdict = ops.fuse_ids_deferred(
         values, per_key, joint.table_index, joint.table_rows, fusion_k, keys, joint.table_names
     )
     # The bags' running ends, for every cache's offsets (`scatter_joint`).
     ends = torch.cumsum(lengths, 0, dtype=torch.int64)
     extra = per_key if verdict is None else torch.cat([verdict.flags, per_key])
-    marked = sort_and_mark(fused, joint.starts, extra)
+    marked = ops.sort_and_mark(fused, joint.starts, extra)
     num_starts = joint.starts.numel()
     read = marked.read.tolist()  # the one host read
     runs_below = read[1 : 1 + num_starts]
@@ -130,11 +132,11 @@ def dedup_joint(
     if late:
         batch.lengths_checked(tail)
     groups = len(joint.layouts)
-    where = plan(tail, joint.group_keys, runs_below[: groups - 1], read[0], b)
+    where = joint_plan(tail, joint.group_keys, runs_below[: groups - 1], read[0], b)
     weights = batch.weights_or_none()
     if weights is not None:
         weights = weights.to(device, torch.float32)
-    shares = scatter_joint(marked.ordered, marked.order, marked.is_start, marked.seen, where,
+    shares = ops.scatter_joint(marked.ordered, marked.order, marked.is_start, marked.seen, where,
                            joint.tag_shift, weights, ends)  # fmt: skip
     out: list[JointShare] = []
     found: list[Deduped] = []

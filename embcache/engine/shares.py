@@ -17,8 +17,8 @@ from embcache.engine.batch_state import Prepared
 from embcache.engine.engine import CacheEngine, Deduped, dedup_together
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.joint import JointLayout, dedup_joint
-from embcache.kernels.backend import use_triton
-from embcache.kernels.ids import IdVerdict, fuse_ids_deferred
+from embcache.ops.ids.shared import IdVerdict
+from embcache.ops.registry import ops_for
 from embcache.profiling import profiled
 
 # An engine's share of a batch checked and fused, not yet deduplicated (`ShareMaker.check`):
@@ -39,6 +39,8 @@ class ShareMaker:
         self.engines = engines
         self.fusion_k = fusion_k
         self.device = device
+        # The ids family for the caches' device, bound once (`embcache.ops`).
+        self.ops = ops_for(device).ids
         # `_fuse_tables`, by engines and device
         self._joined: dict[
             tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor, list[str]]
@@ -51,7 +53,7 @@ class ShareMaker:
         cache changes, and a failing resolve leaves nothing locked."""
         joint = self._joint_layout(batch)
         if joint is not None:  # every cache on the device path: one dedup for all
-            joint_shares, found = dedup_joint(joint, batch, self.fusion_k, self.device)
+            joint_shares, found = dedup_joint(joint, batch, self.fusion_k, self.device, self.ops)
             return self.prepare_fused(list(joint_shares), lock, found=found)
         shares, verdict = self._check(batch, lock, defer=True)
         return self.prepare_fused(shares, lock, verdict=verdict)
@@ -66,7 +68,7 @@ class ShareMaker:
         if len(self.engines) == 1 and keys == self.engines[0].layout.features:
             return None  # nothing to cut: `_fuse_together` reads nothing more
         values = batch.values()
-        if values.device != self.device or not use_triton(values):
+        if values.device != self.device or not self.ops.joint:
             return None
         key = (tuple(keys), self.device)
         if key not in self._joint:
@@ -112,7 +114,7 @@ class ShareMaker:
         self, todo: list[int], batch: JaggedBatch
     ) -> tuple[list[CheckedShare], IdVerdict | None]:
         """What `CacheEngine.fuse` gives each engine of ``todo``, and its `Prepared.cuts`,
-        made in one pass over their features together: one `fuse_ids_deferred` (its checks
+        made in one pass over their features together: one `IdsOps.fuse_ids_deferred` (its checks
         returned unread, to read once for all caches) and the batch's values per key (read
         by its check), which group the features in the engines' order and say where each
         engine's values end and where its lookups start."""
@@ -143,7 +145,7 @@ class ShareMaker:
         if late:  # a negative bag makes its feature's count negative: the ids' check sees it
             negative = lengths.view(len(features), -1).amin(dim=1) < 0
             per_feature = per_feature.masked_fill_(negative, -1)
-        fused, verdict = fuse_ids_deferred(
+        fused, verdict = self.ops.fuse_ids_deferred(
             values, per_feature, table_index, table_rows, self.fusion_k, features, names
         )
         if late:

@@ -8,8 +8,9 @@ where the torch path makes several.
 
 Each kernel computes exactly what the torch path beside it computes (the specification, run
 under the ``torch`` backend, on a GPU, and wherever numba cannot be imported). Which one runs
-is `embcache.backend`'s choice (its ``native`` family): callers hold a `Backend` and ask it,
-never this module:
+is `embcache.backend`'s choice (its ``native`` family): callers hold a `Backend` and ask it, or
+the op families' implementations bound for it (`embcache.ops`: the ids and plan families'
+``native.py`` are the only callers of their kernels here), never this module:
 
 * `first_bad_key`: the first fused id that is no row of a cache's tables (`HotCache.resolve`'s
   check, before the plan reads the row index unchecked);
@@ -20,7 +21,7 @@ never this module:
   `unlock`: a batch's locks dropped after checking them (`HotCache.unlock`), `unlock_dirty`
   its rows marked dirty in the same pass (`HotCache.unlock` with ``dirty``);
 * `plan_lru`, `reserve`: a set-associative LRU cache's plan (`SetPlanner.plan_sets`): lookup
-  through the row index, victim choice (`cache_index_ref.assign_ways_ref` on the ways of the
+  through the row index, victim choice (`ops.plan.spec.assign_ways_ref` on the ways of the
   touched sets, misses ordered by set and the batch's shuffle) and the index changes that
   reserve the chosen ways; `plan_lfu`, `touch_lfu` the same for an LFU cache whose rows are
   counted exactly (misses by set, then most frequent first; a miss that would displace a row
@@ -30,7 +31,7 @@ never this module:
 * `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows,
   each id ranked by the marked bits before it (`HotCache.unique_by_rows`); `unique_values`
   the same from raw ids, checked against their tables in the same pass
-  (`HotCache.unique_values`: `kernels.ids.fuse_ids`, then the dedup);
+  (`HotCache.unique_values`: `IdsOps.fuse_ids`, then the dedup);
 * `group_by_table`: a tier transfer's ids grouped by table, by one pass when sorted and a
   counting sort otherwise (`TierTransfer._grouped`);
 * `scatter_split`, `gather_join`: stored rows into a cache's weights and state, and out

@@ -216,7 +216,7 @@ def _choose_ways(sets, order, scores, locks, batch_of, ways, batch_seq, freq, lf
 
 @jit
 def _sets_of(ids, miss_pos, num_sets):
-    """The set of each miss (`kernels.cache_index.set_index`)."""
+    """The set of each miss (`PlanOps.set_index`)."""
     m = miss_pos.shape[0]
     sets = np.empty(m, np.int64)
     for j in range(m):

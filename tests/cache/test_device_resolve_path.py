@@ -18,15 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import embcache.cache.plan as cache_plan
-import embcache.kernels.cache_index as cache_index
+import embcache.ops.plan.triton as plan_triton
 from embcache.backend import for_device
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
 from embcache.cache.scratch import ScratchArea
-from embcache.kernels.cache_index_ref import set_index_ref
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
+from embcache.ops.plan.spec import set_index_ref
 
 K = 20
 DIM = 4
@@ -119,22 +118,21 @@ def test_device_path_on_cpu_equals_the_torch_plan(
 
     # Count the launches of the Triton kernels and the scratch searches, so the test fails when
     # the device branch is not the one taken.
-    # An LRU plan places its misses with `assign_misses_triton` (which the plan imports by
-    # name), an LFU plan with `assign_ways` (whose `admit` needs its runs).
+    # An LRU plan places its misses with `assign_misses_triton`, an LFU plan with
+    # `assign_ways` (whose `admit` needs its runs): launchers of the triton plan
+    # (`ops.plan.triton`), which its methods call by their module names.
     calls = dict.fromkeys(
         ("set_index_triton", "cache_lookup_triton", "assign_ways_triton", "assign_misses_triton"),
         0,
     )
     for name in calls:
-        launcher = getattr(cache_index, name)
+        launcher = getattr(plan_triton, name)
 
         def counted(*args: object, _launcher=launcher, _name=name) -> torch.Tensor:
             calls[_name] += 1
             return _launcher(*args)
 
-        monkeypatch.setattr(cache_index, name, counted)
-        if hasattr(cache_plan, name):
-            monkeypatch.setattr(cache_plan, name, counted)
+        monkeypatch.setattr(plan_triton, name, counted)
     found_in_scratch = []
     find = ScratchArea.find
 

@@ -9,9 +9,9 @@ import torch
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache, resolve_together
 from embcache.cache.policy_registry import policy_names
-from embcache.kernels.cache_index_ref import assign_ways_ref
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
+from embcache.ops.plan.spec import assign_ways_ref
 
 K = 20
 ROWS = 700

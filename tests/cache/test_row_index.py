@@ -11,11 +11,11 @@ import torch
 import embcache.cache.hot_cache as hot_cache_module
 import embcache.native as native
 from embcache.cache.config import CacheConfig
-from embcache.cache.dedup import IDS_PER_ROW_BITMAP, IDS_PER_ROW_MAP
 from embcache.cache.hot_cache import HotCache
 from embcache.kernels.optim import OptimRule
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
+from embcache.ops.ids.row_map import IDS_PER_ROW_BITMAP, IDS_PER_ROW_MAP
 from tests.cache.test_hot_cache import (
     DIM,
     FUSION_K,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
-from embcache.kernels.cache_index_ref import set_index_ref
+from embcache.ops.plan.spec import set_index_ref
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -381,8 +381,8 @@ def test_assign_misses_matches_the_plans_torch_ops(
     counted in one kernel) against what `SetPlanner._choose_ways` computes with `assign_ways`'
     twin and torch ops: fresh random scores (empty ways -1), locks, last-batch guards, keys and
     dirty flags, runs of 1 to more misses than ways."""
-    from embcache.kernels.cache_index import assign_misses_triton
-    from embcache.kernels.cache_index_ref import assign_ways_ref
+    from embcache.ops.plan.spec import assign_ways_ref
+    from embcache.ops.plan.triton import assign_misses_triton
 
     gen = torch.Generator().manual_seed(seed)
     num_sets, batch_seq = 37, 5

@@ -1,7 +1,10 @@
 """One reference per operation: every implementation of each core operation, on the same
 fresh random inputs, against ONE float64 (or plain Python) reference written here.
 
-Implementations gathered per operation (a parametrize id per operation and implementation):
+Implementations gathered per operation (a parametrize id per operation and implementation).
+The op families under `embcache.ops` (ids, plan) take theirs from the registry
+(`ops.registry.implementations`: ``spec``, ``triton``, ``native``), each called directly; the
+others, until they move there:
 
 * ``torch``: the torch twin (``*_ref.py``), through the public function under
   ``EMBCACHE_BACKEND=torch``;
@@ -13,8 +16,9 @@ Implementations gathered per operation (a parametrize id per operation and imple
 
 Inputs have odd shapes on purpose: dims 5 and 123, empty bags, duplicate ids, one huge bag, ids
 at a table's last row; output buffers start as NaN so an element an implementation forgets to
-write shows. Operations with no implementation of a kind list none here (the cache index and
-the optimizer have no numba version; the numba plan looks ids up through a row index).
+write shows. Operations with no implementation of a kind list none here (the optimizer has no
+numba version; the plan family's numba implementation runs the cache index's torch code, and
+its compiled plan looks ids up through a row index).
 """
 
 from __future__ import annotations
@@ -33,9 +37,7 @@ from embcache.backend import for_device
 from embcache.engine import tbe_step
 from embcache.engine.batch_state import Prepared
 from embcache.indexing import copy_rows
-from embcache.kernels.cache_index import assign_ways, cache_lookup, set_index
 from embcache.kernels.gather import gather_backward, gather_rows
-from embcache.kernels.ids import dedup, dedup_grouped
 from embcache.kernels.optim import (
     OptimRule,
     RowUpdate,
@@ -46,6 +48,8 @@ from embcache.kernels.optim import (
 from embcache.kernels.pooling import PoolingMode, pool_backward, pool_forward
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
+from embcache.ops.ids import IdsOps
+from embcache.ops.registry import implementations
 
 HAS_NUMBA = native._njit() is not None
 HAS_FBGEMM = tbe_step._fbgemm() is not None
@@ -70,6 +74,17 @@ def _impl(name: str, needs: str | None = None) -> object:
     return pytest.param(name, id=name, marks=marks)
 
 
+# What an implementation of an op family (`embcache.ops.registry`) needs here.
+NEEDS = {"native": "numba"}
+
+
+def _family(family: str) -> list:
+    """A parametrize entry per implementation of ``family`` that the registry lists
+    (`ops.registry.implementations`): a new implementation, or a new family's, is tested here
+    the day it is registered."""
+    return [_impl(name, NEEDS.get(name)) for name in implementations(family)]
+
+
 @pytest.fixture
 def use(monkeypatch: pytest.MonkeyPatch):
     """``use(impl)``: select the backend an implementation runs under. ``torch``/``triton``
@@ -78,6 +93,8 @@ def use(monkeypatch: pytest.MonkeyPatch):
 
     def select(impl: str) -> None:
         name = impl if impl in ("torch", "triton") else "auto"
+        if impl == "spec":  # an op family's torch specification (`embcache.ops`)
+            name = "torch"
         if impl.startswith("twins-"):
             name = impl.removeprefix("twins-")
         if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -124,67 +141,51 @@ def _dedup_reference(fused: torch.Tensor) -> tuple[list[int], list[int], list[in
     return unique, inverse, counts
 
 
-def _numba_bitmap_args() -> tuple[np.ndarray, ...]:
-    total = sum(TABLE_ROWS)
-    words = (total + 63) // 64
-    row_offset = np.array([0, TABLE_ROWS[0]], dtype=np.int64)
-    return (
-        row_offset,
-        FUSION_K,
-        np.zeros(words, dtype=np.uint64),
-        np.zeros(words, dtype=np.int32),
-        row_offset.copy(),  # row_starts
-        np.array([0, 1], dtype=np.int64),  # row_tables
-    )
+ROW_OFFSET = torch.tensor([0, TABLE_ROWS[0]])  # the two tables' rows, numbered one after another
+DEDUP_WAYS = ["dedup", "grouped", "row-map", "row-map-values"]
 
 
-def _run_dedup(impl: str, raw: list[torch.Tensor], fused: torch.Tensor):
-    if impl in ("torch", "triton"):
-        unique, inverse, counts = dedup(fused)
-        return unique, inverse, counts
-    if impl == "torch-grouped":
-        unique, inverse, order, segments = dedup_grouped(fused)
+def _run_dedup(ops: IdsOps, way: str, raw: list[torch.Tensor], fused: torch.Tensor):
+    if way == "dedup":
+        return ops.dedup(fused)
+    if way == "grouped":
+        unique, inverse, order, segments = ops.dedup_grouped(fused)
         # The grouping: values of id u at order[segments[u]:segments[u + 1]], ascending.
         assert torch.equal(fused[order], unique.repeat_interleave(segments.diff()))
         for u in range(unique.numel()):
             part = order[segments[u] : segments[u + 1]]
             assert torch.equal(part, part.sort().values)
         return unique, inverse, segments.diff()
-    if impl == "numba-rows":
-        unique, inverse = native.unique_rows(fused.numpy(), *_numba_bitmap_args())
-    else:  # numba-values: raw ids checked, fused and deduplicated in one pass
+    rows = ops.row_dedup(ROW_OFFSET, sum(TABLE_ROWS), dict(enumerate(TABLE_ROWS)), FUSION_K)
+    if way == "row-map":
+        found = rows.unique_by_rows(fused)
+        if found is None:
+            assert not rows.dense_batch(fused.numel(), rows.compiled)
+            pytest.skip(f"{ops.name}'s row map does not take a batch of {fused.numel()}")
+    else:  # raw ids checked, fused and deduplicated in one pass (compiled only)
         values = torch.cat(raw)
-        bounds = np.array([0, raw[0].numel(), values.numel()], dtype=np.int64)
-        row_offset, k, bits, ranks, starts, tables = _numba_bitmap_args()
-        limits = np.array(TABLE_ROWS, dtype=np.int64)
-        unique, inverse, bad = native.unique_values(
-            values.numpy(), bounds, row_offset, limits, k, bits, ranks, starts, tables
-        )
-        assert bad == -1
-    unique, inverse = torch.from_numpy(unique), torch.from_numpy(inverse)
+        bounds = torch.tensor([0, raw[0].numel(), values.numel()])
+        found = rows.unique_values(values, bounds, rows.row_ranges([0, 1]))
+        if found is None:
+            assert not rows.maps_batch(values.numel())
+            pytest.skip(f"{ops.name}'s row map checks no raw values (or not {values.numel()})")
+    unique, inverse = found
     return unique, inverse, torch.bincount(inverse, minlength=unique.numel())
 
 
 @pytest.mark.parametrize("n", [0, 1, 157], ids=["empty", "one", "n157"])
-@pytest.mark.parametrize(
-    "impl",
-    [
-        _impl("torch"),
-        _impl("triton"),
-        _impl("torch-grouped"),
-        _impl("numba-rows", "numba"),
-        _impl("numba-values", "numba"),
-    ],
-)
-def test_dedup(impl: str, n: int, use) -> None:
+@pytest.mark.parametrize("way", DEDUP_WAYS)
+@pytest.mark.parametrize("impl", _family("ids"))
+def test_dedup(impl: str, way: str, n: int, use) -> None:
     use(impl)
     raw, fused = _fused_batch(n, seed=11 + n)
-    unique, inverse, counts = _run_dedup(impl, raw, fused)
+    unique, inverse, counts = _run_dedup(implementations("ids")[impl], way, raw, fused)
     ref_unique, ref_inverse, ref_counts = _dedup_reference(fused)
     assert unique.dtype == inverse.dtype == torch.int64
     assert unique.tolist() == ref_unique
     assert inverse.tolist() == ref_inverse
-    assert counts.tolist() == ref_counts
+    if counts is not None:  # (the CPU path counts, the Triton dedup too)
+        assert counts.tolist() == ref_counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,13 +623,14 @@ def _set_reference(key: int, num_sets: int) -> int:
     return (z & ((1 << 63) - 1)) % num_sets
 
 
-CACHE_IMPLS = [_impl("torch"), _impl("triton")]
+CACHE_IMPLS = _family("plan")
 
 
 @pytest.mark.parametrize("num_sets", [1, 7, 1 << 40])
 @pytest.mark.parametrize("impl", CACHE_IMPLS)
 def test_set_index(impl: str, num_sets: int, use) -> None:
     use(impl)
+    set_index = implementations("plan")[impl].set_index
     g = _gen(num_sets % 1000)
     ids = torch.randint(-(2**62), 2**62, (97,), generator=g, dtype=torch.int64)
     ids[:4] = torch.tensor([0, -1, 2**63 - 1, -(2**63)])
@@ -639,6 +641,7 @@ def test_set_index(impl: str, num_sets: int, use) -> None:
 @pytest.mark.parametrize("impl", CACHE_IMPLS)
 def test_cache_lookup(impl: str, use) -> None:
     use(impl)
+    cache_lookup = implementations("plan")[impl].cache_lookup
     g = _gen(3)
     sets, ways = 6, 5
     keys = torch.full((sets, ways), -1, dtype=torch.int64)
@@ -661,6 +664,7 @@ def test_cache_lookup(impl: str, use) -> None:
 @pytest.mark.parametrize("impl", CACHE_IMPLS)
 def test_assign_ways(impl: str, use) -> None:
     use(impl)
+    assign_ways = implementations("plan")[impl].assign_ways
     g = _gen(4)
     sets, ways = 5, 4
     scores = torch.randint(-1, 6, (sets, ways), generator=g)  # ties: broken by way

@@ -1,6 +1,7 @@
-"""`kernels.joint_ids`: several caches' ids deduplicated in one sort, each share written apart.
+"""The joint dedup (`ops.ids`): several caches' ids deduplicated in one sort, each share written
+apart.
 
-The Triton route (`ids.sort_and_mark`, one read, `scatter_joint`) against the plain-torch
+The Triton route (`sort_and_mark`, one read, `scatter_joint`) against the plain-torch
 specification (`scatter_joint_ref`) on fresh random batches, and the specification against
 what each group's share must be: the dedup of the group's values taken in its own feature
 order. Outputs are allocated uninitialised and every compared element is inside a share, so a
@@ -12,15 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embcache.kernels.ids import sort_and_mark
-from embcache.kernels.joint_ids import (
-    ALIGN,
-    JointPlan,
-    JointShares,
-    plan,
-    scatter_joint,
-    scatter_joint_ref,
-)
+from embcache.ops.ids.shared import ALIGN, JointPlan, JointShares
+from embcache.ops.ids.shared import joint_plan as plan
+from embcache.ops.ids.spec import scatter_joint_ref
+from embcache.ops.ids.triton import scatter_joint, sort_and_mark
 
 FUSION_K = 12
 TABLE_BITS = 3

@@ -5,8 +5,8 @@ A set-associative cache of bounded tables on a CPU keeps the slot of every row i
 A batch dense enough for that numbering (at least one id per `IDS_PER_ROW_MAP` rows, or
 `IDS_PER_ROW_BITMAP` through the compiled bitmap) is deduplicated by marking its rows in a
 map and reading the marks back in order, which gives ``torch.unique(ids, sorted=True,
-return_inverse=True)`` without sorting the batch. `RowDedup` owns the map, its ranks and the
-compiled bitmap, made on first use.
+return_inverse=True)`` without sorting the batch. `RowDedup` owns the map and its ranks (the
+torch specification, made on first use); the compiled bitmap is `ops.ids.native`'s.
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-import embcache.native as native
-from embcache.backend import Backend
 from embcache.hostmem import host_zeros
 from embcache.indexing import fill_at, put, true_at
-from embcache.kv.base import TableSpec
 
 # `unique_by_rows` takes a batch through a map over its tables' rows from one id per this many
 # rows (a sort of fewer ids is cheaper than passes over the map); through the compiled bitmap
@@ -38,29 +35,27 @@ def row_index(row_offset: torch.Tensor, keys: torch.Tensor, fusion_k: int) -> to
 
 class RowDedup:
     """The dedup of a cache with a row index over ``index_rows`` rows (0: none, nothing is
-    deduplicated here).
+    deduplicated here), through a map over those rows in torch ops (`IdsOps.row_dedup`).
 
     Args:
         row_offset: CPU int64 ``[max table index + 1]`` first row of each table.
         index_rows: rows of the cache's tables (0 when it keeps no row index).
-        specs: the cache's tables by table index.
+        rows: the cache's tables' ``num_embeddings`` by table index (None: unbounded).
         fusion_k: bits of the raw id inside a fused id.
-        backend: the cache's implementation family (`embcache.backend`): the compiled one
-            deduplicates through a bitmap in one pass.
     """
+
+    compiled = False  # the compiled bitmap's subclass (`ops.ids.native`) says True
 
     def __init__(
         self,
         row_offset: torch.Tensor,
         index_rows: int,
-        specs: Mapping[int, TableSpec],
+        rows: Mapping[int, int | None],
         fusion_k: int,
-        backend: Backend,
     ) -> None:
-        self.compiled = backend.compiled
         self.row_offset = row_offset
         self.index_rows = index_rows
-        self.specs = specs
+        self.rows = rows
         self.fusion_k = fusion_k
         # The torch path's map and ranks over the tables' rows (5 bytes a row); the compiled
         # dedup's bitmap (a bit a row) and ranks (4 bytes per 64 rows): all made on first use.
@@ -68,9 +63,9 @@ class RowDedup:
         self.row_rank: torch.Tensor | None = None
         self.row_bits: torch.Tensor | None = None
         self.word_rank: np.ndarray | None = None
-        self._row_starts: torch.Tensor | None = None  # first row of each table, ascending
-        self._row_tables: torch.Tensor | None = None  # and the table's index
-        self._lock = threading.Lock()  # one batch at a time through those
+        self.row_starts: torch.Tensor | None = None  # first row of each table, ascending
+        self.row_tables: torch.Tensor | None = None  # and the table's index
+        self.lock = threading.Lock()  # one batch at a time through those
 
     def unique_by_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``torch.unique(ids, sorted=True, return_inverse=True)`` for valid fused ids of the
@@ -78,19 +73,11 @@ class RowDedup:
         holds at least one id per `IDS_PER_ROW_MAP` rows (`IDS_PER_ROW_BITMAP` through the
         compiled bitmap) is deduplicated faster so. None when it holds fewer, or the cache
         keeps no row index (its tables are unbounded, or it is on a GPU or direct)."""
-        compiled = self.compiled
-        if not self.dense_batch(ids.numel(), compiled):
+        if not self.dense_batch(ids.numel(), False):
             return None
-        with self._lock:
-            self._row_buffers(compiled)
-            assert self._row_starts is not None and self._row_tables is not None
-            if compiled:
-                unique_np, inverse_np = native.unique_rows(
-                    ids.contiguous().numpy(), self.row_offset.numpy(), self.fusion_k,
-                    self._bitmap(), self._word_ranks(), self._row_starts.numpy(),
-                    self._row_tables.numpy(),
-                )  # fmt: skip
-                return torch.from_numpy(unique_np), torch.from_numpy(inverse_np)
+        with self.lock:
+            self.row_buffers(False)
+            assert self.row_starts is not None and self.row_tables is not None
             assert self.row_map is not None and self.row_rank is not None
             rows = row_index(self.row_offset, ids, self.fusion_k)
             fill_at(self.row_map, rows, True)
@@ -98,9 +85,9 @@ class RowDedup:
             fill_at(self.row_map, unique_rows, False)  # all clear again for the next batch
             put(self.row_rank, unique_rows, torch.arange(unique_rows.numel()))
             inverse = self.row_rank.index_select(0, rows).to(torch.int64)
-        table = torch.searchsorted(self._row_starts, unique_rows, right=True) - 1
-        raw = unique_rows - self._row_starts.index_select(0, table)
-        unique = raw | (self._row_tables.index_select(0, table) << self.fusion_k)
+        table = torch.searchsorted(self.row_starts, unique_rows, right=True) - 1
+        raw = unique_rows - self.row_starts.index_select(0, table)
+        unique = raw | (self.row_tables.index_select(0, table) << self.fusion_k)
         return unique, inverse
 
     def maps_batch(self, n: int) -> bool:
@@ -113,7 +100,7 @@ class RowDedup:
         of valid ids (``num_embeddings``, at most ``2**fusion_k``) of each of ``tables``
         (table indices), int64 ``[len(tables)]`` each."""
         bases = torch.tensor([int(self.row_offset[t]) for t in tables], dtype=torch.int64)
-        rows = [self.specs[t].num_embeddings for t in tables]
+        rows = [self.rows[t] for t in tables]
         if any(r is None for r in rows):
             raise ValueError("row_ranges: unbounded tables have no rows to range over")
         limits = torch.tensor(rows, dtype=torch.int64).clamp(max=1 << self.fusion_k)
@@ -126,21 +113,8 @@ class RowDedup:
         ranges: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`unique_by_rows` of raw ids, checked and fused in the same compiled pass
-        (`native.unique_values`); `HotCache.unique_values` says more."""
-        if values.dtype not in (torch.int64, torch.int32) or not self.maps_batch(values.numel()):
-            return None
-        bases, limits = ranges
-        with self._lock:
-            self._row_buffers(compiled=True)
-            assert self._row_starts is not None and self._row_tables is not None
-            unique, inverse, bad = native.unique_values(
-                values.contiguous().numpy(), bounds.contiguous().numpy(), bases.numpy(),
-                limits.numpy(), self.fusion_k, self._bitmap(), self._word_ranks(),
-                self._row_starts.numpy(), self._row_tables.numpy(),
-            )  # fmt: skip
-        if bad >= 0:
-            return None
-        return torch.from_numpy(unique), torch.from_numpy(inverse)
+        (`HotCache.unique_values` says more); None here, where no compiled pass runs."""
+        return None
 
     def dense_batch(self, n: int, compiled: bool) -> bool:
         """Whether a batch of ``n`` ids is deduplicated through the map over the tables' rows
@@ -148,25 +122,13 @@ class RowDedup:
         per_row = IDS_PER_ROW_BITMAP if compiled else IDS_PER_ROW_MAP
         return bool(self.index_rows) and n * per_row >= self.index_rows
 
-    def _row_buffers(self, compiled: bool) -> None:
+    def row_buffers(self, compiled: bool) -> None:
         """Make the table starts of `unique_by_rows` and, for the torch path (not
         ``compiled``), its map and ranks over the tables' rows (first use)."""
         if not compiled and self.row_map is None:
             self.row_map = torch.zeros(self.index_rows, dtype=torch.bool)
             self.row_rank = host_zeros((self.index_rows,), torch.int32)
-        if self._row_starts is None:
-            starts = sorted((int(self.row_offset[i]), i) for i in self.specs)
-            self._row_starts = torch.tensor([start for start, _ in starts])
-            self._row_tables = torch.tensor([idx for _, idx in starts])
-
-    def _bitmap(self) -> np.ndarray:
-        """The compiled dedup's bitmap, one bit a row (all clear between batches)."""
-        if self.row_bits is None:
-            self.row_bits = torch.zeros((self.index_rows + 63) // 64, dtype=torch.int64)
-        return self.row_bits.numpy().view(np.uint64)
-
-    def _word_ranks(self) -> np.ndarray:
-        """The compiled dedup's rank of each word of `_bitmap` (scratch, int32)."""
-        if self.word_rank is None:
-            self.word_rank = np.zeros((self.index_rows + 63) // 64, dtype=np.int32)
-        return self.word_rank
+        if self.row_starts is None:
+            starts = sorted((int(self.row_offset[i]), i) for i in self.rows)
+            self.row_starts = torch.tensor([start for start, _ in starts])
+            self.row_tables = torch.tensor([idx for _, idx in starts])

@@ -1,0 +1,174 @@
+"""The ids family: validate and fuse a batch's ids, unfuse them, dedup them (one cache, or
+several in one sort on the device path), and a cache's checks and row-map dedup of fused ids.
+
+`IdsOps` is the family's protocol; its implementations are `spec.SpecIds` (torch, the
+specification), `triton.TritonIds` (the Triton kernels) and `native.NativeIds` (numba's
+compiled passes where they pay), one of them bound per cache or collection by
+`embcache.ops.registry`. Nothing outside `embcache.ops` imports an implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from embcache.ops.ids.row_map import RowDedup
+from embcache.ops.ids.shared import Deduped, IdVerdict, JointPlan, JointShares, Marked
+
+
+class IdsOps(Protocol):
+    """One implementation of the ids family.
+
+    Attributes:
+        name: ``"spec"``, ``"triton"`` or ``"native"``.
+        joint: whether the joint dedup runs here (`sort_and_mark`, `scatter_joint`,
+            `dedup_together`): the device path's, else they raise NotImplementedError.
+    """
+
+    name: str
+    joint: bool
+
+    def fuse_ids(
+        self,
+        values: torch.Tensor,
+        feature_lengths: torch.Tensor,
+        table_idx: torch.Tensor,
+        num_embeddings: torch.Tensor,
+        fusion_k: int,
+        feature_names: Sequence[str],
+        table_names: Sequence[str],
+    ) -> torch.Tensor:
+        """Validate the ids of F features and fuse each with its table index.
+
+        Example: features ``f0, f1`` of table 0 and ``f2`` of table 1, ``fusion_k = 30``,
+        values ``[3, 7, 7, 5]`` with lengths ``[2, 1, 1]`` give ``[3, 7, 7, 5 | 1 << 30]``.
+
+        Args:
+            values: int64 or int32 ``[nnz]``, the values of the F features concatenated.
+            feature_lengths: int ``[F]``, number of values of each feature (sums to nnz).
+            table_idx: int ``[F]``, table index of each feature, ``0 <= t < 2**(63 - k)``.
+            num_embeddings: int ``[F]``, rows of each feature's table, -1 for an unbounded
+                table (its ids outside ``[0, 2**fusion_k)`` folded by a hash).
+            fusion_k: bits kept for the id, in ``[0, 63]``.
+            feature_names: F feature names, for error messages.
+            table_names: F table names (of each feature's table), for error messages.
+
+        Returns:
+            int64 ``[nnz]``: ``values | (table_idx << fusion_k)`` per value.
+
+        Raises:
+            TypeError: a tensor that is not int32/int64, or a fusion_k that is not an int.
+            ValueError: mismatched lengths, negative lengths, a bad table index, or the first
+                id that is negative, ``>= num_embeddings`` or ``>= 2**fusion_k``, naming
+                feature, table, id and limit. Nothing is modified in any case.
+        """
+        ...
+
+    def fuse_ids_deferred(
+        self,
+        values: torch.Tensor,
+        feature_lengths: torch.Tensor,
+        table_idx: torch.Tensor,
+        num_embeddings: torch.Tensor,
+        fusion_k: int,
+        feature_names: Sequence[str],
+        table_names: Sequence[str],
+    ) -> tuple[torch.Tensor, IdVerdict | None]:
+        """`fuse_ids` with its device checks not yet read: the fused ids (meaningless until
+        the checks pass) and an `IdVerdict` to read with a read of the caller's (None: the
+        checks were made and passed here, as the CPU path does). The caller must `judge` the
+        verdict before it uses the fused ids for anything that changes state.
+
+        Raises:
+            TypeError, ValueError: as `fuse_ids`, for what the host knows (dtypes, sizes)
+                and for what the CPU path reads.
+        """
+        ...
+
+    def unfuse_ids(self, fused: torch.Tensor, fusion_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(table_idx, ids)``, int64 ``[n]`` each, of int64 fused ids: `fuse_ids`' inverse."""
+        ...
+
+    def dedup(
+        self, ids: torch.Tensor, with_counts: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Unique ids of a batch, sorted ascending, with the inverse index and counts.
+
+        Example: ``[7, 3, 7, 9]`` gives ``([3, 7, 9], [1, 0, 1, 2], [1, 2, 1])``.
+
+        Args:
+            ids: int64 or int32 ``[n]`` (fused) ids.
+            with_counts: also count occurrences (the CPU path is ~30% cheaper without).
+
+        Returns:
+            ``(unique_ids, inverse, counts)``: int64 ``[U]`` ascending, int64 ``[n]`` with
+            ``unique_ids[inverse] == ids``, int64 ``[U]`` occurrences of each unique id
+            (None when not asked for, where that saves work).
+        """
+        ...
+
+    def dedup_grouped(
+        self, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`dedup` plus the value positions grouped by unique id, for a one-pass backward:
+        ``(unique_ids, inverse, order, segments)``, ``order`` int64 ``[n]`` positions sorted
+        by id (ascending within an id) and ``segments`` int64 ``[U + 1]``: id u owns
+        ``order[segments[u] : segments[u + 1]]``."""
+        ...
+
+    def first_bad_key(self, ids: torch.Tensor, fusion_k: int, limits: torch.Tensor) -> int:
+        """The position of the first of CPU int64 fused ``ids`` that is no row of tables of
+        ``limits[t]`` raw ids each (0: no such table), or -1."""
+        ...
+
+    def row_dedup(
+        self,
+        row_offset: torch.Tensor,
+        index_rows: int,
+        rows: Mapping[int, int | None],
+        fusion_k: int,
+    ) -> RowDedup:
+        """The dedup through a map over a cache's tables' rows (`row_map.RowDedup`)."""
+        ...
+
+    def sort_and_mark(
+        self,
+        ids: torch.Tensor,
+        starts: torch.Tensor | None,
+        extra: torch.Tensor | None,
+        read: torch.Tensor | None = None,
+    ) -> Marked:
+        """A stable sort of ``ids`` (int64 ``[n]``), one kernel marking its runs and adding
+        up the runs below each of ``starts`` (int64, ascending: a table's first fused id)
+        into ``read`` (zeroed here, or given: a slice of a buffer the caller reads whole),
+        which also receives a copy of ``extra`` (int64) after those counts; and the runs'
+        running count. Only where `joint`."""
+        ...
+
+    def scatter_joint(
+        self,
+        ordered: torch.Tensor,
+        order: torch.Tensor,
+        is_start: torch.Tensor,
+        seen: torch.Tensor,
+        plan: JointPlan,
+        tag_shift: int,
+        weights: torch.Tensor | None,
+        length_ends: torch.Tensor,
+    ) -> JointShares:
+        """Each group's share of a joint dedup (`engine.joint`) from a `sort_and_mark` of the
+        tagged keys, after the read that made ``plan`` (`spec.scatter_joint_ref` is the
+        specification). Only where `joint`."""
+        ...
+
+    def dedup_together(
+        self,
+        ids: list[torch.Tensor],
+        table_starts: Sequence[torch.Tensor | None] | None = None,
+        also_read: torch.Tensor | None = None,
+    ) -> tuple[list[Deduped], list[int]]:
+        """Several caches' ids deduplicated with one host read (`engine.engine.dedup_together`,
+        whose torch code is the specification). Only where `joint`."""
+        ...
