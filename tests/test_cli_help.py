@@ -87,6 +87,7 @@ def test_the_parsers_copies_match_their_homes() -> None:
         "SMALL_SPLIT_BATCHES",
         "SMALL_BATCH",
         "SMALL_EPOCHS",
+        "SMALL_BATCH_EPOCHS",
         "DEFAULT_LOAD_FACTOR",
         "DEFAULT_EVAL_BATCHES",
         "DEFAULT_LR",

@@ -235,16 +235,22 @@ def test_a_full_disk_while_keeping_the_best_model_is_one_line(
 
 def test_the_default_length_is_epochs(ml_100k: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--data without --steps or --epochs on a small split (10,800 training ratings): batches
-    of 256 and two passes, or with a --batch-size leaving fewer than 20 batches the passes that
-    make 20 steps; the summary says how many epochs ran. --steps on a file says how many
-    epochs those steps were. (The rule at its boundary: tests/test_default_length.py.)"""
+    of 256 at the default learning rates times 256/1024, five passes, or with a --batch-size
+    leaving fewer than 20 batches the passes that make 20 steps at the rates unscaled; the
+    summary says how many epochs ran and why the rates are what they are. --steps on a file
+    says how many epochs those steps were. (The rule at its boundary:
+    tests/test_default_length.py.)"""
     argv = ["train", "--data", f"movielens:{ml_100k}", "--dim", "8", "--eval-batches", "0",
             "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     batches = 12_000 * 9 // 10 // 256  # 42 full batches of a small split's 256
     out = capsys.readouterr().out
     assert _summary(out, "training").startswith(
-        f"{2 * batches} steps (2 epochs of {batches} batches) in"
+        f"{5 * batches} steps (5 epochs of {batches} batches) in"
+    )
+    assert _summary(out, "optimizer") == (
+        "adagrad, lr 0.0125 (sparse), 0.0025 (dense), the defaults times 256/1024 for the batch "
+        "of 256"
     )
     assert _summary(out, "batch") == (
         "256 samples, the default for a training split of fewer than 102,400 samples (this "
@@ -254,6 +260,7 @@ def test_the_default_length_is_epochs(ml_100k: Path, capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert _summary(out, "training").startswith("20 steps (4 epochs of 5 batches) in")
     assert "  batch  " not in out  # the batch asked for, as given
+    assert _summary(out, "optimizer") == "adagrad, lr 0.05 (sparse), 0.01 (dense)"
     assert main([*argv, "--steps", "21"]) == 0
     assert _summary(capsys.readouterr().out, "training").startswith(
         f"21 steps (0.5 epochs of {batches} batches) in"

@@ -49,6 +49,7 @@ DEFAULT_MAX_EPOCHS = 5
 DEFAULT_BATCH = 1024
 SMALL_SPLIT_BATCHES = 100
 SMALL_BATCH = 256
+SMALL_BATCH_EPOCHS = 5
 SMALL_EPOCHS = 2
 DEFAULT_LOAD_FACTOR = 0.1
 DEFAULT_EVAL_BATCHES = 20
@@ -208,7 +209,8 @@ def _add_length_options(data: argparse._ArgumentGroup) -> None:
         type=int,
         default=None,
         help=f"samples per step (default {DEFAULT_BATCH}, or {SMALL_BATCH} on a --data training "
-        f"split of fewer than {SMALL_SPLIT_BATCHES} batches of {DEFAULT_BATCH})",
+        f"split of fewer than {SMALL_SPLIT_BATCHES} batches of {DEFAULT_BATCH}, with the default "
+        f"--lr and --dense-lr scaled by {SMALL_BATCH}/{DEFAULT_BATCH})",
     )
     data.add_argument(
         "--steps",
@@ -236,8 +238,10 @@ def _add_length_options(data: argparse._ArgumentGroup) -> None:
         metavar="N",
         help=f"--data: train N passes over the training split (its full batches; not with "
         f"--steps). Default {DEFAULT_EPOCHS} (more over-trains a CTR model's id rows), "
-        f"{SMALL_EPOCHS} on a split of fewer than {SMALL_SPLIT_BATCHES} batches of "
-        f"{DEFAULT_BATCH} (one pass under-trains it), and on a split of fewer than "
+        f"{SMALL_BATCH_EPOCHS} on a split of fewer than {SMALL_SPLIT_BATCHES} batches of "
+        f"{DEFAULT_BATCH} in its default batch of {SMALL_BATCH} at the scaled learning rates "
+        f"(one pass under-trains it), {SMALL_EPOCHS} there with --batch-size; on a split of "
+        f"fewer than "
         f"{DEFAULT_MIN_STEPS} batches the passes that make {DEFAULT_MIN_STEPS} steps, at most "
         f"{DEFAULT_MAX_EPOCHS}; the summary says how many epochs and steps ran",
     )
@@ -308,7 +312,8 @@ def _add_model_options(model: argparse._ArgumentGroup) -> None:
         default=None,
         help="sparse learning rate (default per optimizer: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_LR.items())
-        + ")",
+        + f"; times {SMALL_BATCH}/{DEFAULT_BATCH} in a small split's default batch, as "
+        "--batch-size says)",
     )
     model.add_argument(
         "--dense-lr",
@@ -316,7 +321,7 @@ def _add_model_options(model: argparse._ArgumentGroup) -> None:
         default=None,
         help="MLP learning rate (default per optimizer: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_DENSE_LR.items())
-        + ")",
+        + f"; times {SMALL_BATCH}/{DEFAULT_BATCH} as --lr's)",
     )
 
 

@@ -7,7 +7,13 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from embcache.cli.settings import DEFAULT_BATCH, SMALL_SPLIT_BATCHES, batch_rows
+from embcache.cli.settings import (
+    DEFAULT_BATCH,
+    SMALL_BATCH,
+    SMALL_SPLIT_BATCHES,
+    batch_rows,
+    small_batch_lr,
+)
 from embcache.data import ClickDataset
 from embcache.kv.redact import redact_url
 from embcache.train.loop import Model, TrainResult
@@ -138,7 +144,7 @@ def _setup_rows(
             f"device {args.device}",
         ),
         ("cache", cache),
-        ("optimizer", f"{args.optimizer}, lr {lr:g} (sparse), {dense_lr:g} (dense)"),
+        ("optimizer", _optimizer_row(args, lr, dense_lr)),
         (
             "training",
             f"{training}: {result.samples / result.seconds:,.0f} samples/s ({total_s:.1f} s "
@@ -154,6 +160,16 @@ def _setup_rows(
     if batch:
         rows.insert(1, ("batch", batch))
     return rows
+
+
+def _optimizer_row(args: Namespace, lr: float, dense_lr: float) -> str:
+    """The rule and its learning rates, and when defaults were scaled to a small split's batch
+    (`small_batch_lr`), by how much."""
+    row = f"{args.optimizer}, lr {lr:g} (sparse), {dense_lr:g} (dense)"
+    scale = small_batch_lr(args)
+    if scale != 1.0 and (args.lr is None or args.dense_lr is None):
+        row += f", the defaults times {SMALL_BATCH}/{DEFAULT_BATCH} for the batch of {SMALL_BATCH}"
+    return row
 
 
 def _batch_row(args: Namespace, data: ClickDataset) -> str | None:

@@ -22,19 +22,25 @@ DEFAULT_ZIPF = 1.05
 DEFAULT_DIM = 16
 DEFAULT_STEPS = 800  # synthetic data (endless)
 # --data without --steps/--epochs: one pass over the training split (a CTR model's id rows
-# memorise their samples from later passes on: held-out AUC falls), two on a small split (below),
-# and on a split of fewer than DEFAULT_MIN_STEPS batches the passes that make that many steps,
-# at most DEFAULT_MAX_EPOCHS (`default_epochs`).
+# memorise their samples from later passes on: held-out AUC falls), more on a small split
+# (below), and on a split of fewer than DEFAULT_MIN_STEPS batches the passes that make that many
+# steps, at most DEFAULT_MAX_EPOCHS (`default_epochs`).
 DEFAULT_EPOCHS = 1
 DEFAULT_MIN_STEPS = 20
 DEFAULT_MAX_EPOCHS = 5
 DEFAULT_BATCH = 1024
 # A small training split: fewer than SMALL_SPLIT_BATCHES batches of DEFAULT_BATCH (102,400
 # samples; MovieLens-100K's is 90,000). One pass of 1024 under-trains it (87 steps on ml-100k:
-# held-out AUC 0.717, against 0.730 at batch 256 and two passes): without --batch-size it trains
-# with SMALL_BATCH, and without --steps/--epochs for SMALL_EPOCHS passes (`small_split`).
+# held-out AUC 0.717). Without --batch-size it trains with SMALL_BATCH, at the default learning
+# rates scaled by SMALL_BATCH / DEFAULT_BATCH (the linear scaling rule: each sample moves the
+# model as far as in a batch of 1024), and without --steps/--epochs for SMALL_BATCH_EPOCHS
+# passes; with --batch-size, at the rates as given, for SMALL_EPOCHS passes (`small_split`,
+# `small_batch_lr`). On ml-100k, seeds 0-4: 0.7320 (five passes of 256 at a quarter of the
+# rates), against 0.7296 (two passes of 256 at the full rates, which over-train from the third)
+# and a matrix factorisation's best epoch, 0.7304 (benchmarks/README.md, "MovieLens-100K").
 SMALL_SPLIT_BATCHES = 100
 SMALL_BATCH = 256
+SMALL_BATCH_EPOCHS = 5
 SMALL_EPOCHS = 2
 DEFAULT_LOAD_FACTOR = 0.1
 DEFAULT_EVAL_BATCHES = 20  # synthetic data: held-out batches (files: the whole held-out split)
@@ -42,11 +48,15 @@ DEFAULT_EVAL_BATCHES = 20  # synthetic data: held-out batches (files: the whole 
 
 
 def run_settings(args: argparse.Namespace) -> tuple[float, float, CacheConfig]:
-    """Learning rates and cache config of a run (and torch's thread count)."""
+    """Learning rates and cache config of a run (and torch's thread count): the default rates
+    scaled by `small_batch_lr`."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
-    dense_lr = args.dense_lr if args.dense_lr is not None else DEFAULT_DENSE_LR[args.optimizer]
+    scale = small_batch_lr(args)
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer] * scale
+    dense_lr = (
+        args.dense_lr if args.dense_lr is not None else DEFAULT_DENSE_LR[args.optimizer] * scale
+    )
     memory = {
         "policy": args.policy,
         "weight_dtype": args.weight_dtype,
@@ -59,6 +69,13 @@ def run_settings(args: argparse.Namespace) -> tuple[float, float, CacheConfig]:
     else:
         cache = CacheConfig(load_factor=args.load_factor or DEFAULT_LOAD_FACTOR, **memory)
     return lr, dense_lr, cache
+
+
+def small_batch_lr(args: argparse.Namespace) -> float:
+    """What the default learning rates are multiplied by: ``SMALL_BATCH / DEFAULT_BATCH`` when
+    `open_data` chose `SMALL_BATCH` for a small split (linear scaling: the same step per sample
+    as in batches of 1024), else 1."""
+    return SMALL_BATCH / DEFAULT_BATCH if getattr(args, "small_batch", False) else 1.0
 
 
 def default_cache(args: argparse.Namespace, data: ClickDataset, cache: CacheConfig) -> CacheConfig:
@@ -84,7 +101,8 @@ def batch_rows(args: argparse.Namespace, data: ClickDataset) -> int | None:
 
 def open_data(args: argparse.Namespace, progress: bool = False) -> ClickDataset:
     """The run's data: ``--data KIND:PATH``, or the synthetic Criteo-like stream. Without
-    --batch-size, a small training split (`small_split`) gets batches of `SMALL_BATCH`. A training
+    --batch-size, a small training split (`small_split`) gets batches of `SMALL_BATCH` (and sets
+    ``args.small_batch``: `small_batch_lr` scales the default learning rates to it). A training
     split smaller than one batch gets a batch shrunk to fit it (`ClickDataset.batch_size`, a
     multiple of the ranks; `print_summary` says so).
 
@@ -103,7 +121,8 @@ def open_data(args: argparse.Namespace, progress: bool = False) -> ClickDataset:
     samples = data.train_samples()
     world = max(args.nproc, int(os.environ.get("WORLD_SIZE", "1")))
     args.small_split = small_split(samples)
-    if args.batch_size is None and args.small_split and SMALL_BATCH % world == 0:
+    args.small_batch = args.batch_size is None and args.small_split and SMALL_BATCH % world == 0
+    if args.small_batch:
         data.batch_size = SMALL_BATCH
     args.default_batch = data.batch_size  # before a shrink: what the summary's batch row names
     if samples is not None and world <= samples < data.batch_size:
@@ -131,13 +150,17 @@ def batches_per_epoch(data: ClickDataset, count: bool = False) -> int | None:
     return max(1, samples // data.batch_size)
 
 
-def default_epochs(per_epoch: int, small: bool = False) -> int:
+def default_epochs(per_epoch: int, small: bool = False, small_batch: bool = False) -> int:
     """Passes over a training split of ``per_epoch`` batches when none is asked for:
-    `DEFAULT_EPOCHS`, `SMALL_EPOCHS` on a ``small`` split (`small_split`), or on a split too
-    small for that to make `DEFAULT_MIN_STEPS` steps, the passes that do, at most
+    `DEFAULT_EPOCHS`; on a ``small`` split (`small_split`) `SMALL_BATCH_EPOCHS` in its
+    ``small_batch`` (`SMALL_BATCH` at the scaled rates), `SMALL_EPOCHS` in a batch given; or on a
+    split too small for that to make `DEFAULT_MIN_STEPS` steps, the passes that do, at most
     `DEFAULT_MAX_EPOCHS`."""
     wanted = -(-DEFAULT_MIN_STEPS // per_epoch)
-    return max(SMALL_EPOCHS if small else DEFAULT_EPOCHS, min(DEFAULT_MAX_EPOCHS, wanted))
+    least = DEFAULT_EPOCHS
+    if small:
+        least = SMALL_BATCH_EPOCHS if small_batch else SMALL_EPOCHS
+    return max(least, min(DEFAULT_MAX_EPOCHS, wanted))
 
 
 def resolve_steps(args: argparse.Namespace, data: ClickDataset) -> int:
@@ -161,8 +184,8 @@ def resolve_steps(args: argparse.Namespace, data: ClickDataset) -> int:
     if per_epoch is None:
         raise ValueError("--epochs needs --data (the synthetic stream has no end; give --steps)")
     args.epoch_batches = per_epoch
-    small = getattr(args, "small_split", False)
-    return (args.epochs or default_epochs(per_epoch, small)) * per_epoch
+    small, small_batch = getattr(args, "small_split", False), getattr(args, "small_batch", False)
+    return (args.epochs or default_epochs(per_epoch, small, small_batch)) * per_epoch
 
 
 def eval_batches(args: argparse.Namespace) -> int | None:
