@@ -417,6 +417,44 @@ def run_checks(p: Preflight) -> None:
         return check_equal("add_at_held", got, want)
 
     p.check("add_at_held", add_at_held_check)
+
+    # The step's slot locks, every cache at once: two caches' floors, then their unlock.
+    def slot_locks_check() -> float:
+        from embcache.kernels import slot_locks
+
+        parts = []
+        for n_slots, n in ((num_sets * ways, u), (97, 0)):
+            taken = torch.randperm(n_slots, generator=gen)[:n]
+            held = torch.randint(1, 3, (n_slots,), generator=gen, dtype=torch.int32)
+            parts.append((taken, held, torch.rand(n_slots, generator=gen) < 0.5))
+        mine = slot_locks.SlotTable.of([tuple(t.to(p.device) for t in part) for part in parts])
+        spec = slot_locks.SlotTable.of([tuple(t.clone() for t in part) for part in parts])
+        assert mine is not None and spec is not None
+        got = slot_locks.lock_floors(mine)
+        check_equal("lock_floors", got, slot_locks.lock_floors_ref(spec))
+        slot_locks.unlock(mine, True)
+        slot_locks.unlock_ref(spec, True)
+        p.sync()
+        check_equal("unlock locks", torch.cat(mine.locks), torch.cat(spec.locks))
+        return check_equal("unlock dirty", torch.cat(mine.dirty), torch.cat(spec.dirty))
+
+    p.check("slot_locks (floors, unlock)", slot_locks_check)
+
+    def direct_slots_check() -> float:
+        from embcache.kernels.direct_slots import direct_slots, direct_slots_ref
+
+        row_offset = torch.tensor([0, 500, 1700])
+        keys = torch.unique(
+            (torch.randint(0, 3, (u,), generator=gen) << 12) | torch.randint(0, 500, (u,))
+        )
+        got_locks = torch.zeros(2300, dtype=torch.int32).to(p.device)
+        want_locks = torch.zeros(2300, dtype=torch.int32)
+        got = p.triton(direct_slots, row_offset, keys, 12, got_locks)
+        want = direct_slots_ref(row_offset, keys, 12, want_locks)
+        check_equal("direct_slots locks", got_locks, want_locks)
+        return check_equal("direct_slots", got, want)
+
+    p.check("direct_slots", direct_slots_check)
     scores = torch.randint(-1, 50, (num_sets, ways), generator=gen)  # ties: broken by way
     blocked = torch.rand(num_sets, ways, generator=gen) < 0.2
     miss_sets = torch.sort(sets[found < 0]).values

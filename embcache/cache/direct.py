@@ -17,6 +17,7 @@ from embcache.cache.plan import Plan
 from embcache.cache.stats import CacheStats
 from embcache.cache.storage import SlotStore
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put
+from embcache.kernels.direct_slots import direct_slots
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
@@ -83,14 +84,18 @@ class DirectMap:
         if not self.filled:
             self._prefill()
         store = self.slots
-        slots = store.row_index(ids)
         empty = torch.empty(0, dtype=torch.int64, device=store.device)
         if admitted is None:
             # Prefilled (`filled`), every row is in its slot until the cache is emptied
             # (`HotCache.invalidate`, which calls `forget`): no miss to look for, nothing to
             # read on the host.
-            add_at(store.locks, slots, 1)
+            if store.backend.triton:  # the slots and their locks in one launch
+                slots = direct_slots(store.row_offset, ids, store.fusion_k, store.locks)
+            else:
+                slots = store.row_index(ids)
+                add_at(store.locks, slots, 1)
             return Plan(ids, slots, empty, empty, empty, empty)
+        slots = store.row_index(ids)
         live_ids, live = ids[admitted], slots[admitted]
         slots = torch.where(admitted, slots, -1)
         miss = store.slot_keys[live] < 0

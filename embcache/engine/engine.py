@@ -101,6 +101,30 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
+def masked_together(parts: Sequence[torch.Tensor], mask: int) -> list[torch.Tensor]:
+    """``[p & mask for p in parts]`` of 1-D int64 tensors; with one op (so one launch) when
+    they are contiguous views of one storage, as the shares of one joint dedup are
+    (`engine.joint`): the span that covers them all is masked once (the padding between
+    shares too, unread), and each part is its slice of it."""
+    first = parts[0] if parts else None
+    if (
+        first is None
+        or len(parts) == 1
+        or any(
+            p.dim() != 1
+            or not p.is_contiguous()
+            or p.dtype != first.dtype
+            or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            for p in parts
+        )
+    ):
+        return [p & mask for p in parts]
+    lo = min(p.storage_offset() for p in parts)
+    hi = max(p.storage_offset() + p.numel() for p in parts)
+    span = first.as_strided((hi - lo,), (1,), lo) & mask
+    return [span[p.storage_offset() - lo :][: p.numel()] for p in parts]
+
+
 def dedup_together(
     ids: list[torch.Tensor],
     table_starts: Sequence[torch.Tensor | None] | None = None,
@@ -480,12 +504,14 @@ class CacheEngine:
         grad_out: torch.Tensor,
         columns: torch.Tensor,
         saved: Saved,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One gradient row ``[U, dim]`` per unique id of the batch."""
+        """One gradient row ``[U, dim]`` per unique id of the batch (written into ``out``
+        when given: float32 ``[U, dim]``, contiguous)."""
         assert p.unique is not None  # materialized (`materialize`) when direct
         start, n = self._start(columns), p.unique.numel()
         return self.reduction.backward(
-            grad_out, n, p, batch_size, columns, start, saved, p.grouping
+            grad_out, n, p, batch_size, columns, start, saved, p.grouping, out
         )
 
     @profiled("engine.trace")
@@ -496,12 +522,15 @@ class CacheEngine:
         index: int,
         batch: InFlight | None,
         bounds: list[int] | None = None,
+        raw: torch.Tensor | None = None,
     ) -> list[TraceEntry]:
         """``(table_name, raw ids, grads)`` per table of this cache, for the trace; ``bounds``:
-        `CacheLayout.table_bounds` of ``unique`` when the caller read them already."""
+        `CacheLayout.table_bounds` of ``unique`` when the caller read them already; ``raw``:
+        ``unique & mask`` when the caller made it (`masked_together`)."""
         if bounds is None:
             bounds = self.layout.table_bounds(unique, self.fusion_k)
-        raw = unique & self.mask  # one op for every table; each entry holds a slice of it
+        if raw is None:
+            raw = unique & self.mask  # one op for every table; each entry holds a slice of it
         return [
             TraceEntry(t.name, raw[lo:hi], grads[lo:hi], index, batch)
             for t, lo, hi in zip(self.layout.tables, bounds, bounds[1:], strict=False)
@@ -552,11 +581,15 @@ class CacheEngine:
             if located.prepared is not None:
                 located.prepared.locked = False
 
-    def update(self, located: Located, rule: RowUpdate, steps: dict[str, int]) -> None:
+    def update(
+        self, located: Located, rule: RowUpdate, steps: dict[str, int], mark_dirty: bool = True
+    ) -> None:
         """`apply` without the unlock (`EngineGroup.apply` unlocks every engine's rows at
-        once, `unlock_together`): the rows updated in place and marked dirty."""
+        once, `unlock_together`): the rows updated in place and marked dirty (unless
+        ``mark_dirty`` is False: the unlock marks them)."""
         bounds = None if located.prepared is None else located.prepared.bounds
-        self._update_rows(located.unique, located.slots, located.grads, rule, steps, bounds)
+        self._update_rows(located.unique, located.slots, located.grads, rule, steps, bounds,
+                          mark_dirty)  # fmt: skip
 
     def _update_rows(
         self,
@@ -566,6 +599,7 @@ class CacheEngine:
         rule: RowUpdate,
         steps: dict[str, int],
         bounds: list[int] | None = None,
+        mark_dirty: bool = True,
     ) -> None:
         cache = self.cache
         table_steps = {steps[t.name] for t in self.layout.tables if t.name in steps}
@@ -588,7 +622,8 @@ class CacheEngine:
                                          rule, steps[t.name], False,
                                          None if ids is None else ids[lo:hi], seed,
                                          may_skip)  # fmt: skip
-            cache.mark_dirty(slots)
+            if mark_dirty:
+                cache.mark_dirty(slots)
 
     # -- 5. release --------------------------------------------------------------------------
 

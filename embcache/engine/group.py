@@ -52,7 +52,7 @@ from embcache.engine.batch_state import (
     TraceEntry,
 )
 from embcache.engine.claim import StepClaim
-from embcache.engine.engine import CacheEngine
+from embcache.engine.engine import CacheEngine, masked_together
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.layout import CacheLayout, bounds_together
 from embcache.engine.optimizer import AttachedOptimizer, DeviceCheck, StepOptimizer
@@ -391,8 +391,10 @@ class EngineGroup:
         read = bounds_together([(rows[k][1].layout, rows[k][2], self.fusion_k) for k in missing])
         for k, b in zip(missing, read, strict=True):
             bounds[k] = b
-        for (i, engine, unique, grads), cut in zip(rows, bounds, strict=True):
-            entries += engine.trace_entries(unique, grads, i, batch, cut)
+        # Every cache's raw ids in one op where their unique ids share one buffer.
+        raws = masked_together([unique for _, _, unique, _ in rows], (1 << self.fusion_k) - 1)
+        for (i, engine, unique, grads), cut, raw in zip(rows, bounds, raws, strict=True):
+            entries += engine.trace_entries(unique, grads, i, batch, cut, raw)
         self._entries += entries
         self._pending += pending
         if self.update_in_backward:
@@ -464,9 +466,9 @@ class EngineGroup:
                 if mine:
                     located.append((engine, engine.locate(mine, self.table_index)))
             pairs = [(engine.cache, loc.slots) for engine, loc in located]
-            live, floors = lock_floors(pairs)
+            floors = lock_floors(pairs)
             sums = [] if check is None else check.sums
-            values = _read_together([*sums, *floors])
+            values = _read_together([*sums, *floors.values])
             if check is not None:
                 check.judge(values[: len(sums)])
             check_floors(values[len(sums) :])
@@ -475,11 +477,13 @@ class EngineGroup:
                 engine.abandon(loc)
             raise
         steps = optimizer.advance_steps(self.owner, [e.table_name for e in entries])
+        # On the device path one launch unlocks every engine's rows and marks them dirty.
+        dirty_on_unlock = floors.table is not None
         try:
             for engine, loc in located:
-                engine.update(loc, optimizer.update, steps)
+                engine.update(loc, optimizer.update, steps, mark_dirty=not dirty_on_unlock)
         finally:  # every engine's locks, checked above, dropped
-            unlock_together(pairs, live=live)
+            unlock_together(pairs, dirty=dirty_on_unlock, floors=floors)
             for _, loc in located:
                 if loc.prepared is not None:
                     loc.prepared.locked = False

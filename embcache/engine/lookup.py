@@ -167,16 +167,39 @@ class GroupLookup:
             self.tbe_forwards.append(None)
         return out
 
+    def _gradient_rows(self, device: torch.device) -> list[torch.Tensor | None]:
+        """Where each engine writes its gradient rows: on the device path, consecutive views
+        of one buffer (``[U_e, dim_e]`` each, no gap), so that the step's gradient check sums
+        them in one launch (`optim.sparse.SparseOptimizer.gradient_check` sums a view's base);
+        elsewhere (or a dim not a multiple of 4, whose views would move a kernel's pointer
+        alignment from batch to batch) each engine allocates its own."""
+        engines = self.group.engines
+        if len(engines) < 2 or not all(e.cache.backend.triton and e.dim % 4 == 0 for e in engines):
+            return [None] * len(engines)
+        sizes = []
+        for e, p in zip(engines, self.prepared, strict=True):
+            assert p.unique is not None  # materialized in the forward
+            sizes.append((p.unique.numel(), e.dim))
+        flat = torch.empty(sum(u * d for u, d in sizes), dtype=torch.float32, device=device)
+        views: list[torch.Tensor | None] = []
+        at = 0
+        for u, d in sizes:
+            views.append(flat[at : at + u * d].view(u, d))
+            at += u * d
+        return views
+
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
         rows: list[torch.Tensor | PendingUpdate] = []
         B = self.batch_size
         if self.keyed is not None:
             (grad_out,) = grads
             grad_out = contiguous_rows(grad_out)
-            for engine, p, saved, columns in zip(
-                self.group.engines, self.prepared, self.saved, self.keyed.columns, strict=True
-            ):
-                rows.append(engine.grad_rows(p, B, grad_out, columns, saved))
+            outs = self._gradient_rows(grad_out.device)
+            for engine, p, saved, columns, out in zip(
+                self.group.engines, self.prepared, self.saved, self.keyed.columns, outs,
+                strict=True,
+            ):  # fmt: skip
+                rows.append(engine.grad_rows(p, B, grad_out, columns, saved, out))
             self.group.record_backward(self.batch, rows)
             return
         for i, (engine, p, grad_out, saved, tbe_forward) in enumerate(

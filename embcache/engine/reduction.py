@@ -94,8 +94,10 @@ def bag_gradients(
     batch_size: int,
     argmaxes: list[torch.Tensor | None],
     grouping: Grouping | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One gradient row ``[U, dim]`` per unique id of a cache, summed over its lookups."""
+    """One gradient row ``[U, dim]`` per unique id of a cache, summed over its lookups
+    (written into ``out`` when given, float32 ``[U, dim]`` contiguous)."""
     grad = None
     for lk, b, argmax in zip(layout.lookups, bags, argmaxes, strict=True):
         assert lk.mode is not None  # a pooled layout's lookups have a mode
@@ -112,8 +114,9 @@ def bag_gradients(
             argmax,
             grouping,
             b.column_start,
+            out if grad is None else None,
         )
-        grad = g if grad is None else grad + g
+        grad = g if grad is None else grad.add_(g)
     assert grad is not None  # a layout has at least one lookup
     return grad
 
@@ -160,11 +163,14 @@ class BagPooling:
         start: int | None,
         saved: Saved,
         grouping: Grouping | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One gradient row ``[U, dim]`` per unique id."""
+        """One gradient row ``[U, dim]`` per unique id (in ``out`` when given)."""
         assert saved is not None  # `forward` gives a list (one entry per lookup)
         bags = self.bags(share, batch_size, columns, start)
-        return bag_gradients(self.layout, grad_out, num_unique, bags, batch_size, saved, grouping)
+        return bag_gradients(
+            self.layout, grad_out, num_unique, bags, batch_size, saved, grouping, out
+        )
 
 
 class RowGather:
@@ -202,9 +208,11 @@ class RowGather:
         start: int | None,
         saved: Saved,
         grouping: Grouping | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         del batch_size, columns, start, saved
-        return gather_backward(grad_out, _inverse(share), num_unique, grouping)
+        grads = gather_backward(grad_out, _inverse(share), num_unique, grouping)
+        return grads if out is None else out.copy_(grads)
 
 
 Reduction = BagPooling | RowGather

@@ -381,14 +381,18 @@ def pool_backward_triton(
     col_offsets: torch.Tensor,
     argmax: torch.Tensor | None,
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of `pooling_ref.pool_backward_ref`: value positions grouped by unique id
     (``grouping``, the dedup's stable order and runs, else a stable sort of ``inverse``), then
     each id's values summed in chunks (`split_segments`; each value's bag found in the
-    kernel) and the chunk sums in order: two launches with a grouping."""
+    kernel) and the chunk sums in order: two launches with a grouping. ``out``: the
+    ``[U, dim]`` float32 rows to write (contiguous), else new ones."""
     device = grad_out.device
     nnz = inverse.numel()
-    grad_unique = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
+    grad_unique = out
+    if grad_unique is None:
+        grad_unique = torch.empty(num_unique, dim, dtype=torch.float32, device=device)
     if num_unique == 0:
         return grad_unique
     if grouping is not None:
@@ -555,6 +559,7 @@ def pool_backward(
     argmax: torch.Tensor | None,
     grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
     col_start: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient of each unique row from the gradient of the pooled output; deterministic.
 
@@ -572,10 +577,13 @@ def pool_backward(
         grouping: optional ``(order, segments)`` from `ids.dedup_grouped` over these values;
             the CPU path then sums each id's rows in one pass (same result).
         col_start: as in `pool_forward`.
+        out: float32 ``[U, dim]``, contiguous: where to write the result (e.g. a view of one
+            buffer for several caches' rows), else a new tensor.
 
     Returns:
-        float32 ``[U, dim]``: row u sums the gradients of every occurrence of unique id u (for
-        MAX, only of the occurrences that won their bag's column).
+        float32 ``[U, dim]`` (``out`` when given): row u sums the gradients of every
+        occurrence of unique id u (for MAX, only of the occurrences that won their bag's
+        column).
     """
     mode = PoolingMode(mode)
     if not isinstance(grad_out, torch.Tensor) or grad_out.dim() != 2:
@@ -612,6 +620,15 @@ def pool_backward(
             f"grouping covers {order.numel()} values and {segments.numel() - 1} ids, expected "
             f"{inverse.numel()} and {num_unique}",
         )
+    if out is not None:
+        require(
+            out.dtype == torch.float32
+            and tuple(out.shape) == (num_unique, dim)
+            and out.is_contiguous()
+            and out.device == device,
+            f"out must be a contiguous float32 [{num_unique}, {dim}] tensor on {device}",
+        )
     if use_triton(grad_out):
-        return pool_backward_triton(*args, col_offsets, argmax, grouping)
-    return pooling_ref.pool_backward_ref(*args, col_offsets, argmax, grouping, col_start)
+        return pool_backward_triton(*args, col_offsets, argmax, grouping, out)
+    grads = pooling_ref.pool_backward_ref(*args, col_offsets, argmax, grouping, col_start)
+    return grads if out is None else out.copy_(grads)
