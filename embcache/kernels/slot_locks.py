@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Imported for its fix of Triton 3.6's interpreter (a loop bound from a kernel argument).
-import embcache.kernels.backend  # noqa: F401
+import embcache.ops.interpreter  # noqa: F401  (Triton 3.6's interpreter: a loop bound argument)
 
 INT32_MAX = 2**31 - 1
 _BLOCK = 1024
