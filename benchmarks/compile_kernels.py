@@ -7,8 +7,7 @@ but the compiler refuses (the interpreter runs Python, not Triton's compiler) is
 any GPU time is spent, and across Triton versions (the GPU image has 3.6, this project pins 3.8).
 
 Two phases, two processes: ``--record`` runs the GPU check's preflight at its tiny size (dims 8
-and 300) through Triton's interpreter, then the kernels the preflight does not launch (the
-unpooled gather, `record_gather`), and writes every launch's kernel, argument types,
+and 300) through Triton's interpreter and writes every launch's kernel, argument types,
 constexprs and options to a JSON file; the default phase (no interpreter) compiles each distinct
 variant with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", ARCH, 32))``. One line
 per variant, each naming the Triton version that compiled it; exit status 1 if any fails. The
@@ -45,8 +44,8 @@ HERE = Path(__file__).resolve().parent
 
 # Constexprs the launchers choose by device: the value a CUDA device launches, where the
 # interpreter (CPU tensors) is given a wider one. BLOCK_U, chunks (or ids) per program of the
-# segment walks (`kernels.optim.aggregate_grads_triton`, `kernels.pooling.pool_backward_triton`,
-# `kernels.gather.gather_backward_triton`: ``block_u = 1 if <cuda> else 64``): one on a GPU.
+# segment walks (`kernels.optim.aggregate_grads_triton`, `ops.pooling.triton.pool_backward_triton`,
+# `ops.gather.triton.gather_backward_triton`: ``block_u = 1 if <cuda> else 64``): one on a GPU.
 DEVICE_CONSTEXPRS = {"BLOCK_U": 1}
 # The dims every phase records at: one column block, and several of the widest.
 RECORD_DIMS = (8, 300)
@@ -122,31 +121,6 @@ def recording() -> Iterator[list[dict]]:
         interpreter.InterpretedFunction.run = run
 
 
-def record_gather() -> None:
-    """Launch the unpooled gather's kernels (`embcache.kernels.gather`), which the preflight
-    does not, through the interpreter at `RECORD_DIMS`: the forward over float32 (a strided
-    view), float16 and bfloat16 rows, the backward with and without a grouping."""
-    import torch
-    from _common import backend
-
-    from embcache.kernels.gather import gather_backward, gather_rows
-    from embcache.kernels.ids import dedup_grouped
-
-    gen = torch.Generator().manual_seed(0)
-    _, inverse, order, segments = dedup_grouped(torch.randint(0, 40, (120,), generator=gen))
-    num_unique = segments.numel() - 1
-    slots = torch.randperm(64, generator=gen)[:num_unique]
-    slots[0] = -1  # an id not admitted
-    with backend("triton"):
-        for dim in RECORD_DIMS:
-            storage = torch.randn(64, dim + 3, generator=gen)
-            for dtype in (torch.float32, torch.float16, torch.bfloat16):
-                gather_rows(storage.to(dtype)[:, :dim], dim, slots, inverse)
-            grad_out = torch.randn(inverse.numel(), dim, generator=gen)
-            gather_backward(grad_out, inverse, num_unique)
-            gather_backward(grad_out, inverse, num_unique, (order, segments))
-
-
 def record(path: Path) -> None:
     """Run the tiny preflight under the interpreter, writing each distinct launch to ``path``."""
     os.environ["TRITON_INTERPRET"] = "1"
@@ -160,8 +134,6 @@ def record(path: Path) -> None:
                 gpu_preflight.main(["--device", "cpu", "--tiny", "--dim", str(dim)])
                 for dim in RECORD_DIMS
             )
-            if status == 0:
-                record_gather()
         finally:
             sys.stdout = stdout
     if status != 0:

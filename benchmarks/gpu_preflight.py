@@ -10,7 +10,8 @@ the run with exit status 1.
     python benchmarks/gpu_preflight.py                       # on CUDA
     python benchmarks/gpu_preflight.py --device cpu --tiny   # dry run: Triton's interpreter
 
-The op families bound through `embcache.ops.registry` (ids, plan) have their operations listed
+The op families bound through `embcache.ops.registry` (ids, plan, rows, pooling, gather) have their
+operations listed
 there: each must have its check here (`CHECKED`) or be one no Triton kernel runs (`ON_HOST`),
 else the preflight fails before it starts, naming the operation.
 
@@ -56,6 +57,13 @@ CHECKED = {
     "plan.salted_mix64": "salted_mix64",
     "plan.miss_keys": "miss_keys (padded LRU order)",
     "plan.assign_misses": "assign_misses (device plan)",
+    "pooling.pool_forward": "pool_forward SUM",
+    "pooling.pool_backward": "pool_backward SUM",
+    "gather.gather_rows": "gather_rows",
+    "gather.gather_backward": "gather_backward",
+    "rows.lock_floors": "slot_locks (floors, unlock)",
+    "rows.unlock": "slot_locks (floors, unlock)",
+    "rows.direct_slots": "direct_slots",
 }
 ON_HOST = {
     "ids.first_bad_key": "a CPU cache's check of its keys",
@@ -209,6 +217,7 @@ def run_checks(p: Preflight) -> None:
         salted_mix64,
         set_index,
     )
+    from embcache.kernels.gather import gather_backward, gather_rows
     from embcache.kernels.ids import dedup, dedup_grouped, fuse_ids, unfuse_ids
     from embcache.kernels.optim import (
         OptimRule,
@@ -357,6 +366,33 @@ def run_checks(p: Preflight) -> None:
             p.check(f"pool_backward {tag}", backward)
             p.check(f"pool_backward {tag} grouped", grouped)
 
+    # Unpooled gather (sequence embeddings): each value's row out of the same slots (one id not
+    # admitted: zeros), from float32 (a strided view), float16 and bfloat16 rows; its backward
+    # with and without the dedup's grouping.
+    gather_slots = slots.clone()
+    gather_slots[0] = -1
+
+    def gather_rows_check() -> float:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            rows = cache_rows.to(dtype)[:, :dim]
+            got = p.triton(gather_rows, rows, dim, gather_slots, inverse)
+            check_equal(
+                f"gather_rows {dtype}", got, p.twin(gather_rows, rows, dim, gather_slots, inverse)
+            )
+        return 0.0
+
+    def gather_backward_check() -> float:
+        value_rows = torch.randn(inverse.numel(), dim, generator=gen)
+        grouping = p.twin(dedup_grouped, fused)[2:]
+        want = p.twin(gather_backward, value_rows, inverse, u)
+        got = p.triton(gather_backward, value_rows, inverse, u)
+        err = check_close("gather_backward", got, want, rtol=1e-4)
+        got = p.triton(gather_backward, value_rows, inverse, u, tuple(p.dev(t) for t in grouping))
+        return max(err, check_close("gather_backward grouped", got, want, rtol=1e-4))
+
+    p.check("gather_rows", gather_rows_check)
+    p.check("gather_backward", gather_backward_check)
+
     # Cache index: 8 ways a set, about half the batch's ids resident.
     ways = 8
     num_sets = max(u // ways, 1)
@@ -419,21 +455,24 @@ def run_checks(p: Preflight) -> None:
     p.check("add_at_held", add_at_held_check)
 
     # The step's slot locks, every cache at once: two caches' floors, then their unlock.
-    def slot_locks_check() -> float:
-        from embcache.kernels import slot_locks
+    from embcache.ops.registry import implementations
+    from embcache.ops.rows import SlotTable
 
+    rows_ops = implementations("rows")
+
+    def slot_locks_check() -> float:
         parts = []
         for n_slots, n in ((num_sets * ways, u), (97, 0)):
             taken = torch.randperm(n_slots, generator=gen)[:n]
             held = torch.randint(1, 3, (n_slots,), generator=gen, dtype=torch.int32)
             parts.append((taken, held, torch.rand(n_slots, generator=gen) < 0.5))
-        mine = slot_locks.SlotTable.of([tuple(t.to(p.device) for t in part) for part in parts])
-        spec = slot_locks.SlotTable.of([tuple(t.clone() for t in part) for part in parts])
+        mine = SlotTable.of([tuple(t.to(p.device) for t in part) for part in parts])
+        spec = SlotTable.of([tuple(t.clone() for t in part) for part in parts])
         assert mine is not None and spec is not None
-        got = slot_locks.lock_floors(mine)
-        check_equal("lock_floors", got, slot_locks.lock_floors_ref(spec))
-        slot_locks.unlock(mine, True)
-        slot_locks.unlock_ref(spec, True)
+        got = rows_ops["triton"].lock_floors(mine)
+        check_equal("lock_floors", got, rows_ops["spec"].lock_floors(spec))
+        rows_ops["triton"].unlock(mine, True)
+        rows_ops["spec"].unlock(spec, True)
         p.sync()
         check_equal("unlock locks", torch.cat(mine.locks), torch.cat(spec.locks))
         return check_equal("unlock dirty", torch.cat(mine.dirty), torch.cat(spec.dirty))
@@ -441,16 +480,14 @@ def run_checks(p: Preflight) -> None:
     p.check("slot_locks (floors, unlock)", slot_locks_check)
 
     def direct_slots_check() -> float:
-        from embcache.kernels.direct_slots import direct_slots, direct_slots_ref
-
         row_offset = torch.tensor([0, 500, 1700])
         keys = torch.unique(
             (torch.randint(0, 3, (u,), generator=gen) << 12) | torch.randint(0, 500, (u,))
         )
         got_locks = torch.zeros(2300, dtype=torch.int32).to(p.device)
         want_locks = torch.zeros(2300, dtype=torch.int32)
-        got = p.triton(direct_slots, row_offset, keys, 12, got_locks)
-        want = direct_slots_ref(row_offset, keys, 12, want_locks)
+        got = p.triton(rows_ops["triton"].direct_slots, row_offset, keys, 12, got_locks)
+        want = rows_ops["spec"].direct_slots(row_offset, keys, 12, want_locks)
         check_equal("direct_slots locks", got_locks, want_locks)
         return check_equal("direct_slots", got, want)
 

@@ -17,7 +17,6 @@ from embcache.cache.plan import Plan
 from embcache.cache.stats import CacheStats
 from embcache.cache.storage import SlotStore
 from embcache.indexing import add_at, count_true, fill_at, or_flags, put
-from embcache.kernels.direct_slots import direct_slots
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
@@ -89,8 +88,10 @@ class DirectMap:
             # Prefilled (`filled`), every row is in its slot until the cache is emptied
             # (`HotCache.invalidate`, which calls `forget`): no miss to look for, nothing to
             # read on the host.
-            if store.backend.triton:  # the slots and their locks in one launch
-                slots = direct_slots(store.row_offset, ids, store.fusion_k, store.locks)
+            if store.ops.rows.one_launch:  # the slots and their locks in one launch
+                slots = store.ops.rows.direct_slots(
+                    store.row_offset, ids, store.fusion_k, store.locks
+                )
             else:
                 slots = store.row_index(ids)
                 add_at(store.locks, slots, 1)

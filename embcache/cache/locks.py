@@ -17,8 +17,7 @@ from typing import Protocol
 import torch
 
 from embcache.cache.storage import SlotStore
-from embcache.kernels import slot_locks
-from embcache.kernels.slot_locks import SlotTable
+from embcache.ops.rows import SlotTable
 
 
 class HoldsSlots(Protocol):
@@ -36,7 +35,7 @@ class Floors:
     """`lock_floors`' answer: the lowest lock among each cache's slots (0-d device tensors,
     to read with the caller's own host read, then `check_floors`), and what `unlock_together`
     then drops without reading anything: each cache's live slots (``slots`` without the -1
-    of ids not admitted), or on the device path one `kernels.slot_locks.SlotTable` of every
+    of ids not admitted), or on the device path one `ops.rows.SlotTable` of every
     cache's slots (``live`` None: the kernels skip the -1 themselves)."""
 
     values: list[torch.Tensor]
@@ -47,16 +46,16 @@ class Floors:
 def lock_floors(pairs: Sequence[tuple[HoldsSlots, torch.Tensor]]) -> Floors:
     """What `unlock_together` checks before it drops any lock, made on the device and not
     read: the lowest lock among each cache's slots (none for a cache on the compiled CPU path,
-    which checks in its own pass). On the device path (every cache's backend runs the Triton
-    kernels) one launch finds every cache's floor (`kernels.slot_locks`), and the same table
-    serves `unlock_together`'s one launch."""
+    which checks in its own pass). On the device path (every cache's rows family runs one
+    launch for all: `RowsOps.one_launch`) one launch finds every cache's floor
+    (`RowsOps.lock_floors`), and the same table serves `unlock_together`'s one launch."""
     stores = [cache.slot_store for cache, _ in pairs]
     with ExitStack() as held:
         for store in stores:
             held.enter_context(store.lock)
         table = _device_table(stores, [given for _, given in pairs])
         if table is not None:
-            floors = slot_locks.lock_floors(table)
+            floors = stores[0].ops.rows.lock_floors(table)
             return Floors([floors[s] for s in range(len(stores))], None, table)
         live, values = [], []
         for store, (_, given) in zip(stores, pairs, strict=True):
@@ -68,9 +67,9 @@ def lock_floors(pairs: Sequence[tuple[HoldsSlots, torch.Tensor]]) -> Floors:
 
 
 def _device_table(stores: Sequence[SlotStore], slots: Sequence[torch.Tensor]) -> SlotTable | None:
-    """The caches' `SlotTable` where every one is on the device path (its backend runs the
-    Triton kernels) on one device, else None."""
-    if not stores or not all(store.backend.triton for store in stores):
+    """The caches' `SlotTable` where every one is on the device path (its bound rows family
+    runs one launch for all, `RowsOps.one_launch`) on one device, else None."""
+    if not stores or not all(store.ops.rows.one_launch for store in stores):
         return None
     if len({store.device for store in stores}) != 1:
         return None
@@ -119,7 +118,7 @@ def unlock_together(
                 for store, (_, given) in zip(stores, pairs, strict=True):
                     store.mark_dirty(given)
                 dirty = False
-            slot_locks.unlock(floors.table, dirty)
+            stores[0].ops.rows.unlock(floors.table, dirty)  # every store's: `_device_table`
             return
         todo = []
         mins_by_device: dict[torch.device, list[torch.Tensor]] = {}

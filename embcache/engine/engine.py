@@ -191,7 +191,7 @@ class CacheEngine:
         self.fusion_k = fusion_k
         self.device = device
         self.mask = (1 << fusion_k) - 1
-        self.reduction = reduction_of(layout)  # pool bags, or one row per value
+        self.reduction = reduction_of(layout, cache.ops)  # pool bags, or one row per value
         # The TBE step (FBGEMM's CPU TBE over this cache), set by `EngineGroup.attach` when it
         # applies to the attached optimizer; None: the twins (or Triton) do every phase.
         self.tbe_step: TbeStepLike | None = None

@@ -24,8 +24,9 @@ from typing import Protocol
 import torch
 
 from embcache.engine.layout import Bags, CacheLayout
-from embcache.kernels.gather import gather_backward, gather_rows
-from embcache.kernels.pooling import pool_backward, pool_forward
+from embcache.ops.gather import GatherOps
+from embcache.ops.pooling import PoolingOps
+from embcache.ops.registry import Ops
 
 Grouping = tuple[torch.Tensor, torch.Tensor]
 # What a reduction's forward gives its backward: per lookup, MAX pooling's argmax rows (else
@@ -56,6 +57,7 @@ def _inverse(share: Share) -> torch.Tensor:
 
 
 def pool_bags(
+    ops: PoolingOps,
     layout: CacheLayout,
     rows: torch.Tensor,
     slots: torch.Tensor,
@@ -69,7 +71,7 @@ def pool_bags(
     for lk, b in zip(layout.lookups, bags, strict=True):
         assert lk.mode is not None  # a pooled layout's lookups have a mode
         saved.append(
-            pool_forward(
+            ops.pool_forward(
                 rows,
                 layout.dim,
                 slots,
@@ -87,6 +89,7 @@ def pool_bags(
 
 
 def bag_gradients(
+    ops: PoolingOps,
     layout: CacheLayout,
     grad_out: torch.Tensor,
     num_unique: int,
@@ -101,7 +104,7 @@ def bag_gradients(
     grad = None
     for lk, b, argmax in zip(layout.lookups, bags, argmaxes, strict=True):
         assert lk.mode is not None  # a pooled layout's lookups have a mode
-        g = pool_backward(
+        g = ops.pool_backward(
             grad_out,
             layout.dim,
             b.inverse,
@@ -123,10 +126,11 @@ def bag_gradients(
 
 class BagPooling:
     """Bags of rows pooled into ``[B, F * dim]`` (SUM, MEAN, MAX, per-sample weights), each
-    feature's bags in its columns (`kernels.pooling`)."""
+    feature's bags in its columns (``ops``: the pooling family bound for the cache)."""
 
-    def __init__(self, layout: CacheLayout) -> None:
+    def __init__(self, layout: CacheLayout, ops: PoolingOps) -> None:
         self.layout = layout
+        self.ops = ops
 
     def output(self, batch_size: int, nnz: int, device: torch.device) -> torch.Tensor:
         del nnz
@@ -151,7 +155,7 @@ class BagPooling:
     ) -> Saved:
         """Pool into ``out``; returns what `backward` needs (MAX's argmax rows)."""
         bags = self.bags(share, batch_size, columns, start)
-        return pool_bags(self.layout, rows, slots, bags, batch_size, out)
+        return pool_bags(self.ops, self.layout, rows, slots, bags, batch_size, out)
 
     def backward(
         self,
@@ -169,16 +173,17 @@ class BagPooling:
         assert saved is not None  # `forward` gives a list (one entry per lookup)
         bags = self.bags(share, batch_size, columns, start)
         return bag_gradients(
-            self.layout, grad_out, num_unique, bags, batch_size, saved, grouping, out
+            self.ops, self.layout, grad_out, num_unique, bags, batch_size, saved, grouping, out
         )
 
 
 class RowGather:
-    """Each value's row, unpooled: ``[nnz, dim]`` in value order (`kernels.gather`); the
-    backward sums each id's rows over its duplicates (no atomics)."""
+    """Each value's row, unpooled: ``[nnz, dim]`` in value order (``ops``: the gather family
+    bound for the cache); the backward sums each id's rows over its duplicates (no atomics)."""
 
-    def __init__(self, layout: CacheLayout) -> None:
+    def __init__(self, layout: CacheLayout, ops: GatherOps) -> None:
         self.layout = layout
+        self.ops = ops
 
     def output(self, batch_size: int, nnz: int, device: torch.device) -> torch.Tensor:
         del batch_size
@@ -195,7 +200,7 @@ class RowGather:
         start: int | None = 0,
     ) -> Saved:
         del batch_size, columns, start
-        gather_rows(rows, self.layout.dim, slots, _inverse(share), out)
+        self.ops.gather_rows(rows, self.layout.dim, slots, _inverse(share), out)
         return None
 
     def backward(
@@ -211,13 +216,14 @@ class RowGather:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         del batch_size, columns, start, saved
-        grads = gather_backward(grad_out, _inverse(share), num_unique, grouping)
+        grads = self.ops.gather_backward(grad_out, _inverse(share), num_unique, grouping)
         return grads if out is None else out.copy_(grads)
 
 
 Reduction = BagPooling | RowGather
 
 
-def reduction_of(layout: CacheLayout) -> Reduction:
-    """The reduction of a cache's layout: pooled bags or one row per value."""
-    return BagPooling(layout) if layout.pooled else RowGather(layout)
+def reduction_of(layout: CacheLayout, ops: Ops) -> Reduction:
+    """The reduction of a cache's layout: pooled bags or one row per value, on the op
+    families bound for its cache (``ops``: `HotCache.ops`)."""
+    return BagPooling(layout, ops.pooling) if layout.pooled else RowGather(layout, ops.gather)

@@ -1,5 +1,5 @@
 """The Triton-or-twin choice per tensor of the op families not yet moved under `embcache.ops`
-(pooling, gather, optim, rounding), which ask it at every call.
+(optim, rounding), which ask it at every call.
 
 `embcache.backend.for_device` decides (the environment variable is read there only), at
 every call so tests can switch it per test: the Triton kernels where the tensor's `Backend` is

@@ -68,8 +68,8 @@ from embcache.kernels.optim_ref import (
     sgd_update_ref,
 )
 from embcache.kernels.optim_rules import RULES, OptimRule
-from embcache.kernels.pooling import chunk_span, chunk_sum_kernel, split_segments
 from embcache.kernels.rounding import rounding_key, row_hash, store_weights
+from embcache.ops.segments import chunk_span, chunk_sum_kernel, split_segments
 
 
 def state_dim(rule: OptimRule, dim: int) -> int:

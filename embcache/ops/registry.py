@@ -10,8 +10,9 @@ family, typed with its protocol, so a new family is its folder and one line here
 ``triton`` family runs ``triton.py``, the compiled ``native`` one ``native.py``, every other
 ``spec.py``; a family without the chosen module runs its ``spec.py``. A cache binds once when
 it is built (``HotCache.ops``) and calls ``self.ops.<family>.<op>(...)``, which goes straight
-to the implementation's method; stateless helpers (`kernels.ids`' public functions) bind for
-each tensor's device at each call (`ops_for`), as the backend's choice was made before.
+to the implementation's method; stateless helpers (the public functions of `kernels.ids`,
+`kernels.pooling`, ...) bind for each tensor's device at each call (`ops_for`), as the
+backend's choice was made before.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from typing import Any, get_type_hints
 import torch
 
 from embcache.backend import Backend, for_device
+from embcache.ops.gather import GatherOps
 from embcache.ops.ids import IdsOps
 from embcache.ops.plan import PlanOps
+from embcache.ops.pooling import PoolingOps
+from embcache.ops.rows import RowsOps
 
 IMPLEMENTATIONS = ("spec", "triton", "native")
 
@@ -36,6 +40,9 @@ class Ops:
 
     ids: IdsOps
     plan: PlanOps
+    rows: RowsOps
+    pooling: PoolingOps
+    gather: GatherOps
 
 
 def families() -> list[str]:

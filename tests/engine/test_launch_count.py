@@ -90,8 +90,8 @@ def test_three_dims_launch_as_many_for_6_and_24_tables(monkeypatch: pytest.Monke
     caches are deduplicated in one sort, `engine.joint`, and pool into one output at their
     features' columns, `engine.lookup.KeyedOutput`: no per-feature join of the outputs, no
     per-feature split of their gradient), and within the one-dim target of 40: each cache's
-    slots and locks are one launch (`kernels.direct_slots`), every cache's lock check and
-    unlock one launch each (`kernels.slot_locks`), their raw ids one op and their gradient
+    slots and locks are one launch (`RowsOps.direct_slots`), every cache's lock check and
+    unlock one launch each (`ops.rows`), their raw ids one op and their gradient
     rows one buffer summed once by the step's check."""
     monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
     six, many = _counts(6, 3, 1.0), _counts(24, 3, 1.0)

@@ -2,7 +2,7 @@
 fresh random inputs, against ONE float64 (or plain Python) reference written here.
 
 Implementations gathered per operation (a parametrize id per operation and implementation).
-The op families under `embcache.ops` (ids, plan) take theirs from the registry
+The op families under `embcache.ops` (ids, plan, pooling, gather) take theirs from the registry
 (`ops.registry.implementations`: ``spec``, ``triton``, ``native``), each called directly; the
 others, until they move there:
 
@@ -37,7 +37,6 @@ from embcache.backend import for_device
 from embcache.engine import tbe_step
 from embcache.engine.batch_state import Prepared
 from embcache.indexing import copy_rows
-from embcache.kernels.gather import gather_backward, gather_rows
 from embcache.kernels.optim import (
     OptimRule,
     RowUpdate,
@@ -45,7 +44,7 @@ from embcache.kernels.optim import (
     apply_row_update,
     state_dim,
 )
-from embcache.kernels.pooling import PoolingMode, pool_backward, pool_forward
+from embcache.kernels.pooling import PoolingMode, pool_backward
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
 from embcache.ops.ids import IdsOps
@@ -314,7 +313,7 @@ WEIGHTED = [pytest.param(False, id="plain"), pytest.param(True, id="weighted")]
 @pytest.mark.parametrize("weighted", WEIGHTED)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton"), _impl("fbgemm", "fbgemm")])
+@pytest.mark.parametrize("impl", [*_family("pooling"), _impl("fbgemm", "fbgemm")])
 def test_pool_forward(impl: str, dim: int, mode: PoolingMode, weighted: bool, use) -> None:
     use(impl)
     p = _bags(dim, weighted, seed=dim * 7 + int(mode) * 2 + weighted)
@@ -328,7 +327,7 @@ def test_pool_forward(impl: str, dim: int, mode: PoolingMode, weighted: bool, us
         out, argmax = pooled.detach().reshape(B, F * dim), None
     else:
         out = torch.full((B, F * dim), math.nan)
-        argmax = pool_forward(
+        argmax = implementations("pooling")[impl].pool_forward(
             p.rows, dim, p.slots, p.inverse, p.offsets, p.weights, mode, out, B, p.col_offsets
         )
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
@@ -350,18 +349,18 @@ def test_pool_forward(impl: str, dim: int, mode: PoolingMode, weighted: bool, us
 @pytest.mark.parametrize("weighted", WEIGHTED)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton"), _impl("torch-grouped")])
+@pytest.mark.parametrize("impl", [*_family("pooling"), _impl("spec-grouped")])
 def test_pool_backward(impl: str, dim: int, mode: PoolingMode, weighted: bool, use) -> None:
     use(impl.removesuffix("-grouped"))
     p = _bags(dim, weighted, seed=dim * 5 + int(mode) * 2 + weighted)
     _, argmax = _forward_reference(p, mode)
     ref = _backward_reference(p, mode, argmax)
     grouping = None
-    if impl == "torch-grouped":
+    if impl.endswith("-grouped"):
         order = torch.sort(p.inverse, stable=True).indices
         counts = torch.bincount(p.inverse, minlength=p.slots.numel())
         grouping = (order, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
-    grad = pool_backward(
+    grad = implementations("pooling")[impl.removesuffix("-grouped")].pool_backward(
         p.grad_out,
         dim,
         p.inverse,
@@ -425,19 +424,18 @@ def _gather_backward_reference(p: SimpleNamespace) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton")])
+@pytest.mark.parametrize("impl", _family("gather"))
 def test_gather_rows(impl: str, dim: int, use) -> None:
     use(impl)
     p = _sequence(dim, seed=dim * 11)
     out = torch.full((p.inverse.numel(), dim), math.nan)
-    assert gather_rows(p.rows, dim, p.slots, p.inverse, out) is out
+    assert implementations("gather")[impl].gather_rows(p.rows, dim, p.slots, p.inverse, out) is out
     torch.testing.assert_close(out.double(), _gather_reference(p), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize(
-    "impl",
-    [_impl("torch"), _impl("triton"), _impl("torch-grouped"), _impl("triton-grouped")],
+    "impl", [*_family("gather"), *(_impl(f"{name}-grouped") for name in implementations("gather"))]
 )
 def test_gather_backward(impl: str, dim: int, use) -> None:
     use(impl.removesuffix("-grouped"))
@@ -447,7 +445,8 @@ def test_gather_backward(impl: str, dim: int, use) -> None:
         order = torch.sort(p.inverse, stable=True).indices
         counts = torch.bincount(p.inverse, minlength=p.slots.numel())
         grouping = (order, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
-    grad = gather_backward(p.grad_out, p.inverse, p.slots.numel(), grouping)
+    gather = implementations("gather")[impl.removesuffix("-grouped")]
+    grad = gather.gather_backward(p.grad_out, p.inverse, p.slots.numel(), grouping)
     ref = _gather_backward_reference(p)
     assert grad.dtype == torch.float32 and grad.shape == ref.shape
     torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-4)

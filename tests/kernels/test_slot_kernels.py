@@ -1,6 +1,6 @@
-"""`kernels.slot_locks` and `kernels.direct_slots`: the device path's per-step slot work, one
-launch for every cache (the lock check and the unlock) or one a cache (direct mapping's slots
-and locks), against their plain-torch specifications on fresh random inputs.
+"""The rows family (`embcache.ops.rows`): the device path's per-step slot work, one launch for
+every cache (the lock check and the unlock) or one a cache (direct mapping's slots and locks),
+its Triton implementation against its plain-torch specification on fresh random inputs.
 
 Each case runs the Triton kernel (under the interpreter on a CPU) and the specification on
 copies of the same locks and flags, and compares every element: a slot the kernel skipped or
@@ -12,15 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embcache.kernels.direct_slots import direct_slots, direct_slots_ref
-from embcache.kernels.slot_locks import (
-    INT32_MAX,
-    SlotTable,
-    lock_floors,
-    lock_floors_ref,
-    unlock,
-    unlock_ref,
-)
+from embcache.ops.registry import implementations
+from embcache.ops.rows import INT32_MAX, SlotTable
+
+KERNELS = implementations("rows")["triton"]
+SPEC = implementations("rows")["spec"]
 
 
 def _caches(gen: torch.Generator, sizes: list[tuple[int, int]], refused: float = 0.0):
@@ -51,8 +47,8 @@ def test_unlock_matches_the_specification(refused: float, dirty: bool) -> None:
     mine, spec = _copies(parts), _copies(parts)
     table, ref = SlotTable.of(mine), SlotTable.of(spec)
     assert table is not None and ref is not None
-    unlock(table, dirty)
-    unlock_ref(ref, dirty)
+    KERNELS.unlock(table, dirty)
+    SPEC.unlock(ref, dirty)
     for (_, locks, flags), (_, want_locks, want_flags), (slots, before, _) in zip(
         mine, spec, parts, strict=True
     ):
@@ -70,8 +66,8 @@ def test_lock_floors_match_the_specification() -> None:
     locks2[slots2[slots2 >= 0][3]] = 0
     table = SlotTable.of(parts)
     assert table is not None
-    floors = lock_floors(table)
-    assert torch.equal(floors, lock_floors_ref(table))
+    floors = KERNELS.lock_floors(table)
+    assert torch.equal(floors, SPEC.lock_floors(table))
     assert int(floors[1]) == INT32_MAX and int(floors[2]) == 0 and int(floors[0]) >= 1
 
 
@@ -96,8 +92,8 @@ def test_direct_slots_match_the_specification(n: int) -> None:
     keys = torch.unique((tables << fusion_k) | raw)  # distinct, as a dedup gives them
     locks = torch.randint(0, 3, (3000,), generator=gen, dtype=torch.int32)
     want_locks = locks.clone()
-    got = direct_slots(row_offset, keys, fusion_k, locks)
-    want = direct_slots_ref(row_offset, keys, fusion_k, want_locks)
+    got = KERNELS.direct_slots(row_offset, keys, fusion_k, locks)
+    want = SPEC.direct_slots(row_offset, keys, fusion_k, want_locks)
     assert torch.equal(got, want)
     assert torch.equal(locks, want_locks)
     assert torch.equal(got, row_offset[keys >> fusion_k] + (keys & ((1 << fusion_k) - 1)))

@@ -1,18 +1,29 @@
-"""Torch twins of the pooling kernels (`kernels/pooling.py`): bags of cache rows pooled
-(SUM, MEAN, MAX, per-sample weights) and their backward, one gradient row per unique id.
+"""The pooling family's specification in plain torch: bags of cache rows pooled (SUM, MEAN, MAX,
+per-sample weights) and their backward, one gradient row per unique id.
 
-Each function computes exactly what its Triton kernel computes, with vectorised torch ops: the
-specification, and the CPU path.
+Each twin (``*_ref``) computes exactly what its Triton kernel (`ops.pooling.triton`) computes,
+with vectorised torch ops; `SpecPooling` is the family's implementation built on them
+(`PoolingOps`): the CPU path, the ``torch`` backend everywhere, and what the Triton kernels are
+tested against. Its operations check their inputs (`check_bags`), for every implementation.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Pooling modes, the values of `embcache.kernels.pooling.PoolingMode`.
-POOL_SUM = 0
-POOL_MEAN = 1
-POOL_MAX = 2
+from embcache.ops.checks import as_index, require
+from embcache.ops.pooling import PoolingMode, PoolingOps
+
+ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# ----------------------------------------------------------------------------------------------
+# the twins
+# ----------------------------------------------------------------------------------------------
+
+# Pooling modes, the values of `PoolingMode` (what `torch.embedding_bag` takes).
+POOL_SUM = int(PoolingMode.SUM)
+POOL_MEAN = int(PoolingMode.MEAN)
+POOL_MAX = int(PoolingMode.MAX)
 
 
 def _pool_bag_of_values(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
@@ -90,7 +101,7 @@ def pool_forward_ref(
     col_offsets: torch.Tensor,
     col_start: int | None = None,
 ) -> torch.Tensor | None:
-    """Pool bags of cache rows into columns of ``out``; the twin of `pooling.pool_forward`.
+    """Pool bags of cache rows into columns of ``out``; the twin of `PoolingOps.pool_forward`.
 
     Bag ``q = i * batch_size + b`` holds values ``offsets[q] <= j < offsets[q + 1]``; value j
     reads ``x_j = rows[slots[inverse[j]], :dim]`` in float32 (zeros where the slot is -1) with
@@ -267,3 +278,186 @@ def pool_backward_ref(
     # scatter_add_ is serial on the CPU (deterministic) and faster there than index_add_.
     grad_unique.scatter_add_(0, inverse.unsqueeze(1).expand(nnz, dim), contrib)
     return grad_unique
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+# ----------------------------------------------------------------------------------------------
+
+
+def check_bags(
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    batch_size: int,
+    col_offsets: torch.Tensor,
+) -> None:
+    num_features = col_offsets.numel()
+    require(batch_size >= 0, f"batch_size={batch_size} must be >= 0")
+    require(
+        offsets.numel() == num_features * batch_size + 1,
+        f"offsets has {offsets.numel()} entries, expected F * B + 1 = "
+        f"{num_features} * {batch_size} + 1 for F = col_offsets.numel()",
+    )
+    if per_sample_weights is not None:
+        if per_sample_weights.dtype != torch.float32:
+            raise TypeError(f"per_sample_weights must be float32, got {per_sample_weights.dtype}")
+        require(
+            per_sample_weights.shape == inverse.shape,
+            f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
+            f"expected {tuple(inverse.shape)} like inverse",
+        )
+        require(
+            per_sample_weights.device == inverse.device,
+            f"per_sample_weights is on {per_sample_weights.device}, expected {inverse.device}",
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# the implementation
+# ----------------------------------------------------------------------------------------------
+
+
+class SpecPooling:
+    """The pooling family in torch (`PoolingOps`): each operation checks its inputs, then runs
+    its twin (``_pool_forward``, ``_pool_backward``, which `triton.TritonPooling` replaces)."""
+
+    name = "spec"
+
+    def pool_forward(
+        self,
+        rows: torch.Tensor,
+        dim: int,
+        slots: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mode: PoolingMode,
+        out: torch.Tensor,
+        batch_size: int,
+        col_offsets: torch.Tensor,
+        col_start: int | None = None,
+    ) -> torch.Tensor | None:
+        mode = PoolingMode(mode)
+        if not isinstance(rows, torch.Tensor) or rows.dtype not in ROW_DTYPES or rows.dim() != 2:
+            raise TypeError("rows must be a float32, float16 or bfloat16 [R, W] tensor")
+        device = rows.device
+        require(1 <= dim <= rows.shape[1], f"dim={dim} must be in [1, {rows.shape[1]}] (row width)")
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2:
+            raise TypeError("out must be a float32 [B, C] tensor")
+        require(out.device == device, f"out is on {out.device}, rows on {device}")
+        require(out.shape[0] == batch_size, f"out has {out.shape[0]} rows, batch_size={batch_size}")
+        slots = as_index("slots", slots, device)
+        inverse = as_index("inverse", inverse, device)
+        offsets = as_index("offsets", offsets, device)
+        col_offsets = as_index("col_offsets", col_offsets, device)
+        check_bags(inverse, offsets, per_sample_weights, batch_size, col_offsets)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.contiguous()
+        args = (rows, dim, slots, inverse, offsets, per_sample_weights, mode, out, batch_size)
+        return self._pool_forward(*args, col_offsets, col_start)
+
+    def _pool_forward(
+        self,
+        rows: torch.Tensor,
+        dim: int,
+        slots: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mode: PoolingMode,
+        out: torch.Tensor,
+        batch_size: int,
+        col_offsets: torch.Tensor,
+        col_start: int | None,
+    ) -> torch.Tensor | None:
+        return pool_forward_ref(
+            rows, dim, slots, inverse, offsets, per_sample_weights, mode, out, batch_size,
+            col_offsets, col_start,
+        )  # fmt: skip
+
+    def pool_backward(
+        self,
+        grad_out: torch.Tensor,
+        dim: int,
+        inverse: torch.Tensor,
+        num_unique: int,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mode: PoolingMode,
+        batch_size: int,
+        col_offsets: torch.Tensor,
+        argmax: torch.Tensor | None,
+        grouping: tuple[torch.Tensor, torch.Tensor] | None = None,
+        col_start: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        mode = PoolingMode(mode)
+        if not isinstance(grad_out, torch.Tensor) or grad_out.dim() != 2:
+            raise TypeError("grad_out must be a float32 [B, C] tensor")
+        if grad_out.dtype != torch.float32:
+            grad_out = grad_out.to(torch.float32)
+        device = grad_out.device
+        require(dim >= 1, f"dim={dim} must be >= 1")
+        require(num_unique >= 0, f"num_unique={num_unique} must be >= 0")
+        require(
+            grad_out.shape[0] == batch_size,
+            f"grad_out has {grad_out.shape[0]} rows, batch_size={batch_size}",
+        )
+        inverse = as_index("inverse", inverse, device)
+        offsets = as_index("offsets", offsets, device)
+        col_offsets = as_index("col_offsets", col_offsets, device)
+        check_bags(inverse, offsets, per_sample_weights, batch_size, col_offsets)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.contiguous()
+        if mode == PoolingMode.MAX:
+            num_bags = offsets.numel() - 1
+            if argmax is None or tuple(argmax.shape) != (num_bags, dim):
+                raise ValueError(
+                    f"MAX backward needs the forward's argmax of shape ({num_bags}, {dim})"
+                )
+            argmax = argmax.contiguous()
+        else:
+            argmax = None
+        args = (grad_out, dim, inverse, num_unique, offsets, per_sample_weights, mode, batch_size)
+        if grouping is not None:
+            order, segments = grouping
+            require(
+                order.numel() == inverse.numel() and segments.numel() == num_unique + 1,
+                f"grouping covers {order.numel()} values and {segments.numel() - 1} ids, expected "
+                f"{inverse.numel()} and {num_unique}",
+            )
+        if out is not None:
+            require(
+                out.dtype == torch.float32
+                and tuple(out.shape) == (num_unique, dim)
+                and out.is_contiguous()
+                and out.device == device,
+                f"out must be a contiguous float32 [{num_unique}, {dim}] tensor on {device}",
+            )
+        return self._pool_backward(*args, col_offsets, argmax, grouping, col_start, out)
+
+    def _pool_backward(
+        self,
+        grad_out: torch.Tensor,
+        dim: int,
+        inverse: torch.Tensor,
+        num_unique: int,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        mode: PoolingMode,
+        batch_size: int,
+        col_offsets: torch.Tensor,
+        argmax: torch.Tensor | None,
+        grouping: tuple[torch.Tensor, torch.Tensor] | None,
+        col_start: int | None,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        grads = pool_backward_ref(
+            grad_out, dim, inverse, num_unique, offsets, per_sample_weights, mode, batch_size,
+            col_offsets, argmax, grouping, col_start,
+        )  # fmt: skip
+        return grads if out is None else out.copy_(grads)
+
+
+IMPLEMENTATION: PoolingOps = SpecPooling()  # checked against the protocol
