@@ -44,8 +44,9 @@ HERE = Path(__file__).resolve().parent
 
 # Constexprs the launchers choose by device: the value a CUDA device launches, where the
 # interpreter (CPU tensors) is given a wider one. BLOCK_U, chunks (or ids) per program of the
-# segment walks (`kernels.optim.aggregate_grads_triton`, `ops.pooling.triton.pool_backward_triton`,
-# `ops.gather.triton.gather_backward_triton`: ``block_u = 1 if <cuda> else 64``): one on a GPU.
+# segment walks (`ops.update.triton.aggregate_grads_triton`,
+# `ops.pooling.triton.pool_backward_triton`, `ops.gather.triton.gather_backward_triton`:
+# ``block_u = 1 if <cuda> else 64``): one on a GPU.
 DEVICE_CONSTEXPRS = {"BLOCK_U": 1}
 # The dims every phase records at: one column block, and several of the widest.
 RECORD_DIMS = (8, 300)

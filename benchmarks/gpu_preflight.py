@@ -10,10 +10,9 @@ the run with exit status 1.
     python benchmarks/gpu_preflight.py                       # on CUDA
     python benchmarks/gpu_preflight.py --device cpu --tiny   # dry run: Triton's interpreter
 
-The op families bound through `embcache.ops.registry` (ids, plan, rows, pooling, gather) have their
-operations listed
-there: each must have its check here (`CHECKED`) or be one no Triton kernel runs (`ON_HOST`),
-else the preflight fails before it starts, naming the operation.
+The op families bound through `embcache.ops.registry` (ids, plan, rows, pooling, gather, update)
+have their operations listed there: each must have its check here (`CHECKED`) or be one no
+Triton kernel runs (`ON_HOST`), else the preflight fails before it starts, naming the operation.
 
 Outputs written by a kernel are compared whole, and freshly allocated ones are filled with NaN
 first where the op takes them (pooling), so an element a kernel never writes fails the check.
@@ -64,6 +63,9 @@ CHECKED = {
     "rows.lock_floors": "slot_locks (floors, unlock)",
     "rows.unlock": "slot_locks (floors, unlock)",
     "rows.direct_slots": "direct_slots",
+    "update.apply_row_update": "apply_row_update SGD",  # and each other rule
+    "update.aggregate_grads": "aggregate_grads",
+    "update.stochastic_round": "stochastic_round bf16",
 }
 ON_HOST = {
     "ids.first_bad_key": "a CPU cache's check of its keys",
@@ -227,6 +229,7 @@ def run_checks(p: Preflight) -> None:
         state_dim,
     )
     from embcache.kernels.pooling import PoolingMode, pool_backward, pool_forward
+    from embcache.kernels.rounding import rounding_key, stochastic_round
     from embcache.ops.plan.spec import assign_ways_ref
     from embcache.ops.plan.triton import assign_misses_triton
 
@@ -558,7 +561,20 @@ def run_checks(p: Preflight) -> None:
         check_equal("aggregate_grads unique_ids", got_ids, want_ids)
         return check_close("aggregate_grads", got, want, rtol=1e-4)
 
-    p.check(f"aggregate_grads (hottest id x{int(counts.max())})", aggregate)
+    print(f"# aggregate_grads: hottest id x{int(counts.max())}", flush=True)
+    p.check("aggregate_grads", aggregate)
+
+    # Half-precision weights' stochastic rounding (what the row update stores them through):
+    # the same draws, so the same bits.
+    key = rounding_key(seed=7, step=3)
+
+    def round_check() -> float:
+        x = torch.randn(u, dim, generator=gen) * 3.0
+        got = p.triton(stochastic_round, x, torch.bfloat16, unique_ids, key)
+        want = p.twin(stochastic_round, x, torch.bfloat16, unique_ids, key)
+        return check_equal("stochastic_round bf16", got.view(torch.int16), want.view(torch.int16))
+
+    p.check("stochastic_round bf16", round_check)
 
 
 def main(argv: list[str] | None = None) -> int:

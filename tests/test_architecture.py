@@ -10,12 +10,13 @@ Layers, lowest first (a module may import its own package and lower layers only)
     backend                          which implementation runs (``EMBCACHE_BACKEND``): one
                                      `Backend` object per family, with its operations
     indexing                         writes at positions, mask positions, flag counts
-    ops                              the op families moved so far (ids, plan, rows, pooling,
-                                     gather): per family its protocol, its torch
+    ops                              the op families (ids, plan, rows, pooling, gather,
+                                     update): per family its protocol, its torch
                                      specification, Triton and numba implementations, and
-                                     the registry that binds one
-    kernels, kv                     the other Triton kernels with their twins; the tiers
-    cache, optim                    the device cache and its transfers; the optimizer rules
+                                     the registry that binds one; the optimizer rules
+    kernels, kv                     the families' public functions at their old paths; the
+                                     tiers
+    cache, optim                    the device cache and its transfers; the sparse optimizers
     engine                          one step's data path per cache, inputs, tables
     models, data                    the collection and DLRM; training data
     recstore, tbe                   RecStore's names over the above; FBGEMM's TBE call shape
@@ -341,7 +342,7 @@ IMPLEMENTATION_DEBTS: dict[str, str] = {
     "(use_triton); it moves to ops.ids.dedup_together when engine.py is next edited",
     "embcache.engine.tbe_step": "TbeStep asks its cache's backend.compiled whether to move the "
     "bags with the compiled pass (native.bags_sample_major), which no family holds yet; it "
-    "reads the pooling family for PoolingMode only",
+    "reads the pooling and update families for PoolingMode and the rules only",
 }
 # What asks which implementation is present: per call (``use_triton``, ``cpu_backend``), or a
 # held `Backend`'s family (``backend.compiled``, ``backend.triton``). Choosing the `Backend`
@@ -355,6 +356,9 @@ FAMILY_MODULES = (
     "embcache.kernels.cache_index",
     "embcache.kernels.pooling",
     "embcache.kernels.gather",
+    "embcache.kernels.optim",
+    "embcache.kernels.optim_rules",
+    "embcache.kernels.rounding",
 )
 
 
@@ -362,7 +366,7 @@ def test_every_registered_family_is_a_folder_of_implementations() -> None:
     """Each family of the registry is a folder ``embcache/ops/<family>/`` with its protocol in
     its ``__init__.py`` and a ``spec.py``; the registry lists exactly its implementation
     modules there."""
-    assert {"ids", "plan", "rows", "pooling", "gather"} <= set(MIGRATED)
+    assert {"ids", "plan", "rows", "pooling", "gather", "update"} <= set(MIGRATED)
     for family in MIGRATED:
         assert (PACKAGE / "ops" / family / "__init__.py").is_file()
         assert operations(family), f"the {family} protocol declares no operation"
@@ -419,7 +423,7 @@ def test_only_ops_reaches_the_implementations_of_a_migrated_family() -> None:
     ``backend.triton``): it holds the `Ops` bound for its cache (``HotCache.ops``) and asks
     the protocol's capabilities (``ops.plan.compiled``), or calls a public function that binds
     for its tensor (`kernels.ids`, `kernels.cache_index`, `kernels.pooling`,
-    `kernels.gather`)."""
+    `kernels.gather`, `kernels.optim`, `kernels.rounding`)."""
     found = {}
     for name, path in _modules().items():
         if name.startswith(("embcache.ops", "embcache.native")):

@@ -37,8 +37,8 @@ from embcache.kernels.ids import (
     dedup_together_triton,
     fuse_ids,
 )
-from embcache.kernels.optim import RowUpdate, aggregate_grads, apply_row_update
 from embcache.native import direct as native_direct
+from embcache.ops.update import RowUpdate
 from embcache.profiling import profiled
 
 
@@ -559,7 +559,9 @@ class CacheEngine:
             assert prepared.unique is not None and prepared.slots is not None
             return Located(prepared.unique, prepared.slots, grads, prepared)
         fused = torch.cat([e.ids | (table_index[e.table_name] << self.fusion_k) for e in entries])
-        unique, grads = aggregate_grads(fused, torch.cat([e.grads for e in entries]))
+        unique, grads = self.cache.ops.update.aggregate_grads(
+            fused, torch.cat([e.grads for e in entries])
+        )
         # Their forwards counted these ids' sightings already (admission).
         slots = self.cache.resolve(unique, lock=True, count_sightings=False)
         return Located(unique, slots, grads, None)
@@ -572,7 +574,7 @@ class CacheEngine:
     @profiled("engine.apply_rule")
     def apply(self, located: Located, rule: RowUpdate, steps: dict[str, int]) -> None:
         """Update located rows and their state in place with ``rule`` (a
-        `kernels.optim.RowUpdate`; ``steps`` gives each table's step number), mark them dirty
+        `ops.update.RowUpdate`; ``steps`` gives each table's step number), mark them dirty
         and unlock them. Makes no tier call, so it cannot fail half-way on a tier error."""
         try:
             self.update(located, rule, steps)
@@ -607,6 +609,7 @@ class CacheEngine:
         ids = unique if cache.stochastic_rounding else None
         seed = cache.rounding_seed
         may_skip = not cache.admits_all  # slots of ids not admitted are -1
+        apply_row_update = cache.ops.update.apply_row_update
         with cache.lock:
             # Slots from a resolve are distinct by construction: no sorted check.
             if len(table_steps) == 1:

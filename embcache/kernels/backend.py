@@ -1,11 +1,11 @@
-"""The Triton-or-twin choice per tensor of the op families not yet moved under `embcache.ops`
-(optim, rounding), which ask it at every call.
+"""The Triton-or-twin choice per tensor, for the code that still asks it at every call (the
+engine's `dedup_together` route; every op family is bound once under `embcache.ops`).
 
 `embcache.backend.for_device` decides (the environment variable is read there only), at
 every call so tests can switch it per test: the Triton kernels where the tensor's `Backend` is
 the ``triton`` family (``auto`` on a GPU; ``EMBCACHE_BACKEND=triton`` anywhere, on CPU
 tensors through ``TRITON_INTERPRET=1``, set before triton is first imported: the test suite's
-conftest does that on machines without a GPU), the torch twins (``*_ref.py``) otherwise. The
+conftest does that on machines without a GPU), the torch specifications otherwise. The
 families under `embcache.ops` are bound once instead (`embcache.ops.registry`).
 """
 

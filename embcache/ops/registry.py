@@ -30,6 +30,7 @@ from embcache.ops.ids import IdsOps
 from embcache.ops.plan import PlanOps
 from embcache.ops.pooling import PoolingOps
 from embcache.ops.rows import RowsOps
+from embcache.ops.update import UpdateOps
 
 IMPLEMENTATIONS = ("spec", "triton", "native")
 
@@ -43,6 +44,7 @@ class Ops:
     rows: RowsOps
     pooling: PoolingOps
     gather: GatherOps
+    update: UpdateOps
 
 
 def families() -> list[str]:

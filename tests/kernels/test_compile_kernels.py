@@ -53,7 +53,7 @@ def test_the_launchers_give_a_gpu_the_block_u_compiled(compile_kernels) -> None:
     """`DEVICE_CONSTEXPRS` states what the launchers choose on CUDA (which no CPU run can
     observe): each ``block_u = <cuda> if ... else <cpu>`` in the kernels must agree with it."""
     found = {}
-    for name in ("kernels/optim.py", "ops/pooling/triton.py", "ops/gather/triton.py"):
+    for name in ("ops/update/triton.py", "ops/pooling/triton.py", "ops/gather/triton.py"):
         source = (ROOT / "embcache" / name).read_text()
         found[name] = re.findall(r"block_u = (\d+) if .*cuda.* else (\d+)", source)
     assert all(found.values()), f"a launcher no longer picks BLOCK_U by device: {found}"

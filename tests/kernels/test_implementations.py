@@ -2,9 +2,9 @@
 fresh random inputs, against ONE float64 (or plain Python) reference written here.
 
 Implementations gathered per operation (a parametrize id per operation and implementation).
-The op families under `embcache.ops` (ids, plan, pooling, gather) take theirs from the registry
-(`ops.registry.implementations`: ``spec``, ``triton``, ``native``), each called directly; the
-others, until they move there:
+The op families under `embcache.ops` (ids, plan, pooling, gather, update) take theirs from the
+registry (`ops.registry.implementations`: ``spec``, ``triton``, ``native``), each called
+directly; the composites of several families name theirs:
 
 * ``torch``: the torch twin (``*_ref.py``), through the public function under
   ``EMBCACHE_BACKEND=torch``;
@@ -40,7 +40,6 @@ from embcache.indexing import copy_rows
 from embcache.kernels.optim import (
     OptimRule,
     RowUpdate,
-    aggregate_grads,
     apply_row_update,
     state_dim,
 )
@@ -505,7 +504,7 @@ RULES = [pytest.param(r, id=r.name.lower()) for r in OptimRule]
 
 @pytest.mark.parametrize("dim", [pytest.param(5, id="dim5"), pytest.param(123, id="dim123")])
 @pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton")])
+@pytest.mark.parametrize("impl", _family("update"))
 def test_row_update(impl: str, rule: OptimRule, dim: int, use) -> None:
     use(impl)
     g = _gen(dim * 3 + int(rule))
@@ -527,7 +526,8 @@ def test_row_update(impl: str, rule: OptimRule, dim: int, use) -> None:
         before_s[kept, : cols - 1].double(),
         grads[slots >= 0].double(),
     )
-    apply_row_update(weights, state, slots, grads, _row_update(rule), STEP)
+    update = implementations("update")[impl]
+    update.apply_row_update(weights, state, slots, grads, _row_update(rule), STEP)
     torch.testing.assert_close(weights[kept].double(), ref_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state[kept, : cols - 1].double(), ref_s, rtol=1e-5, atol=1e-6)
     untouched = torch.ones(rows, dtype=torch.bool)
@@ -537,14 +537,14 @@ def test_row_update(impl: str, rule: OptimRule, dim: int, use) -> None:
     assert torch.equal(_bits(state[:, -1]), _bits(before_s[:, -1]))
 
 
-@pytest.mark.parametrize("impl", [_impl("torch"), _impl("triton")])
+@pytest.mark.parametrize("impl", _family("update"))
 def test_aggregate_grads(impl: str, use) -> None:
     use(impl)
     g = _gen(5)
     ids = torch.cat([torch.randint(0, 9, (60,), generator=g), torch.full((300,), 4)])  # hot id
     ids = ids[torch.randperm(ids.numel(), generator=g)] | (1 << 40)
     grads = torch.randn(ids.numel(), 5, generator=g)
-    unique, summed = aggregate_grads(ids, grads)
+    unique, summed = implementations("update")[impl].aggregate_grads(ids, grads)
     ref_unique = sorted(set(ids.tolist()))
     assert unique.tolist() == ref_unique
     ref = torch.stack([grads.double()[ids == u].sum(0) for u in ref_unique])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from embcache.kernels.rounding import rounding_key, stochastic_round
-from embcache.kernels.rounding_ref import stochastic_round_ref, uniform_ref
+from embcache.ops.update.spec import stochastic_round_ref, uniform_ref
 
 DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
