@@ -268,10 +268,10 @@ def run_checks(p: Preflight) -> None:
 
     p.check("dedup_grouped (torch ops)", grouped_check)
 
-    # The forward's dedup of several caches at once, one read (`engine.dedup_together`): the
+    # The forward's dedup of several caches at once, one read (`IdsOps.dedup_together`): the
     # Triton route's unique ids, inverse, table bounds and the extra values read with them
     # against the torch route's, and its grouping (a stable sort) against `dedup_grouped`'s.
-    from embcache.engine.engine import dedup_together
+    from embcache.kernels.ids import dedup_together
 
     halves = [fused[: fused.numel() // 2], fused[fused.numel() // 2 :]]
     table_starts = [torch.tensor([0, 1 << b.fusion_k, 2 << b.fusion_k]), None]

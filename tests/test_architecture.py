@@ -337,9 +337,9 @@ MIGRATED_NATIVE = frozenset(
 # present, in a migrated family, each with its reason (a debt: the tests below fail once it is
 # paid, so drop the entry then).
 IMPLEMENTATION_DEBTS: dict[str, str] = {
-    "embcache.kernels.ids": "re-exports dedup_together_triton for engine.engine",
-    "embcache.engine.engine": "dedup_together chooses its Triton or torch route per call "
-    "(use_triton); it moves to ops.ids.dedup_together when engine.py is next edited",
+    "embcache.engine.engine": "CacheEngine._direct_native asks its cache's backend.compiled "
+    "whether the compiled direct-share pass runs (native.direct.DistinctRows, the TBE step's "
+    "share of a direct cache), which no family holds yet",
     "embcache.engine.tbe_step": "TbeStep asks its cache's backend.compiled whether to move the "
     "bags with the compiled pass (native.bags_sample_major), which no family holds yet; it "
     "reads the pooling and update families for PoolingMode and the rules only",

@@ -51,7 +51,7 @@ class Prepared:
     # were made together (`EngineGroup.check`); None: read from the offsets when needed.
     cuts: list[int] | None = None
     # `CacheLayout.table_bounds` of ``unique`` (host ints), when the dedup read them with its
-    # own read (`engine.dedup_together`): the backward's trace then reads nothing.
+    # own read (`IdsOps.dedup_together`): the backward's trace then reads nothing.
     bounds: list[int] | None = None
 
 

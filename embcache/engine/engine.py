@@ -29,12 +29,10 @@ from embcache.engine.inputs import JaggedBatch, group_inputs
 from embcache.engine.layout import CacheLayout
 from embcache.engine.reduction import Saved, reduction_of
 from embcache.engine.tbe_step import PendingUpdate
-from embcache.kernels.backend import use_triton
 from embcache.kernels.ids import (
     Deduped,
     dedup,
     dedup_grouped,
-    dedup_together_triton,
     fuse_ids,
 )
 from embcache.native import direct as native_direct
@@ -123,54 +121,6 @@ def masked_together(parts: Sequence[torch.Tensor], mask: int) -> list[torch.Tens
     hi = max(p.storage_offset() + p.numel() for p in parts)
     span = first.as_strided((hi - lo,), (1,), lo) & mask
     return [span[p.storage_offset() - lo :][: p.numel()] for p in parts]
-
-
-def dedup_together(
-    ids: list[torch.Tensor],
-    table_starts: Sequence[torch.Tensor | None] | None = None,
-    also_read: torch.Tensor | None = None,
-) -> tuple[list[Deduped], list[int]]:
-    """`kernels.ids.dedup` (unique ids ascending and the inverse, no counts) of several
-    caches' ids (one device), with one host read for all of them, their numbers of unique
-    ids, instead of one per cache: each is sorted, its runs ranked, and its unique ids
-    written at their ranks once those sizes are known.
-
-    The same read brings each cache's `CacheLayout.table_bounds` (where each table's ids
-    start among its unique ids, which the backward's trace cuts by) when ``table_starts[i]``
-    gives the fused id each table of cache i starts at (`CacheLayout.fused_starts`; None: one
-    table), and the values of ``also_read`` (int64 ``[m]``, e.g. the id checks of
-    `kernels.ids.fuse_ids_deferred`), returned beside the shares."""
-    if ids and use_triton(ids[0]):
-        return dedup_together_triton(ids, table_starts, also_read)
-    runs, parts = [], []
-    for i, x in enumerate(ids):
-        x = x.to(torch.int64)
-        n = x.numel()
-        ordered, order = torch.sort(x)
-        starts = torch.ones(n, dtype=torch.bool, device=x.device)
-        if n > 1:
-            torch.ne(ordered[1:], ordered[:-1], out=starts[1:])
-        # ``seen[j]``: unique ids among the first j sorted ids; the last is their number.
-        seen = torch.zeros(n + 1, dtype=torch.int64, device=x.device)
-        torch.cumsum(starts, 0, out=seen[1:])
-        rank = seen[1:] - 1
-        parts.append(seen[n:])
-        fused_starts = None if table_starts is None else table_starts[i]
-        if fused_starts is not None:
-            # A table's ids start after the unique ids of the sorted ids below its first.
-            parts.append(seen.index_select(0, torch.searchsorted(ordered, fused_starts)))
-        runs.append((ordered, order, rank, 0 if fused_starts is None else fused_starts.numel()))
-    if also_read is not None:
-        parts.append(also_read.to(torch.int64))
-    values = torch.cat(parts).tolist() if parts else []
-    out, at = [], 0
-    for ordered, order, rank, tables in runs:
-        n = values[at]
-        bounds = [*values[at + 1 : at + 1 + tables], n] if tables else None
-        at += 1 + tables
-        unique = ordered.new_empty(n).scatter_(0, rank, ordered)  # a run writes one value
-        out.append(Deduped(unique, torch.empty_like(order).scatter_(0, order, rank), bounds))
-    return out, values[at:]
 
 
 class CacheEngine:
@@ -299,7 +249,7 @@ class CacheEngine:
         """The batch's unique ids, inverse index and bag offsets, not yet resolved (a sharded
         requester sends the unique ids to their owners instead). ``cuts``: see
         `Prepared.cuts`; ``found``: the unique ids and inverse (and table bounds), when
-        `dedup_together` made them (`plain_dedup`)."""
+        `IdsOps.dedup_together` made them (`plain_dedup`)."""
         if found is not None:
             unique = found.unique
             # The device path's dedup grouped the values by id (a stable sort): the backward
@@ -332,7 +282,7 @@ class CacheEngine:
 
     def plain_dedup(self, fused: torch.Tensor, weights: torch.Tensor | None) -> bool:
         """Whether `dedup` of these ids is a plain `kernels.ids.dedup` (no grouping for the
-        CPU backward, no map over the rows for the TBE): what `dedup_together` makes."""
+        CPU backward, no map over the rows for the TBE): what `IdsOps.dedup_together` makes."""
         through_tbe = self.tbe_step is not None and self.tbe_step.takes(weights)
         return not through_tbe and not self._grouped_dedup(fused, through_tbe)
 

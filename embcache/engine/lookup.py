@@ -168,13 +168,16 @@ class GroupLookup:
         return out
 
     def _gradient_rows(self, device: torch.device) -> list[torch.Tensor | None]:
-        """Where each engine writes its gradient rows: on the device path, consecutive views
-        of one buffer (``[U_e, dim_e]`` each, no gap), so that the step's gradient check sums
+        """Where each engine writes its gradient rows: on the device path (the caches' rows
+        family checks and unlocks every cache in one launch, `RowsOps.one_launch`), consecutive
+        views of one buffer (``[U_e, dim_e]`` each, no gap), so that the step's gradient check sums
         them in one launch (`optim.sparse.SparseOptimizer.gradient_check` sums a view's base);
         elsewhere (or a dim not a multiple of 4, whose views would move a kernel's pointer
         alignment from batch to batch) each engine allocates its own."""
         engines = self.group.engines
-        if len(engines) < 2 or not all(e.cache.backend.triton and e.dim % 4 == 0 for e in engines):
+        if len(engines) < 2 or not all(
+            e.cache.ops.rows.one_launch and e.dim % 4 == 0 for e in engines
+        ):
             return [None] * len(engines)
         sizes = []
         for e, p in zip(engines, self.prepared, strict=True):

@@ -3,7 +3,7 @@
 `ShareMaker` holds a collection's engines and makes their shares of a batch, as a forward
 (`prepare`) or a prefetch (`check` on the training thread, `prepare_fused` on the worker)
 asks: every id validated before any cache changes, the caches' host reads made once for all
-of them (`_fuse_together`, `engine.dedup_together`, or on the device path with several caches
+of them (`_fuse_together`, `IdsOps.dedup_together`, or on the device path with several caches
 `engine.joint.dedup_joint`), and a failing resolve leaving nothing locked. `EngineGroup` holds
 one and hands these calls to it.
 """
@@ -14,7 +14,7 @@ import torch
 
 from embcache.cache.hot_cache import resolve_together
 from embcache.engine.batch_state import Prepared
-from embcache.engine.engine import CacheEngine, Deduped, dedup_together
+from embcache.engine.engine import CacheEngine, Deduped
 from embcache.engine.inputs import JaggedBatch
 from embcache.engine.joint import JointLayout, dedup_joint
 from embcache.ops.ids.shared import IdVerdict
@@ -213,7 +213,7 @@ class ShareMaker:
         victims are written by `write_deferred` (or the cache's next tier access), not before
         this returns (`HotCache.resolve`). ``found``: every share already deduplicated
         (`dedup_joint`), one per engine."""
-        # Plain dedups at once: one host read for all (`dedup_together`), with the tables'
+        # Plain dedups at once: one host read for all (`IdsOps.dedup_together`), with the tables'
         # bounds of their unique ids (for the backward) and the id checks; a single one too
         # where that saves a read (the device path, or a cache of several tables).
         plain = {
@@ -239,7 +239,7 @@ class ShareMaker:
         elif together:
             starts = [self.engines[i].layout.fused_starts(v.device, self.fusion_k)
                       for i, v in plain.items()]  # fmt: skip
-            deduped_list, flags = dedup_together(
+            deduped_list, flags = self.ops.dedup_together(
                 list(plain.values()), starts, None if verdict is None else verdict.flags
             )
             if verdict is not None:

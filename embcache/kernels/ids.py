@@ -12,10 +12,6 @@ import torch
 
 from embcache.ops.ids import IdsOps
 from embcache.ops.ids.shared import Deduped, IdVerdict, Marked
-
-# The device path's dedup of several caches with one read, for `engine.engine` (which chooses
-# it itself until it binds `ops.ids.dedup_together`).
-from embcache.ops.ids.triton import dedup_together_triton
 from embcache.ops.registry import ops_for
 
 __all__ = [
@@ -24,7 +20,7 @@ __all__ = [
     "Marked",
     "dedup",
     "dedup_grouped",
-    "dedup_together_triton",
+    "dedup_together",
     "fuse_ids",
     "fuse_ids_deferred",
     "unfuse_ids",
@@ -75,6 +71,15 @@ def dedup(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`IdsOps.dedup` for ``ids``' device."""
     return _ids(ids).dedup(ids, with_counts)
+
+
+def dedup_together(
+    ids: list[torch.Tensor],
+    table_starts: Sequence[torch.Tensor | None] | None = None,
+    also_read: torch.Tensor | None = None,
+) -> tuple[list[Deduped], list[int]]:
+    """`IdsOps.dedup_together` for the device of ``ids`` (a CPU for none)."""
+    return ops_for(ids[0].device if ids else "cpu").ids.dedup_together(ids, table_starts, also_read)
 
 
 def dedup_grouped(

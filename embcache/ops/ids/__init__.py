@@ -23,8 +23,8 @@ class IdsOps(Protocol):
 
     Attributes:
         name: ``"spec"``, ``"triton"`` or ``"native"``.
-        joint: whether the joint dedup runs here (`sort_and_mark`, `scatter_joint`,
-            `dedup_together`): the device path's, else they raise NotImplementedError.
+        joint: whether the joint dedup runs here (`sort_and_mark`, `scatter_joint`): the
+            device path's, else they raise NotImplementedError.
     """
 
     name: str
@@ -169,6 +169,12 @@ class IdsOps(Protocol):
         table_starts: Sequence[torch.Tensor | None] | None = None,
         also_read: torch.Tensor | None = None,
     ) -> tuple[list[Deduped], list[int]]:
-        """Several caches' ids deduplicated with one host read (`engine.engine.dedup_together`,
-        whose torch code is the specification). Only where `joint`."""
+        """`dedup` (unique ids ascending and the inverse, no counts) of several caches' ids
+        (one device), with one host read for all of them, their numbers of unique ids, instead
+        of one per cache: each is sorted, its runs ranked, and its unique ids written at their
+        ranks once those sizes are known. The same read brings each cache's
+        `CacheLayout.table_bounds` (where each table's ids start among its unique ids) when
+        ``table_starts[i]`` gives the fused id each table of cache i starts at
+        (`CacheLayout.fused_starts`; None: one table), and the values of ``also_read`` (int64
+        ``[m]``, e.g. the id checks of `fuse_ids_deferred`), returned beside the shares."""
         ...

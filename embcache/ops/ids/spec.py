@@ -437,7 +437,37 @@ class SpecIds:
         table_starts: Sequence[torch.Tensor | None] | None = None,
         also_read: torch.Tensor | None = None,
     ) -> tuple[list[Deduped], list[int]]:
-        raise NotImplementedError(f"the {self.name} ids have no joint dedup (see `joint`)")
+        # Each cache's ids sorted, their runs ranked; one read brings every count (and the
+        # table bounds, and ``also_read``); the unique ids are written at their ranks after.
+        runs, parts = [], []
+        for i, x in enumerate(ids):
+            x = x.to(torch.int64)
+            n = x.numel()
+            ordered, order = torch.sort(x)
+            starts = torch.ones(n, dtype=torch.bool, device=x.device)
+            if n > 1:
+                torch.ne(ordered[1:], ordered[:-1], out=starts[1:])
+            # ``seen[j]``: unique ids among the first j sorted ids; the last is their number.
+            seen = torch.zeros(n + 1, dtype=torch.int64, device=x.device)
+            torch.cumsum(starts, 0, out=seen[1:])
+            rank = seen[1:] - 1
+            parts.append(seen[n:])
+            fused_starts = None if table_starts is None else table_starts[i]
+            if fused_starts is not None:
+                # A table's ids start after the unique ids of the sorted ids below its first.
+                parts.append(seen.index_select(0, torch.searchsorted(ordered, fused_starts)))
+            runs.append((ordered, order, rank, 0 if fused_starts is None else fused_starts.numel()))
+        if also_read is not None:
+            parts.append(also_read.to(torch.int64))
+        values = torch.cat(parts).tolist() if parts else []
+        out, at = [], 0
+        for ordered, order, rank, tables in runs:
+            n = values[at]
+            bounds = [*values[at + 1 : at + 1 + tables], n] if tables else None
+            at += 1 + tables
+            unique = ordered.new_empty(n).scatter_(0, rank, ordered)  # a run writes one value
+            out.append(Deduped(unique, torch.empty_like(order).scatter_(0, order, rank), bounds))
+        return out, values[at:]
 
 
 IMPLEMENTATION: IdsOps = SpecIds()  # checked against the protocol
