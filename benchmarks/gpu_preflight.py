@@ -56,6 +56,7 @@ CHECKED = {
     "plan.salted_mix64": "salted_mix64",
     "plan.miss_keys": "miss_keys (padded LRU order)",
     "plan.assign_misses": "assign_misses (device plan)",
+    "plan.reserve_placed": "reserve_placed (device plan)",
     "pooling.pool_forward": "pool_forward SUM",
     "pooling.pool_backward": "pool_backward SUM",
     "gather.gather_rows": "gather_rows",
@@ -530,6 +531,36 @@ def run_checks(p: Preflight) -> None:
         return check_equal("assign_misses place", got_place, want)
 
     p.check("assign_misses (device plan)", assign_misses_check)
+
+    # The placed misses reserved in one kernel: slots, keys, dirty flags, locks and the
+    # rollback (old keys, scores, flags), against the torch ops.
+    def reserve_placed_check() -> float:
+        from embcache.ops.registry import implementations
+
+        plan_impls = implementations("plan")
+        n_slots, m = num_sets * ways, min(u, num_sets * ways // 2)
+        place = torch.randperm(n_slots, generator=gen)[:m]
+        order_pos = torch.randperm(u, generator=gen)[:m]
+        state = (
+            torch.randint(0, 1 << 20, (u,), generator=gen),  # ids
+            torch.full((u,), -1),  # slots
+            order_pos,
+            place,
+            torch.where(torch.rand(n_slots, generator=gen) < 0.7, 5, -1),  # keys
+            torch.rand(n_slots, generator=gen) < 0.5,  # dirty
+            torch.randint(0, 99, (n_slots,), generator=gen),  # scores
+            torch.randint(0, 3, (n_slots,), generator=gen, dtype=torch.int32),  # locks
+        )
+        mine = [t.to(p.device) for t in state]
+        spec = [t.clone() for t in state]
+        got = p.triton(plan_impls["triton"].reserve_placed, *mine)
+        want = plan_impls["spec"].reserve_placed(*spec)
+        for name, g, w in zip(("slots", "keys", "dirty", "scores", "locks"),
+                              (mine[1], *mine[4:]), (spec[1], *spec[4:]), strict=True):  # fmt: skip
+            check_equal(f"reserve_placed {name}", g, w)
+        return max(check_equal("reserve_placed out", g, w) for g, w in zip(got, want, strict=True))
+
+    p.check("reserve_placed (device plan)", reserve_placed_check)
 
     # Optimizer: one aggregated gradient row per unique id, into shuffled cache rows.
     grads = torch.randn(u, dim, generator=gen)

@@ -357,6 +357,9 @@ class SetPlanner:
         store = self.slots
         n_placed, n_evicted, n_dirty = sizes
         n_over = place.numel() - n_placed
+        if not n_over and store.where is None:
+            return self._reserve_placed(ids, slots, misses, miss_pos, place, refused, sizes,
+                                        n_main)  # fmt: skip
         if not n_over:  # no overflow: no selection to make
             place_slots, placed_pos, overflow_pos = place, miss_pos, self.empty_ids()
         else:
@@ -404,6 +407,42 @@ class SetPlanner:
         fill_at(store.dirty, new_slots, False)
         self.scratch.used += n_over
         add_at(store.locks, new_slots, 1)  # now every slot of the batch holds one lock
+        self.touch(ids, slots, n_main)
+        return plan
+
+    def _reserve_placed(
+        self,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
+        misses: tuple[torch.Tensor, torch.Tensor],
+        miss_pos: torch.Tensor,
+        place: torch.Tensor,
+        refused: int,
+        sizes: tuple[int, int, int],
+        n_main: int,
+    ) -> Plan:
+        """`_reserve` where every miss got a way and no row index is kept (the device path):
+        the ways taken, their old keys, scores and flags saved, the keys, dirty flags and locks
+        set, in one operation (`PlanOps.reserve_placed`); then the victims and the dirty ones
+        among them are selected by the counts the plan read."""
+        store = self.slots
+        _, n_evicted, n_dirty = sizes
+        old_keys, old_scores, old_dirty, resident, write_back = self.ops.reserve_placed(
+            ids, slots, miss_pos, place, store.slot_keys, store.dirty, store.scores, store.locks
+        )
+        at = first_true(write_back, n_dirty)
+        dirty_victims = place.index_select(0, at)
+        # Every miss got a slot: the rows to read, in the order of ``ids``.
+        load_slots = slots.index_select(0, misses[0])
+        plan = Plan(ids, slots, misses[1], load_slots, old_keys.index_select(0, at),
+                    dirty_victims)  # fmt: skip
+        plan.reserved, plan.old_keys = place, old_keys
+        plan.old_scores, plan.old_dirty = old_scores, old_dirty
+        evicted = old_keys.index_select(0, first_true(resident, n_evicted))
+        plan.n_scratch, plan.evicted = 0, n_evicted
+        plan.refused = refused
+        if self.pins:
+            plan.released = evicted
         self.touch(ids, slots, n_main)
         return plan
 

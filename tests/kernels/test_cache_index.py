@@ -497,3 +497,42 @@ def test_add_at_held_adds_to_every_held_slot(
     got = locks.to(device)
     add_at_held(got, slots.to(device), delta)
     assert torch.equal(got.cpu(), want)
+
+
+# ----------------------------------------------------------------------------------------------
+# reserve_placed: a device plan's placed misses reserved in one operation
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["spec", "triton"])
+@pytest.mark.parametrize("m", [0, 1, 37, 1500])
+def test_reserve_placed_matches_a_python_loop(impl: str, m: int) -> None:
+    """Every implementation against a loop over the misses in plain Python: the slots, keys,
+    dirty flags and locks it leaves, and what it returns (old keys, scores, dirty flags, and
+    which ways held a row and which of those were dirty)."""
+    from embcache.ops.registry import implementations
+
+    gen = torch.Generator().manual_seed(m)
+    n_slots, n = 4096, 2000
+    ids = torch.randint(0, 1 << 40, (n,), generator=gen)
+    slots = torch.randint(-1, n_slots, (n,), generator=gen)
+    order_pos = torch.randperm(n, generator=gen)[:m]
+    place = torch.randperm(n_slots, generator=gen)[:m]
+    keys = torch.where(torch.rand(n_slots, generator=gen) < 0.6, 11, -1)
+    dirty = torch.rand(n_slots, generator=gen) < 0.5
+    scores = torch.randint(0, 1000, (n_slots,), generator=gen)
+    locks = torch.randint(0, 3, (n_slots,), generator=gen, dtype=torch.int32)
+    want = [t.tolist() for t in (slots, keys, dirty, locks)]
+    old = []
+    for pos, slot in zip(order_pos.tolist(), place.tolist(), strict=True):
+        k, d = want[1][slot], want[2][slot]
+        old.append((k, scores[slot].item(), d, k >= 0, k >= 0 and d))
+        want[0][pos] = slot
+        want[1][slot] = ids[pos].item()
+        want[2][slot] = False
+        want[3][slot] += 1
+    got = implementations("plan")[impl].reserve_placed(
+        ids, slots, order_pos, place, keys, dirty, scores, locks
+    )
+    assert [t.tolist() for t in (slots, keys, dirty, locks)] == want
+    assert list(zip(*(t.tolist() for t in got), strict=True)) == old

@@ -180,6 +180,19 @@ class PlanOps(Protocol):
         `compiled`."""
         ...
 
+    def reserve_placed(
+        self, ids: torch.Tensor, slots: torch.Tensor, order_pos: torch.Tensor,
+        place: torch.Tensor, slot_keys: torch.Tensor, dirty: torch.Tensor,
+        scores: torch.Tensor, locks: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A device plan's misses, every one placed in a way of the cache proper, reserved:
+        miss ``j`` (at position ``order_pos[j]`` of ``ids``) takes slot ``place[j]`` (distinct
+        slots): ``slots[order_pos[j]] = place[j]``, the slot's key becomes ``ids[order_pos[j]]``,
+        its dirty flag is cleared and it gains a lock. Returns, per miss, what the slot held
+        before (its key, score and dirty flag: the plan's rollback), whether it held a row (an
+        eviction) and whether that row was dirty (a write-back)."""
+        ...
+
     def reserve(
         self, ids: np.ndarray, slots: np.ndarray, miss_pos: np.ndarray, order: np.ndarray,
         place: np.ndarray, where: np.ndarray, row_offset: np.ndarray, fusion_k: int,

@@ -302,6 +302,21 @@ class SpecPlan:
     ) -> None:  # fmt: skip
         raise NotImplementedError(f"the {self.name} plan is not compiled (see `compiled`)")
 
+    def reserve_placed(
+        self, ids: torch.Tensor, slots: torch.Tensor, order_pos: torch.Tensor,
+        place: torch.Tensor, slot_keys: torch.Tensor, dirty: torch.Tensor,
+        scores: torch.Tensor, locks: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        old_keys = slot_keys.index_select(0, place)
+        old_scores = scores.index_select(0, place)
+        old_dirty = dirty.index_select(0, place)
+        resident = old_keys >= 0
+        slots.index_copy_(0, order_pos, place)
+        slot_keys.index_copy_(0, place, ids.index_select(0, order_pos))
+        dirty.index_fill_(0, place, False)
+        locks.index_add_(0, place, torch.ones_like(place, dtype=locks.dtype))
+        return old_keys, old_scores, old_dirty, resident, resident & old_dirty
+
     def reserve(
         self, ids: np.ndarray, slots: np.ndarray, miss_pos: np.ndarray, order: np.ndarray,
         place: np.ndarray, where: np.ndarray, row_offset: np.ndarray, fusion_k: int,

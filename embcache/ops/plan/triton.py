@@ -174,6 +174,33 @@ def _add_at_held_kernel(t_ptr, slots_ptr, n, delta, BLOCK_N: tl.constexpr):
     tl.atomic_add(t_ptr + tl.maximum(b_slot, 0), b_delta, mask=m_held)
 
 
+@triton.jit(do_not_specialize=["m"])  # per batch: one variant
+def _reserve_placed_kernel(
+    ids_ptr, slots_ptr, pos_ptr, place_ptr, keys_ptr, dirty_ptr, scores_ptr, locks_ptr,
+    old_keys_ptr, old_scores_ptr, old_dirty_ptr, resident_ptr, write_back_ptr, m,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Miss j takes slot ``place[j]`` (`PlanOps.reserve_placed`): what the slot held is saved,
+    ``slots[pos[j]]``, its key, dirty flag and lock are set. The slots are distinct, so no two
+    programs touch one slot (the lock is still an integer atomic)."""
+    o_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < m
+    b_pos = tl.load(pos_ptr + o_n, mask=m_n, other=0)
+    b_slot = tl.load(place_ptr + o_n, mask=m_n, other=0)
+    b_key = tl.load(keys_ptr + b_slot, mask=m_n, other=-1)
+    b_dirty = tl.load(dirty_ptr + b_slot, mask=m_n, other=0)
+    b_resident = b_key >= 0
+    tl.store(old_keys_ptr + o_n, b_key, mask=m_n)
+    tl.store(old_scores_ptr + o_n, tl.load(scores_ptr + b_slot, mask=m_n, other=0), mask=m_n)
+    tl.store(old_dirty_ptr + o_n, b_dirty, mask=m_n)
+    tl.store(resident_ptr + o_n, b_resident, mask=m_n)
+    tl.store(write_back_ptr + o_n, b_resident & (b_dirty != 0), mask=m_n)
+    tl.store(slots_ptr + b_pos, b_slot, mask=m_n)
+    tl.store(keys_ptr + b_slot, tl.load(ids_ptr + b_pos, mask=m_n, other=0), mask=m_n)
+    tl.store(dirty_ptr + b_slot, tl.zeros((BLOCK_N,), dtype=tl.int1), mask=m_n)
+    tl.atomic_add(locks_ptr + b_slot, tl.full((BLOCK_N,), 1, tl.int32), mask=m_n)
+
+
 @triton.jit(do_not_specialize=["n", "salt"])  # per batch: one variant
 def _salted_mix64_kernel(ids_ptr, out_ptr, n, salt: tl.int64, BLOCK_N: tl.constexpr):
     """``out[i] = mix64(ids[i] ^ salt)`` (splitmix64's finaliser in uint64, as
@@ -484,6 +511,32 @@ class TritonPlan(SpecPlan):
         if n:
             grid = (triton.cdiv(n, _SET_INDEX_BLOCK),)
             _add_at_held_kernel[grid](t, slots, n, delta, BLOCK_N=_SET_INDEX_BLOCK)
+
+    def reserve_placed(
+        self, ids: torch.Tensor, slots: torch.Tensor, order_pos: torch.Tensor,
+        place: torch.Tensor, slot_keys: torch.Tensor, dirty: torch.Tensor,
+        scores: torch.Tensor, locks: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        if (
+            locks.dtype != torch.int32
+            or slot_keys.dtype != torch.int64
+            or scores.dtype != torch.int64
+            or dirty.dtype != torch.bool
+        ):
+            return super().reserve_placed(ids, slots, order_pos, place, slot_keys, dirty,
+                                          scores, locks)  # fmt: skip
+        m = place.numel()
+        old_keys, old_scores = torch.empty_like(place), torch.empty_like(place)
+        # Apart, not rows of one tensor: each keeps its pointer alignment whatever m is.
+        old_dirty, resident, write_back = (
+            torch.empty(m, dtype=torch.bool, device=place.device) for _ in range(3)
+        )
+        if m:
+            _reserve_placed_kernel[(triton.cdiv(m, _SET_INDEX_BLOCK),)](
+                ids, slots, order_pos, place, slot_keys, dirty, scores, locks, old_keys,
+                old_scores, old_dirty, resident, write_back, m, BLOCK_N=_SET_INDEX_BLOCK,
+            )  # fmt: skip
+        return old_keys, old_scores, old_dirty, resident, write_back
 
     def lookup_counts(
         self, slots: torch.Tensor, num_slots: int, admitted: torch.Tensor | None = None
