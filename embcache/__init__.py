@@ -13,11 +13,14 @@ import importlib.util
 import logging
 from typing import Any
 
+from embcache.ops.update.rules import RULES
+
 __version__ = "0.1.0"
 
 # Where each public name lives. They are imported on first use (PEP 562), so that `import
 # embcache` and the `embcache` command's parsing and --help do not import torch and triton
-# (seconds, tens of seconds on a busy machine).
+# (seconds, tens of seconds on a busy machine). Each optimizer rule's class comes from the
+# rules' registry (`RuleSpec.sparse_class`, which imports neither), listed nowhere here.
 _HOMES = {
     "CacheConfig": "embcache.cache",
     "CacheOverflowWarning": "embcache.cache",
@@ -49,13 +52,8 @@ _HOMES = {
     "CachedEmbeddingCollection": "embcache.models",
     "FusedPrefetchHandle": "embcache.models",
     "SequenceRecommender": "embcache.models",
-    "SparseAdaGrad": "embcache.optim",
-    "SparseAdam": "embcache.optim",
-    "SparseAdamW": "embcache.optim",
     "SparseOptimizer": "embcache.optim",
-    "SparseRowWiseAdaGrad": "embcache.optim",
     "SparseRowWiseAdagrad": "embcache.optim",
-    "SparseSGD": "embcache.optim",
     "DistEmbedding": "embcache.recstore",
     "DistTensor": "embcache.recstore",
     "KVClient": "embcache.recstore",
@@ -68,6 +66,7 @@ _HOMES = {
     "PrefetchFallbackWarning": "embcache.train.pipeline",
     "TrainPipeline": "embcache.train.pipeline",
 }
+_HOMES.update({spec.sparse_class: "embcache.optim" for spec in RULES.values()})
 
 __all__ = sorted(_HOMES, key=str.lower)
 

@@ -18,7 +18,11 @@ Rules and the torch optimizer each matches on the rows a batch touches:
   (``w *= 1 - lr * weight_decay``), both on the touched rows only.
 
 Each rule's facts (state parts, hyper-parameters and defaults, torch class, ...) are its spec in
-`kernels.optim_rules.RULES`; the tables here derive from it.
+`kernels.optim_rules.RULES`; the tables here derive from it. So do the classes: `RULE_CLASSES`
+holds each spec's ``sparse_class``, the class of that name written here or, for a rule with
+none, one `rule_class` makes from the spec (a `RuleOptimizer` taking ``lr`` and the spec's
+hyper-parameters by keyword). `embcache.optim` and `embcache` export `RULE_CLASSES`: a new rule
+is its spec and its two kernel branches (`embcache.ops.update`), with no list to edit here.
 
 `DistEmbedding` modules are updated the RecStore way (SGD only): read the rows, ``w - lr*g``,
 write them back through the KV client. Every optimizer takes its modules positionally or as
@@ -39,15 +43,16 @@ applied by its first step (with fresh state beside every row, as any new optimiz
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from embcache.kernels.optim import OptimRule, RowUpdate, state_dim
-from embcache.kernels.optim_rules import RULES
+from embcache.kernels.optim_rules import RULES, RuleSpec
 from embcache.optim.protocol import ChecksInStep, SparseParameters
 from embcache.profiling import profiled
 
@@ -601,3 +606,81 @@ class SparseAdamW(SparseOptimizer):
 
 SparseRowWiseAdagrad = SparseRowWiseAdaGrad
 """RecStore's spelling of `SparseRowWiseAdaGrad`."""
+
+
+class RuleOptimizer(SparseOptimizer):
+    """The optimizer of a rule written nowhere but in its spec (`rule_class` makes one class
+    per such rule): ``lr`` (None: the modules' ``lr``), then the spec's hyper-parameters by
+    keyword with the spec's defaults (``RuleSpec.hyper``; ``betas`` a pair), and its
+    ``state_init`` parameter (say ``initial_accumulator_value``) where it has one.
+
+    Raises:
+        TypeError: a keyword that is none of these.
+    """
+
+    spec: ClassVar[RuleSpec]
+
+    def __init__(
+        self,
+        modules: Any = None,
+        lr: float | None = None,
+        *,
+        params: Any = None,
+        allow_nonfinite: bool = False,
+        **hyper: Any,
+    ) -> None:
+        spec, who = self.spec, type(self).__name__
+        modules = _modules(modules, params, who)
+        known = [*spec.hyper, *([spec.state_init] if spec.state_init else [])]
+        unknown = sorted(set(hyper) - set(known))
+        if unknown:
+            raise TypeError(f"{who} takes lr and {known}, got {unknown}")
+        state_init = float(hyper.pop(spec.state_init, 0.0)) if spec.state_init else 0.0
+        group = {**spec.hyper, **hyper, "lr": _lr(lr, modules, who)}
+        update = RowUpdate(spec.rule, **spec.update_fields(group))
+        super().__init__(modules, update, state_init=state_init, allow_nonfinite=allow_nonfinite)
+
+
+def rule_class(spec: RuleSpec) -> type[SparseOptimizer]:
+    """A `RuleOptimizer` subclass named ``spec.sparse_class`` for ``spec``'s rule, whose
+    ``__init__`` shows the spec's hyper-parameters and defaults to `inspect.signature`."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    shown = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("modules", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+        inspect.Parameter("lr", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+        *(inspect.Parameter(k, keyword, default=v) for k, v in spec.hyper.items()),
+        *([inspect.Parameter(spec.state_init, keyword, default=0.0)] if spec.state_init else []),
+        inspect.Parameter("params", keyword, default=None),
+        inspect.Parameter("allow_nonfinite", keyword, default=False),
+    ]
+
+    def init(self: RuleOptimizer, modules: Any = None, lr: float | None = None, **kw: Any) -> None:
+        RuleOptimizer.__init__(self, modules, lr, **kw)
+
+    init.__signature__ = inspect.Signature(shown)  # type: ignore[attr-defined]
+    init.__name__, init.__qualname__ = "__init__", f"{spec.sparse_class}.__init__"
+    doc = (
+        f"`{spec.torch_class}` on the rows a batch touches: rule {spec.rule.name}, made from "
+        f"its spec (state {spec.state_names or 'none'}; see `RuleOptimizer`)."
+    )
+    namespace = {"spec": spec, "__init__": init, "__doc__": doc, "__module__": __name__}
+    return type(spec.sparse_class, (RuleOptimizer,), namespace)
+
+
+def _rule_classes() -> dict[str, type[SparseOptimizer]]:
+    """Each rule's class by its spec's ``sparse_class``, in rule order: the one written in this
+    module, else one made by `rule_class` (and bound here, so that it pickles by name)."""
+    classes: dict[str, type[SparseOptimizer]] = {}
+    for spec in RULES.values():
+        cls = globals().get(spec.sparse_class)
+        if cls is None:
+            cls = globals()[spec.sparse_class] = rule_class(spec)
+        assert isinstance(cls, type) and issubclass(cls, SparseOptimizer), spec.sparse_class
+        classes[spec.sparse_class] = cls
+    return classes
+
+
+RULE_CLASSES = _rule_classes()
+"""Every rule's `SparseOptimizer` class by name (``RuleSpec.sparse_class``), in rule order:
+what `embcache.optim` and `embcache` export."""

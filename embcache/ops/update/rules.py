@@ -9,9 +9,11 @@ its CLI name with the default learning rates of ``embcache train``, the embcache
 that applies it, and its float64 reference update (`RuleSpec.reference`), which the tests check
 every backend against.
 
-A new rule: a member of `OptimRule`, a spec in `RULES`, its branch of the row-update kernel and
-of its torch twin (`ops/update/triton.py`, `ops/update/spec.py`), and its `SparseOptimizer`
-subclass (`embcache/optim/sparse.py`).
+A new rule: a member of `OptimRule`, a spec in `RULES`, and its branch of the row-update kernel
+and of its torch twin (`ops/update/triton.py`, `ops/update/spec.py`): three files. Its
+`SparseOptimizer` class, exported by `embcache.optim` and `embcache` under ``sparse_class``, is
+made from the spec (`embcache.optim.sparse.rule_class`) unless `embcache/optim/sparse.py`
+writes one of that name.
 
 This module, the update family's registry of rules (`embcache.ops.update`; re-exported at its
 old path, `embcache.kernels.optim_rules`), imports no other embcache module and neither torch
