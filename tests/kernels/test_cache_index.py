@@ -506,7 +506,7 @@ def test_add_at_held_adds_to_every_held_slot(
 
 @pytest.mark.parametrize("impl", ["spec", "triton"])
 @pytest.mark.parametrize("m", [0, 1, 37, 1500])
-def test_reserve_placed_matches_a_python_loop(impl: str, m: int) -> None:
+def test_reserve_placed_matches_a_python_loop(impl: str, m: int, device: torch.device) -> None:
     """Every implementation against a loop over the misses in plain Python: the slots, keys,
     dirty flags and locks it leaves, and what it returns (old keys, scores, dirty flags, and
     which ways held a row and which of those were dirty)."""
@@ -531,8 +531,9 @@ def test_reserve_placed_matches_a_python_loop(impl: str, m: int) -> None:
         want[1][slot] = ids[pos].item()
         want[2][slot] = False
         want[3][slot] += 1
-    got = implementations("plan")[impl].reserve_placed(
-        ids, slots, order_pos, place, keys, dirty, scores, locks
-    )
+    state = [t.to(device, copy=True) for t in (ids, slots, order_pos, place, keys, dirty,
+                                                scores, locks)]  # fmt: skip
+    got = implementations("plan")[impl].reserve_placed(*state)
+    slots, keys, dirty, locks = (state[k].cpu() for k in (1, 4, 5, 7))
     assert [t.tolist() for t in (slots, keys, dirty, locks)] == want
     assert list(zip(*(t.tolist() for t in got), strict=True)) == old

@@ -34,17 +34,20 @@ def _caches(gen: torch.Generator, sizes: list[tuple[int, int]], refused: float =
     return parts
 
 
-def _copies(parts):
-    return [(s.clone(), lk.clone(), d.clone()) for s, lk, d in parts]
+def _copies(parts, device: torch.device | str = "cpu"):
+    return [(s.to(device, copy=True), lk.to(device, copy=True), d.to(device, copy=True))
+            for s, lk, d in parts]  # fmt: skip
 
 
 @pytest.mark.parametrize("refused", [0.0, 0.25], ids=["all-admitted", "some-refused"])
 @pytest.mark.parametrize("dirty", [True, False], ids=["dirty", "clean"])
-def test_unlock_matches_the_specification(refused: float, dirty: bool) -> None:
+def test_unlock_matches_the_specification(
+    refused: float, dirty: bool, device: torch.device
+) -> None:
     gen = torch.Generator().manual_seed(int(refused * 100) + dirty)
     # Three caches: one past a block of slots, one empty, one small.
     parts = _caches(gen, [(3000, 1500), (40, 0), (64, 17)], refused)
-    mine, spec = _copies(parts), _copies(parts)
+    mine, spec = _copies(parts, device), _copies(parts)
     table, ref = SlotTable.of(mine), SlotTable.of(spec)
     assert table is not None and ref is not None
     KERNELS.unlock(table, dirty)
@@ -52,22 +55,23 @@ def test_unlock_matches_the_specification(refused: float, dirty: bool) -> None:
     for (_, locks, flags), (_, want_locks, want_flags), (slots, before, _) in zip(
         mine, spec, parts, strict=True
     ):
+        locks, flags = locks.cpu(), flags.cpu()
         assert torch.equal(locks, want_locks)
         assert torch.equal(flags, want_flags)
         live = slots[slots >= 0]
         assert torch.equal(before[live] - locks[live], torch.ones_like(live, dtype=torch.int32))
 
 
-def test_lock_floors_match_the_specification() -> None:
+def test_lock_floors_match_the_specification(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(7)
     parts = _caches(gen, [(5000, 2100), (30, 0), (128, 77)], refused=0.2)
     # A slot that lost its lock in cache 2: its floor is 0.
     slots2, locks2, _ = parts[2]
     locks2[slots2[slots2 >= 0][3]] = 0
-    table = SlotTable.of(parts)
-    assert table is not None
-    floors = KERNELS.lock_floors(table)
-    assert torch.equal(floors, SPEC.lock_floors(table))
+    table, ref = SlotTable.of(_copies(parts, device)), SlotTable.of(parts)
+    assert table is not None and ref is not None
+    floors = KERNELS.lock_floors(table).cpu()
+    assert torch.equal(floors, SPEC.lock_floors(ref))
     assert int(floors[1]) == INT32_MAX and int(floors[2]) == 0 and int(floors[0]) >= 1
 
 
@@ -82,7 +86,7 @@ def test_a_table_refuses_what_the_kernels_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("n", [0, 1, 1500])
-def test_direct_slots_match_the_specification(n: int) -> None:
+def test_direct_slots_match_the_specification(n: int, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(n)
     fusion_k = 11
     rows = [300, 2000, 700]
@@ -91,8 +95,9 @@ def test_direct_slots_match_the_specification(n: int) -> None:
     raw = (torch.rand(n, generator=gen) * torch.tensor(rows)[tables]).long()
     keys = torch.unique((tables << fusion_k) | raw)  # distinct, as a dedup gives them
     locks = torch.randint(0, 3, (3000,), generator=gen, dtype=torch.int32)
-    want_locks = locks.clone()
-    got = KERNELS.direct_slots(row_offset, keys, fusion_k, locks)
+    want_locks, on_device = locks.clone(), locks.to(device, copy=True)
+    got = KERNELS.direct_slots(row_offset.to(device), keys.to(device), fusion_k, on_device).cpu()
+    locks = on_device.cpu()
     want = SPEC.direct_slots(row_offset, keys, fusion_k, want_locks)
     assert torch.equal(got, want)
     assert torch.equal(locks, want_locks)
