@@ -33,6 +33,9 @@ def _counts(num_tables: int, num_dims: int, load_factor: float, rows: int = 1000
     return counts
 
 
+# The counts below drive 24 to 26 tables through the interpreter (40-50 s each on 2 cores):
+# `make test` runs them, `make check` (which deselects ``slow``) does not.
+@pytest.mark.slow
 @pytest.mark.parametrize("load_factor", [1.0, 0.1], ids=["whole-table", "lru-10pct"])
 def test_launches_per_step_do_not_grow_with_tables(
     monkeypatch: pytest.MonkeyPatch, load_factor: float
@@ -71,6 +74,7 @@ def test_the_counter_counts_kernels_not_views(monkeypatch: pytest.MonkeyPatch) -
     assert "aten.view" not in c.counts and "aten.slice" not in c.counts
 
 
+@pytest.mark.slow
 def test_a_tenth_cached_meets_the_launch_target(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tenth of 10,000-row tables cached, a cache far larger than a batch: the counted step
     resolves misses into free ways (no set overflows into the scratch area, no row is evicted
@@ -85,6 +89,7 @@ def test_a_tenth_cached_meets_the_launch_target(monkeypatch: pytest.MonkeyPatch)
     assert two == many, f"2 tables: {two}\n26 tables: {many}"
 
 
+@pytest.mark.slow
 def test_three_dims_launch_as_many_for_6_and_24_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     """Caches of three dims, the whole table resident: 6 and 24 tables launch the same (the
     caches are deduplicated in one sort, `engine.joint`, and pool into one output at their
