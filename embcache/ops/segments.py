@@ -81,6 +81,26 @@ def chunk_sum_kernel(
         tl.store(grad_unique_ptr + o_u * dim + o_d, b_acc, mask=m_u & m_d & many)
 
 
+def add_chunk_sums(
+    partial: torch.Tensor,
+    segment_starts: torch.Tensor,
+    grad_unique: torch.Tensor,
+    num_unique: int,
+    dim: int,
+    chunk: int,
+    block_u: int,
+    block_d: int,
+) -> None:
+    """Launch `chunk_sum_kernel`: each id of several chunks gets its chunks' sums from
+    ``partial`` added in chunk order into ``grad_unique`` (the second pass of the pooling, gather
+    and optimizer segment sums)."""
+    grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
+    chunk_sum_kernel[grid](
+        partial, segment_starts, grad_unique, num_unique, dim, CHUNK=chunk, BLOCK_U=block_u,
+        BLOCK_D=block_d,
+    )  # fmt: skip
+
+
 def tile_blocks(dim: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_D): up to 256 columns a program, about 4096 elements a tile (the
     pooling and gather launchers')."""

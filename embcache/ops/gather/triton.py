@@ -16,7 +16,7 @@ import triton.language as tl
 import embcache.ops.interpreter  # noqa: F401  (the interpreter runs these kernels)
 from embcache.ops.gather import GatherOps
 from embcache.ops.gather.spec import SpecGather
-from embcache.ops.segments import chunk_span, chunk_sum_kernel, split_segments, tile_blocks
+from embcache.ops.segments import add_chunk_sums, chunk_span, split_segments, tile_blocks
 
 # ----------------------------------------------------------------------------------------------
 # kernels
@@ -194,17 +194,7 @@ def gather_backward_triton(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
     )
-    grid = (triton.cdiv(num_unique, block_u), triton.cdiv(dim, block_d))
-    chunk_sum_kernel[grid](
-        partial,
-        segment_starts,
-        grad_unique,
-        num_unique,
-        dim,
-        CHUNK=chunk,
-        BLOCK_U=block_u,
-        BLOCK_D=block_d,
-    )
+    add_chunk_sums(partial, segment_starts, grad_unique, num_unique, dim, chunk, block_u, block_d)
     return grad_unique
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 import embcache.ops.interpreter  # noqa: F401  (the interpreter runs these kernels)
-from embcache.ops.segments import chunk_span, chunk_sum_kernel, split_segments
+from embcache.ops.segments import add_chunk_sums, chunk_span, split_segments
 from embcache.ops.update import OptimRule, RowUpdate, UpdateOps
 from embcache.ops.update.spec import SpecUpdate
 
@@ -441,10 +441,7 @@ def aggregate_grads_triton(
             BLOCK_N=block_n,
             BLOCK_D=block_d,
         )
-        grid = (triton.cdiv(u, block_u), triton.cdiv(dim, block_d))
-        chunk_sum_kernel[grid](
-            partial, offsets, summed, u, dim, CHUNK=chunk, BLOCK_U=block_u, BLOCK_D=block_d
-        )
+        add_chunk_sums(partial, offsets, summed, u, dim, chunk, block_u, block_d)
     else:
         summed.zero_()
     return unique_ids, summed
