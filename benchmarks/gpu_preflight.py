@@ -57,6 +57,9 @@ CHECKED = {
     "plan.miss_keys": "miss_keys (padded LRU order)",
     "plan.assign_misses": "assign_misses (device plan)",
     "plan.reserve_placed": "reserve_placed (device plan)",
+    "plan.probe_group": "group plan (probe, assign, reserve)",
+    "plan.assign_group": "group plan (probe, assign, reserve)",
+    "plan.reserve_group": "group plan (probe, assign, reserve)",
     "pooling.pool_forward": "pool_forward SUM",
     "pooling.pool_backward": "pool_backward SUM",
     "gather.gather_rows": "gather_rows",
@@ -561,6 +564,70 @@ def run_checks(p: Preflight) -> None:
         return max(check_equal("reserve_placed out", g, w) for g, w in zip(got, want, strict=True))
 
     p.check("reserve_placed (device plan)", reserve_placed_check)
+
+    # Several caches planned in one launch per step (`cache.group_plan`): the lookup, counts and
+    # hit locks; the misses' places; their reservation and the touch, against the torch ops
+    # cache by cache, every output and every cache's index after.
+    def group_plan_check() -> float:
+        from embcache.ops.plan import MISSES, PLACED, PlanCache, PlanTable
+        from embcache.ops.plan.spec import set_index_ref
+        from embcache.ops.registry import implementations
+
+        plan_impls = implementations("plan")
+        parts = []
+        for c, (sets, w, n) in enumerate([(num_sets, ways, u), (3, 4, 40), (16, 2, 0)]):
+            keys = torch.full((sets * w + 2,), -1, dtype=torch.int64)
+            pool = torch.randperm(4 * sets * w, generator=gen) + (c << 40)
+            hashed = set_index_ref(pool, sets).tolist()
+            for i, (key, s) in enumerate(zip(pool.tolist(), hashed, strict=True)):
+                if keys[s * w + i % w] < 0 and i % 3:
+                    keys[s * w + i % w] = key
+            held = keys[keys >= 0][: n // 2]
+            ids = torch.cat([held, torch.arange(n - held.numel()) + (c << 40) + (1 << 39)])
+            ids = ids[torch.randperm(n, generator=gen)]
+            keys[-1] = ids[-1] if c == 1 else -1
+            parts.append(PlanCache(
+                ids, keys,
+                torch.randint(-1, 50, (sets * w,), generator=gen),
+                (torch.rand(keys.numel(), generator=gen) < 0.2).to(torch.int32),
+                torch.where(torch.rand(keys.numel(), generator=gen) < 0.1, 9, 2),
+                torch.rand(keys.numel(), generator=gen) < 0.5, sets, w, 9, 40 + c, sets * w,
+                # the last scratch row holds an id of the batch, found there before the plan
+                torch.where(ids == keys[-1], sets * w + 1, -1) if c == 1 else None,
+            ))  # fmt: skip
+        mine = [PlanCache(*[p.dev(v) if isinstance(v, torch.Tensor | None) else v
+                            for v in vars(part).values()]) for part in parts]  # fmt: skip
+        spec = [PlanCache(*[v.clone() if isinstance(v, torch.Tensor) else v
+                            for v in vars(part).values()]) for part in parts]  # fmt: skip
+        table, ref = PlanTable.of(mine), PlanTable.of(spec)
+        assert table is not None and ref is not None
+        triton_plan, spec_plan = plan_impls["triton"], plan_impls["spec"]
+        probe = p.triton(triton_plan.probe_group, table)
+        want = spec_plan.probe_group(ref)
+        for name, g, w in zip(want._fields, probe, want, strict=True):
+            check_equal(f"probe_group {name}", g, w)
+        m = int(want.counts[:, MISSES].sum())
+        keys, order = torch.sort(probe.keys, stable=True)
+        want_keys, want_order = torch.sort(want.keys, stable=True)
+        place = p.triton(triton_plan.assign_group, table, keys, probe.counts)
+        want_place = spec_plan.assign_group(ref, want_keys, want.counts)
+        check_equal("assign_group place", place[:m], want_place[:m])
+        check_equal("assign_group counts", probe.counts, want.counts)
+        got = p.triton(triton_plan.reserve_group, table, probe, order, place)
+        wanted = spec_plan.reserve_group(ref, want, want_order, want_place)
+        lo = 0
+        for c in range(len(parts)):
+            at = slice(lo, lo + int(want.counts[c, MISSES]))
+            lo = at.stop
+            if want.counts[c, PLACED] == want.counts[c, MISSES]:
+                for name, g, w in zip(wanted._fields, got, wanted, strict=True):
+                    check_equal(f"reserve_group cache {c} {name}", g[at], w[at])
+        for c, (a, b) in enumerate(zip(mine, spec, strict=True)):
+            for name in ("slot_keys", "scores", "locks", "dirty"):
+                check_equal(f"group plan cache {c} {name}", getattr(a, name), getattr(b, name))
+        return check_equal("group plan slots", probe.slots, want.slots)
+
+    p.check("group plan (probe, assign, reserve)", group_plan_check)
 
     # Optimizer: one aggregated gradient row per unique id, into shuffled cache rows.
     grads = torch.randn(u, dim, generator=gen)

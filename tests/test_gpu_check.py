@@ -99,7 +99,7 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
     assert all(r[1] == "pass" for r in rows), summary
     assert summary.splitlines()[-1].endswith("all passed")
     results = {r[0]: r[3] for r in rows}
-    assert results["preflight"].startswith("preflight 38 checks ok"), summary
+    assert results["preflight"].startswith("preflight 39 checks ok"), summary
     assert re.match(r"[1-9]\d* passed, 0 failed, 0 errors \(0 collecting\)", results["gpu_tests"])
     assert "identical=True" in results["bench_pipeline"]
     assert re.search(r"step embcache_10 .* vs torch_sparse .* weights match", summary), summary
@@ -120,7 +120,7 @@ def test_dry_run_walks_every_step(tmp_path: Path) -> None:
         preflight = tar.extractfile(files["preflight.log"]).read().decode()
         gpu_tests = tar.extractfile(files["gpu_tests.log"]).read().decode()
         kernel_tests = tar.extractfile(files["kernel_tests.log"]).read().decode()
-    assert len(re.findall(r" ok +[0-9.]+ s ", preflight)) == 38, preflight
+    assert len(re.findall(r" ok +[0-9.]+ s ", preflight)) == 39, preflight
     # The GPU image's absence of torchrec was in force: test_gpu.py ran through JaggedBatch.
     assert "passed" in gpu_tests and "ModuleNotFoundError" not in gpu_tests
     # Only what needs CUDA itself was skipped.

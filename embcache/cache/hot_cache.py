@@ -83,13 +83,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from operator import attrgetter
-from typing import Generic, TypeVar, overload
+from typing import Generic, TypeVar, cast, overload
 
 import torch
 
 from embcache.backend import for_device
 from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig
 from embcache.cache.direct import DirectMap
+from embcache.cache.group_plan import plan_group, plan_table
 from embcache.cache.locks import unlock_together
 from embcache.cache.lockstep import Step, run_together
 from embcache.cache.plan import Plan, SetPlanner
@@ -811,11 +812,31 @@ def _plan_all(
     count_sightings: bool,
     plans: list[Plan | None],
 ) -> list[Plan]:
-    """Every cache's plan (each also kept in ``plans`` once made, for the rollback)."""
-    return run_together(
-        [c._plan_steps(i, count_sightings, plans, k)
-         for k, (c, i) in enumerate(zip(caches, ids, strict=True))]
-    )  # fmt: skip
+    """Every cache's plan (each also kept in ``plans`` once made, for the rollback); the
+    caches that can are planned as one group (`group_plan`), the others each on its own."""
+    grouped = [
+        k for k, c in enumerate(caches)
+        if c.direct_map is None and c._admission is None and c.planner.groups()
+    ]  # fmt: skip
+    table = None
+    if grouped:
+        table = plan_table([caches[k].planner for k in grouped], [ids[k] for k in grouped])
+        if table is None:
+            grouped = []
+    steps = [
+        c._plan_steps(i, count_sightings, plans, k)
+        for k, (c, i) in enumerate(zip(caches, ids, strict=True))
+        if k not in grouped
+    ]
+    if table is not None:
+
+        def made(c: int, plan: Plan) -> None:
+            plans[grouped[c]] = plan
+
+        steps.append(plan_group([caches[k].planner for k in grouped], table, made))
+    run_together(steps)
+    assert all(p is not None for p in plans)
+    return cast(list[Plan], plans)
 
 
 @profiled("cache.resolve")  # every resolve, one cache's (`HotCache.resolve`) or a group's

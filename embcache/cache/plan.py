@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
-from embcache.cache.policy import EvictionPolicy, orders_padded_misses
+from embcache.cache.policy import EvictionPolicy, orders_padded_misses, scores_by_tick
 from embcache.cache.scratch import CacheCapacityError, ScratchArea
 from embcache.cache.storage import SlotStore
 from embcache.indexing import add_at, fill_at, put, true_at
@@ -94,13 +94,30 @@ class SetPlanner:
         have met its locks anyway)."""
         try:
             return (yield from self.plan_sets(ids, admitted))
-        except CacheCapacityError:
-            guarding = yield Counts([self.guarded().any()])
-            if not guarding[0]:
-                raise
-            self.batch_seq += 1
-            yield from self.release_steps()
-            return (yield from self.plan_sets(ids, admitted))
+        except CacheCapacityError as full:
+            return (yield from self.plan_unguarded(ids, admitted, full))
+
+    def plan_unguarded(
+        self, ids: torch.Tensor, admitted: torch.Tensor | None, full: CacheCapacityError
+    ) -> Step:
+        """After a plan refused with ``full`` (the cache unchanged): `plan_sets` again with the
+        last locked batch's rows no longer guarded, if any are; else ``full`` is raised."""
+        guarding = yield Counts([self.guarded().any()])
+        if not guarding[0]:
+            raise full
+        self.batch_seq += 1
+        yield from self.release_steps()
+        return (yield from self.plan_sets(ids, admitted))
+
+    def groups(self) -> bool:
+        """Whether this planner's next plan, of a batch whose every id is admitted, may be
+        made with other caches' (`cache.group_plan`): on the device path (the plan family
+        `places_misses`, no row index), under a policy whose misses are placed before their
+        number is read (`_places_ahead`) and whose touch scores a batch with the clock
+        (LRU)."""
+        return (
+            self.slots.where is None and self._places_ahead(None) and scores_by_tick(self.eviction)
+        )
 
     def release_steps(self) -> Step:
         """The scratch area's release (`ScratchArea.release_steps`), the last locked batch's
@@ -148,7 +165,7 @@ class SetPlanner:
         # Every number this plan needs before its sort, in one read (with other caches').
         missing, wanted = self.ops.lookup_counts(slots, self.num_slots, admitted)
         ahead = None
-        if self._places_ahead(slots, admitted):
+        if self._places_ahead(admitted):
             # Ways this batch hits are as good as locked while its misses choose victims.
             self._lock_hits(slots, 1)
             ahead = self._choose_ways_ahead(ids, missing, wanted[0])
@@ -193,7 +210,7 @@ class SetPlanner:
             n_resident - n_scratch_hits + n_placed,
         )  # fmt: skip
 
-    def _places_ahead(self, slots: torch.Tensor, admitted: torch.Tensor | None) -> bool:
+    def _places_ahead(self, admitted: torch.Tensor | None) -> bool:
         """Whether this plan places its misses before it reads how many there are
         (`_choose_ways_ahead`): on the device path (Triton), for a policy under which every
         miss may displace a row and whose order takes padding (LRU), admitting every id. The

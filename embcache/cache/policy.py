@@ -287,6 +287,13 @@ def policy_type(kind: str) -> type[EvictionPolicy]:
     return cls
 
 
+def scores_by_tick(policy: EvictionPolicy) -> bool:
+    """Whether ``policy``'s touch scores a batch's slots with the plan's clock and nothing
+    else (`LruPolicy.touch`, not overridden): a group plan (`cache.group_plan`) scores them so
+    in its reservation's kernel."""
+    return type(policy).touch is LruPolicy.touch
+
+
 def make_policy(
     kind: str, counts: LfuCounts | None, config: CacheConfig, backend: Backend, fusion_k: int
 ) -> EvictionPolicy:

@@ -118,13 +118,15 @@ def test_device_path_on_cpu_equals_the_torch_plan(
 
     # Count the launches of the Triton kernels and the scratch searches, so the test fails when
     # the device branch is not the one taken.
-    # An LRU plan places its misses with `assign_misses_triton`, an LFU plan with
-    # `assign_ways` (whose `admit` needs its runs): launchers of the triton plan
+    # An LRU plan is a group plan (`cache.group_plan`: one `probe_group_triton` a resolve), an
+    # LFU plan is made cache by cache (one `cache_lookup_triton`, its misses placed by
+    # `assign_ways`, whose `admit` needs its runs): launchers of the triton plan
     # (`ops.plan.triton`), which its methods call by their module names.
     calls = dict.fromkeys(
-        ("set_index_triton", "cache_lookup_triton", "assign_ways_triton", "assign_misses_triton"),
+        ("set_index_triton", "cache_lookup_triton", "assign_ways_triton", "assign_misses_triton",
+         "probe_group_triton"),
         0,
-    )
+    )  # fmt: skip
     for name in calls:
         launcher = getattr(plan_triton, name)
 
@@ -156,13 +158,14 @@ def test_device_path_on_cpu_equals_the_torch_plan(
         slots = {}
         for backend, cache in caches.items():
             monkeypatch.setenv("EMBCACHE_BACKEND", backend)
-            before = calls["cache_lookup_triton"]
+            before = calls["cache_lookup_triton"] + calls["probe_group_triton"]
             slots[backend] = cache.resolve(ids, lock=lock)
+            after = calls["cache_lookup_triton"] + calls["probe_group_triton"]
             if backend == "triton":
                 device_resolves += 1
-                assert calls["cache_lookup_triton"] == before + 1, "device path not taken"
+                assert after == before + 1, "device path not taken"
             else:
-                assert calls["cache_lookup_triton"] == before, "torch plan ran a Triton lookup"
+                assert after == before, "torch plan ran a Triton lookup"
             live = slots[backend]
             cache.weights[live[updated]] += delta[updated]
             cache.state[live[updated]] += 1.0
@@ -200,9 +203,11 @@ def test_device_path_on_cpu_equals_the_torch_plan(
     assert stats["hits"] > 0 and stats["misses"] > 0 and stats["writebacks"] > 0
     assert device.scratch_rows > 0, "no set ever had more misses than unlocked ways"
     assert sum(found_in_scratch) > 0, "no hit was found in the scratch area"
-    assert calls["set_index_triton"] >= device_resolves
-    placed_by = "assign_misses_triton" if policy == "lru" else "assign_ways_triton"
-    assert calls[placed_by] > 0, calls
+    assert calls["set_index_triton"] + calls["probe_group_triton"] >= device_resolves
+    if policy == "lru":  # every plan a group plan, scratch rows in use or not
+        assert calls["probe_group_triton"] == device_resolves, calls
+    else:  # cache by cache: LFU's admission needs the runs
+        assert calls["assign_ways_triton"] > 0 and calls["probe_group_triton"] == 0, calls
 
     for backend, cache in caches.items():
         monkeypatch.setenv("EMBCACHE_BACKEND", backend)

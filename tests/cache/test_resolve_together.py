@@ -3,11 +3,15 @@ and a failure in one cache leaves none of them locked."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
+from embcache.cache import group_plan, hot_cache
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache, resolve_together
+from embcache.cache.plan import SetPlanner
 from embcache.cache.policy_registry import policy_names
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
@@ -17,13 +21,18 @@ K = 20
 ROWS = 700
 
 
-def _caches(policy: str, dims: tuple[int, ...] = (4, 8, 12)) -> list[HotCache]:
+def _caches(
+    policy: str, dims: tuple[int, ...] = (4, 8, 12), bound: int | None = None
+) -> list[HotCache]:
     store = HostKV()
     caches = []
     for d, dim in enumerate(dims):
-        spec = TableSpec(f"t{d}", dim, num_embeddings=ROWS, state_dim=1, state_init=0.25, seed=d)
+        spec = TableSpec(f"t{d}", dim, num_embeddings=ROWS, state_dim=1, state_init=0.25, seed=d,
+                         capacity=bound)  # fmt: skip
         store.init_table(spec)
-        config = CacheConfig(capacity=96, ways=4, policy=policy, max_scratch_rows=4096)
+        # Ways differ between caches: a group plan of caches of several geometries.
+        ways = 4 if d % 2 == 0 else 8
+        config = CacheConfig(capacity=96, ways=ways, policy=policy, max_scratch_rows=4096)
         caches.append(HotCache([(d, spec)], config, store, "cpu", K))
     return caches
 
@@ -76,7 +85,52 @@ def test_lockstep_equals_one_resolve_each(
         )
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("bound", [None, 2 * ROWS], ids=["unbounded", "bounded"])
+def test_the_group_plan_equals_each_cache_planning_alone(
+    monkeypatch: pytest.MonkeyPatch, bound: int | None
+) -> None:
+    """On the device path (Triton, under the interpreter) caches of several dims and ways are
+    planned as one group (`cache.group_plan`) while no scratch row is in use: the same slots,
+    keys, scores, locks, flags, rows and tier as each cache planned on its own (its
+    `SetPlanner.plan_sets`), also where a cache of the group is left with misses and takes
+    scratch rows, and with bounded tables (the evicted rows unpinned)."""
+    monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
+    grouped = _caches("lru", bound=bound)
+    sizes, left = [], []
+    plan_group, reserve = group_plan.plan_group, SetPlanner._reserve
+
+    def counted_group(planners, table, made):
+        sizes.append(len(planners))
+        return plan_group(planners, table, made)
+
+    def counted_reserve(self, *args):
+        left.append(inspect.stack()[1].function == "plan_group")
+        return reserve(self, *args)
+
+    monkeypatch.setattr(hot_cache, "plan_group", counted_group)
+    monkeypatch.setattr(SetPlanner, "_reserve", counted_reserve)
+    seen = _run(grouped, True)
+    assert 3 in sizes, sizes  # every cache in one group
+    assert any(left), "no cache of a group was left with misses"
+    monkeypatch.setattr(SetPlanner, "groups", lambda self: False)
+    alone = _caches("lru", bound=bound)
+    for a, b in zip(_run(alone, True), seen, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(alone, grouped, strict=True):
+        assert a.cache_stats() == b.cache_stats()
+        assert a._scratch_used == b._scratch_used
+        for name in ("slot_keys", "scores", "dirty", "locks", "batch_of", "weights", "state"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+        a.flush()
+        b.flush()
+    ids = torch.arange(ROWS)
+    for d in range(3):
+        torch.testing.assert_close(
+            alone[0].store.get(f"t{d}", ids), grouped[0].store.get(f"t{d}", ids), rtol=0, atol=0
+        )
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_a_failed_tier_read_leaves_no_cache_locked(
     monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:

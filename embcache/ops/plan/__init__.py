@@ -6,16 +6,168 @@ plan of a cache with a row index.
 specification), `triton.TritonPlan` (the Triton kernels) and `native.NativePlan` (numba's
 compiled plan), one of them bound per cache by `embcache.ops.registry`. Nothing outside
 `embcache.ops` imports an implementation.
+
+The device path plans several caches at once (`PlanOps.probe_group`, `assign_group`,
+`reserve_group`): the same plan as each cache's own (`cache.plan.SetPlanner.plan_sets`), in
+launches shared by every cache of a `PlanTable` (their tensors' device addresses, uploaded
+once a plan), so that a collection of caches of several dims launches what one cache does.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 PlanArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+# A `PlanTable` row (int64 each): the ids' address, their count, their first position in the
+# group's arrays; the addresses of the slot keys, scores, locks, batch numbers and dirty flags;
+# the sets, the ways, the first set in the group's numbering; the batch guarded; the clock; the
+# address of slots found already (the scratch area's; 0: none); the slots of the cache proper.
+PLAN_FIELDS = 16
+# Bits of a group sort key below the set: the 20 low bits of the miss's shuffle.
+KEY_SHIFT = 20
+# The counts a group plan reads per cache (`GroupProbe.counts` columns).
+MISSES, HELD, PLACED, EVICTING, DIRTY, SCRATCH_HELD = range(6)
+
+
+def padded(n: int) -> int:
+    """Room for ``n`` ids in a group's arrays: rounded up to an even count, so that every
+    cache's part of them starts 16 bytes aligned (its slots are a view handed to the Triton
+    kernels, which compile a variant per pointer alignment). A padding entry is a hit of no
+    slot: no miss, no lock, slot -1."""
+    return n + (n & 1)
+
+
+@dataclass
+class PlanCache:
+    """One cache of a group plan: its batch's ids and its index (slot ``s * ways + w`` of set
+    ``s``, way ``w``, below ``num_slots``; scratch rows above), its guarded batch, the plan's
+    clock (the planner's tick + 1) and, where its scratch area holds rows, the slot of each id
+    found there (``found``, -1 elsewhere)."""
+
+    ids: torch.Tensor  # int64 [n], contiguous, distinct
+    slot_keys: torch.Tensor  # int64
+    scores: torch.Tensor  # int64
+    locks: torch.Tensor  # int32
+    batch_of: torch.Tensor  # int64
+    dirty: torch.Tensor  # bool
+    num_sets: int
+    ways: int
+    batch_seq: int
+    tick: int
+    num_slots: int
+    found: torch.Tensor | None = None  # int64 [n], contiguous
+
+
+@dataclass
+class PlanTable:
+    """Several caches planned together: their parts (kept alive while the table is), where
+    each one's ids start in the group's arrays, each one's first set in the group's numbering
+    of sets (so one sort orders every cache's misses, cache by cache), and the table of device
+    addresses and sizes the kernels read (int64 ``[k, PLAN_FIELDS]``)."""
+
+    caches: list[PlanCache]
+    starts: list[int]
+    set_bases: list[int]
+    table: torch.Tensor
+
+    @classmethod
+    def of(cls, caches: Sequence[PlanCache]) -> PlanTable | None:
+        """The table of ``caches``, all on one device; None when a part is not as the kernels
+        read it (the dtypes above, contiguous, at least ``num_sets * ways`` slots), or there
+        is none."""
+        if not caches:
+            return None
+        device = caches[0].ids.device
+        kinds = (
+            ("ids", torch.int64), ("slot_keys", torch.int64), ("scores", torch.int64),
+            ("locks", torch.int32), ("batch_of", torch.int64), ("dirty", torch.bool),
+        )  # fmt: skip
+        rows: list[int] = []
+        starts, set_bases = [], []
+        start = set_base = 0
+        for c in caches:
+            for name, dtype in kinds:
+                t = getattr(c, name)
+                if t.dtype != dtype or not t.is_contiguous() or t.device != device:
+                    return None
+                if name != "ids" and t.numel() < c.num_sets * c.ways:
+                    return None
+            n = c.ids.numel()
+            found = c.found
+            if found is not None and (
+                found.dtype != torch.int64 or not found.is_contiguous() or found.numel() != n
+                or found.device != device
+            ):  # fmt: skip
+                return None
+            rows += [
+                c.ids.data_ptr(), n, start, c.slot_keys.data_ptr(), c.scores.data_ptr(),
+                c.locks.data_ptr(), c.batch_of.data_ptr(), c.dirty.data_ptr(), c.num_sets,
+                c.ways, set_base, c.batch_seq, c.tick,
+                0 if found is None else found.data_ptr(), c.num_slots, 0,
+            ]  # fmt: skip
+            starts.append(start)
+            set_bases.append(set_base)
+            start += padded(n)
+            set_base += c.num_sets
+        if set_base >= 2 ** (63 - KEY_SHIFT):
+            return None  # the group's sets do not fit a sort key
+        table = torch.tensor(rows, dtype=torch.int64).view(len(caches), PLAN_FIELDS)
+        if device.type == "cuda":
+            table = table.pin_memory().to(device, non_blocking=True)
+        else:
+            table = table.to(device)
+        return cls(list(caches), starts, set_bases, table)
+
+    @property
+    def total(self) -> int:
+        """The length of the group's arrays: every cache's ids, each cache's padded
+        (`padded`)."""
+        return self.starts[-1] + padded(self.caches[-1].ids.numel())
+
+    @property
+    def total_sets(self) -> int:
+        """The sets of every cache: a sort key's set for a position that is no miss."""
+        return self.set_bases[-1] + self.caches[-1].num_sets
+
+    @property
+    def max_ids(self) -> int:
+        return max(c.ids.numel() for c in self.caches)
+
+    @property
+    def max_ways(self) -> int:
+        return max(c.ways for c in self.caches)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+
+class GroupProbe(NamedTuple):
+    """What `PlanOps.probe_group` finds, every cache's ids end to end (cache ``c``'s at
+    ``PlanTable.starts[c]``, then a padding entry where its count is odd: `padded`)."""
+
+    ids: torch.Tensor  # int64 [N]: the ids
+    slots: torch.Tensor  # int64 [N]: each one's slot, -1 for a miss
+    missing: torch.Tensor  # bool [N]: the misses
+    keys: torch.Tensor  # int64 [N]: the sort keys (`PlanOps.probe_group`)
+    counts: torch.Tensor  # int64 [k, 8]: per cache MISSES, HELD, SCRATCH_HELD; `assign_group`'s
+
+
+class GroupReserve(NamedTuple):
+    """What `PlanOps.reserve_group` saved, per miss in the sorted order (``[N]`` each; the
+    first ``M`` entries, M the group's misses, are defined)."""
+
+    old_keys: torch.Tensor  # int64: the key the miss's slot held
+    old_scores: torch.Tensor  # int64: its score
+    old_dirty: torch.Tensor  # bool: its dirty flag
+    resident: torch.Tensor  # bool: it held a row (an eviction)
+    write_back: torch.Tensor  # bool: that row was dirty
 
 
 class PlanOps(Protocol):
@@ -191,6 +343,42 @@ class PlanOps(Protocol):
         its dirty flag is cleared and it gains a lock. Returns, per miss, what the slot held
         before (its key, score and dirty flag: the plan's rollback), whether it held a row (an
         eviction) and whether that row was dirty (a write-back)."""
+        ...
+
+    def probe_group(self, table: PlanTable) -> GroupProbe:
+        """Every cache's lookup, its counts and its hits locked, in one pass: for each id of
+        every cache of ``table``, its slot (the way holding it, ``set * ways + way``, else its
+        ``found`` slot, else -1), whether it misses, and its sort key: for a miss
+        ``((set_base + set) << 20) + (mix64(id ^ tick) & (2**20 - 1))`` (`miss_keys`' key,
+        the set counted in the group's numbering), else ``total_sets << 20``, so that one
+        stable sort puts every cache's misses first, cache by cache, each cache's as its own
+        plan orders them. Counts each
+        cache's misses, hits and hits in scratch rows (``counts[c, MISSES]``, ``HELD``,
+        ``SCRATCH_HELD``) and adds a lock to each hit's slot. Only where `places_misses`."""
+        ...
+
+    def assign_group(
+        self, table: PlanTable, sorted_keys: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Every cache's misses placed (`assign_misses`, cache by cache): ``sorted_keys`` are
+        `probe_group`'s keys sorted; the k-th miss of a set takes the k-th of the set's ways
+        ordered by ``(blocked, score * ways + way)`` (blocked: locked, or the guarded
+        batch's), if k is below the unblocked ways. Returns each miss's slot (-1: none), int64
+        ``[N]`` in the sorted order (the first M entries, M the misses, are defined), and adds
+        to ``counts[c]`` the misses placed, those whose way holds a row, and those rows dirty
+        (``PLACED``, ``EVICTING``, ``DIRTY``). Only where `places_misses`."""
+        ...
+
+    def reserve_group(
+        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
+    ) -> GroupReserve:
+        """`reserve_placed` and the LRU touch of every cache whose misses all got a way
+        (``counts``, read: the caller knows which): miss ``j`` of the sorted order (at
+        position ``order[j]`` of the group's arrays) takes slot ``place[j]`` as
+        `reserve_placed` says, and every slot of the cache's batch in the cache proper, hits
+        and misses, is scored with the plan's clock. A cache with a miss left without a way
+        is changed in nothing (its ``resident`` and ``write_back`` entries are False): its
+        caller reserves it with scratch rows. Only where `places_misses`."""
         ...
 
     def reserve(

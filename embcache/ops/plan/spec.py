@@ -15,7 +15,19 @@ import torch
 
 from embcache.hashing import LOW63, mix64
 from embcache.ops.checks import check_tensor, require
-from embcache.ops.plan import PlanOps
+from embcache.ops.plan import (
+    DIRTY,
+    EVICTING,
+    HELD,
+    KEY_SHIFT,
+    MISSES,
+    PLACED,
+    SCRATCH_HELD,
+    GroupProbe,
+    GroupReserve,
+    PlanOps,
+    PlanTable,
+)
 
 PlanArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -134,6 +146,106 @@ def _assign_known_runs(
 # ----------------------------------------------------------------------------------------------
 # the implementation
 # ----------------------------------------------------------------------------------------------
+
+
+def probe_group_ref(table: PlanTable) -> GroupProbe:
+    """`PlanOps.probe_group` in torch ops, cache by cache."""
+    device, total = table.device, table.total
+    pad = table.total_sets << KEY_SHIFT
+    ids = torch.zeros(total, dtype=torch.int64, device=device)  # padding: id 0, slot -1, ...
+    slots, keys = torch.full_like(ids, -1), torch.full_like(ids, pad)
+    missing = torch.zeros(total, dtype=torch.bool, device=device)  # ... no miss
+    counts = torch.zeros(len(table.caches), 8, dtype=torch.int64, device=device)
+    for c, (part, start) in enumerate(zip(table.caches, table.starts, strict=True)):
+        at = slice(start, start + part.ids.numel())
+        sets = set_index_ref(part.ids, part.num_sets)
+        view = part.slot_keys[: part.num_sets * part.ways].view(part.num_sets, part.ways)
+        way = cache_lookup_ref(view, part.ids, sets)
+        found = torch.full_like(way, -1) if part.found is None else part.found
+        here = torch.where(way >= 0, sets * part.ways + way, found)
+        held = here >= 0
+        shuffle = mix64(part.ids ^ part.tick) & ((1 << KEY_SHIFT) - 1)
+        ids[at] = part.ids
+        slots[at] = here
+        missing[at] = ~held
+        set_key = (table.set_bases[c] + sets) << KEY_SHIFT
+        keys[at] = torch.where(held, torch.full_like(sets, pad), set_key + shuffle)
+        counts[c, MISSES], counts[c, HELD] = (~held).sum(), held.sum()
+        counts[c, SCRATCH_HELD] = (here >= part.num_slots).sum()
+        hit_slots = here[held]
+        part.locks.index_add_(0, hit_slots, torch.ones_like(hit_slots, dtype=torch.int32))
+    return GroupProbe(ids, slots, missing, keys, counts)
+
+
+def _cache_range(table: PlanTable, c: int, sorted_keys: torch.Tensor) -> tuple[int, int]:
+    """Where cache ``c``'s misses are in the sorted keys: ``[lo, hi)``."""
+    base, num_sets = table.set_bases[c], table.caches[c].num_sets
+    bounds = torch.tensor([base << KEY_SHIFT, (base + num_sets) << KEY_SHIFT],
+                          device=sorted_keys.device)  # fmt: skip
+    lo, hi = torch.searchsorted(sorted_keys, bounds).tolist()
+    return lo, hi
+
+
+def assign_group_ref(
+    table: PlanTable, sorted_keys: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """`PlanOps.assign_group` in torch ops, cache by cache (every entry past the misses -1)."""
+    place = torch.full_like(sorted_keys, -1)
+    for c, part in enumerate(table.caches):
+        lo, hi = _cache_range(table, c, sorted_keys)
+        if lo == hi:
+            continue
+        W = part.ways
+        global_sets = sorted_keys[lo:hi] >> KEY_SHIFT
+        sets = global_sets - table.set_bases[c]
+        rank = torch.arange(hi - lo, device=place.device) - torch.searchsorted(
+            global_sets, global_sets
+        )  # k: the miss's place in its set's run
+        way_slots = sets.unsqueeze(1) * W + torch.arange(W, device=place.device)  # [m, W]
+        free = (part.locks[way_slots] <= 0) & (part.batch_of[way_slots] != part.batch_seq)
+        ways = torch.arange(W, device=place.device)
+        order_key = torch.where(free, part.scores[way_slots] * W + ways, 2**63 - 1)
+        ordered = torch.sort(order_key, dim=1, stable=True).indices
+        placed = rank < free.sum(1)
+        way = ordered.gather(1, rank.clamp(max=W - 1).unsqueeze(1)).squeeze(1)
+        here = torch.where(placed, sets * W + way, -1)
+        place[lo:hi] = here
+        held = placed & (part.slot_keys[here.clamp(min=0)] >= 0)
+        dirty = held & part.dirty[here.clamp(min=0)]
+        counts[c, PLACED] += placed.sum()
+        counts[c, EVICTING] += held.sum()
+        counts[c, DIRTY] += dirty.sum()
+    return place
+
+
+def reserve_group_ref(
+    table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
+) -> GroupReserve:
+    """`PlanOps.reserve_group` in torch ops, cache by cache."""
+    n = place.numel()
+    old_keys, old_scores = torch.zeros_like(place), torch.zeros_like(place)
+    old_dirty, resident, write_back = (torch.zeros(n, dtype=torch.bool, device=place.device)
+                                       for _ in range(3))  # fmt: skip
+    lo = 0
+    for c, (part, start) in enumerate(zip(table.caches, table.starts, strict=True)):
+        n_miss, n_placed = int(probe.counts[c, MISSES]), int(probe.counts[c, PLACED])
+        hi, lo = lo + n_miss, lo
+        if n_placed == n_miss:
+            at = slice(lo, hi)
+            here = place[at]
+            old_keys[at] = part.slot_keys[here]
+            old_scores[at] = part.scores[here]
+            old_dirty[at] = part.dirty[here]
+            resident[at] = old_keys[at] >= 0
+            write_back[at] = resident[at] & old_dirty[at]
+            probe.slots[order[at]] = here
+            part.slot_keys[here] = probe.ids[order[at]]
+            part.dirty[here] = False
+            part.locks.index_add_(0, here, torch.ones_like(here, dtype=torch.int32))
+            batch = probe.slots[start : start + part.ids.numel()]
+            part.scores[batch[batch < part.num_slots]] = part.tick
+        lo = hi
+    return GroupReserve(old_keys, old_scores, old_dirty, resident, write_back)
 
 
 def check_table(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -316,6 +428,19 @@ class SpecPlan:
         dirty.index_fill_(0, place, False)
         locks.index_add_(0, place, torch.ones_like(place, dtype=locks.dtype))
         return old_keys, old_scores, old_dirty, resident, resident & old_dirty
+
+    def probe_group(self, table: PlanTable) -> GroupProbe:
+        return probe_group_ref(table)
+
+    def assign_group(
+        self, table: PlanTable, sorted_keys: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        return assign_group_ref(table, sorted_keys, counts)
+
+    def reserve_group(
+        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
+    ) -> GroupReserve:
+        return reserve_group_ref(table, probe, order, place)
 
     def reserve(
         self, ids: np.ndarray, slots: np.ndarray, miss_pos: np.ndarray, order: np.ndarray,

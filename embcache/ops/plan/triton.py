@@ -14,7 +14,14 @@ import triton
 import triton.language as tl
 
 import embcache.ops.interpreter  # noqa: F401  (the interpreter runs these kernels)
-from embcache.ops.plan import PlanOps
+from embcache.ops.plan import (
+    KEY_SHIFT,
+    PLAN_FIELDS,
+    GroupProbe,
+    GroupReserve,
+    PlanOps,
+    PlanTable,
+)
 from embcache.ops.plan.spec import SpecPlan
 
 # Elements one program holds at once. Wide enough that the interpreter runs few programs, small
@@ -351,6 +358,181 @@ def _assign_ways_kernel(
     tl.store(ways_ptr + o_out, b_way, mask=m_out)
 
 
+# -- the group plan: every cache of a `PlanTable` in one launch per step -----------------------
+
+
+@triton.jit
+def _plan_row(table_ptr, c, F: tl.constexpr):
+    """Cache ``c``'s row of a `PlanTable`, the addresses typed: ``(ids, n, start, keys, scores,
+    locks, batch_of, dirty, num_sets, ways, set_base, batch_seq, tick, found, num_slots)``
+    (``found``: the address of the slots found already, 0 for none)."""
+    row = table_ptr + c * F
+    ids = tl.load(row).to(tl.pointer_type(tl.int64))
+    n = tl.load(row + 1)
+    start = tl.load(row + 2)
+    keys = tl.load(row + 3).to(tl.pointer_type(tl.int64))
+    scores = tl.load(row + 4).to(tl.pointer_type(tl.int64))
+    locks = tl.load(row + 5).to(tl.pointer_type(tl.int32))
+    batch_of = tl.load(row + 6).to(tl.pointer_type(tl.int64))
+    dirty = tl.load(row + 7).to(tl.pointer_type(tl.int8))
+    num_sets = tl.load(row + 8)
+    ways = tl.load(row + 9)
+    set_base = tl.load(row + 10)
+    batch_seq = tl.load(row + 11)
+    tick = tl.load(row + 12)
+    found = tl.load(row + 13)
+    num_slots = tl.load(row + 14)
+    return ids, n, start, keys, scores, locks, batch_of, dirty, num_sets, ways, set_base, \
+        batch_seq, tick, found, num_slots  # fmt: skip
+
+
+@triton.jit
+def _misses_before(counts_ptr, c, k):
+    """The misses of the caches before cache ``c`` (``counts[:c, 0]`` summed): where its
+    misses start in the sorted order."""
+    lo = tl.load(counts_ptr) * 0
+    for i in range(k):
+        lo += tl.where(i < c, tl.load(counts_ptr + i * 8), 0)
+    return lo
+
+
+@triton.jit(do_not_specialize=["pad"])  # per group: one variant
+def _probe_group_kernel(
+    table_ptr, ids_ptr, slots_ptr, missing_ptr, key_ptr, counts_ptr, pad: tl.int64,
+    F: tl.constexpr, SHIFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Program (c, b): block b of cache c's ids looked up in its sets (`PlanOps.probe_group`):
+    slot, miss flag and sort key written at the cache's start in the group's arrays (and its
+    padding entry), a lock added to each hit's slot, the misses and hits counted (integer
+    atomics)."""
+    c = tl.program_id(0).to(tl.int64)
+    ids, n, start, keys, _, locks, _, _, num_sets, W, set_base, _, tick, found, num_slots = (
+        _plan_row(table_ptr, c, F)
+    )
+    o_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < n
+    m_out = o_n < n + (n & 1)  # and the padding entry (`ops.plan.padded`): id 0, a hit of -1
+    b_id = tl.load(ids + o_n, mask=m_n, other=0)
+    b_set = (_mix64(b_id) & 0x7FFFFFFFFFFFFFFF).to(tl.int64, bitcast=True) % num_sets
+    o_w = tl.arange(0, BLOCK_W).to(tl.int64)  # [BLOCK_W]
+    m_nw = m_n[:, None] & (o_w < W)[None, :]  # [BLOCK_N, BLOCK_W]
+    b_key = tl.load(keys + b_set[:, None] * W + o_w[None, :], mask=m_nw, other=-1)
+    b_way = tl.min(tl.where(m_nw & (b_key == b_id[:, None]), o_w[None, :], BLOCK_W), axis=1)
+    m_found = m_n & (found != 0)  # the scratch area's slots, found before
+    b_found = tl.load(found.to(tl.pointer_type(tl.int64)) + o_n, mask=m_found, other=-1)
+    b_slot = tl.where(b_way < BLOCK_W, b_set * W + b_way, b_found)
+    m_held = m_n & (b_slot >= 0)
+    m_miss = m_n & (b_slot < 0)
+    b_shuffle = _mix64(b_id ^ tick).to(tl.int64, bitcast=True) & ((1 << SHIFT) - 1)
+    b_sort = tl.where(m_miss, ((set_base + b_set) << SHIFT) + b_shuffle, pad)
+    b_slot = tl.where(m_n, b_slot, -1)
+    at = start + o_n
+    tl.store(ids_ptr + at, b_id, mask=m_out)
+    tl.store(slots_ptr + at, b_slot, mask=m_out)
+    tl.store(missing_ptr + at, m_miss, mask=m_out)
+    tl.store(key_ptr + at, b_sort, mask=m_out)
+    tl.atomic_add(locks + tl.maximum(b_slot, 0), tl.full((BLOCK_N,), 1, tl.int32), mask=m_held)
+    tl.atomic_add(counts_ptr + c * 8, tl.sum(m_miss.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + c * 8 + 1, tl.sum(m_held.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + c * 8 + 5, tl.sum((m_held & (b_slot >= num_slots)).to(tl.int64), 0))
+
+
+@triton.jit(do_not_specialize=["k", "search_steps"])  # per batch: one variant
+def _assign_group_kernel(
+    table_ptr, sorted_ptr, place_ptr, counts_ptr, k, search_steps, F: tl.constexpr,
+    SHIFT: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Program (c, b): block b of cache c's misses in the sorted order (`PlanOps.assign_group`,
+    `_assign_misses_kernel`'s placement with the cache's tensors read from the table): miss j
+    is the r-th of its set's run (r found by a binary search, ``search_steps`` halvings) and
+    takes the r-th unblocked way of its set by ``(score * W + way)``, if there is one."""
+    c = tl.program_id(0).to(tl.int64)
+    _, _, _, keys, scores, locks, batch_of, dirty, _, W, set_base, batch_seq, _, _, _ = _plan_row(
+        table_ptr, c, F
+    )
+    lo = _misses_before(counts_ptr, c, k)
+    m = tl.load(counts_ptr + c * 8)
+    o_m = lo + tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    m_m = o_m < lo + m
+    b_g = tl.load(sorted_ptr + o_m, mask=m_m, other=0) >> SHIFT  # the set, the group's number
+    b_lo = tl.zeros((BLOCK_M,), dtype=tl.int64) + lo
+    b_hi = o_m
+    for _ in range(search_steps):  # the run's start: the first miss of the same set
+        m_open = m_m & (b_lo < b_hi)
+        b_mid = (b_lo + b_hi) >> 1
+        b_v = tl.load(sorted_ptr + b_mid, mask=m_open, other=0) >> SHIFT
+        b_lo = tl.where(m_open & (b_v < b_g), b_mid + 1, b_lo)
+        b_hi = tl.where(m_open & (b_v >= b_g), b_mid, b_hi)
+    b_rank = o_m - b_lo  # [BLOCK_M]
+    b_set = b_g - set_base
+    o_w = tl.arange(0, BLOCK_W).to(tl.int64)  # [BLOCK_W]
+    m_mw = m_m[:, None] & (o_w < W)[None, :]  # [BLOCK_M, BLOCK_W]
+    p_way = b_set[:, None] * W + o_w[None, :]
+    b_lock = tl.load(locks + p_way, mask=m_mw, other=1)
+    b_batch = tl.load(batch_of + p_way, mask=m_mw, other=0)
+    b_score = tl.load(scores + p_way, mask=m_mw, other=0)
+    m_free = m_mw & (b_lock <= 0) & (b_batch != batch_seq)
+    b_key = tl.where(m_free, b_score * W + o_w[None, :], 0x7FFFFFFFFFFFFFFF)
+    # Each way's place in its set's order: how many ways have a smaller key.
+    b_order = tl.sum((b_key[:, None, :] < b_key[:, :, None]).to(tl.int32), axis=2)
+    b_free = tl.sum(m_free.to(tl.int32), axis=1)  # [BLOCK_M]
+    m_pick = m_free & (b_order == b_rank[:, None])
+    b_way = tl.max(tl.where(m_pick, o_w[None, :], -1), axis=1)  # [BLOCK_M]
+    m_placed = m_m & (b_rank < b_free) & (b_way >= 0)
+    b_place = tl.where(m_placed, b_set * W + b_way, -1)
+    tl.store(place_ptr + o_m, b_place, mask=m_m)
+    b_at = tl.maximum(b_place, 0)
+    m_held = m_placed & (tl.load(keys + b_at, mask=m_placed, other=-1) >= 0)
+    m_dirty = m_held & (tl.load(dirty + b_at, mask=m_held, other=0) != 0)
+    tl.atomic_add(counts_ptr + c * 8 + 2, tl.sum(m_placed.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + c * 8 + 3, tl.sum(m_held.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + c * 8 + 4, tl.sum(m_dirty.to(tl.int64), axis=0))
+
+
+@triton.jit(do_not_specialize=["k"])  # per group: one variant
+def _reserve_group_kernel(
+    table_ptr, counts_ptr, ids_ptr, slots_ptr, missing_ptr, order_ptr, place_ptr,
+    old_keys_ptr, old_scores_ptr, old_dirty_ptr, resident_ptr, write_back_ptr, k,
+    F: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (c, b): block b of cache c's misses reserved (`_reserve_placed_kernel`, the
+    slot also scored with the clock) and block b of its hits in the cache proper scored with
+    the clock, where every miss of the cache got a way; else the block's flags cleared and
+    nothing changed.
+    Misses and hits touch distinct slots (a hit's way is locked: no miss takes it)."""
+    c = tl.program_id(0).to(tl.int64)
+    _, n, start, keys, scores, locks, _, dirty, _, _, _, _, tick, _, num_slots = _plan_row(
+        table_ptr, c, F
+    )
+    lo = _misses_before(counts_ptr, c, k)
+    m = tl.load(counts_ptr + c * 8)
+    whole = tl.load(counts_ptr + c * 8 + 2) == m
+    o = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_j = o < m
+    m_do = m_j & whole
+    j = lo + o
+    b_pos = tl.load(order_ptr + j, mask=m_do, other=0)
+    b_slot = tl.load(place_ptr + j, mask=m_do, other=0)
+    b_key = tl.load(keys + b_slot, mask=m_do, other=-1)
+    b_dirty = tl.load(dirty + b_slot, mask=m_do, other=0) != 0
+    b_resident = m_do & (b_key >= 0)
+    tl.store(old_keys_ptr + j, b_key, mask=m_do)
+    tl.store(old_scores_ptr + j, tl.load(scores + b_slot, mask=m_do, other=0), mask=m_do)
+    tl.store(old_dirty_ptr + j, b_dirty, mask=m_do)
+    tl.store(resident_ptr + j, b_resident, mask=m_j)
+    tl.store(write_back_ptr + j, b_resident & b_dirty, mask=m_j)
+    tl.store(slots_ptr + b_pos, b_slot, mask=m_do)
+    tl.store(keys + b_slot, tl.load(ids_ptr + b_pos, mask=m_do, other=0), mask=m_do)
+    tl.store(dirty + b_slot, tl.zeros((BLOCK_N,), dtype=tl.int8), mask=m_do)
+    tl.atomic_add(locks + b_slot, tl.full((BLOCK_N,), 1, tl.int32), mask=m_do)
+    b_tick = tl.zeros((BLOCK_N,), dtype=tl.int64) + tick
+    tl.store(scores + b_slot, b_tick, mask=m_do)
+    m_i = (o < n) & whole
+    m_hit = m_i & (tl.load(missing_ptr + start + o, mask=m_i, other=1) == 0)
+    b_hit = tl.load(slots_ptr + start + o, mask=m_hit, other=0)
+    tl.store(scores + b_hit, b_tick, mask=m_hit & (b_hit < num_slots))  # not a scratch row
+
+
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
@@ -474,6 +656,59 @@ def assign_misses_triton(
     return place, counts
 
 
+def probe_group_triton(table: PlanTable) -> GroupProbe:
+    """Launch `_probe_group_kernel` (`PlanOps.probe_group`): one launch and one zeroed count
+    buffer for every cache of ``table``."""
+    total, device = table.total, table.device
+    ids = torch.empty(total, dtype=torch.int64, device=device)
+    slots, keys = torch.empty_like(ids), torch.empty_like(ids)
+    missing = torch.empty(total, dtype=torch.bool, device=device)
+    counts = torch.zeros(len(table.caches), 8, dtype=torch.int64, device=device)
+    block_w = triton.next_power_of_2(table.max_ways)
+    block_n = max(1, _LOOKUP_ELEMS // block_w)  # fixed per layout: never a batch's count
+    grid = (len(table.caches), max(1, triton.cdiv(table.max_ids + 1, block_n)))
+    _probe_group_kernel[grid](
+        table.table, ids, slots, missing, keys, counts, table.total_sets << KEY_SHIFT,
+        F=PLAN_FIELDS, SHIFT=KEY_SHIFT, BLOCK_N=block_n, BLOCK_W=block_w,
+    )  # fmt: skip
+    return GroupProbe(ids, slots, missing, keys, counts)
+
+
+def assign_group_triton(
+    table: PlanTable, sorted_keys: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Launch `_assign_group_kernel` (`PlanOps.assign_group`): one launch, no host read."""
+    place = torch.empty_like(sorted_keys)
+    block_w = triton.next_power_of_2(table.max_ways)
+    block_m = max(1, min(128, _ASSIGN_ELEMS // (block_w * block_w)))
+    grid = (len(table.caches), max(1, triton.cdiv(table.max_ids, block_m)))
+    _assign_group_kernel[grid](
+        table.table, sorted_keys, place, counts, len(table.caches),
+        table.max_ids.bit_length(), F=PLAN_FIELDS, SHIFT=KEY_SHIFT, BLOCK_W=block_w,
+        BLOCK_M=block_m,
+    )  # fmt: skip
+    return place
+
+
+def reserve_group_triton(
+    table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
+) -> GroupReserve:
+    """Launch `_reserve_group_kernel` (`PlanOps.reserve_group`): one launch."""
+    n = place.numel()
+    old_keys, old_scores = torch.empty_like(place), torch.empty_like(place)
+    # Apart, not rows of one tensor: each keeps its pointer alignment whatever n is.
+    old_dirty, resident, write_back = (
+        torch.empty(n, dtype=torch.bool, device=place.device) for _ in range(3)
+    )
+    grid = (len(table.caches), max(1, triton.cdiv(table.max_ids, _SET_INDEX_BLOCK)))
+    _reserve_group_kernel[grid](
+        table.table, probe.counts, probe.ids, probe.slots, probe.missing, order, place,
+        old_keys, old_scores, old_dirty, resident, write_back, len(table.caches),
+        F=PLAN_FIELDS, BLOCK_N=_SET_INDEX_BLOCK,
+    )  # fmt: skip
+    return GroupReserve(old_keys, old_scores, old_dirty, resident, write_back)
+
+
 # ----------------------------------------------------------------------------------------------
 # the implementation
 # ----------------------------------------------------------------------------------------------
@@ -591,6 +826,19 @@ class TritonPlan(SpecPlan):
         return assign_misses_triton(
             miss_sets, scores, locks, batch_of, keys, dirty, ways, batch_seq, num_misses
         )
+
+    def probe_group(self, table: PlanTable) -> GroupProbe:
+        return probe_group_triton(table)
+
+    def assign_group(
+        self, table: PlanTable, sorted_keys: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        return assign_group_triton(table, sorted_keys, counts)
+
+    def reserve_group(
+        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
+    ) -> GroupReserve:
+        return reserve_group_triton(table, probe, order, place)
 
 
 IMPLEMENTATION: PlanOps = TritonPlan()  # checked against the protocol
