@@ -32,6 +32,7 @@ which implementation is present (`tests/test_architecture.py` checks it).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -210,5 +211,12 @@ def _choose(name: str, on_cpu: bool) -> Backend:
     if name == "triton" or (name == "auto" and not on_cpu):
         return TRITON
     if name == "auto":
-        return NATIVE if native.importable() else NATIVE_WITHOUT_NUMBA
+        return NATIVE if _numba_imports() else NATIVE_WITHOUT_NUMBA
     return TORCH_CPU if on_cpu else TORCH_DEVICE
+
+
+@functools.cache
+def _numba_imports() -> bool:
+    """`native.importable`, asked once a process: `cpu_backend` is asked at every call of the
+    stateless helpers."""
+    return native.importable()

@@ -66,6 +66,13 @@ from embcache.kv.base import Store, TableSpec
 _EXACT_IN_FLOAT32 = (torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
+def _holds_handles(prefetches: Prefetcher) -> bool:
+    """Whether ``prefetches`` holds a handle: issued, recorded, or garbage collected and not
+    yet collected. Else it has nothing to take or release, and a loop without prefetch does
+    not call it."""
+    return bool(prefetches.issued or prefetches.dropped) or prefetches.recorded is not None
+
+
 def _read_together(values: list[torch.Tensor]) -> list[float]:
     """The values of 0-d device tensors (float or integer) on the host: one read per device
     (a collection's are on one), in order. Joined by one ``cat``, which promotes them to a
@@ -165,7 +172,8 @@ class EngineGroup:
         prefetch awaits its forward (a prefetch issued during a step is the next step's)."""
         if self.has_gradients or not all(b.backward_done for b in self.inflight):
             return
-        self.prefetches.collect_dropped()
+        if _holds_handles(self.prefetches):
+            self.prefetches.collect_dropped()
         if not self.prefetches.issued:
             self.claim.release()
 
@@ -542,7 +550,8 @@ class EngineGroup:
             self.claim.take("zero_grad")
         self._entries, self._pending = [], []
         self.release_all()
-        self.prefetches.release_all()
+        if _holds_handles(self.prefetches):
+            self.prefetches.release_all()
         self.claim.release()
 
     def release(self, batch: InFlight) -> None:
@@ -651,6 +660,8 @@ class EngineGroup:
     def take_prefetch(self, batch: JaggedBatch) -> Prefetched | None:
         """What the handle recorded for this forward resolved (None: read synchronously), after
         waiting for its worker; releases the handles no forward can use any more."""
+        if not _holds_handles(self.prefetches):
+            return None
         handle = self.prefetches.take(batch)
         if handle is not None and handle.generation != self.generation:
             self.prefetches.release(handle.state)

@@ -231,7 +231,9 @@ class Prefetcher:
         self.explicit = False  # recorded by set_fused_prefetch_handle, not by issuing
         self.issued: list[PrefetchState] = []  # neither used nor released, in issue order
         self.seq = 0
-        self._dropped: deque[PrefetchState] = deque()  # filled by handles' finalizers
+        # Filled by handles' finalizers, emptied by `collect_dropped`. With ``issued`` and
+        # ``recorded`` empty too there is nothing to take or release: `EngineGroup` skips it.
+        self.dropped: deque[PrefetchState] = deque()
         self._passed_by = 0  # the last seq issued before the previous forward
         self._release_shares = release_shares
 
@@ -268,7 +270,7 @@ class Prefetcher:
             module_id, generation, list(batch.keys()), batch.lengths(), batch.values(), state,
             source, batch,
         )  # fmt: skip
-        state.finalizer = weakref.finalize(handle, self._dropped.append, state)
+        state.finalizer = weakref.finalize(handle, self.dropped.append, state)
         self.issued.append(state)
         self.record(handle, explicit=False)
         return handle
@@ -340,8 +342,8 @@ class Prefetcher:
 
     def collect_dropped(self) -> None:
         """Release the handles garbage collection found unreferenced."""
-        while self._dropped:
-            self.release(self._dropped.popleft())
+        while self.dropped:
+            self.release(self.dropped.popleft())
 
     def _forget(self, state: PrefetchState) -> None:
         if state in self.issued:

@@ -13,7 +13,7 @@ Either way a row is created on first touch by ``spec.initial_rows`` (one vectori
 batch of missing ids), so its initial value is a function of its id alone, never of the order
 of access. A dense table chooses its row moves when declared (`DenseTable.compiled`); a
 grouped call over tables that all chose the compiled passes takes them (a part `HostKV` holds,
-`embcache.kv.host_grouped.GroupedPasses`), rows to create included, and any other takes the
+`embcache.kv.host_tables.GroupedPasses`), rows to create included, and any other takes the
 tables one by one: no call tries one implementation and then another. Every operation is
 vectorised over the ids of a call: no Python loop over ids, no ``.item()`` per id.
 """
@@ -27,8 +27,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
-from embcache.kv.host_grouped import GroupedPasses
-from embcache.kv.host_tables import BoundedTable, Table, empty_rows, make_table
+from embcache.kv.host_tables import BoundedTable, GroupedPasses, Table, empty_rows, make_table
 
 
 class HostKV(Store):

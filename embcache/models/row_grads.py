@@ -121,8 +121,9 @@ class RowGradients:
             self._owner().zero_grad()
             self._flat = self._made_of = None
 
-    def backward_done(self) -> None:
-        """A backward reached the anchor (its post-accumulate-grad hook)."""
+    def backward_done(self, anchor: torch.Tensor) -> None:
+        """A backward reached ``anchor``: its post-accumulate-grad hook (held by the anchor,
+        which holds this, not the collection)."""
         self.applied = self._owner().engines.update_in_backward
 
     # -- a torch optimizer's side -----------------------------------------------------------

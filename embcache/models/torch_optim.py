@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -203,18 +203,9 @@ def anchor_rows(collection: Any) -> tuple[RowGradients, GradAnchor]:
     rows = RowGradients(collection)
     anchor = GradAnchor(torch.empty(0, 1, device=collection.device))
     anchor.rows = rows
-    anchor.register_post_accumulate_grad_hook(_backward_done(rows))
+    anchor.register_post_accumulate_grad_hook(rows.backward_done)
     collection.engines.gradients = rows
     return rows, anchor
-
-
-def _backward_done(rows: RowGradients) -> Callable[[torch.Tensor], None]:
-    """The anchor's post-accumulate-grad hook (holding ``rows``, not the collection)."""
-
-    def hook(anchor: torch.Tensor) -> None:
-        rows.backward_done()
-
-    return hook
 
 
 _COLLECTIONS: weakref.WeakSet = weakref.WeakSet()

@@ -44,10 +44,15 @@ the op families' implementations bound for it (`embcache.ops`: the ids and plan 
 * `bags_sample_major`: each value's slot (and weight) with the bags in the TBE step's
   order, and their offsets (`engine.tbe_step`).
 
-The kernels live in three modules by what they serve: `plan_kernels` (the cache's plan and
-locks) and `dedup_kernels` (dedup, grouping), called through the typed functions of `plan`,
-and `row_kernels` (row moves), called through those of `rows`, which raise `OutOfRangeError`
-where a kernel refuses positions; `bits`, `prefetch` and `jit` are their shared helpers.
+This module is their typed entry points: numpy views in (no copy), the kernels' results out.
+Some return what their kernel returns, -1 or a position (the first bad key, the first slot not
+locked), which the caller turns into its own error with its context; `group_by_table` returns
+one of the ``GROUP_*`` outcomes; the row moves raise `OutOfRangeError` where their kernel
+refuses positions (nothing is written then). The kernels live in two modules by what they
+serve, imported at the first call: `plan_kernels` (over a cache's rows: its plan, locks, key
+check and bitmap dedup) and `row_kernels` (row moves, and the grouping of a tier transfer's
+ids); `bits`, `prefetch` and `jit` are their shared helpers (`direct` and `direct_kernels`,
+the direct share's pass, stand apart).
 
 numba is imported on first use; `importable()` says whether it can be. The kernels release the
 GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
@@ -60,73 +65,461 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from embcache.native.plan import (
-    GROUP_BY_COUNTS,
-    GROUP_NEEDS_SORT,
-    GROUP_SORTED,
-    first_bad_key,
-    free_slots,
-    group_by_table,
-    plan_lfu,
-    plan_lru,
-    reserve,
-    scratch_done,
-    touch_lfu,
-    unique_rows,
-    unique_values,
-    unlock,
-    unlock_dirty,
-)
-from embcache.native.rows import (
-    OutOfRangeError,
-    array_list,
-    bags_sample_major,
-    gather_created,
-    gather_join,
-    gather_tables,
-    gather_tables_into,
-    hashed_uniform,
-    scatter_created,
-    scatter_rows,
-    scatter_split,
-    scatter_tables,
-    scatter_tables_from,
-    write_at,
-)
+import numpy as np
 
-__all__ = [
-    "GROUP_BY_COUNTS",
-    "GROUP_NEEDS_SORT",
-    "GROUP_SORTED",
-    "OutOfRangeError",
-    "array_list",
-    "bags_sample_major",
-    "first_bad_key",
-    "free_slots",
-    "gather_created",
-    "gather_join",
-    "gather_tables",
-    "gather_tables_into",
-    "group_by_table",
-    "hashed_uniform",
-    "importable",
-    "on_compile",
-    "plan_lfu",
-    "plan_lru",
-    "reserve",
-    "scatter_created",
-    "scatter_rows",
-    "scatter_split",
-    "scatter_tables",
-    "scatter_tables_from",
-    "scratch_done",
-    "touch_lfu",
-    "unique_rows",
-    "unique_values",
-    "unlock",
-    "unlock_dirty",
-    "write_at",
-]
+GROUP_SORTED = 0  # `group_by_table`: the ids were grouped already (``raw`` holds them)
+GROUP_BY_COUNTS = 1  # grouped by a counting sort (``order``, ``raw`` in that order)
+GROUP_NEEDS_SORT = 2  # neither: the caller sorts
+
+# The kernels' modules, imported at the first call (numba compiles each function at its first
+# call, or loads it from its disk cache): [plan_kernels, row_kernels].
+_KERNELS: list = []
+
+
+def _plan() -> Any:
+    """`plan_kernels`, imported at the first call."""
+    if not _KERNELS:
+        from embcache.native import plan_kernels, row_kernels
+
+        _KERNELS.extend((plan_kernels, row_kernels))
+    return _KERNELS[0]
+
+
+def _rows() -> Any:
+    """`row_kernels`, imported at the first call."""
+    _plan()
+    return _KERNELS[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# a cache's rows: the key check, the plan, the locks, the scratch rows, the dedup; the grouping
+# of a tier transfer's ids
+# ----------------------------------------------------------------------------------------------
+
+
+def first_bad_key(keys: np.ndarray, fusion_k: int, limits: np.ndarray) -> int:
+    """The position of the first int64 fused id of ``keys`` that is no row of tables of
+    ``limits[t]`` raw ids each (0: no such table), or -1 (`HotCache.resolve`'s check)."""
+    return _plan().first_bad_key(keys, fusion_k, limits)
+
+
+def unlock(locks: np.ndarray, slots: np.ndarray) -> int:
+    """One lock dropped from each of ``slots`` when all are in range and locked (else none):
+    -1, or the position of the first that is not (`HotCache.unlock`)."""
+    return _plan().unlock(locks, slots)
+
+
+def unlock_dirty(locks: np.ndarray, dirty: np.ndarray, slots: np.ndarray) -> int:
+    """`unlock`, each slot marked in ``dirty`` too (same length as ``locks``), one pass: -1, or
+    the position of the first slot that is not locked (nothing changed then)."""
+    return _plan().unlock_dirty(locks, dirty, slots)
+
+
+def plan_lru(
+    ids: np.ndarray,
+    where: np.ndarray,
+    row_offset: np.ndarray,
+    fusion_k: int,
+    scores: np.ndarray,
+    locks: np.ndarray,
+    batch_of: np.ndarray,
+    num_slots: int,
+    num_sets: int,
+    ways: int,
+    tick: int,
+    batch_seq: int,
+    slots: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A set-associative LRU cache's plan (`SetPlanner.plan_sets`): ``slots`` filled (hits; -1
+    for misses), the hits locked, and ``(miss_pos, order, place)``: the misses' positions,
+    their order by (set, shuffle) and each one's way in that order (-1: none free); three
+    empty arrays when there is no miss (every slot locked and touched)."""
+    return _plan().plan_lru(
+        ids,
+        where,
+        row_offset,
+        fusion_k,
+        scores,
+        locks,
+        batch_of,
+        num_slots,
+        num_sets,
+        ways,
+        tick,
+        batch_seq,
+        slots,
+    )
+
+
+def plan_lfu(
+    ids: np.ndarray,
+    where: np.ndarray,
+    row_offset: np.ndarray,
+    fusion_k: int,
+    counts: np.ndarray,
+    count_offset: np.ndarray,
+    scores: np.ndarray,
+    locks: np.ndarray,
+    batch_of: np.ndarray,
+    num_sets: int,
+    ways: int,
+    tick: int,
+    batch_seq: int,
+    slots: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`plan_lru` for an LFU cache counted exactly (``counts[count_offset[t] + id]``): misses
+    by (set, frequency descending, shuffle), a miss whose way holds a row scored no lower left
+    to scratch (-1). No miss: every slot locked (`touch_lfu` does the rest)."""
+    return _plan().plan_lfu(
+        ids,
+        where,
+        row_offset,
+        fusion_k,
+        counts,
+        count_offset,
+        scores,
+        locks,
+        batch_of,
+        num_sets,
+        ways,
+        tick,
+        batch_seq,
+        slots,
+    )
+
+
+def touch_lfu(
+    ids: np.ndarray,
+    slots: np.ndarray,
+    counts: np.ndarray,
+    count_offset: np.ndarray,
+    fusion_k: int,
+    scores: np.ndarray,
+    num_slots: int,
+) -> None:
+    """One more request of each (distinct) id counted, each slot of the cache proper scored
+    with its row's count (`SetPlanner.touch` for an LFU cache counted exactly)."""
+    _plan().touch_lfu(ids, slots, counts, count_offset, fusion_k, scores, num_slots)
+
+
+def scratch_done(
+    slot_keys: np.ndarray,
+    locks: np.ndarray,
+    batch_of: np.ndarray,
+    dirty: np.ndarray,
+    num_slots: int,
+    batch_seq: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The scratch rows (slots from ``num_slots``) no batch holds any more, ascending, and the
+    dirty ones' slots and keys (`HotCache.release`)."""
+    return _plan().scratch_done(slot_keys, locks, batch_of, dirty, num_slots, batch_seq)
+
+
+def free_slots(
+    slots: np.ndarray,
+    slot_keys: np.ndarray,
+    dirty: np.ndarray,
+    where: np.ndarray,
+    row_offset: np.ndarray,
+    fusion_k: int,
+) -> None:
+    """The rows held at ``slots`` leave the cache: row index entries cleared, slots empty and
+    clean."""
+    _plan().free_slots(slots, slot_keys, dirty, where, row_offset, fusion_k)
+
+
+def reserve(
+    ids: np.ndarray,
+    slots: np.ndarray,
+    miss_pos: np.ndarray,
+    order: np.ndarray,
+    place: np.ndarray,
+    where: np.ndarray,
+    row_offset: np.ndarray,
+    fusion_k: int,
+    slot_keys: np.ndarray,
+    scores: np.ndarray,
+    locks: np.ndarray,
+    dirty: np.ndarray,
+    num_slots: int,
+    tick: int,
+) -> tuple[np.ndarray, ...]:
+    """Every miss given its planned slot, the victims recorded, the slots re-keyed and
+    re-indexed, the batch locked and touched. Returns the misses' slots, the dirty victims'
+    ids and slots, every evicted id, and each reserved slot's old key, score and dirty flag."""
+    return _plan().reserve(
+        ids,
+        slots,
+        miss_pos,
+        order,
+        place,
+        where,
+        row_offset,
+        fusion_k,
+        slot_keys,
+        scores,
+        locks,
+        dirty,
+        num_slots,
+        tick,
+    )
+
+
+def unique_rows(
+    ids: np.ndarray,
+    row_offset: np.ndarray,
+    fusion_k: int,
+    bits: np.ndarray,
+    word_rank: np.ndarray,
+    row_starts: np.ndarray,
+    row_tables: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``torch.unique(ids, sorted=True, return_inverse=True)`` for fused ids of bounded
+    tables, through a bitmap over their rows (``bits``, all zero, left all zero) and a rank per
+    word of it (`HotCache.unique_by_rows`)."""
+    return _plan().unique_rows(ids, row_offset, fusion_k, bits, word_rank, row_starts, row_tables)
+
+
+def unique_values(
+    values: np.ndarray,
+    bounds: np.ndarray,
+    bases: np.ndarray,
+    limits: np.ndarray,
+    fusion_k: int,
+    bits: np.ndarray,
+    word_rank: np.ndarray,
+    row_starts: np.ndarray,
+    row_tables: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """`unique_rows` of raw ids (feature ``f``'s values ``values[bounds[f] : bounds[f + 1]]``
+    rows of the table starting at ``bases[f]``, valid below ``limits[f]``), checked in the
+    same pass: ``(unique fused ids, inverse, -1)``, or two empty arrays and the first bad
+    value's position (``len(values)``: bounds that do not cover the values)."""
+    return _plan().unique_values(
+        values, bounds, bases, limits, fusion_k, bits, word_rank, row_starts, row_tables
+    )
+
+
+def group_by_table(
+    fused: np.ndarray,
+    fusion_k: int,
+    ascending: bool,
+    counts: np.ndarray,
+    order: np.ndarray,
+    raw: np.ndarray,
+) -> int:
+    """Fused ids grouped by table (`TierTransfer._grouped`), ``counts`` (zero on entry) the ids
+    of each table: `GROUP_SORTED` when sorted already (``raw`` the raw ids), `GROUP_BY_COUNTS`
+    when grouped by a counting sort (``order``, ``raw`` in that order), `GROUP_NEEDS_SORT` when
+    a sort is needed (``ascending``)."""
+    return _rows().group_by_table(fused, fusion_k, ascending, counts, order, raw)
+
+
+# ----------------------------------------------------------------------------------------------
+# row moves: the tiers' tables, a cache's slot storage, the initialiser's rows, writes at
+# positions, the TBE step's bag order
+# ----------------------------------------------------------------------------------------------
+
+
+class OutOfRangeError(IndexError):
+    """A compiled pass was given a position out of its array's range and wrote nothing.
+
+    Attributes:
+        position: where in the positions given the first bad one is.
+    """
+
+    def __init__(self, what: str, value: int, position: int, size: int) -> None:
+        super().__init__(
+            f"{what} {value} at position {position} is out of bounds for dimension 0 with "
+            f"size {size} (nothing was written)"
+        )
+        self.position = position
+
+
+def hashed_uniform(ids: np.ndarray, salt: int, mid: float, half: float, out: np.ndarray) -> None:
+    """The hashed uniform initialiser's float32 rows of int64 ``ids`` (>= 0) into ``out``
+    ``[n, dim]`` (`kv.base.hashed_init`, the same bits as its torch ops)."""
+    _rows().hashed_uniform(ids, salt, mid, half, out)
+
+
+def scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
+    """``dst[idx] = src`` for 2-D arrays of one dtype and int64 ``idx`` (in range, distinct)."""
+    _rows().scatter_rows(dst, idx, src)
+
+
+def write_at(arr: np.ndarray, idx: np.ndarray, value: np.generic, *, add: bool) -> None:
+    """``arr[idx] = value`` (``add``: ``+= value``, a repeated position added to once per
+    occurrence) for 1-D ``arr`` and int64 ``idx``, every position checked first.
+
+    Raises:
+        OutOfRangeError: a position outside ``arr`` (nothing is written).
+    """
+    bad = _rows().write_at(arr, idx, value, add)
+    if bad >= 0:
+        raise OutOfRangeError("index", int(idx[bad]), bad, arr.shape[0])
+
+
+def scatter_split(
+    weights: np.ndarray, state: np.ndarray, slots: np.ndarray, rows: np.ndarray
+) -> None:
+    """``weights[slots], state[slots] = rows[:, :dim], rows[:, dim:]`` for float32 arrays
+    (a cache's copy-in of stored rows)."""
+    _rows().scatter_split(weights, state, slots, rows)
+
+
+def gather_join(weights: np.ndarray, state: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    """``out = [weights[slots] | state[slots]]`` for float32 arrays (a cache's stored rows)."""
+    _rows().gather_join(weights, state, slots, out)
+
+
+def gather_created(rows: np.ndarray, created: np.ndarray, ids: np.ndarray, out: np.ndarray) -> int:
+    """``out = rows[ids]`` (same dtype), returning how many of ``ids`` are not ``created``
+    (a dense tier table's read; ids in range)."""
+    return _rows().gather_created(rows, created, ids, out)
+
+
+def scatter_created(
+    rows: np.ndarray, created: np.ndarray, ids: np.ndarray, src: np.ndarray
+) -> None:
+    """``rows[ids] = src`` and ``created[ids] = True`` (a dense tier table's write; ids in
+    range)."""
+    _rows().scatter_created(rows, created, ids, src)
+
+
+def array_list(arrays: list[np.ndarray]) -> Any:
+    """``arrays`` (of one dtype, rank and layout) as a list the kernels can take (numba's typed
+    list: building one costs about 2 us an array, so callers keep it while the arrays live)."""
+    from numba import typed
+
+    return typed.List(arrays)
+
+
+def _bad_id(limits: np.ndarray, ids: np.ndarray, bounds: np.ndarray, at: int) -> OutOfRangeError:
+    """The error for the kernels' first bad position ``at`` of a grouped call."""
+    table = int(np.searchsorted(bounds, at, side="right")) - 1
+    return OutOfRangeError(f"id of table {table}", int(ids[at]), at, int(limits[table]))
+
+
+def gather_tables(
+    tables: Any,
+    created: Any,
+    limits: np.ndarray,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    out: np.ndarray,
+) -> int:
+    """`gather_created` over several dense tables in one pass: ids ``bounds[t] .. bounds[t +
+    1]`` are rows of ``tables[t]`` (typed lists of `array_list`; ``created[t]`` its mask, ids
+    valid below ``limits[t]``), gathered into ``out`` in order. Returns how many are not
+    created (their rows are gathered as they stand).
+
+    Raises:
+        OutOfRangeError: an id out of its table's range (nothing is written).
+    """
+    found = _rows().gather_tables(tables, created, limits, ids, bounds, out)
+    if found < 0:
+        raise _bad_id(limits, ids, bounds, -1 - found)
+    return found
+
+
+def scatter_tables(
+    tables: Any,
+    created: Any,
+    limits: np.ndarray,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    src: np.ndarray,
+) -> None:
+    """`scatter_created` over several dense tables in one pass (ids as `gather_tables` takes
+    them), every id checked first.
+
+    Raises:
+        OutOfRangeError: an id out of its table's range (nothing is written).
+    """
+    bad = _rows().scatter_tables(tables, created, limits, ids, bounds, src)
+    if bad >= 0:
+        raise _bad_id(limits, ids, bounds, bad)
+
+
+def _bad_id_or_slot(
+    limits: np.ndarray, ids: np.ndarray, bounds: np.ndarray, slots: np.ndarray, rows: int, at: int
+) -> OutOfRangeError:
+    table = int(np.searchsorted(bounds, at, side="right")) - 1
+    if 0 <= ids[at] < limits[table]:
+        return OutOfRangeError("slot", int(slots[at]), at, rows)
+    return _bad_id(limits, ids, bounds, at)
+
+
+def gather_tables_into(
+    tables: Any,
+    created: Any,
+    limits: np.ndarray,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    weights: np.ndarray,
+    state: np.ndarray,
+    slots: np.ndarray,
+) -> int:
+    """`gather_tables` straight into a cache's slot storage: the row of id ``i`` goes to
+    ``weights[slots[i]]`` (its first ``dim`` values) and ``state[slots[i]]`` (the rest).
+    Returns 0 when every row was moved, else how many rows are not created (and nothing is
+    moved: every row must exist).
+
+    Raises:
+        OutOfRangeError: an id out of its table's range or a slot out of the storage (nothing is
+            written).
+    """
+    found = _rows().gather_tables_into(tables, created, limits, ids, bounds, weights, state, slots)
+    if found < 0:
+        raise _bad_id_or_slot(limits, ids, bounds, slots, weights.shape[0], -1 - found)
+    return found
+
+
+def scatter_tables_from(
+    tables: Any,
+    created: Any,
+    limits: np.ndarray,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    weights: np.ndarray,
+    state: np.ndarray,
+    slots: np.ndarray,
+) -> None:
+    """`scatter_tables` straight out of a cache's slot storage: id ``i``'s row is
+    ``weights[slots[i]]`` then ``state[slots[i]]``, every id and slot checked first.
+
+    Raises:
+        OutOfRangeError: an id out of its table's range or a slot out of the storage (nothing is
+            written).
+    """
+    bad = _rows().scatter_tables_from(tables, created, limits, ids, bounds, weights, state, slots)
+    if bad >= 0:
+        raise _bad_id_or_slot(limits, ids, bounds, slots, weights.shape[0], bad)
+
+
+def bags_sample_major(
+    slots: np.ndarray,
+    inverse: np.ndarray,
+    offsets: np.ndarray,
+    batch_size: int,
+    weights: np.ndarray,
+    out: np.ndarray,
+    out_offsets: np.ndarray,
+    out_weights: np.ndarray,
+) -> None:
+    """A batch's values as slots (``out[k] = slots[inverse[i]]``) and weights, its bags moved
+    from feature-major (``offsets[f * B + b]``) to sample-major order (bag ``b * F + f``)
+    with their offsets ``[F * B + 1]`` (the TBE step's indices: `engine.tbe_step`),
+    one pass. ``weights`` empty: unweighted (``out_weights`` is not written)."""
+    _rows().bags_sample_major(
+        slots, inverse, offsets, batch_size, weights, out, out_offsets, out_weights
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# numba: whether it imports here, and its compilations
+# ----------------------------------------------------------------------------------------------
+
 
 _NUMBA: list = []  # [njit or None], filled on first use
 

@@ -3,7 +3,7 @@
 `mix64` is splitmix64's finaliser (`embcache.hashing.mix64`), the hash of the initialiser and of
 a cache's sets. `popcount` is LLVM's ``ctpop``, one instruction on the CPUs this runs on (x86-64
 with POPCNT, arm64). The compiled dedup ranks a row by counting the bits set before it in the
-batch's bitmap instead of keeping a rank per row (`dedup_kernels.unique_rows`), and lists the
+batch's bitmap instead of keeping a rank per row (`plan_kernels.unique_rows`), and lists the
 set bits of a word lowest first through `DEBRUIJN`.
 """
 

@@ -1,5 +1,6 @@
-"""The numba kernels that move rows behind `embcache.native.rows` (imported only when numba
-can be: see there for what each computes and which torch path it mirrors)."""
+"""The numba kernels that move rows behind `embcache.native` (imported only when numba can be:
+see there for what each computes and which torch path it mirrors), and `group_by_table`, which
+groups a tier transfer's ids by table for the grouped moves."""
 
 from __future__ import annotations
 
@@ -267,3 +268,37 @@ def bags_sample_major(slots, inverse, offsets, batch_size, weights, out, out_off
                     out_weights[at] = weights[i]
                 at += 1
             out_offsets[b * features + f + 1] = at
+
+
+@jit
+def group_by_table(fused, fusion_k, ascending, counts, order, raw):
+    """Fused ids grouped by table (`cache.transfer.TierTransfer._grouped`): ``counts[t]``
+    (all zero on entry) gets the number of ids of table ``t``. Returns 0 when ``fused`` is
+    sorted already (``raw`` gets each id's raw part, in place: nothing to move); 1 when it is
+    not and ``ascending`` is False (``order`` gets the positions grouped by table, each
+    table's in their order in ``fused``, and ``raw`` the raw ids in that order: a counting
+    sort); 2 when it is not and ``ascending`` asks for a sort (nothing more is written)."""
+    n = fused.shape[0]
+    mask = (np.int64(1) << fusion_k) - 1
+    ordered = True
+    for i in range(n):
+        counts[fused[i] >> fusion_k] += 1
+        if i and fused[i] < fused[i - 1]:
+            ordered = False
+    if ordered:
+        for i in range(n):
+            raw[i] = fused[i] & mask
+        return 0
+    if ascending:
+        return 2
+    cursor = np.empty(counts.shape[0], np.int64)
+    at = 0
+    for t in range(counts.shape[0]):
+        cursor[t] = at
+        at += counts[t]
+    for i in range(n):
+        t = fused[i] >> fusion_k
+        order[cursor[t]] = i
+        raw[cursor[t]] = fused[i] & mask
+        cursor[t] += 1
+    return 1

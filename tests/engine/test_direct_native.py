@@ -2,10 +2,10 @@
 replaces (the specification: `CacheEngine._direct_slots`, the cache's map or stamps).
 
 Two collections on the TBE step, one with the compiled kernels and one without (the native
-backend without numba: `native.importable` patched to False), train on the same batches.
-After every forward and every step they must agree exactly on the cache's hits, dirty flags,
-rows and optimizer state (both run the same FBGEMM kernels on the same rows), and each must
-have taken its own path. The kernel itself is checked against ``torch.unique``.
+backend without numba: `backend.NATIVE` patched to `NATIVE_WITHOUT_NUMBA`), train on the
+same batches. After every forward and every step they must agree exactly on the cache's hits,
+dirty flags, rows and optimizer state (both run the same FBGEMM kernels on the same rows), and
+each must have taken its own path. The kernel itself is checked against ``torch.unique``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import embcache
+import embcache.backend as backend
 import embcache.native as native_module
 import embcache.native.direct as native_direct
 from embcache.engine.batch_state import Prepared
@@ -106,7 +107,7 @@ def test_compiled_and_torch_direct_shares_train_alike(monkeypatch, shape: str) -
     for native in (True, False):
         with monkeypatch.context() as m:
             if not native:
-                m.setattr(native_module, "importable", lambda: False)
+                m.setattr(backend, "NATIVE", backend.NATIVE_WITHOUT_NUMBA)
             ebc, opt = _build(m)
             gen = torch.Generator().manual_seed(1)
             trace = []

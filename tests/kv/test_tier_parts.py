@@ -9,7 +9,7 @@ import pytest
 from embcache.kv.base import Store
 from embcache.kv.held_rows import HeldRows, HeldTable
 from embcache.kv.host import HostKV
-from embcache.kv.host_grouped import GroupedPasses
+from embcache.kv.host_tables import GroupedPasses
 from embcache.kv.redis_calls import RedisCalls
 from embcache.kv.redis_declare import TableDeclarations
 from embcache.kv.redis_kv import RedisKV
