@@ -800,8 +800,16 @@ def _all_locked(caches: Sequence[HotCache]) -> Iterator[None]:
         yield
 
 
-@profiled("cache.release_scratch")
 def _release_all(caches: Sequence[HotCache]) -> None:
+    """The scratch rows of finished batches released, in every cache whose area holds any
+    (the others have nothing to release: not called)."""
+    using = [c for c in caches if c.planner.scratch.used]
+    if using:
+        _release_scratch(using)
+
+
+@profiled("cache.release_scratch")
+def _release_scratch(caches: Sequence[HotCache]) -> None:
     run_together([c.planner.release_steps() for c in caches])
 
 
