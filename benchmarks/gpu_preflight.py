@@ -74,6 +74,8 @@ CHECKED = {
 ON_HOST = {
     "ids.first_bad_key": "a CPU cache's check of its keys",
     "ids.row_dedup": "a CPU cache's dedup through its row index",
+    "ids.direct_rows": "a direct CPU cache's share on FBGEMM's CPU TBE (its distinct rows)",
+    "ids.bags_sample_major": "the indices of FBGEMM's CPU TBE (bags moved sample-major)",
     **{
         f"plan.{op}": "the compiled CPU plan (numba)"
         for op in ("plan_lru", "plan_lfu", "touch_lfu", "reserve", "scratch_done", "free_slots")

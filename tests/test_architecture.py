@@ -331,18 +331,13 @@ IMPLEMENTATION_MODULES = ("spec", "triton", "native")
 # The compiled CPU loops of the migrated families: called by their `ops/<family>/native.py`.
 MIGRATED_NATIVE = frozenset(
     {"first_bad_key", "unique_rows", "unique_values", "plan_lru", "plan_lfu", "touch_lfu",
-     "reserve", "scratch_done", "free_slots"}
+     "reserve", "scratch_done", "free_slots", "bags_sample_major", "DistinctRows"}
 )  # fmt: skip
 # Modules outside `embcache/ops/` allowed to reach an implementation, or to ask which one is
 # present, in a migrated family, each with its reason (a debt: the tests below fail once it is
 # paid, so drop the entry then).
 IMPLEMENTATION_DEBTS: dict[str, str] = {
-    "embcache.engine.engine": "CacheEngine._direct_native asks its cache's backend.compiled "
-    "whether the compiled direct-share pass runs (native.direct.DistinctRows, the TBE step's "
-    "share of a direct cache), which no family holds yet",
-    "embcache.engine.tbe_step": "TbeStep asks its cache's backend.compiled whether to move the "
-    "bags with the compiled pass (native.bags_sample_major), which no family holds yet; it "
-    "reads the pooling and update families for PoolingMode and the rules only",
+    # Modules allowed to reach an implementation, each with its reason (none today).
 }
 # What asks which implementation is present: per call (``use_triton``, ``cpu_backend``), or a
 # held `Backend`'s family (``backend.compiled``, ``backend.triton``). Choosing the `Backend`

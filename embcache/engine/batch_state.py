@@ -18,7 +18,7 @@ from embcache.engine.inputs import JaggedBatch
 class DirectIds:
     """A batch share served by a direct-mapped cache without dedup or resolve (the TBE
     step): the raw ids as the tables number them, and the slot of each or (found by a
-    compiled pass, `native.direct.DistinctRows`) the distinct slots; the engine computes the
+    compiled pass, `IdsOps.direct_rows`) the distinct slots; the engine computes the
     slot of each when it needs them (`CacheEngine.value_slots`)."""
 
     values: torch.Tensor  # int64 [nnz] raw ids, the cache's features in layout order

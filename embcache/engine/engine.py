@@ -35,7 +35,7 @@ from embcache.kernels.ids import (
     dedup_grouped,
     fuse_ids,
 )
-from embcache.native import direct as native_direct
+from embcache.ops.ids import DirectRows
 from embcache.ops.update import RowUpdate
 from embcache.profiling import profiled
 
@@ -146,7 +146,7 @@ class CacheEngine:
         # applies to the attached optimizer; None: the twins (or Triton) do every phase.
         self.tbe_step: TbeStepLike | None = None
         self._bases: torch.Tensor | None = None  # direct mapping: slot of row 0 per feature
-        self._distinct_rows: native_direct.DistinctRows | None = None  # its compiled pass
+        self._distinct_rows: DirectRows | None = None  # its pass (`_direct_rows`)
         self._row_ranges: tuple[torch.Tensor, torch.Tensor] | None = None  # `unique_share`'s
         self._columns: torch.Tensor | None = None
 
@@ -293,8 +293,8 @@ class CacheEngine:
         """This cache's share of a checked training batch, served straight from its slots when
         the cache maps every row directly and the TBE step pools it (FBGEMM's TBE reads
         rows by table and raw id, and sums repeated ids in its own backward): the ids are
-        checked and each value's slot computed (`_direct_slots`), or where the compiled kernels
-        run, the batch's distinct rows found in the same pass (`_direct_native`), nothing
+        checked and each value's slot computed (`_direct_slots`), or where the ids family is
+        compiled, the batch's distinct rows found in the same pass (`_direct_rows`), nothing
         more. None when that does not apply.
 
         Raises:
@@ -310,19 +310,21 @@ class CacheEngine:
         # The batch's own offsets when this cache reads all its features in its order.
         whole = batch.keys() == self.layout.features
         offsets = (batch.offsets() if whole else _offsets(lengths)).to(self.device, torch.int64)
-        share = self._direct_native(values, offsets, batch.stride())
+        share = self._direct_rows(values, offsets, batch.stride())
         if share is None:
             share = DirectIds(values, self._direct_slots(batch, values, lengths).to(self.device))
         return Prepared(None, None, None, offsets, weights, False, direct=share)
 
-    def _direct_native(
+    def _direct_rows(
         self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int
     ) -> DirectIds | None:
         """The share with its distinct rows found by one compiled pass over the values, which
-        checks the ids as `_direct_slots` does (`native.direct.DistinctRows`); None when the
-        compiled kernels do not run here, or an id or the offsets are wrong (`_direct_slots`
-        then raises naming it)."""
-        if not self.cache.backend.compiled:
+        checks the ids as `_direct_slots` does (`IdsOps.direct_rows`); None when the cache's
+        ids family is not compiled (`IdsOps.compiled`: its torch specification of the pass is
+        what that pass is tested against, and this engine's own torch path serves the share),
+        or an id or the offsets are wrong (`_direct_slots` then raises naming it)."""
+        ids = self.cache.ops.ids
+        if not ids.compiled:
             return None
         if self._distinct_rows is None:
             bases = self.cache.direct_bases()
@@ -330,12 +332,12 @@ class CacheEngine:
             for t in self.layout.feature_table:
                 assert t.num_embeddings is not None  # a direct-mapped cache's are bounded
                 table_rows.append(t.num_embeddings)
-            self._distinct_rows = native_direct.DistinctRows(
+            self._distinct_rows = ids.direct_rows(
                 table_rows,
                 [bases[t.index] for t in self.layout.feature_table],
                 self.cache.num_slots,
             )
-        rows = self._distinct_rows(values.contiguous(), offsets.contiguous(), batch_size)
+        rows = self._distinct_rows(values, offsets, batch_size)
         return None if rows is None else DirectIds(values, None, rows)
 
     def _direct_slots(self, batch: JaggedBatch, values: torch.Tensor, lengths: torch.Tensor

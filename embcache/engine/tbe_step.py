@@ -36,10 +36,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-import embcache.native as native
 from embcache.engine.batch_state import InFlight, Prepared
 from embcache.kernels.optim import OptimRule
 from embcache.kernels.optim_rules import RULES
@@ -104,97 +102,21 @@ class PendingUpdate:
     lr: float  # the learning rate the TBE's graph applies (fixed at its forward)
 
 
-def _sample_major(
-    p: Prepared, batch_size: int, compiled: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The slot of every value, the bag offsets and the per-sample weights with the bags in
-    sample-major order (bag ``(b, f)`` at ``b * F + f``; the batch holds them feature-major):
-    moving the ids costs less than transposing the pooled rows and their gradient.
-    ``compiled``: through the compiled pass where the share's tensors allow (the choice of
-    `TbeStep`), else torch ops."""
-    assert p.slots is not None and p.inverse is not None  # resolved: not a direct share
-    num_bags = p.offsets.numel() - 1
-    features = num_bags // batch_size if batch_size else 0
-    if features <= 1:
-        return p.slots.index_select(0, p.inverse), p.offsets, p.weights
-    n = p.inverse.numel()
-    if compiled and _compiled_share(p):
-        # One pass gathers each value's slot and moves its bag (`native.bags_sample_major`).
-        indices = torch.empty(n, dtype=torch.int64)
-        offsets = torch.empty(num_bags + 1, dtype=torch.int64)
-        weights = None if p.weights is None else torch.empty(n, dtype=torch.float32)
-        native.bags_sample_major(
-            slots=p.slots.numpy(),
-            inverse=p.inverse.numpy(),
-            offsets=p.offsets.contiguous().numpy(),
-            batch_size=batch_size,
-            weights=_NO_WEIGHTS if p.weights is None else p.weights.contiguous().numpy(),
-            out=indices.numpy(),
-            out_offsets=offsets.numpy(),
-            out_weights=_NO_WEIGHTS if weights is None else weights.numpy(),
-        )
-        return indices, offsets, weights
-    bag_lengths = p.offsets[1:] - p.offsets[:-1]
-    shortest, longest = torch.stack(torch.aminmax(bag_lengths)).tolist() if num_bags else (0, 1)
-    slots = p.slots.index_select(0, p.inverse)
-    if shortest == longest == 0:
-        return slots, p.offsets, p.weights
-    if shortest == longest:  # bags of one length: a transpose of [F, B, L]
-
-        def moved(t: torch.Tensor) -> torch.Tensor:
-            return t.view(features, batch_size, longest).transpose(0, 1).reshape(-1)
-
-        offsets = torch.arange(0, n + 1, longest, dtype=torch.int64, device=slots.device)
-        return moved(slots), offsets, None if p.weights is None else moved(p.weights)
-    starts = p.offsets[:-1].view(features, batch_size).t().reshape(-1)
-    lengths = bag_lengths.view(features, batch_size).t().reshape(-1)
-    offsets = torch.zeros(num_bags + 1, dtype=torch.int64, device=slots.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    # Value i of sample-major bag k sits at starts[k] + (i - offsets[k]) in the batch.
-    perm = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=n)
-    perm += torch.arange(n, dtype=torch.int64, device=slots.device)
-    weights = None if p.weights is None else p.weights.index_select(0, perm)
-    return slots.index_select(0, perm), offsets, weights
-
-
-def _compiled_share(p: Prepared) -> bool:
-    """Whether a share's slots can reach the TBE through the compiled pass (CPU int64 slots,
-    inverse and offsets, float32 weights)."""
-    return (
-        p.slots is not None
-        and p.inverse is not None
-        and p.slots.device.type == p.inverse.device.type == p.offsets.device.type == "cpu"
-        and p.slots.dtype == p.inverse.dtype == p.offsets.dtype == torch.int64
-        and (p.weights is None or p.weights.dtype == torch.float32)
-        and p.slots.is_contiguous()
-        and p.inverse.is_contiguous()
-    )
-
-
-_NO_WEIGHTS = np.empty(0, dtype=np.float32)  # `native.bags_sample_major` without weights
-
-
 class TbeStep:
-    """A TBE bound to one cache's slot storage, for one optimizer rule.
+    """A TBE bound to one cache's slot storage, for one optimizer rule. The batch's bags reach
+    it sample-major through the cache's ids family (`IdsOps.bags_sample_major`: one compiled
+    pass where that family is numba's).
 
     Args:
-        cache: the `HotCache` whose ``weights`` and ``state`` the TBE reads and updates.
+        cache: the `HotCache` whose ``weights`` and ``state`` the TBE reads and updates, and
+            whose bound ops (``ops``) move the bags.
         mode: the pooling mode of every feature of the cache (SUM or MEAN).
         rule: the optimizer rule; ``eps`` its epsilon.
-        compiled: move the batch's bags with the compiled pass (`native.bags_sample_major`);
-            None: when the cache's backend is the compiled one (`embcache.backend`).
     """
 
-    def __init__(
-        self,
-        cache: Any,
-        mode: PoolingMode,
-        rule: OptimRule,
-        eps: float,
-        compiled: bool | None = None,
-    ) -> None:
+    def __init__(self, cache: Any, mode: PoolingMode, rule: OptimRule, eps: float) -> None:
         self.cache = cache
-        self.compiled = cache.backend.compiled if compiled is None else compiled
+        self.ids = cache.ops.ids  # the family bound for the cache (`HotCache.ops`)
         self.mode = mode
         self.rule = rule
         self.eps = eps
@@ -321,7 +243,11 @@ class TbeStep:
         TBE's row update at learning rate ``lr``), and the storage that graph is bound to."""
         tbe = self._table()
         self._set_lr(tbe, lr)  # the CPU op reads it at the forward
-        indices, offsets, weights = _sample_major(p, batch_size, self.compiled)
+        # Moving the ids costs less than transposing the pooled rows and their gradient.
+        assert p.slots is not None and p.inverse is not None  # resolved: not a direct share
+        indices, offsets, weights = self.ids.bags_sample_major(
+            p.slots, p.inverse, p.offsets, p.weights, batch_size
+        )
         with torch.enable_grad():
             pooled = tbe(indices, offsets, per_sample_weights=weights)
         return pooled, self._bound

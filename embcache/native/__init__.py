@@ -42,7 +42,7 @@ the op families' implementations bound for it (`embcache.ops`: the ids and plan 
   `gather_tables_into`, `scatter_tables_from` straight between those tables and a CPU cache's
   slots, with no rows array between (`HostKV.get_grouped_into`, `put_grouped_from`);
 * `bags_sample_major`: each value's slot (and weight) with the bags in the TBE step's
-  order, and their offsets (`engine.tbe_step`).
+  order, and their offsets (`ops.ids.native`, `IdsOps.bags_sample_major`).
 
 This module is their typed entry points: numpy views in (no copy), the kernels' results out.
 Some return what their kernel returns, -1 or a position (the first bad key, the first slot not
@@ -509,7 +509,7 @@ def bags_sample_major(
 ) -> None:
     """A batch's values as slots (``out[k] = slots[inverse[i]]``) and weights, its bags moved
     from feature-major (``offsets[f * B + b]``) to sample-major order (bag ``b * F + f``)
-    with their offsets ``[F * B + 1]`` (the TBE step's indices: `engine.tbe_step`),
+    with their offsets ``[F * B + 1]`` (the TBE step's indices: `IdsOps.bags_sample_major`),
     one pass. ``weights`` empty: unweighted (``out_weights`` is not written)."""
     _rows().bags_sample_major(
         slots, inverse, offsets, batch_size, weights, out, out_offsets, out_weights

@@ -10,7 +10,9 @@ seen in a bit per cache row, and the dirty flags are then set at the distinct ro
 (`indexing.fill_at`, itself a compiled pass on a CPU). No value's slot is written: only a
 share read without its TBE needs them.
 
-Only the engine of a cache whose `embcache.backend.Backend` is compiled (``native``) uses it.
+The ids family's compiled implementation uses it (`ops.ids.native`, `IdsOps.direct_rows`,
+whose torch specification is `ops.ids.direct_rows.DirectRows`): the engine of a cache bound to
+it (`IdsOps.compiled`) takes this pass in place of its torch path.
 """
 
 from __future__ import annotations

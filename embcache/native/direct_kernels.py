@@ -22,19 +22,20 @@ def direct_rows(values, offsets, batch_size, feature_rows, feature_bases, seen, 
 
     Returns how many rows were appended (the batch's distinct slots, in order of first sight),
     ``-1 - i`` for the first value ``i`` out of its table's range, or `BAD_OFFSETS` when the
-    offsets do not run from 0 to the last value."""
+    offsets do not run from 0 to the last value, feature after feature (checked first: no
+    value outside the batch is read)."""
     n = values.shape[0]
     n_features = feature_rows.shape[0]
     if offsets[0] != 0 or offsets[n_features * batch_size] != n:
         return BAD_OFFSETS
+    for f in range(n_features):  # every feature's values inside the batch's, before any read
+        if offsets[(f + 1) * batch_size] < offsets[f * batch_size]:
+            return BAD_OFFSETS
     count = 0
     verdict = np.int64(0)
     for f in range(n_features):
         lo = offsets[f * batch_size]
         hi = offsets[(f + 1) * batch_size]
-        if hi < lo:
-            verdict = BAD_OFFSETS
-            break
         limit = feature_rows[f]
         base = feature_bases[f]
         for i in range(lo, hi):

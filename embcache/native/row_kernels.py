@@ -233,7 +233,7 @@ def _first_bad_of_tables(limits, ids, bounds):
 @jit
 def bags_sample_major(slots, inverse, offsets, batch_size, weights, out, out_offsets,
                       out_weights):  # fmt: skip
-    """The TBE step's indices (`engine.tbe_step._sample_major`): bag ``(f, b)`` of a
+    """The TBE step's indices (`IdsOps.bags_sample_major`): bag ``(f, b)`` of a
     batch held feature-major (``offsets[f * B + b]``) moved to ``b * F + f``, each value
     replaced by its slot ``slots[inverse[i]]`` into ``out``, its per-sample weight (when
     ``weights`` is not empty) into ``out_weights``, and the new bag offsets into

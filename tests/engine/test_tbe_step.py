@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import embcache
-import embcache.native as native
 from embcache.engine.tbe_step import PendingUpdate, TbeStep
 
 pytest.importorskip("fbgemm_gpu")
@@ -358,59 +357,6 @@ def test_for_engine_needs_fbgemm(monkeypatch) -> None:
     ebc = embcache.CachedEmbeddingBagCollection(tables=_tables(), seed=0)
     opt = embcache.SparseSGD([ebc], lr=0.1)
     assert TbeStep.for_engine(ebc.engines.engines[0], opt) is None
-
-
-def _sample_major_reference(slots: list[int], offsets: list[int], F: int, B: int):
-    """Bag (b, f) at b * F + f: the slots and offsets by reading each bag in that order."""
-    order = [f * B + b for b in range(B) for f in range(F)]
-    values, out_offsets = [], [0]
-    for bag in order:
-        values += slots[offsets[bag] : offsets[bag + 1]]
-        out_offsets.append(len(values))
-    return values, out_offsets
-
-
-@pytest.mark.parametrize("backend", ["auto", "torch"], ids=["compiled pass", "torch ops"])
-@pytest.mark.parametrize("lengths", ["zero", "one", "three", "mixed"])
-def test_bags_go_to_the_tbe_sample_major(monkeypatch, lengths: str, backend: str) -> None:
-    """`_sample_major` against reading each bag in sample-major order: bags of one length (a
-    transpose, empty bags included) and of mixed lengths (a permutation), weights following
-    their values, through the compiled pass and the torch ops."""
-    from embcache.engine.batch_state import Prepared
-    from embcache.engine.tbe_step import _sample_major
-
-    monkeypatch.setenv("EMBCACHE_BACKEND", backend)
-    compiled = native.importable()  # as `TbeStep` chooses
-
-    F, B = 3, 5
-    gen = torch.Generator().manual_seed(len(lengths))
-    sizes = {
-        "zero": torch.zeros(F * B, dtype=torch.int64),
-        "one": torch.ones(F * B, dtype=torch.int64),
-        "three": torch.full((F * B,), 3, dtype=torch.int64),
-        "mixed": torch.randint(0, 4, (F * B,), generator=gen),
-    }[lengths]
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
-    nnz = int(offsets[-1])
-    unique_slots = torch.randperm(100, generator=gen)[:7]
-    inverse = torch.randint(0, 7, (nnz,), generator=gen)
-    weights = torch.rand(nnz, generator=gen)
-    p = Prepared(unique_slots, inverse, unique_slots, offsets, weights, True)
-    got_slots, got_offsets, got_weights = _sample_major(p, B, compiled)
-    slots = unique_slots[inverse].tolist()
-    want_slots, want_offsets = _sample_major_reference(slots, offsets.tolist(), F, B)
-    assert got_slots.tolist() == want_slots
-    assert got_offsets.tolist() == want_offsets
-    # Weights travel with their values: tag each value by its position and compare.
-    tagged = Prepared(unique_slots, inverse, unique_slots, offsets, torch.arange(nnz) * 1.0, True)
-    _, _, moved = _sample_major(tagged, B, compiled)
-    positions, _ = _sample_major_reference(list(range(nnz)), offsets.tolist(), F, B)
-    assert moved.tolist() == [float(i) for i in positions]
-    unweighted = Prepared(unique_slots, inverse, unique_slots, offsets, None, True)
-    slots_only, offsets_only, none = _sample_major(unweighted, B, compiled)
-    assert slots_only.tolist() == want_slots and offsets_only.tolist() == want_offsets
-    assert none is None
-    assert torch.equal(got_weights, weights[torch.tensor(positions, dtype=torch.int64)])
 
 
 def test_bags_of_one_length_train_as_the_twins(monkeypatch) -> None:

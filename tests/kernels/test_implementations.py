@@ -33,7 +33,6 @@ import pytest
 import torch
 
 import embcache.native as native
-from embcache.backend import for_device
 from embcache.engine import tbe_step
 from embcache.engine.batch_state import Prepared
 from embcache.indexing import copy_rows
@@ -47,7 +46,7 @@ from embcache.kernels.pooling import PoolingMode, pool_backward
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
 from embcache.ops.ids import IdsOps
-from embcache.ops.registry import implementations
+from embcache.ops.registry import implementations, ops_for
 
 HAS_NUMBA = native._njit() is not None
 HAS_FBGEMM = tbe_step._fbgemm() is not None
@@ -285,7 +284,7 @@ def _backward_reference(p: SimpleNamespace, mode: PoolingMode, argmax: torch.Ten
 def _fbgemm_step(p: SimpleNamespace, mode: PoolingMode, rule: OptimRule, weights, state):
     """A `TbeStep` over a stand-in cache holding ``weights`` / ``state`` as its slots."""
     cache = SimpleNamespace(
-        weights=weights, state=state, storage_lock=threading.Lock(), backend=for_device("cpu")
+        weights=weights, state=state, storage_lock=threading.Lock(), ops=ops_for("cpu")
     )
     step = tbe_step.TbeStep(cache, mode, rule, eps=1e-8)
     prepared = Prepared(

@@ -1,5 +1,7 @@
 """The ids family: validate and fuse a batch's ids, unfuse them, dedup them (one cache, or
-several in one sort on the device path), and a cache's checks and row-map dedup of fused ids.
+several in one sort on the device path), a cache's checks and row-map dedup of fused ids, and
+the batch as FBGEMM's TBE step reads it (each value's slot with its bags in sample-major order;
+a direct-mapped share's ids checked and its distinct rows found).
 
 `IdsOps` is the family's protocol; its implementations are `spec.SpecIds` (torch, the
 specification), `triton.TritonIds` (the Triton kernels) and `native.NativeIds` (numba's
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from embcache.ops.ids.direct_rows import DirectRows
 from embcache.ops.ids.row_map import RowDedup
 from embcache.ops.ids.shared import Deduped, IdVerdict, JointPlan, JointShares, Marked
 
@@ -25,10 +28,15 @@ class IdsOps(Protocol):
         name: ``"spec"``, ``"triton"`` or ``"native"``.
         joint: whether the joint dedup runs here (`sort_and_mark`, `scatter_joint`): the
             device path's, else they raise NotImplementedError.
+        compiled: whether `direct_rows` is one compiled pass over the values here (numba's),
+            which the engine prefers to its own torch path for a direct share
+            (`CacheEngine._direct_slots`, the cache counting the rows); the torch
+            specification says False, and its engine keeps that path.
     """
 
     name: str
     joint: bool
+    compiled: bool
 
     def fuse_ids(
         self,
@@ -131,6 +139,58 @@ class IdsOps(Protocol):
         fusion_k: int,
     ) -> RowDedup:
         """The dedup through a map over a cache's tables' rows (`row_map.RowDedup`)."""
+        ...
+
+    def direct_rows(
+        self, feature_rows: Sequence[int], feature_bases: Sequence[int], num_rows: int
+    ) -> DirectRows:
+        """The pass that checks a direct share's ids and lists its distinct rows, for a cache
+        of ``num_rows`` slots whose feature f reads the table of ``feature_rows[f]`` rows at
+        slot ``feature_bases[f]`` (`direct_rows.DirectRows`: called with a batch's values,
+        offsets and B, it gives the distinct slots in order of first sight, or None for a bad
+        id or offsets). Made once per engine: the compiled one holds a bit per slot.
+
+        Raises:
+            TypeError, ValueError: as `direct_rows.DirectRows` says.
+        """
+        ...
+
+    def bags_sample_major(
+        self,
+        slots: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        batch_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The TBE step's indices: the slot of every value, with the bags moved from the
+        batch's feature-major order (bag ``f * B + b``) to sample-major (bag ``b * F + f``),
+        so that FBGEMM's pooled output ``[B * F, dim]`` is the ``[B, F * dim]`` block as it
+        stands.
+
+        Example: F = 2, B = 2, unique slots ``[40, 50]``, inverse ``[0, 1, 1, 0]`` and offsets
+        ``[0, 1, 2, 4, 4]`` (bags ``(f0,b0) = [40]``, ``(f0,b1) = [50]``, ``(f1,b0) = [50,
+        40]``, ``(f1,b1) = []``) give ``[40, 50, 40, 50]`` with offsets ``[0, 1, 3, 4, 4]``.
+
+        Args:
+            slots: int64 ``[U]``, the slot of each unique id.
+            inverse: int64 ``[nnz]``, the unique index of each value.
+            offsets: int64 ``[F * B + 1]``, CSR over the bags, feature-major (its values are
+                not checked: that would read them on the host).
+            weights: floating ``[nnz]`` per-sample weights, or None.
+            batch_size: B, bags per feature.
+
+        Returns:
+            ``(indices, offsets, weights)``: int64 ``[nnz]`` ``slots[inverse]`` in sample-major
+            order, int64 ``[F * B + 1]`` its bag offsets, and the weights moved with their
+            values (None without). With fewer than two features nothing moves (the offsets
+            and weights are those given).
+
+        Raises:
+            TypeError: a tensor of another dtype, or a ``batch_size`` that is not an int.
+            ValueError: a tensor that is not 1-D, weights not one per value, or offsets that
+                are not F bags of ``batch_size`` each.
+        """
         ...
 
     def sort_and_mark(

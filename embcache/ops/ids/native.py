@@ -4,18 +4,27 @@ compiled pass would not pay, and one compiled pass (`embcache.native`) where it 
 * `first_bad_key`: a cache's fused ids checked against its tables in one pass;
 * `row_dedup`: `BitmapRowDedup`, a batch deduplicated through a bitmap over its cache's
   tables' rows (`native.unique_rows`), raw ids checked and fused in the same pass
-  (`native.unique_values`).
+  (`native.unique_values`);
+* `direct_rows`: `BitmapDirectRows`, a direct share's ids checked and its distinct rows found
+  in one pass, a bit per cache row remembering the rows seen (`native.direct.DistinctRows`);
+* `bags_sample_major`: the TBE step's indices, each value's slot with its bags moved to
+  sample-major order, in one pass (`native.bags_sample_major`).
+
+`NativeIds.compiled` says so: the engine then takes `direct_rows` for a direct share in place
+of its own torch path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 import embcache.native as native
+from embcache.native import direct as native_direct
 from embcache.ops.ids import IdsOps
+from embcache.ops.ids.direct_rows import DirectRows
 from embcache.ops.ids.row_map import RowDedup
 from embcache.ops.ids.spec import SpecIds
 
@@ -74,10 +83,71 @@ class BitmapRowDedup(RowDedup):
         return self.word_rank
 
 
+class BitmapDirectRows(DirectRows):
+    """`DirectRows` in one compiled pass over the values (`native.direct.DistinctRows`: a
+    bit per cache row, and a lock that keeps two callers from sharing it)."""
+
+    def __init__(
+        self, feature_rows: Sequence[int], feature_bases: Sequence[int], num_rows: int
+    ) -> None:
+        super().__init__(feature_rows, feature_bases, num_rows)
+        self.bitmap = native_direct.DistinctRows(self.feature_rows, self.feature_bases, num_rows)
+
+    def __call__(
+        self, values: torch.Tensor, offsets: torch.Tensor, batch_size: int
+    ) -> torch.Tensor | None:
+        # What the pass takes, asked here in one expression (the specification's checks cost
+        # as much as the pass on a small batch); anything else goes to the specification,
+        # which checks it and raises for what is wrong.
+        if not (
+            isinstance(values, torch.Tensor) and isinstance(offsets, torch.Tensor)
+            and values.dtype == offsets.dtype == torch.int64
+            and values.dim() == offsets.dim() == 1
+            and values.is_cpu and offsets.is_cpu
+            and type(batch_size) is int and batch_size >= 0
+        ):  # fmt: skip
+            return super().__call__(values, offsets, batch_size)
+        return self.bitmap(values.contiguous(), offsets.contiguous(), batch_size)
+
+
+def _compiled_bags(
+    slots: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch_size: int,
+) -> bool:
+    """Whether `native.bags_sample_major` takes these: CPU int64 slots, inverse and offsets,
+    float32 weights (one per value), slots and inverse contiguous, B bags per feature. Anything
+    else goes to the specification, which checks it (and raises for what is wrong)."""
+    return (
+        isinstance(slots, torch.Tensor)
+        and isinstance(inverse, torch.Tensor)
+        and isinstance(offsets, torch.Tensor)
+        and slots.is_cpu and inverse.is_cpu and offsets.is_cpu
+        and slots.dtype == inverse.dtype == offsets.dtype == torch.int64
+        and slots.dim() == inverse.dim() == offsets.dim() == 1
+        and (weights is None or (
+            isinstance(weights, torch.Tensor) and weights.dtype == torch.float32
+            and weights.shape == inverse.shape
+        ))
+        and slots.is_contiguous()
+        and inverse.is_contiguous()
+        and type(batch_size) is int
+        and batch_size > 0
+        and offsets.numel() >= 1
+        and (offsets.numel() - 1) % batch_size == 0
+    )  # fmt: skip
+
+
+_NO_WEIGHTS = np.empty(0, dtype=np.float32)  # `native.bags_sample_major` without weights
+
+
 class NativeIds(SpecIds):
     """The ids family with the compiled passes (module docstring)."""
 
     name = "native"
+    compiled = True
 
     def first_bad_key(self, ids: torch.Tensor, fusion_k: int, limits: torch.Tensor) -> int:
         if not ids.is_contiguous():
@@ -92,6 +162,42 @@ class NativeIds(SpecIds):
         fusion_k: int,
     ) -> RowDedup:
         return BitmapRowDedup(row_offset, index_rows, rows, fusion_k)
+
+    def direct_rows(
+        self, feature_rows: Sequence[int], feature_bases: Sequence[int], num_rows: int
+    ) -> DirectRows:
+        return BitmapDirectRows(feature_rows, feature_bases, num_rows)
+
+    def bags_sample_major(
+        self,
+        slots: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        batch_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # Checked here, not through the specification's checks: the TBE step calls this every
+        # batch, and a step visits as few files as it can (`tests/test_step_files.py`).
+        if not _compiled_bags(slots, inverse, offsets, weights, batch_size):
+            return super().bags_sample_major(slots, inverse, offsets, weights, batch_size)
+        num_bags = offsets.numel() - 1
+        if num_bags // batch_size <= 1:  # one feature's bags are in sample-major order
+            return slots.index_select(0, inverse), offsets, weights
+        n = inverse.numel()
+        indices = torch.empty(n, dtype=torch.int64)
+        moved = torch.empty(num_bags + 1, dtype=torch.int64)
+        out_weights = None if weights is None else torch.empty(n, dtype=torch.float32)
+        native.bags_sample_major(
+            slots=slots.numpy(),
+            inverse=inverse.numpy(),
+            offsets=offsets.contiguous().numpy(),
+            batch_size=batch_size,
+            weights=_NO_WEIGHTS if weights is None else weights.contiguous().numpy(),
+            out=indices.numpy(),
+            out_offsets=moved.numpy(),
+            out_weights=_NO_WEIGHTS if out_weights is None else out_weights.numpy(),
+        )
+        return indices, moved, out_weights
 
 
 IMPLEMENTATION: IdsOps = NativeIds()  # checked against the protocol

@@ -5,7 +5,8 @@ the error a bad id raises, and the host's plan of a joint dedup.
 * `IdVerdict`: the checks of a fuse made on the device, read later (`IdsOps.fuse_ids_deferred`);
 * the joint dedup's plan (`JointPlan`, `joint_plan`) and its outputs (`JointShares`,
   `GroupShare`): several caches' ids deduplicated in one sort, each share written apart
-  (`IdsOps.scatter_joint`; `engine.joint` says more).
+  (`IdsOps.scatter_joint`; `engine.joint` says more);
+* the checks of the TBE step's indices (`check_bags_sample_major`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embcache.ops.checks import INDEX_DTYPES, check_int, check_tensor
+from embcache.ops.checks import INDEX_DTYPES, check_int, check_tensor, require
 
 # Per-value verdict of a fuse (`spec.fuse_ids_ref`), in the order the checks are made.
 ID_OK = 0
@@ -24,6 +25,9 @@ ID_OUT_OF_RANGE = 2  # >= num_embeddings of a bounded table
 ID_OVERFLOWS_K = 3  # >= 2**fusion_k
 
 ALIGN = 4  # elements a joint dedup's shares start at multiples of: 32 bytes of int64
+
+# Per-sample weights `IdsOps.bags_sample_major` moves with their values.
+WEIGHT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -63,6 +67,34 @@ def check_ids(name: str, t: torch.Tensor) -> None:
 
 def check_fusion_k(fusion_k: int) -> None:
     check_int("fusion_k", fusion_k, 0, 63)
+
+
+def check_bags_sample_major(
+    slots: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch_size: int,
+) -> None:
+    """The arguments of `IdsOps.bags_sample_major`, on the host (nothing read of a device):
+    int64 ``slots``, ``inverse`` and ``offsets``, floating ``weights`` one per value, and
+    ``offsets`` of B bags per feature."""
+    check_tensor("slots", slots, torch.int64, 1)
+    check_tensor("inverse", inverse, torch.int64, 1)
+    check_tensor("offsets", offsets, torch.int64, 1)
+    check_int("batch_size", batch_size, 0)
+    if weights is not None:
+        check_tensor("weights", weights, WEIGHT_DTYPES, 1)
+        require(
+            weights.numel() == inverse.numel(),
+            f"bags_sample_major: {weights.numel()} weights for {inverse.numel()} values",
+        )
+    num_bags = offsets.numel() - 1
+    require(num_bags >= 0, "bags_sample_major: offsets must hold at least one entry")
+    require(
+        num_bags % batch_size == 0 if batch_size else num_bags == 0,
+        f"bags_sample_major: {num_bags} bags are not F bags of batch_size={batch_size} each",
+    )
 
 
 def bad_id_error(

@@ -9,10 +9,13 @@ that one cache can hold the rows of several tables. An unbounded table takes any
 into the id bits by a hash, ``mix64(id) & (2**fusion_k - 1)``, so two ids may share a row (with
 fusion_k bits and n folded ids, about ``n / 2**fusion_k`` of them do).
 
-Each twin (``*_ref``) computes exactly what its Triton kernel (`ops.ids.triton`) computes, with
-vectorised torch ops (no Python loop over ids, no per-element ``.item()``). `SpecIds` is the
-family's implementation built on them (`IdsOps`): the CPU path where numba is absent, the
-``torch`` backend everywhere, and what the other implementations are tested against.
+Each twin (``*_ref``) computes exactly what its Triton kernel (`ops.ids.triton`) or compiled
+pass (`ops.ids.native`) computes, with vectorised torch ops (no Python loop over ids, no
+per-element ``.item()``): `bags_sample_major_ref`, the TBE step's indices with their bags in
+sample-major order, has no Triton kernel, and neither has a direct share's distinct rows
+(`direct_rows.DirectRows`). `SpecIds` is the family's implementation built on them (`IdsOps`):
+the CPU path where numba is absent, the ``torch`` backend everywhere, and what the other
+implementations are tested against.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from embcache.hashing import mix64
 from embcache.ops.ids import IdsOps
+from embcache.ops.ids.direct_rows import DirectRows
 from embcache.ops.ids.row_map import RowDedup
 from embcache.ops.ids.shared import (
     ID_NEGATIVE,
@@ -36,6 +40,7 @@ from embcache.ops.ids.shared import (
     JointShares,
     Marked,
     bad_tables,
+    check_bags_sample_major,
     check_fusion_k,
     check_ids,
     features_of_values,
@@ -249,6 +254,44 @@ def scatter_joint_ref(
     return out
 
 
+def bags_sample_major_ref(
+    slots: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`IdsOps.bags_sample_major` in torch ops, on checked arguments: a gather of each value's
+    slot, then the bags moved by a transpose when they all have one length, else by a
+    permutation of the values (nothing to move with fewer than two features)."""
+    num_bags = offsets.numel() - 1
+    features = num_bags // batch_size if batch_size else 0
+    if features <= 1:
+        return slots.index_select(0, inverse), offsets, weights
+    n = inverse.numel()
+    bag_lengths = offsets[1:] - offsets[:-1]
+    shortest, longest = torch.stack(torch.aminmax(bag_lengths)).tolist()
+    values = slots.index_select(0, inverse)
+    if shortest == longest == 0:
+        return values, offsets, weights
+    if shortest == longest:  # bags of one length: a transpose of [F, B, L]
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            return t.view(features, batch_size, longest).transpose(0, 1).reshape(-1)
+
+        out_offsets = torch.arange(0, n + 1, longest, dtype=torch.int64, device=values.device)
+        return moved(values), out_offsets, None if weights is None else moved(weights)
+    starts = offsets[:-1].view(features, batch_size).t().reshape(-1)
+    lengths = bag_lengths.view(features, batch_size).t().reshape(-1)
+    out_offsets = torch.zeros(num_bags + 1, dtype=torch.int64, device=values.device)
+    torch.cumsum(lengths, 0, out=out_offsets[1:])
+    # Value i of sample-major bag k sits at starts[k] + (i - out_offsets[k]) in the batch.
+    perm = torch.repeat_interleave(starts - out_offsets[:-1], lengths, output_size=n)
+    perm += torch.arange(n, dtype=torch.int64, device=values.device)
+    out_weights = None if weights is None else weights.index_select(0, perm)
+    return values.index_select(0, perm), out_offsets, out_weights
+
+
 # ----------------------------------------------------------------------------------------------
 # the implementation
 # ----------------------------------------------------------------------------------------------
@@ -261,6 +304,7 @@ class SpecIds:
 
     name = "spec"
     joint = False  # no joint dedup (`sort_and_mark`, `scatter_joint`): the device path's
+    compiled = False  # `direct_rows` in torch ops: the engine keeps its own torch path
 
     def fuse_ids(
         self,
@@ -408,6 +452,22 @@ class SpecIds:
         fusion_k: int,
     ) -> RowDedup:
         return RowDedup(row_offset, index_rows, rows, fusion_k)
+
+    def direct_rows(
+        self, feature_rows: Sequence[int], feature_bases: Sequence[int], num_rows: int
+    ) -> DirectRows:
+        return DirectRows(feature_rows, feature_bases, num_rows)
+
+    def bags_sample_major(
+        self,
+        slots: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        batch_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        check_bags_sample_major(slots, inverse, offsets, weights, batch_size)
+        return bags_sample_major_ref(slots, inverse, offsets, weights, batch_size)
 
     def sort_and_mark(
         self,
