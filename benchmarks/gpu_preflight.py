@@ -578,7 +578,7 @@ def run_checks(p: Preflight) -> None:
         plan_impls = implementations("plan")
         parts = []
         for c, (sets, w, n) in enumerate([(num_sets, ways, u), (3, 4, 40), (16, 2, 0)]):
-            keys = torch.full((sets * w + 2,), -1, dtype=torch.int64)
+            keys = torch.full((sets * w + 2 + u,), -1, dtype=torch.int64)  # u scratch rows free
             pool = torch.randperm(4 * sets * w, generator=gen) + (c << 40)
             hashed = set_index_ref(pool, sets).tolist()
             for i, (key, s) in enumerate(zip(pool.tolist(), hashed, strict=True)):
@@ -587,15 +587,15 @@ def run_checks(p: Preflight) -> None:
             held = keys[keys >= 0][: n // 2]
             ids = torch.cat([held, torch.arange(n - held.numel()) + (c << 40) + (1 << 39)])
             ids = ids[torch.randperm(n, generator=gen)]
-            keys[-1] = ids[-1] if c == 1 else -1
+            keys[sets * w + 1] = ids[-1] if c == 1 else -1
             parts.append(PlanCache(
                 ids, keys,
                 torch.randint(-1, 50, (sets * w,), generator=gen),
                 (torch.rand(keys.numel(), generator=gen) < 0.2).to(torch.int32),
                 torch.where(torch.rand(keys.numel(), generator=gen) < 0.1, 9, 2),
                 torch.rand(keys.numel(), generator=gen) < 0.5, sets, w, 9, 40 + c, sets * w,
-                # the last scratch row holds an id of the batch, found there before the plan
-                torch.where(ids == keys[-1], sets * w + 1, -1) if c == 1 else None,
+                # scratch row 1 holds an id of the batch, found there before the plan
+                torch.where(ids == keys[sets * w + 1], sets * w + 1, -1) if c == 1 else None,
             ))  # fmt: skip
         mine = [PlanCache(*[p.dev(v) if isinstance(v, torch.Tensor | None) else v
                             for v in vars(part).values()]) for part in parts]  # fmt: skip
@@ -615,15 +615,26 @@ def run_checks(p: Preflight) -> None:
         want_place = spec_plan.assign_group(ref, want_keys, want.counts)
         check_equal("assign_group place", place[:m], want_place[:m])
         check_equal("assign_group counts", probe.counts, want.counts)
-        got = p.triton(triton_plan.reserve_group, table, probe, order, place)
+        # Misses left without a way take free scratch rows (2 and up).
+        for parts_now, t in ((mine, table), (spec, ref)):
+            for part in parts_now:
+                first = part.num_slots + 2
+                part.free = torch.arange(first, part.slot_keys.numel(), device=part.ids.device)
+            remade = PlanTable.of(parts_now)
+            assert remade is not None
+            t.table = remade.table
+        missed = (place[:m] < 0).long()
+        unplaced = torch.cumsum(missed, 0) - missed
+        got = p.triton(triton_plan.reserve_group, table, probe, order, place, unplaced)
         wanted = spec_plan.reserve_group(ref, want, want_order, want_place)
         lo = 0
-        for c in range(len(parts)):
+        for c in range(len(parts)):  # every cache reserved: misses placed, or scratch rows
             at = slice(lo, lo + int(want.counts[c, MISSES]))
             lo = at.stop
-            if want.counts[c, PLACED] == want.counts[c, MISSES]:
-                for name, g, w in zip(wanted._fields, got, wanted, strict=True):
-                    check_equal(f"reserve_group cache {c} {name}", g[at], w[at])
+            for name, g, w in zip(wanted._fields, got, wanted, strict=True):
+                check_equal(f"reserve_group cache {c} {name}", g[at], w[at])
+        left = int((want.counts[:, MISSES] - want.counts[:, PLACED]).sum())
+        print(f"# group plan: {m} misses, {left} of them in scratch rows", flush=True)
         for c, (a, b) in enumerate(zip(mine, spec, strict=True)):
             for name in ("slot_keys", "scores", "locks", "dirty"):
                 check_equal(f"group plan cache {c} {name}", getattr(a, name), getattr(b, name))

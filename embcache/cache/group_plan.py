@@ -19,15 +19,19 @@ once), and the plan family's group operations serve every cache in one launch ea
    batch's slots scored; the selections a plan hands the tier (its misses in the order of its
    ids, its dirty victims) made once for all, each cache's a slice of them.
 
-A cache one of whose misses found no free way (its sets are full of locked rows) goes on alone
-from step 5 as `SetPlanner.plan_sets` does (`SetPlanner._reserve`, with scratch rows), from
-its slices of the group's arrays, without another read. The plans are the same as each
-planner's own, state for state (`tests/cache/test_group_plan.py`).
+A miss that found no free way (its set full of locked rows) takes a scratch row in the same
+reservation: its cache's scratch area grown first, its first free rows handed to the kernel,
+the k-th such miss taking the k-th of them, as `SetPlanner._reserve` gives them, and no
+other read. A cache whose scratch area cannot grow is planned again on its own, the last
+locked batch's rows no longer guarded (`SetPlanner.plan_unguarded`). The plans are the same
+as each planner's own, state for state (`tests/cache/test_resolve_together.py`,
+`tests/cache/test_device_resolve_path.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -37,10 +41,8 @@ from embcache.cache.scratch import CacheCapacityError
 from embcache.ops.plan import (
     DIRTY,
     EVICTING,
-    HELD,
     MISSES,
     PLACED,
-    SCRATCH_HELD,
     PlanCache,
     PlanTable,
 )
@@ -88,15 +90,26 @@ def plan_group(
             planner.tick += 1  # undone by `_refuse` for a plan not made
             planner.lookups += 1
         ticked = True
-        reserved = ops.reserve_group(table, probe, order, place)
-        whole = [row[PLACED] == row[MISSES] for row in counts]
         m = sum(row[MISSES] for row in counts)
+        # Misses left without a way take scratch rows: the area grown first (its tensors may
+        # be replaced: the table is made again), the free rows handed to the reservation.
+        full: dict[int, CacheCapacityError] = {}
+        unplaced = None
+        if any(row[PLACED] < row[MISSES] for row in counts):
+            table = _with_scratch_rows(planners, table, counts, full)
+            left = (place[:m] < 0).long()
+            unplaced = torch.cumsum(left, 0).sub_(left)  # how many are left before each
+        reserved = ops.reserve_group(table, probe, order, place, unplaced)
+        # Each miss's slot in the sorted order: its way, or the scratch row it took.
+        taken = place if unplaced is None else probe.slots.index_select(0, order[:m])
+        whole = [c not in full for c in range(len(planners))]
         # Every cache's misses in the order of its ids (the order the tier reads them in) and
         # the dirty victims and evicted rows of the caches reserved here: one selection each.
         miss_at = first_true(probe.missing, m)
         load_ids = probe.ids.index_select(0, miss_at)
         load_slots = probe.slots.index_select(0, miss_at)
         placed = [row if w else [0] * COUNTS for row, w in zip(counts, whole, strict=True)]
+        # The victims of the ways taken (a free scratch row holds none).
         dirty_at = first_true(reserved.write_back[:m], sum(row[DIRTY] for row in placed))
         victim_slots = place.index_select(0, dirty_at)
         victim_ids = reserved.old_keys.index_select(0, dirty_at)
@@ -105,10 +118,8 @@ def plan_group(
             evicted_at = first_true(reserved.resident[:m], sum(row[EVICTING] for row in placed))
             evicted = reserved.old_keys.index_select(0, evicted_at)
         lo = dirty_lo = evicted_lo = 0
-        ranges = []
         for c, (planner, row) in enumerate(zip(planners, counts, strict=True)):
             at = slice(lo, lo + row[MISSES])
-            ranges.append(at)
             lo += row[MISSES]
             if not whole[c]:
                 continue
@@ -118,8 +129,13 @@ def plan_group(
             plan = Plan(ids, slots[c], load_ids[at], load_slots[at], victim_ids[dirty],
                         victim_slots[dirty])  # fmt: skip
             if row[MISSES]:
-                plan.reserved, plan.old_keys = place[at], reserved.old_keys[at]
+                # The slots taken: the ways, and scratch rows where a miss found none (their
+                # old scores, 0, are not restored: `SetPlanner.rollback` restores ways only).
+                plan.reserved, plan.old_keys = taken[at], reserved.old_keys[at]
                 plan.old_scores, plan.old_dirty = reserved.old_scores[at], reserved.old_dirty[at]
+            over = row[MISSES] - row[PLACED]
+            plan.n_scratch = over
+            planner.scratch.used += over
             plan.evicted = row[EVICTING]
             if planner.pins:
                 assert evicted is not None
@@ -127,24 +143,10 @@ def plan_group(
             evicted_lo += row[EVICTING]
             pending.discard(c)
             made(c, plan)
-        for c in sorted(pending):  # misses left without a way: scratch rows, cache by cache
-            planner, row, at = planners[c], counts[c], ranges[c]
-            start, ids = starts[c], table.caches[c].ids
-            misses = miss_at[at] - start, load_ids[at]
-            try:
-                planner.scratch.grow(row[MISSES] - row[PLACED])
-            except CacheCapacityError as full:
-                planner._refuse(slots[c])
-                pending.discard(c)
-                made(c, (yield from planner.plan_unguarded(ids, None, full)))
-                continue
-            plan = planner._reserve(
-                ids, slots[c], misses, order[at] - start, place[at], 0,
-                (row[PLACED], row[EVICTING], row[DIRTY]),
-                row[HELD] - row[SCRATCH_HELD] + row[PLACED],
-            )  # fmt: skip
+        for c in sorted(pending):  # a full scratch area: planned again alone (`SetPlanner.plan`)
+            planners[c]._refuse(slots[c])
             pending.discard(c)
-            made(c, plan)
+            made(c, (yield from planners[c].plan_unguarded(table.caches[c].ids, None, full[c])))
     except BaseException:
         for c in pending:  # their hits' locks (and clocks) back
             if ticked:
@@ -152,3 +154,34 @@ def plan_group(
             else:
                 planners[c]._lock_hits(slots[c], -1)
         raise
+
+
+def _with_scratch_rows(
+    planners: Sequence[SetPlanner],
+    table: PlanTable,
+    counts: list[list[int]],
+    full: dict[int, CacheCapacityError],
+) -> PlanTable:
+    """``table`` with free scratch rows for each cache's misses left without a way, its area
+    grown to hold them (a cache whose area cannot is given none, and its error is put in
+    ``full``: the reservation leaves it alone), made again over the caches' tensors as they
+    are now (a grown area's are new)."""
+    parts = []
+    for c, (planner, part, row) in enumerate(zip(planners, table.caches, counts, strict=True)):
+        over, free = row[MISSES] - row[PLACED], None
+        store = planner.slots
+        if over:
+            try:
+                planner.scratch.grow(over)
+            except CacheCapacityError as error:
+                full[c] = error
+            else:  # the first free rows, in slot order, as `SetPlanner._reserve` takes them
+                at = first_true(store.slot_keys[planner.num_slots :] < 0, over)
+                free = planner.num_slots + at
+        parts.append(replace(
+            part, slot_keys=store.slot_keys, locks=store.locks, batch_of=store.batch_of,
+            dirty=store.dirty, free=free,
+        ))  # fmt: skip
+    remade = PlanTable.of(parts)
+    assert remade is not None  # tensors of the same kinds as before
+    return remade

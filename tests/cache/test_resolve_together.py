@@ -3,8 +3,6 @@ and a failure in one cache leaves none of them locked."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from embcache.cache.plan import SetPlanner
 from embcache.cache.policy_registry import policy_names
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
+from embcache.ops.plan import MISSES, PLACED
 from embcache.ops.plan.spec import assign_ways_ref
 
 K = 20
@@ -96,22 +95,26 @@ def test_the_group_plan_equals_each_cache_planning_alone(
     scratch rows, and with bounded tables (the evicted rows unpinned)."""
     monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
     grouped = _caches("lru", bound=bound)
-    sizes, left = [], []
-    plan_group, reserve = group_plan.plan_group, SetPlanner._reserve
+    sizes, left, alone = [], [], []
+    plan_group, with_scratch = group_plan.plan_group, group_plan._with_scratch_rows
 
     def counted_group(planners, table, made):
         sizes.append(len(planners))
         return plan_group(planners, table, made)
 
-    def counted_reserve(self, *args):
-        left.append(inspect.stack()[1].function == "plan_group")
-        return reserve(self, *args)
+    def counted_scratch(planners, table, counts, full):
+        left.append(sum(row[PLACED] < row[MISSES] for row in counts))
+        return with_scratch(planners, table, counts, full)
 
     monkeypatch.setattr(hot_cache, "plan_group", counted_group)
-    monkeypatch.setattr(SetPlanner, "_reserve", counted_reserve)
+    monkeypatch.setattr(group_plan, "_with_scratch_rows", counted_scratch)
+    monkeypatch.setattr(SetPlanner, "plan_sets", lambda *a: alone.append(1))
     seen = _run(grouped, True)
     assert 3 in sizes, sizes  # every cache in one group
-    assert any(left), "no cache of a group was left with misses"
+    assert sum(left) > 0, "no cache of a group was left with misses (scratch rows)"
+    assert not alone, "a plan was made cache by cache"
+    monkeypatch.undo()
+    monkeypatch.setenv("EMBCACHE_BACKEND", "triton")
     monkeypatch.setattr(SetPlanner, "groups", lambda self: False)
     alone = _caches("lru", bound=bound)
     for a, b in zip(_run(alone, True), seen, strict=True):

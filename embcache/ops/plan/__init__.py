@@ -27,7 +27,8 @@ PlanArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 # A `PlanTable` row (int64 each): the ids' address, their count, their first position in the
 # group's arrays; the addresses of the slot keys, scores, locks, batch numbers and dirty flags;
 # the sets, the ways, the first set in the group's numbering; the batch guarded; the clock; the
-# address of slots found already (the scratch area's; 0: none); the slots of the cache proper.
+# address of slots found already (the scratch area's; 0: none); the slots of the cache proper;
+# the address of free scratch rows for the misses left without a way (0: none).
 PLAN_FIELDS = 16
 # Bits of a group sort key below the set: the 20 low bits of the miss's shuffle.
 KEY_SHIFT = 20
@@ -48,7 +49,8 @@ class PlanCache:
     """One cache of a group plan: its batch's ids and its index (slot ``s * ways + w`` of set
     ``s``, way ``w``, below ``num_slots``; scratch rows above), its guarded batch, the plan's
     clock (the planner's tick + 1) and, where its scratch area holds rows, the slot of each id
-    found there (``found``, -1 elsewhere)."""
+    found there (``found``, -1 elsewhere); for its reservation, where misses found no way,
+    the free scratch rows they take (``free``, ascending, at least as many)."""
 
     ids: torch.Tensor  # int64 [n], contiguous, distinct
     slot_keys: torch.Tensor  # int64
@@ -62,6 +64,7 @@ class PlanCache:
     tick: int
     num_slots: int
     found: torch.Tensor | None = None  # int64 [n], contiguous
+    free: torch.Tensor | None = None  # int64 slots, contiguous
 
 
 @dataclass
@@ -99,17 +102,21 @@ class PlanTable:
                 if name != "ids" and t.numel() < c.num_sets * c.ways:
                     return None
             n = c.ids.numel()
-            found = c.found
-            if found is not None and (
-                found.dtype != torch.int64 or not found.is_contiguous() or found.numel() != n
-                or found.device != device
-            ):  # fmt: skip
+            found, free = c.found, c.free
+            for extra in (found, free):
+                if extra is not None and (
+                    extra.dtype != torch.int64 or not extra.is_contiguous()
+                    or extra.device != device
+                ):  # fmt: skip
+                    return None
+            if found is not None and found.numel() != n:
                 return None
             rows += [
                 c.ids.data_ptr(), n, start, c.slot_keys.data_ptr(), c.scores.data_ptr(),
                 c.locks.data_ptr(), c.batch_of.data_ptr(), c.dirty.data_ptr(), c.num_sets,
                 c.ways, set_base, c.batch_seq, c.tick,
-                0 if found is None else found.data_ptr(), c.num_slots, 0,
+                0 if found is None else found.data_ptr(), c.num_slots,
+                0 if free is None else free.data_ptr(),
             ]  # fmt: skip
             starts.append(start)
             set_bases.append(set_base)
@@ -370,15 +377,19 @@ class PlanOps(Protocol):
         ...
 
     def reserve_group(
-        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
-    ) -> GroupReserve:
-        """`reserve_placed` and the LRU touch of every cache whose misses all got a way
-        (``counts``, read: the caller knows which): miss ``j`` of the sorted order (at
-        position ``order[j]`` of the group's arrays) takes slot ``place[j]`` as
-        `reserve_placed` says, and every slot of the cache's batch in the cache proper, hits
-        and misses, is scored with the plan's clock. A cache with a miss left without a way
+        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor,
+        unplaced: torch.Tensor | None = None,
+    ) -> GroupReserve:  # fmt: skip
+        """`reserve_placed` and the LRU touch of every cache whose misses all got a way or
+        that was given free scratch rows (``PlanCache.free``): miss ``j`` of the sorted order
+        (at position ``order[j]`` of the group's arrays) takes slot ``place[j]``, or where that
+        is -1 the r-th of its cache's free rows, r its rank among the cache's misses left
+        without a way (``unplaced``: int64 ``[M]``, how many entries of ``place`` before each
+        are -1; None when none is), as `reserve_placed` says; and every slot of the cache's
+        batch in the cache proper, hits and misses, is scored with the plan's clock. Returns
+        what each miss's slot held. A cache with a miss left without a way and no free rows
         is changed in nothing (its ``resident`` and ``write_back`` entries are False): its
-        caller reserves it with scratch rows. Only where `places_misses`."""
+        caller plans it again. Only where `places_misses`."""
         ...
 
     def reserve(

@@ -219,9 +219,10 @@ def assign_group_ref(
 
 
 def reserve_group_ref(
-    table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
-) -> GroupReserve:
-    """`PlanOps.reserve_group` in torch ops, cache by cache."""
+    table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor,
+    unplaced: torch.Tensor | None = None,
+) -> GroupReserve:  # fmt: skip
+    """`PlanOps.reserve_group` in torch ops, cache by cache (``unplaced`` is not needed)."""
     n = place.numel()
     old_keys, old_scores = torch.zeros_like(place), torch.zeros_like(place)
     old_dirty, resident, write_back = (torch.zeros(n, dtype=torch.bool, device=place.device)
@@ -230,11 +231,17 @@ def reserve_group_ref(
     for c, (part, start) in enumerate(zip(table.caches, table.starts, strict=True)):
         n_miss, n_placed = int(probe.counts[c, MISSES]), int(probe.counts[c, PLACED])
         hi, lo = lo + n_miss, lo
-        if n_placed == n_miss:
+        if n_placed == n_miss or part.free is not None:
             at = slice(lo, hi)
-            here = place[at]
+            here = place[at].clone()
+            left = here < 0  # the k-th of them takes the k-th free scratch row
+            if bool(left.any()):
+                assert part.free is not None
+                here[left] = part.free[: int(left.sum())]
+            main = here < part.num_slots
             old_keys[at] = part.slot_keys[here]
-            old_scores[at] = part.scores[here]
+            old_scores[at] = torch.where(main, part.scores[here.clamp(max=part.num_slots - 1)],
+                                         0)  # fmt: skip
             old_dirty[at] = part.dirty[here]
             resident[at] = old_keys[at] >= 0
             write_back[at] = resident[at] & old_dirty[at]
@@ -242,6 +249,7 @@ def reserve_group_ref(
             part.slot_keys[here] = probe.ids[order[at]]
             part.dirty[here] = False
             part.locks.index_add_(0, here, torch.ones_like(here, dtype=torch.int32))
+            part.scores[here[main]] = part.tick
             batch = probe.slots[start : start + part.ids.numel()]
             part.scores[batch[batch < part.num_slots]] = part.tick
         lo = hi
@@ -438,9 +446,10 @@ class SpecPlan:
         return assign_group_ref(table, sorted_keys, counts)
 
     def reserve_group(
-        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
-    ) -> GroupReserve:
-        return reserve_group_ref(table, probe, order, place)
+        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor,
+        unplaced: torch.Tensor | None = None,
+    ) -> GroupReserve:  # fmt: skip
+        return reserve_group_ref(table, probe, order, place, unplaced)
 
     def reserve(
         self, ids: np.ndarray, slots: np.ndarray, miss_pos: np.ndarray, order: np.ndarray,

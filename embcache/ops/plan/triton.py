@@ -364,8 +364,9 @@ def _assign_ways_kernel(
 @triton.jit
 def _plan_row(table_ptr, c, F: tl.constexpr):
     """Cache ``c``'s row of a `PlanTable`, the addresses typed: ``(ids, n, start, keys, scores,
-    locks, batch_of, dirty, num_sets, ways, set_base, batch_seq, tick, found, num_slots)``
-    (``found``: the address of the slots found already, 0 for none)."""
+    locks, batch_of, dirty, num_sets, ways, set_base, batch_seq, tick, found, num_slots,
+    free)`` (``found``, ``free``: the addresses of the slots found already and of the free
+    scratch rows, 0 for none)."""
     row = table_ptr + c * F
     ids = tl.load(row).to(tl.pointer_type(tl.int64))
     n = tl.load(row + 1)
@@ -382,8 +383,9 @@ def _plan_row(table_ptr, c, F: tl.constexpr):
     tick = tl.load(row + 12)
     found = tl.load(row + 13)
     num_slots = tl.load(row + 14)
+    free = tl.load(row + 15)
     return ids, n, start, keys, scores, locks, batch_of, dirty, num_sets, ways, set_base, \
-        batch_seq, tick, found, num_slots  # fmt: skip
+        batch_seq, tick, found, num_slots, free  # fmt: skip
 
 
 @triton.jit
@@ -406,9 +408,8 @@ def _probe_group_kernel(
     padding entry), a lock added to each hit's slot, the misses and hits counted (integer
     atomics)."""
     c = tl.program_id(0).to(tl.int64)
-    ids, n, start, keys, _, locks, _, _, num_sets, W, set_base, _, tick, found, num_slots = (
-        _plan_row(table_ptr, c, F)
-    )
+    row = _plan_row(table_ptr, c, F)
+    ids, n, start, keys, _, locks, _, _, num_sets, W, set_base, _, tick, found, num_slots, _ = row
     o_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_n = o_n < n
     m_out = o_n < n + (n & 1)  # and the padding entry (`ops.plan.padded`): id 0, a hit of -1
@@ -447,9 +448,8 @@ def _assign_group_kernel(
     is the r-th of its set's run (r found by a binary search, ``search_steps`` halvings) and
     takes the r-th unblocked way of its set by ``(score * W + way)``, if there is one."""
     c = tl.program_id(0).to(tl.int64)
-    _, _, _, keys, scores, locks, batch_of, dirty, _, W, set_base, batch_seq, _, _, _ = _plan_row(
-        table_ptr, c, F
-    )
+    row = _plan_row(table_ptr, c, F)
+    _, _, _, keys, scores, locks, batch_of, dirty, _, W, set_base, batch_seq, _, _, _, _ = row
     lo = _misses_before(counts_ptr, c, k)
     m = tl.load(counts_ptr + c * 8)
     o_m = lo + tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -491,33 +491,41 @@ def _assign_group_kernel(
 
 @triton.jit(do_not_specialize=["k"])  # per group: one variant
 def _reserve_group_kernel(
-    table_ptr, counts_ptr, ids_ptr, slots_ptr, missing_ptr, order_ptr, place_ptr,
+    table_ptr, counts_ptr, ids_ptr, slots_ptr, missing_ptr, order_ptr, place_ptr, unplaced_ptr,
     old_keys_ptr, old_scores_ptr, old_dirty_ptr, resident_ptr, write_back_ptr, k,
     F: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (c, b): block b of cache c's misses reserved (`_reserve_placed_kernel`, the
-    slot also scored with the clock) and block b of its hits in the cache proper scored with
-    the clock, where every miss of the cache got a way; else the block's flags cleared and
-    nothing changed.
+    slot also scored with the clock; a miss without a way takes a free scratch row, its rank
+    among those from ``unplaced``) and block b of its hits in the cache proper scored with
+    the clock, where every miss of the cache got a way or free rows were given; else the
+    block's flags cleared and nothing changed.
     Misses and hits touch distinct slots (a hit's way is locked: no miss takes it)."""
     c = tl.program_id(0).to(tl.int64)
-    _, n, start, keys, scores, locks, _, dirty, _, _, _, _, tick, _, num_slots = _plan_row(
-        table_ptr, c, F
-    )
+    row = _plan_row(table_ptr, c, F)
+    _, n, start, keys, scores, locks, _, dirty, _, _, _, _, tick, _, num_slots, free = row
     lo = _misses_before(counts_ptr, c, k)
     m = tl.load(counts_ptr + c * 8)
-    whole = tl.load(counts_ptr + c * 8 + 2) == m
+    whole = (tl.load(counts_ptr + c * 8 + 2) == m) | (free != 0)
     o = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     m_j = o < m
     m_do = m_j & whole
     j = lo + o
     b_pos = tl.load(order_ptr + j, mask=m_do, other=0)
     b_slot = tl.load(place_ptr + j, mask=m_do, other=0)
+    # A miss left without a way: the r-th of them in the cache takes its r-th free row.
+    m_left = m_do & (b_slot < 0)
+    b_rank = tl.load(unplaced_ptr + j, mask=m_left, other=0) - tl.load(
+        unplaced_ptr + lo, mask=(m > 0) & (free != 0), other=0
+    )
+    b_free = tl.load(free.to(tl.pointer_type(tl.int64)) + b_rank, mask=m_left, other=0)
+    b_slot = tl.where(m_left, b_free, b_slot)
+    m_main = m_do & (b_slot < num_slots)
     b_key = tl.load(keys + b_slot, mask=m_do, other=-1)
     b_dirty = tl.load(dirty + b_slot, mask=m_do, other=0) != 0
     b_resident = m_do & (b_key >= 0)
     tl.store(old_keys_ptr + j, b_key, mask=m_do)
-    tl.store(old_scores_ptr + j, tl.load(scores + b_slot, mask=m_do, other=0), mask=m_do)
+    tl.store(old_scores_ptr + j, tl.load(scores + b_slot, mask=m_main, other=0), mask=m_do)
     tl.store(old_dirty_ptr + j, b_dirty, mask=m_do)
     tl.store(resident_ptr + j, b_resident, mask=m_j)
     tl.store(write_back_ptr + j, b_resident & b_dirty, mask=m_j)
@@ -526,7 +534,7 @@ def _reserve_group_kernel(
     tl.store(dirty + b_slot, tl.zeros((BLOCK_N,), dtype=tl.int8), mask=m_do)
     tl.atomic_add(locks + b_slot, tl.full((BLOCK_N,), 1, tl.int32), mask=m_do)
     b_tick = tl.zeros((BLOCK_N,), dtype=tl.int64) + tick
-    tl.store(scores + b_slot, b_tick, mask=m_do)
+    tl.store(scores + b_slot, b_tick, mask=m_main)
     m_i = (o < n) & whole
     m_hit = m_i & (tl.load(missing_ptr + start + o, mask=m_i, other=1) == 0)
     b_hit = tl.load(slots_ptr + start + o, mask=m_hit, other=0)
@@ -691,8 +699,9 @@ def assign_group_triton(
 
 
 def reserve_group_triton(
-    table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
-) -> GroupReserve:
+    table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor,
+    unplaced: torch.Tensor | None = None,
+) -> GroupReserve:  # fmt: skip
     """Launch `_reserve_group_kernel` (`PlanOps.reserve_group`): one launch."""
     n = place.numel()
     old_keys, old_scores = torch.empty_like(place), torch.empty_like(place)
@@ -703,6 +712,7 @@ def reserve_group_triton(
     grid = (len(table.caches), max(1, triton.cdiv(table.max_ids, _SET_INDEX_BLOCK)))
     _reserve_group_kernel[grid](
         table.table, probe.counts, probe.ids, probe.slots, probe.missing, order, place,
+        place if unplaced is None else unplaced,  # not read without a free row
         old_keys, old_scores, old_dirty, resident, write_back, len(table.caches),
         F=PLAN_FIELDS, BLOCK_N=_SET_INDEX_BLOCK,
     )  # fmt: skip
@@ -836,9 +846,10 @@ class TritonPlan(SpecPlan):
         return assign_group_triton(table, sorted_keys, counts)
 
     def reserve_group(
-        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor
-    ) -> GroupReserve:
-        return reserve_group_triton(table, probe, order, place)
+        self, table: PlanTable, probe: GroupProbe, order: torch.Tensor, place: torch.Tensor,
+        unplaced: torch.Tensor | None = None,
+    ) -> GroupReserve:  # fmt: skip
+        return reserve_group_triton(table, probe, order, place, unplaced)
 
 
 IMPLEMENTATION: PlanOps = TritonPlan()  # checked against the protocol
