@@ -130,7 +130,9 @@ class RedisServer:
                         f"redis-server on port {self.port} exited at start; log:\n{log[-2000:]}"
                     )
                 try:
-                    if client.ping():
+                    # Ours, not a server another test started on this port between `free_port`
+                    # and this start (ours then fails to bind and exits: a retry, above).
+                    if client.ping() and client.info("server")["process_id"] == self.process.pid:
                         return
                 except redis.exceptions.RedisError:
                     pass
