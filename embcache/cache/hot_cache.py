@@ -826,22 +826,20 @@ def _plan_all(
         k for k, c in enumerate(caches)
         if c.direct_map is None and c._admission is None and c.planner.groups()
     ]  # fmt: skip
-    table = None
-    if grouped:
-        table = plan_table([caches[k].planner for k in grouped], [ids[k] for k in grouped])
-        if table is None:
-            grouped = []
+    planners = [caches[k].planner for k in grouped]
+    table = plan_table(planners, [ids[k] for k in grouped]) if grouped else None
+    in_group = set(grouped) if table is not None else set()
     steps = [
         c._plan_steps(i, count_sightings, plans, k)
         for k, (c, i) in enumerate(zip(caches, ids, strict=True))
-        if k not in grouped
+        if k not in in_group
     ]
     if table is not None:
 
         def made(c: int, plan: Plan) -> None:
             plans[grouped[c]] = plan
 
-        steps.append(plan_group([caches[k].planner for k in grouped], table, made))
+        steps.append(plan_group(planners, table, made))
     run_together(steps)
     assert all(p is not None for p in plans)
     return cast(list[Plan], plans)
