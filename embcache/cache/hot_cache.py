@@ -91,7 +91,6 @@ from embcache.backend import for_device
 from embcache.cache.config import EXACT_LFU_MAX_ROWS, CacheConfig
 from embcache.cache.direct import DirectMap
 from embcache.cache.group_plan import plan_group, plan_table
-from embcache.cache.locks import unlock_together
 from embcache.cache.lockstep import Step, run_together
 from embcache.cache.plan import Plan, SetPlanner
 from embcache.cache.policy import make_policy, policy_type
@@ -100,9 +99,8 @@ from embcache.cache.sizing import cache_capacity, check_fits, warn_overflow
 from embcache.cache.sketch import Counters
 from embcache.cache.snapshot import PolicySnapshot
 from embcache.cache.stats import CacheStats
-from embcache.cache.storage import SlotStore
+from embcache.cache.storage import SlotStore, WriteBack, unlock_together
 from embcache.cache.transfer import Staged, TierTransfer
-from embcache.cache.writeback import WriteBack
 from embcache.devices import resolve_device
 from embcache.indexing import add_at
 from embcache.kv.base import Store, TableSpec

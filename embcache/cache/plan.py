@@ -17,36 +17,13 @@ then gets the cache back as it was (`SetPlanner.rollback`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
 from embcache.cache.policy import EvictionPolicy, orders_padded_misses, scores_by_tick
 from embcache.cache.scratch import CacheCapacityError, ScratchArea
-from embcache.cache.storage import SlotStore
+from embcache.cache.storage import Plan, SlotStore
 from embcache.indexing import add_at, fill_at, put, true_at
-
-
-@dataclass
-class Plan:
-    """What phase 1 of a resolve decided, for the tier transfer and the commit (or rollback)."""
-
-    ids: torch.Tensor  # int64 [n] the batch's ids
-    slots: torch.Tensor  # int64 [n] their slots
-    load_ids: torch.Tensor  # ids to read from the tier ...
-    load_slots: torch.Tensor  # ... into these slots
-    victim_ids: torch.Tensor  # dirty rows evicted: ids ...
-    victim_slots: torch.Tensor  # ... and the reserved slots still holding them until the commit
-    released: torch.Tensor | None = None  # every evicted id (bounded tiers: pins to release)
-    reserved: torch.Tensor | None = None  # slots given new keys (None: all hits), for rollback
-    old_keys: torch.Tensor | None = None
-    old_scores: torch.Tensor | None = None
-    old_dirty: torch.Tensor | None = None
-    n_scratch: int = 0
-    evicted: int = 0
-    refused: int = 0  # ids not admitted (slot -1)
-    exchanged: bool = False  # the tier transfer is done (the rows are in their slots)
 
 
 class SetPlanner:

@@ -34,7 +34,7 @@ class ScratchArea:
         slots: the cache's slot store, whose rows past ``num_slots`` are the area.
         max_rows: the most rows it may grow to (`CacheConfig.max_scratch_rows`).
         write_rows: writes the rows at some slots to the tier under ids on the host
-            (`writeback.WriteBack.write_host`), for the dirty rows a release frees.
+            (`storage.WriteBack.write_host`), for the dirty rows a release frees.
         pins: the tier bounds a table: a freed row is unpinned there.
         stats: the cache's counters (a freed row is an eviction).
 

@@ -6,25 +6,42 @@ tier's layout.
 
 `SlotStore` owns those arrays and replaces them together (`allocate`, `grow`, when the scratch
 area grows); the cache's other parts (`plan.SetPlanner`, `scratch.ScratchArea`,
-`direct.DirectMap`, `writeback.WriteBack`) hold the store and read its arrays through it, so
-they always see the current ones.
+`direct.DirectMap`, `WriteBack`) hold the store and read its arrays through it, so they always
+see the current ones.
+
+Below the store, in the order a step meets them:
+
+* the locks of several caches at once (`lock_floors`, `check_floors`, `unlock_together`): a
+  batch in flight holds one lock on each of its slots, and a locked slot is never a victim.
+  Unlocking never calls the tier, so an optimizer step that has updated rows cannot fail
+  half-way through releasing them; the rows it changed are marked dirty then;
+* `WriteBack`, the store's rows to and from its tier: phase (2) of a resolve (a `Plan`'s victims
+  written, its misses read into their slots), the victims' writes a resolve left staged, and
+  dirty rows written back (a flush, a scratch row's release). It moves rows through the
+  cache's `transfer.TierTransfer` (tier I/O on host tensors); every tier call may raise and
+  leaves the slots as they were.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 import embcache.native as native
 from embcache.backend import Backend
-from embcache.cache.lockstep import first_true
+from embcache.cache.lockstep import Step, ToHost, first_true
 from embcache.cache.stats import CacheStats
-from embcache.cache.transfer import SlotStorage, TierTransfer, packed_float32
+from embcache.cache.transfer import SlotStorage, Staged, TierTransfer, packed_float32, take
 from embcache.hostmem import host_zeros
 from embcache.indexing import add_at, fill_at, put, true_at
 from embcache.ops.ids.row_map import row_index
 from embcache.ops.registry import bind
+from embcache.ops.rows import SlotTable
 
 
 class SlotStore:
@@ -247,9 +264,247 @@ class SlotStore:
 
     def unlock_checked(self, given: torch.Tensor, slots: torch.Tensor, dirty: bool) -> None:
         """`HotCache.unlock` of ``slots`` (``given`` without the -1 of ids not admitted), under
-        ``lock``, once a device check found every one locked (`locks.unlock_together`); the
+        ``lock``, once a device check found every one locked (`unlock_together`); the
         compiled passes check here themselves."""
         # The backend's pass (compiled: it checks every lock first, raising RuntimeError).
         self.backend.unlock(self.locks, slots, self.dirty if dirty else None)
         if dirty:
             self.stats.gradients_dropped += given.numel() - slots.numel()
+
+
+# ----------------------------------------------------------------------------------------------
+# the locks of several caches at once
+# ----------------------------------------------------------------------------------------------
+
+
+class HoldsSlots(Protocol):
+    """What the functions here need of a cache (a `HotCache`): its slot store."""
+
+    @property
+    def slot_store(self) -> SlotStore: ...
+
+
+UNLOCKED = "HotCache.unlock: a slot that is not locked was unlocked"
+
+
+@dataclass
+class Floors:
+    """`lock_floors`' answer: the lowest lock among each cache's slots (0-d device tensors,
+    to read with the caller's own host read, then `check_floors`), and what `unlock_together`
+    then drops without reading anything: each cache's live slots (``slots`` without the -1
+    of ids not admitted), or on the device path one `ops.rows.SlotTable` of every
+    cache's slots (``live`` None: the kernels skip the -1 themselves)."""
+
+    values: list[torch.Tensor]
+    live: list[torch.Tensor] | None
+    table: SlotTable | None = None
+
+
+def lock_floors(pairs: Sequence[tuple[HoldsSlots, torch.Tensor]]) -> Floors:
+    """What `unlock_together` checks before it drops any lock, made on the device and not
+    read: the lowest lock among each cache's slots (none for a cache on the compiled CPU path,
+    which checks in its own pass). On the device path (every cache's rows family runs one
+    launch for all: `RowsOps.one_launch`) one launch finds every cache's floor
+    (`RowsOps.lock_floors`), and the same table serves `unlock_together`'s one launch."""
+    stores = [cache.slot_store for cache, _ in pairs]
+    with ExitStack() as held:
+        for store in stores:
+            held.enter_context(store.lock)
+        table = _device_table(stores, [given for _, given in pairs])
+        if table is not None:
+            floors = stores[0].ops.rows.lock_floors(table)
+            return Floors([floors[s] for s in range(len(stores))], None, table)
+        live, values = [], []
+        for store, (_, given) in zip(stores, pairs, strict=True):
+            slots = store.live(given.to(store.device))
+            live.append(slots)
+            if slots.numel() and not store.backend.unlocks_checked(slots):
+                values.append(store.locks.index_select(0, slots).min())
+    return Floors(values, live)
+
+
+def _device_table(stores: Sequence[SlotStore], slots: Sequence[torch.Tensor]) -> SlotTable | None:
+    """The caches' `SlotTable` where every one is on the device path (its bound rows family
+    runs one launch for all, `RowsOps.one_launch`) on one device, else None."""
+    if not stores or not all(store.ops.rows.one_launch for store in stores):
+        return None
+    if len({store.device for store in stores}) != 1:
+        return None
+    return SlotTable.of(
+        [
+            (given.to(store.device), store.locks, store.dirty)
+            for store, given in zip(stores, slots, strict=True)
+        ]
+    )
+
+
+def check_floors(values: Sequence[float]) -> None:
+    """Raise unless every floor of `lock_floors`, read as ``values``, is a held lock.
+
+    Raises:
+        RuntimeError: a slot is not locked.
+    """
+    if any(v <= 0 for v in values):
+        raise RuntimeError(UNLOCKED)
+
+
+def unlock_together(
+    pairs: Sequence[tuple[HoldsSlots, torch.Tensor]],
+    dirty: bool = False,
+    floors: Floors | None = None,
+) -> None:
+    """`HotCache.unlock` of each ``(cache, slots)``, every cache's locks checked before any
+    is dropped: the device checks of all the caches (the lowest lock among each one's slots)
+    are read on the host at once, so a step makes one read however many caches it updates.
+    ``floors``: `lock_floors` of the same pairs, which the caller read and found held
+    (`check_floors`): nothing is read here then. With its device table (the device path),
+    one launch drops every cache's locks (and marks the rows dirty with ``dirty``, where
+    every cache admits all ids: else each cache marks its own, counting the updates it
+    dropped).
+
+    Raises:
+        RuntimeError: a slot is not locked; no lock was dropped then (a cache on the compiled
+            CPU path checks its own in its pass, before it drops any of its own).
+    """
+    stores = [cache.slot_store for cache, _ in pairs]
+    with ExitStack() as held:
+        for store in stores:
+            held.enter_context(store.lock)
+        if floors is not None and floors.table is not None:
+            if dirty and not all(store.admits_all for store in stores):
+                for store, (_, given) in zip(stores, pairs, strict=True):
+                    store.mark_dirty(given)
+                dirty = False
+            stores[0].ops.rows.unlock(floors.table, dirty)  # every store's: `_device_table`
+            return
+        todo = []
+        mins_by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for k, (store, (_, given)) in enumerate(zip(stores, pairs, strict=True)):
+            given = given.to(store.device)
+            if floors is not None:
+                assert floors.live is not None  # no table: the live slots
+                todo.append((store, given, floors.live[k]))
+                continue
+            slots = store.live(given)
+            todo.append((store, given, slots))
+            if slots.numel() and not store.backend.unlocks_checked(slots):
+                mins = mins_by_device.setdefault(store.device, [])
+                mins.append(store.locks.index_select(0, slots).min())
+        for mins in mins_by_device.values():
+            if int(torch.stack(mins).min()) <= 0:
+                raise RuntimeError(UNLOCKED)
+        for store, given, slots in todo:
+            store.unlock_checked(given, slots, dirty)
+
+
+# ----------------------------------------------------------------------------------------------
+# rows between the slots and the tier
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What phase 1 of a resolve decided, for the tier transfer and the commit (or rollback)."""
+
+    ids: torch.Tensor  # int64 [n] the batch's ids
+    slots: torch.Tensor  # int64 [n] their slots
+    load_ids: torch.Tensor  # ids to read from the tier ...
+    load_slots: torch.Tensor  # ... into these slots
+    victim_ids: torch.Tensor  # dirty rows evicted: ids ...
+    victim_slots: torch.Tensor  # ... and the reserved slots still holding them until the commit
+    released: torch.Tensor | None = None  # every evicted id (bounded tiers: pins to release)
+    reserved: torch.Tensor | None = None  # slots given new keys (None: all hits), for rollback
+    old_keys: torch.Tensor | None = None
+    old_scores: torch.Tensor | None = None
+    old_dirty: torch.Tensor | None = None
+    n_scratch: int = 0
+    evicted: int = 0
+    refused: int = 0  # ids not admitted (slot -1)
+    exchanged: bool = False  # the tier transfer is done (the rows are in their slots)
+
+
+class WriteBack:
+    """Rows between a cache's slots and its tier.
+
+    Args:
+        slots: the cache's slot store.
+        transfer: the cache's tier I/O.
+        stats: the cache's counters (write-backs are counted here).
+        pins: the tier bounds a table: what the cache holds is pinned there.
+
+    Attributes:
+        deferred: victims' rows a resolve with ``defer_writeback`` copied out and left to
+            write (`write_deferred`), in order.
+    """
+
+    def __init__(
+        self, slots: SlotStore, transfer: TierTransfer, stats: CacheStats, pins: bool
+    ) -> None:
+        self.slots = slots
+        self.transfer = transfer
+        self.stats = stats
+        self.pins = pins
+        self.deferred: list[Staged] = []
+
+    def exchange_steps(self, plan: Plan, defer_writeback: bool, create: bool = True) -> Step:
+        """Phase (2) of a resolve, as a `lockstep` step: the victims written to the tier (or
+        staged, ``defer_writeback``) and the misses read into their slots (created in the
+        tier when missing there, unless not ``create``). A tier error leaves the slots as
+        they were (the plan can be rolled back)."""
+        n_write, n_read = plan.victim_ids.numel(), plan.load_ids.numel()
+        if not (n_write or n_read):
+            plan.exchanged = True
+            return
+        # One copy of all the ids the tier needs (with every other cache's of a group).
+        wanted = [plan.victim_ids, plan.load_ids]
+        if plan.released is not None:
+            wanted.append(plan.released)
+        host = yield ToHost(wanted)
+        write_ids, read_ids = host[0], host[1]
+        released = host[2] if plan.released is not None else None
+        slots, transfer = self.slots, self.transfer
+
+        def victim_rows(positions: torch.Tensor | slice) -> torch.Tensor:
+            return slots.host_rows(take(plan.victim_slots, positions))
+
+        staged = None
+        if n_write and defer_writeback and transfer.grouped and not self.pins:
+            staged = transfer.stage(write_ids, victim_rows)
+            write_ids = write_ids[:0]
+        loaded = transfer.exchange(
+            write_ids, victim_rows, read_ids, released,
+            slots.slot_storage(plan.victim_slots, plan.load_slots), create,
+        )  # fmt: skip
+        transfer.place(slots.weights, slots.state, plan.load_slots, loaded)
+        if staged is not None:
+            self.deferred.append(staged)
+        plan.exchanged = True
+
+    def write_deferred(self) -> None:
+        """Make the staged writes, in order (`HotCache.write_deferred`, which serialises it
+        with resolves). A tier error leaves the rows not yet written staged."""
+        while self.deferred:
+            self.transfer.write_staged(self.deferred[0])
+            del self.deferred[0]
+
+    def write(self, fused: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the rows held at ``slots`` back to the tier under their ``fused`` ids (one
+        copy of the ids and one of the rows to the host)."""
+        self.write_host(fused.cpu(), slots)
+
+    def write_host(self, host: torch.Tensor, slots: torch.Tensor) -> None:
+        """`write` of ids already on the host."""
+        store = self.slots
+        self.transfer.exchange(
+            host, lambda positions: store.host_rows(take(slots, positions)), host[:0],
+            slots=store.slot_storage(slots, None),
+        )  # fmt: skip
+        self.stats.writebacks += host.numel()
+
+    def flush(self) -> None:
+        """Write every dirty row back (rows stay cached, now clean)."""
+        store = self.slots
+        dirty = true_at(store.dirty)
+        if dirty.numel():
+            self.write(store.slot_keys[dirty], dirty)
+            store.dirty[dirty] = False

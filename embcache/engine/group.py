@@ -43,7 +43,7 @@ import torch
 
 from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache, unlock_together
-from embcache.cache.locks import check_floors, lock_floors
+from embcache.cache.storage import check_floors, lock_floors
 from embcache.engine.batch_state import (
     FusedPrefetchHandle,
     InFlight,
@@ -395,10 +395,10 @@ class EngineGroup:
         # Every cache's per-table cut of its ids: read by the forward's dedup (`Prepared.
         # bounds`), or else in one host read for all (none with a table a cache).
         bounds = [batch.prepared[i].bounds for i, _, _, _ in rows]
-        missing = [k for k, b in enumerate(bounds) if b is None]
-        read = bounds_together([(rows[k][1].layout, rows[k][2], self.fusion_k) for k in missing])
-        for k, b in zip(missing, read, strict=True):
-            bounds[k] = b
+        if missing := [k for k, b in enumerate(bounds) if b is None]:
+            items = [(rows[k][1].layout, rows[k][2], self.fusion_k) for k in missing]
+            for k, b in zip(missing, bounds_together(items), strict=True):
+                bounds[k] = b
         # Every cache's raw ids in one op where their unique ids share one buffer.
         raws = masked_together([unique for _, _, unique, _ in rows], (1 << self.fusion_k) - 1)
         for (i, engine, unique, grads), cut, raw in zip(rows, bounds, raws, strict=True):

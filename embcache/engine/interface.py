@@ -159,6 +159,32 @@ def build_collection(
     c.lifetime.watch(c, c.engines)  # after the store's own exit hook: it runs before it
 
 
+def refuse_replicas(name: str) -> None:
+    """Raise if a process group of more than one rank is initialised: a collection named
+    ``name`` would train one unsharded copy of its tables per rank (`check_not_replicated`).
+    DistributedModelParallel has no sharder for it without embcache's, and
+    DistributedDataParallel reduces only parameters, of which it has one zero-size anchor."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    if world > 1:
+        raise RuntimeError(
+            f"{name} is not sharded, but the process group has {world} "
+            "ranks: each rank would train its own copy of the tables and they would "
+            "silently diverge (DistributedDataParallel averages only dense parameters, and "
+            "DistributedModelParallel leaves it unsharded without embcache's sharder). "
+            "Under DistributedModelParallel, a CachedEmbeddingBagCollection takes "
+            "sharders=[embcache.torchrec.CachedEmbeddingBagCollectionSharder(...)] and a "
+            "plan from embcache.torchrec.CachedEmbeddingShardingPlanner (README: Scaling "
+            "out with torchrec). Without torchrec's engine, shard the rows with "
+            "embcache.distributed.ShardedEmbeddingBagCollection (same arguments; "
+            "DLRM(..., collection_cls=ShardedEmbeddingBagCollection)), or run "
+            "`embcache train --nproc N`, which does. To keep one independent replica per "
+            "rank on purpose, build the collection with allow_unsharded_replicas=True."
+        )
+
+
 class CachedCollectionInterface(nn.Module, abc.ABC):
     """Pooled embedding lookups over device caches with a write-back tier behind them.
 
@@ -220,6 +246,20 @@ class CachedCollectionInterface(nn.Module, abc.ABC):
         without ``read_lengths``, the checks of its lengths' values pending
         (`checked_batch`)."""
         return checked_batch(as_jagged(features), self.features, self._is_weighted, read_lengths)
+
+    def check_not_replicated(self) -> None:
+        """What a collection that holds every row on each rank checks at each forward: refuse
+        to run as one unsharded replica per rank (unless built with
+        ``allow_unsharded_replicas=True``) in a process group of more than one rank, where
+        each rank's copy of the tables would train on its own batches only: how a
+        ``DistributedModelParallel`` or ``DistributedDataParallel`` wrapping it is caught.
+
+        Raises:
+            RuntimeError: naming `embcache.torchrec.CachedEmbeddingBagCollectionSharder` (for
+                DistributedModelParallel) and `embcache.distributed.ShardedEmbeddingBagCollection`.
+        """
+        if not self.options.allow_unsharded_replicas:
+            refuse_replicas(type(self).__name__)
 
     # -- torchrec's EmbeddingBagCollectionInterface -----------------------------------------
 

@@ -129,19 +129,6 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
             step = GroupLookup(engines, prepared, inflight, batch.stride())
             return lookup(self.grad_anchor, step)
 
-    def check_not_replicated(self) -> None:
-        """Refuse to run as one unsharded replica per rank (unless built with
-        ``allow_unsharded_replicas=True``) in a process group of more than one rank, where
-        each rank's copy of the tables would train on its own batches only: how a
-        ``DistributedModelParallel`` or ``DistributedDataParallel`` wrapping it is caught.
-
-        Raises:
-            RuntimeError: naming `embcache.torchrec.CachedEmbeddingBagCollectionSharder` (for
-                DistributedModelParallel) and `embcache.distributed.ShardedEmbeddingBagCollection`.
-        """
-        if not self.allow_unsharded_replicas:
-            refuse_replicas(type(self).__name__)
-
     def issue_fused_prefetch(self, features: JaggedBatch | Any) -> FusedPrefetchHandle:
         """Start the dedup and cache resolve (tier I/O included) of a batch ahead of its
         forward and return at once; the work runs on the collection's prefetch worker, and the
@@ -188,32 +175,6 @@ class LocalCollection(FusedOptimizerConventions, CachedCollectionInterface):
         """A copy ``[num_embeddings, dim]`` of a table's current weights on the collection's
         device, in its ``data_type`` (a meta tensor on the meta device)."""
         return self.whole_tables.weight(table)
-
-
-def refuse_replicas(name: str) -> None:
-    """Raise if a process group of more than one rank is initialised: a collection named
-    ``name`` would train one unsharded copy of its tables per rank (`check_not_replicated`).
-    DistributedModelParallel has no sharder for it without embcache's, and
-    DistributedDataParallel reduces only parameters, of which it has one zero-size anchor."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    world = dist.get_world_size()
-    if world > 1:
-        raise RuntimeError(
-            f"{name} is not sharded, but the process group has {world} "
-            "ranks: each rank would train its own copy of the tables and they would "
-            "silently diverge (DistributedDataParallel averages only dense parameters, and "
-            "DistributedModelParallel leaves it unsharded without embcache's sharder). "
-            "Under DistributedModelParallel, a CachedEmbeddingBagCollection takes "
-            "sharders=[embcache.torchrec.CachedEmbeddingBagCollectionSharder(...)] and a "
-            "plan from embcache.torchrec.CachedEmbeddingShardingPlanner (README: Scaling "
-            "out with torchrec). Without torchrec's engine, shard the rows with "
-            "embcache.distributed.ShardedEmbeddingBagCollection (same arguments; "
-            "DLRM(..., collection_cls=ShardedEmbeddingBagCollection)), or run "
-            "`embcache train --nproc N`, which does. To keep one independent replica per "
-            "rank on purpose, build the collection with allow_unsharded_replicas=True."
-        )
 
 
 def table_weights(owner: LocalCollection, weights_prefix: str) -> nn.ModuleDict:

@@ -19,8 +19,7 @@ from embcache.cache.hot_cache import HotCache
 from embcache.cache.plan import SetPlanner
 from embcache.cache.scratch import ScratchArea
 from embcache.cache.snapshot import PolicySnapshot
-from embcache.cache.storage import SlotStore
-from embcache.cache.writeback import WriteBack
+from embcache.cache.storage import SlotStore, WriteBack
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "embcache"
