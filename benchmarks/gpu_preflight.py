@@ -71,6 +71,10 @@ CHECKED = {
     "update.aggregate_grads": "aggregate_grads",
     "update.stochastic_round": "stochastic_round bf16",
 }
+HOST_ROWS = (
+    "fill_at", "add_at", "copy_rows", "scatter_split", "gather_join", "unlocks_checked",
+    "unlock_slots", "hashed_uniform", "group_by_table",
+)  # fmt: skip
 ON_HOST = {
     "ids.first_bad_key": "a CPU cache's check of its keys",
     "ids.row_dedup": "a CPU cache's dedup through its row index",
@@ -79,6 +83,10 @@ ON_HOST = {
     **{
         f"plan.{op}": "the compiled CPU plan (numba)"
         for op in ("plan_lru", "plan_lfu", "touch_lfu", "reserve", "scratch_done", "free_slots")
+    },
+    **{
+        f"rows.{op}": "a write, unlock, draw or grouping on the host (torch ops on a GPU cache)"
+        for op in HOST_ROWS
     },
 }
 

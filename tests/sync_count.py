@@ -18,14 +18,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
 _HOST_SIDE = ("embcache.kv.", "embcache.cache.transfer", "embcache.checkpoint")
-_SHARED = ("embcache.indexing", "embcache.backend", "embcache.hashing")
+_SHARED = (
+    "embcache.indexing",
+    "embcache.backend",
+    "embcache.hashing",
+    "embcache.ops.rows.spec",
+    "embcache.ops.rows.native",
+)
 
 
 def _on_host_side() -> bool:
     """Whether the op runs in code that only ever sees host tensors: the tiers (their ids and
     rows are on the host by the `Store` contract). The innermost embcache frame decides, past
-    `embcache.indexing`, `embcache.backend` and `embcache.hashing`, whose helpers run for both
-    sides (their caller decides)."""
+    `embcache.indexing`, `embcache.backend`, `embcache.hashing` and the rows family's host
+    writes (`ops.rows.spec`, `ops.rows.native`), which run for both sides (their caller
+    decides)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")

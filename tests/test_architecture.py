@@ -339,10 +339,10 @@ MIGRATED_NATIVE = frozenset(
 IMPLEMENTATION_DEBTS: dict[str, str] = {
     # Modules allowed to reach an implementation, each with its reason (none today).
 }
-# What asks which implementation is present: per call (``use_triton``, ``cpu_backend``), or a
+# What asks which implementation is present: per call (``use_triton``), or a
 # held `Backend`'s family (``backend.compiled``, ``backend.triton``). Choosing the `Backend`
 # once for a cache (``for_device``) and binding its `Ops` is the one choice, not an asking.
-ASKING_CALLS = ("use_triton", "cpu_backend")
+ASKING_CALLS = ("use_triton",)
 ASKING_FACTS = ("compiled", "triton")
 FAMILY_MODULES = (
     *(f"embcache.ops.{f}" for f in MIGRATED),
@@ -414,7 +414,7 @@ def _reaches_an_implementation(name: str, path: Path) -> list[str]:
 def test_only_ops_reaches_the_implementations_of_a_migrated_family() -> None:
     """Outside `embcache/ops/`, no module imports a migrated family's ``spec``/``triton``/
     ``native`` module or its compiled loops, and no module that calls a migrated family asks
-    which implementation is present (``use_triton``, ``cpu_backend``, ``backend.compiled``,
+    which implementation is present (``use_triton``, ``backend.compiled``,
     ``backend.triton``): it holds the `Ops` bound for its cache (``HotCache.ops``) and asks
     the protocol's capabilities (``ops.plan.compiled``), or calls a public function that binds
     for its tensor (`kernels.ids`, `kernels.cache_index`, `kernels.pooling`,

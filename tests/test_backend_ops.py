@@ -1,5 +1,7 @@
-"""The `Backend` objects (`embcache.backend`): which family runs where, and each operation a
-family implements, on fresh random inputs, against one plain Python reference written here."""
+"""The `Backend` objects (`embcache.backend`): which family runs where, and the host operations
+each family's bound implementations run (`bind(backend).ids`, ``.rows``: the torch
+specification, the compiled passes, the Triton family's), on fresh random inputs, against one
+plain Python reference written here."""
 
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def test_unlock(backend: Backend, mark_dirty: bool) -> None:
     for s in slots.tolist():
         want_locks[s] -= 1
         want_dirty[s] = want_dirty[s] or mark_dirty
-    backend.unlock(locks, slots, dirty if mark_dirty else None)
+    bind(backend).rows.unlock_slots(locks, slots, dirty if mark_dirty else None)
     assert locks.tolist() == want_locks
     assert dirty.tolist() == want_dirty
 
@@ -126,11 +128,12 @@ def test_unlock(backend: Backend, mark_dirty: bool) -> None:
 def test_the_compiled_unlock_checks_every_lock_before_dropping_any() -> None:
     locks = torch.tensor([1, 2, 0, 1], dtype=torch.int32)
     dirty = torch.zeros(4, dtype=torch.bool)
-    assert NATIVE.unlocks_checked(torch.tensor([0, 2]))
+    rows = bind(NATIVE).rows
+    assert rows.unlocks_checked(torch.tensor([0, 2]))
     with pytest.raises(RuntimeError, match="not locked"):
-        NATIVE.unlock(locks, torch.tensor([0, 1, 2]), dirty)
+        rows.unlock_slots(locks, torch.tensor([0, 1, 2]), dirty)
     assert locks.tolist() == [1, 2, 0, 1] and not dirty.any()
-    assert not TORCH_CPU.unlocks_checked(torch.tensor([0, 2]))  # the caller checks first
+    assert not bind(TORCH_CPU).rows.unlocks_checked(torch.tensor([0, 2]))  # the caller checks
 
 
 @pytest.mark.parametrize("backend", FAMILIES)
@@ -139,7 +142,8 @@ def test_hashed_uniform(backend: Backend, dim: int) -> None:
     gen = torch.Generator().manual_seed(dim)
     ids = torch.randint(0, 1 << 40, (37,), generator=gen)
     salt, low, high = 987654321, -0.25, 0.75
-    got = backend.hashed_uniform(ids, salt, (low + high) / 2, (high - low) / 2, dim)
+    rows = bind(backend).rows
+    got = rows.hashed_uniform(ids, salt, (low + high) / 2, (high - low) / 2, dim)
     assert got.dtype == torch.float32 and got.shape == (37, dim)
     for i, key in enumerate(ids.tolist()):
         base = int(mix64(torch.tensor([key ^ salt])))
@@ -147,7 +151,7 @@ def test_hashed_uniform(backend: Backend, dim: int) -> None:
             bits = (int(mix64(torch.tensor([base + c]))) >> 40) & 0xFFFFFF
             want = np.float32(low + (high - low) * (bits / (1 << 24)))
             assert got[i, c].item() == pytest.approx(float(want), abs=1e-7)
-    assert backend.hashed_uniform(ids[:0], salt, 0.0, 1.0, dim).shape == (0, dim)
+    assert rows.hashed_uniform(ids[:0], salt, 0.0, 1.0, dim).shape == (0, dim)
 
 
 @pytest.mark.parametrize("backend", FAMILIES)
@@ -161,7 +165,7 @@ def test_group_by_table(backend: Backend, ascending: bool, sorted_ids: bool) -> 
     fused = torch.randint(0, 1 << FUSION_K, (200,), generator=gen) | (tables << FUSION_K)
     if sorted_ids:
         fused = fused.sort().values
-    got = backend.group_by_table(fused, FUSION_K, ascending, 5)
+    got = bind(backend).rows.group_by_table(fused, FUSION_K, ascending, 5)
     if got is None:
         assert not backend.compiled or (ascending and not sorted_ids)  # a sort is needed
         return

@@ -367,8 +367,7 @@ def test_the_protocol_has_as_many_methods_as_the_document_says(doc: str) -> None
 
 def test_the_callers_of_the_compiled_passes_are_all_named(doc: str) -> None:
     m = re.search(
-        r"Still outside the `Backend` object and the registry, the compiled passes are called"
-        r"(.*?)\n- ",
+        r"- The compiled passes are called by(.*?)\n- ",
         doc,
         re.S,
     )

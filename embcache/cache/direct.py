@@ -16,7 +16,7 @@ import torch
 from embcache.cache.plan import Plan
 from embcache.cache.stats import CacheStats
 from embcache.cache.storage import SlotStore
-from embcache.indexing import add_at, count_true, fill_at, or_flags, put
+from embcache.indexing import count_true, or_flags, put
 from embcache.kv.base import Store, TableSpec
 from embcache.profiling import profiled
 
@@ -94,7 +94,7 @@ class DirectMap:
                 )
             else:
                 slots = store.row_index(ids)
-                add_at(store.locks, slots, 1)
+                store.rows.add_at(store.locks, slots, 1)
             return Plan(ids, slots, empty, empty, empty, empty)
         slots = store.row_index(ids)
         live_ids, live = ids[admitted], slots[admitted]
@@ -136,7 +136,7 @@ class DirectMap:
             self._seen = torch.zeros(num_rows, dtype=torch.bool, device=self.slots.device)
         else:
             self._seen.zero_()
-        fill_at(self._seen, value_slots, True)
+        self.slots.rows.fill_at(self._seen, value_slots, True)
         self.stats.hits += count_true(self._seen)
         self._seen_batch = self._served
         return self._served
@@ -158,13 +158,13 @@ class DirectMap:
         """`HotCache.mark_dirty_direct`, under the cache's ``lock``."""
         dirty = self.slots.dirty
         if rows is not None:
-            fill_at(dirty, rows, True)  # a compiled pass on a CPU (`indexing`)
+            self.slots.rows.fill_at(dirty, rows, True)  # a compiled pass on a CPU
             return
         assert value_slots is not None
         if batch == self._seen_batch != -1 and self._seen is not None:
             or_flags(dirty, self._seen)
         else:
-            fill_at(dirty, value_slots, True)
+            self.slots.rows.fill_at(dirty, value_slots, True)
 
     @property
     def seen_batch(self) -> int:

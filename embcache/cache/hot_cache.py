@@ -102,7 +102,6 @@ from embcache.cache.stats import CacheStats
 from embcache.cache.storage import SlotStore, WriteBack, unlock_together
 from embcache.cache.transfer import Staged, TierTransfer
 from embcache.devices import resolve_device
-from embcache.indexing import add_at
 from embcache.kv.base import Store, TableSpec
 from embcache.ops.registry import bind
 from embcache.profiling import profiled
@@ -461,7 +460,7 @@ class HotCache:
         store, stats = self.slot_store, self.stats
         live = store.live(plan.slots)
         if not lock:
-            add_at(store.locks, live, -1)
+            store.rows.add_at(store.locks, live, -1)
         n_miss = plan.load_ids.numel()
         stats.hits += plan.ids.numel() - n_miss - plan.refused
         stats.misses += n_miss

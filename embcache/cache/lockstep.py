@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from embcache.backend import cpu_backend
 from embcache.indexing import true_at
 
 
@@ -103,16 +102,12 @@ def _parts(request: Counts | ToHost) -> list[torch.Tensor]:
     return request.values if isinstance(request, Counts) else request.tensors
 
 
-def numpy_reads(device: torch.device) -> bool:
-    """Whether mask positions on ``device`` are found through numpy (a CPU with the compiled
-    kernels, where a host read is no synchronisation); elsewhere, and on the torch path (the
-    specification a GPU runs), through ops of a size known from a `Counts` read."""
-    return device.type == "cpu" and cpu_backend().compiled
-
-
-def first_true(flags: torch.Tensor, n: int) -> torch.Tensor:
+def first_true(flags: torch.Tensor, n: int, numpy: bool = False) -> torch.Tensor:
     """The first ``n`` positions (ascending, int64) where a 1-D bool ``flags`` is True; it
-    holds at least ``n`` Trues. No host read: ``n`` was read already."""
-    if numpy_reads(flags.device):
+    holds at least ``n`` Trues. No host read: ``n`` was read already. ``numpy``: found through
+    numpy (a CPU cache on the compiled passes, where a host read is no synchronisation:
+    `SlotStore.numpy_reads`); else, as on the device path and the torch path (the
+    specification a GPU runs), through an op of the size known from a `Counts` read."""
+    if numpy:
         return true_at(flags)[:n]
     return torch.nonzero_static(flags, size=n).squeeze(1)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from embcache.cache.lockstep import Counts, Step, first_true, numpy_reads
+from embcache.cache.lockstep import Counts, Step, first_true
 from embcache.cache.policy import EvictionPolicy, orders_padded_misses, scores_by_tick
 from embcache.cache.scratch import CacheCapacityError, ScratchArea
 from embcache.cache.storage import Plan, SlotStore
-from embcache.indexing import add_at, fill_at, put, true_at
+from embcache.indexing import put, true_at
 
 
 class SetPlanner:
@@ -104,7 +104,7 @@ class SetPlanner:
     def guard(self, live: torch.Tensor) -> None:
         """A locked batch's commit: its ``live`` slots are the last locked batch's."""
         self.batch_seq += 1
-        fill_at(self.slots.batch_of, live, self.batch_seq)
+        self.slots.rows.fill_at(self.slots.batch_of, live, self.batch_seq)
 
     def touch(self, ids: torch.Tensor, slots: torch.Tensor, n_main: int | None = None) -> None:
         """Update the eviction scores of the resident slots of a batch (`EvictionPolicy.touch`);
@@ -158,14 +158,14 @@ class SetPlanner:
         self.lookups += 1
         if not n_miss:
             if ahead is None:
-                add_at(store.locks, store.live(slots, n_resident), 1)
+                store.rows.add_at(store.locks, store.live(slots, n_resident), 1)
             self.touch(ids, slots, n_resident - n_scratch_hits)
             empty = self.empty_ids()
             plan = Plan(ids, slots, empty, empty, empty, empty)
             plan.refused = refused
             return plan
         if ahead is None:
-            miss_pos = first_true(missing, n_miss)
+            miss_pos = first_true(missing, n_miss, store.numpy_reads)
             misses = miss_pos, ids.index_select(0, miss_pos)  # in the order of ``ids``
             self._lock_hits(slots, 1)
         else:  # the misses come first in each padded list
@@ -249,7 +249,7 @@ class SetPlanner:
         torch.ne(miss_sets[1:], miss_sets[:-1], out=first[1:])
         owner = torch.cumsum(first, 0) - 1
         (n_touched,) = yield Counts([owner[-1] + 1])
-        touched = miss_sets.index_select(0, first_true(first, n_touched))
+        touched = miss_sets.index_select(0, first_true(first, n_touched, store.numpy_reads))
         locks_view = store.locks[: self.num_slots].view(self.num_sets, W)
         scores_view = store.scores.view(self.num_sets, W)
         # The last locked batch's rows are as good as locked: under prefetch they are (that
@@ -257,7 +257,7 @@ class SetPlanner:
         guarded = locks_view.index_select(0, touched) > 0
         batch_of = store.batch_of[: self.num_slots].view(self.num_sets, W)
         guarded |= batch_of.index_select(0, touched) == self.batch_seq
-        runs = None if numpy_reads(self.device) else n_touched
+        runs = None if store.numpy_reads else n_touched
         assigned = self.ops.assign_ways(scores_view.index_select(0, touched), guarded, owner, runs)
         # LFU: a miss displaces a resident row only if asked for more often; the others are
         # served from scratch for this batch, while their counts keep growing.
@@ -358,12 +358,12 @@ class SetPlanner:
             place_slots, placed_pos, overflow_pos = place, miss_pos, self.empty_ids()
         else:
             placed = place >= 0
-            placed_at = first_true(placed, n_placed)
+            placed_at = first_true(placed, n_placed, store.numpy_reads)
             place_slots = place.index_select(0, placed_at)
             placed_pos = miss_pos.index_select(0, placed_at)
-            overflow_pos = miss_pos.index_select(0, first_true(~placed, n_over))
+            overflow_pos = miss_pos.index_select(0, first_true(~placed, n_over, store.numpy_reads))
         if n_over:
-            free = first_true(store.slot_keys[self.num_slots :] < 0, n_over)
+            free = first_true(store.slot_keys[self.num_slots :] < 0, n_over, store.numpy_reads)
             over_slots = self.num_slots + free
         else:
             over_slots = self.empty_ids()
@@ -371,7 +371,7 @@ class SetPlanner:
         victims = store.slot_keys.index_select(0, place_slots)
         resident = victims >= 0
         dirty = resident & store.dirty.index_select(0, place_slots)
-        dirty_victims = place_slots.index_select(0, first_true(dirty, n_dirty))
+        dirty_victims = place_slots.index_select(0, first_true(dirty, n_dirty, store.numpy_reads))
         new_slots = torch.cat([place_slots, over_slots]) if n_over else place_slots
         new_pos = torch.cat([placed_pos, overflow_pos]) if n_over else placed_pos
         old_keys = store.slot_keys.index_select(0, new_slots)
@@ -390,7 +390,7 @@ class SetPlanner:
         plan.reserved, plan.old_keys = new_slots, old_keys
         plan.old_scores = store.scores.index_select(0, place_slots)
         plan.old_dirty = store.dirty.index_select(0, new_slots)
-        evicted = victims.index_select(0, first_true(resident, n_evicted))
+        evicted = victims.index_select(0, first_true(resident, n_evicted, store.numpy_reads))
         plan.n_scratch, plan.evicted = n_over, n_evicted
         plan.refused = refused
         if self.pins:
@@ -398,9 +398,9 @@ class SetPlanner:
         store.unindex(evicted)
         put(store.slot_keys, load_slots, plan.load_ids)
         store.index(plan.load_ids, load_slots)
-        fill_at(store.dirty, new_slots, False)
+        store.rows.fill_at(store.dirty, new_slots, False)
         self.scratch.used += n_over
-        add_at(store.locks, new_slots, 1)  # now every slot of the batch holds one lock
+        store.rows.add_at(store.locks, new_slots, 1)  # now every slot of the batch holds one lock
         self.touch(ids, slots, n_main)
         return plan
 
@@ -424,7 +424,7 @@ class SetPlanner:
         old_keys, old_scores, old_dirty, resident, write_back = self.ops.reserve_placed(
             ids, slots, miss_pos, place, store.slot_keys, store.dirty, store.scores, store.locks
         )
-        at = first_true(write_back, n_dirty)
+        at = first_true(write_back, n_dirty, store.numpy_reads)
         dirty_victims = place.index_select(0, at)
         # Every miss got a slot: the rows to read, in the order of ``ids``.
         load_slots = slots.index_select(0, misses[0])
@@ -432,7 +432,7 @@ class SetPlanner:
                     dirty_victims)  # fmt: skip
         plan.reserved, plan.old_keys = place, old_keys
         plan.old_scores, plan.old_dirty = old_scores, old_dirty
-        evicted = old_keys.index_select(0, first_true(resident, n_evicted))
+        evicted = old_keys.index_select(0, first_true(resident, n_evicted, store.numpy_reads))
         plan.n_scratch, plan.evicted = 0, n_evicted
         plan.refused = refused
         if self.pins:

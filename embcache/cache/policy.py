@@ -31,18 +31,20 @@ from embcache.cache.config import CacheConfig
 from embcache.cache.lockstep import first_true
 from embcache.cache.policy_registry import policy_class
 from embcache.cache.sketch import LfuCounts
-from embcache.indexing import fill_at, put, select, true_at
+from embcache.indexing import put, select, true_at
 from embcache.ops.registry import bind
 
 PlanArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def main_slots(slots: torch.Tensor, num_slots: int, n_main: int | None) -> torch.Tensor:
+def main_slots(
+    slots: torch.Tensor, num_slots: int, n_main: int | None, numpy: bool
+) -> torch.Tensor:
     """The slots of ``slots`` in the cache proper (not -1, not scratch); ``n_main``: how
-    many, when known (no host read then)."""
+    many, when known (no host read then; ``numpy`` as `lockstep.first_true`'s)."""
     main = (slots >= 0) & (slots < num_slots)
     return select(slots, main) if n_main is None else slots.index_select(
-        0, first_true(main, n_main))  # fmt: skip
+        0, first_true(main, n_main, numpy))  # fmt: skip
 
 
 def orders_padded_misses(policy: EvictionPolicy) -> bool:
@@ -84,7 +86,12 @@ class EvictionPolicy(ABC):
         self.config = config
         self.backend = backend
         self.ops = bind(backend).plan
+        self.rows = bind(backend).rows  # the scores' writes
         self.fusion_k = fusion_k
+
+    def _numpy_reads(self, scores: torch.Tensor) -> bool:
+        """`SlotStore.numpy_reads` of the cache whose ``scores`` these are."""
+        return scores.device.type == "cpu" and self.rows.compiled
 
     @abstractmethod
     def order_misses(
@@ -192,7 +199,13 @@ class LruPolicy(EvictionPolicy):
     ) -> None:  # fmt: skip
         # Every slot of the batch is resident and in the cache proper unless some went to
         # scratch (or were refused): select only then.
-        fill_at(scores, slots if all_main else main_slots(slots, scores.numel(), n_main), tick)
+        self.rows.fill_at(
+            scores,
+            slots
+            if all_main
+            else main_slots(slots, scores.numel(), n_main, self._numpy_reads(scores)),
+            tick,
+        )
 
 
 class LfuPolicy(EvictionPolicy):
@@ -260,7 +273,9 @@ class LfuPolicy(EvictionPolicy):
         self.counts.add(ids)
         self._decay_when_due(scores, lookups)
         main = (slots >= 0) & (slots < scores.numel())
-        at = true_at(main) if n_main is None else first_true(main, n_main)
+        at = (
+            true_at(main) if n_main is None else first_true(main, n_main, self._numpy_reads(scores))
+        )
         put(scores, slots.index_select(0, at), self.counts.get(ids.index_select(0, at)))
 
     def _decay_when_due(self, scores: torch.Tensor, lookups: int) -> None:

@@ -18,7 +18,6 @@ from embcache.cache.lockstep import Step, ToHost, first_true
 from embcache.cache.stats import CacheStats
 from embcache.cache.storage import SlotStore
 from embcache.cache.transfer import unpadded
-from embcache.indexing import fill_at
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -106,14 +105,16 @@ class ScratchArea:
         (n_done, n_dirty), dirty_keys = unpadded(host[0])
         if not n_done:
             return
-        done_slots = num_slots + first_true(done, n_done)
+        done_slots = num_slots + first_true(done, n_done, store.numpy_reads)
         if n_dirty:  # in slot order, as `first_true` gives the slots
-            self.write_rows(dirty_keys, num_slots + first_true(done_dirty, n_dirty))
+            self.write_rows(
+                dirty_keys, num_slots + first_true(done_dirty, n_dirty, store.numpy_reads)
+            )
         if self.pins:
             store.transfer.unpin(unpadded(host[1])[1])
         store.unindex(store.slot_keys.index_select(0, done_slots))
-        fill_at(store.slot_keys, done_slots, -1)
-        fill_at(store.dirty, done_slots, False)
+        store.rows.fill_at(store.slot_keys, done_slots, -1)
+        store.rows.fill_at(store.dirty, done_slots, False)
         self.used -= n_done
         self.stats.evictions += n_done
 

@@ -32,13 +32,12 @@ from typing import Protocol
 
 import torch
 
-import embcache.native as native
 from embcache.backend import Backend
 from embcache.cache.lockstep import Step, ToHost, first_true
 from embcache.cache.stats import CacheStats
-from embcache.cache.transfer import SlotStorage, Staged, TierTransfer, packed_float32, take
+from embcache.cache.transfer import SlotStorage, Staged, TierTransfer, take
 from embcache.hostmem import host_zeros
-from embcache.indexing import add_at, fill_at, put, true_at
+from embcache.indexing import put, true_at
 from embcache.ops.ids.row_map import row_index
 from embcache.ops.registry import bind
 from embcache.ops.rows import SlotTable
@@ -112,6 +111,10 @@ class SlotStore:
         self.backend = backend
         # The op families' implementations, bound once for the cache (`embcache.ops`).
         self.ops = bind(backend)
+        self.rows = self.ops.rows  # the writes at positions, the unlock
+        # Mask positions found through numpy (`lockstep.first_true`): a CPU cache on the
+        # compiled passes, where a host read is no synchronisation.
+        self.numpy_reads = device.type == "cpu" and self.rows.compiled
         self.transfer = transfer
         self.admits_all = admits_all
         self.stats = stats
@@ -191,13 +194,7 @@ class SlotStore:
             # Stored rows are the weights then the float32 state: gathered into their columns
             # directly, without gathering each apart and copying both again.
             rows = torch.empty(slots.numel(), spec.stored_width, device=self.device)
-            if self.device.type == "cpu" and packed_float32(
-                self.backend, weights, state, rows, slots
-            ):
-                native.gather_join(weights.numpy(), state.numpy(), slots.numpy(), rows.numpy())
-                return rows
-            torch.index_select(weights, 0, slots, out=rows[:, : self.dim])
-            torch.index_select(state, 0, slots, out=rows[:, self.dim :])
+            self.rows.gather_join(weights, state, slots, rows)  # one compiled pass on a CPU
             return rows
         return spec.pack(weights.index_select(0, slots), state.index_select(0, slots))
 
@@ -226,7 +223,7 @@ class SlotStore:
     def unindex(self, keys: torch.Tensor) -> None:
         """Record that ``keys`` (resident, distinct) left their slots."""
         if self.where is not None and keys.numel():
-            fill_at(self.where, self.row_index(keys), -1)
+            self.rows.fill_at(self.where, self.row_index(keys), -1)
 
     def reindex(self) -> None:
         """Rebuild ``where`` from ``slot_keys`` (after a restore or a rollback)."""
@@ -245,12 +242,12 @@ class SlotStore:
             return slots
         if n_live is None:
             return slots[slots >= 0]
-        return slots.index_select(0, first_true(slots >= 0, n_live))
+        return slots.index_select(0, first_true(slots >= 0, n_live, self.numpy_reads))
 
     def hold(self, slots: torch.Tensor) -> None:
         """Lock ``slots`` (distinct, resident) once each (`HotCache.hold`)."""
         with self.lock:
-            add_at(self.locks, slots, 1)
+            self.rows.add_at(self.locks, slots, 1)
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """Record that the rows at ``slots`` were changed in place (`HotCache.mark_dirty`)."""
@@ -260,14 +257,14 @@ class SlotStore:
                 live = self.live(slots)
                 self.stats.gradients_dropped += slots.numel() - live.numel()
                 slots = live
-            fill_at(self.dirty, slots, True)
+            self.rows.fill_at(self.dirty, slots, True)
 
     def unlock_checked(self, given: torch.Tensor, slots: torch.Tensor, dirty: bool) -> None:
         """`HotCache.unlock` of ``slots`` (``given`` without the -1 of ids not admitted), under
         ``lock``, once a device check found every one locked (`unlock_together`); the
         compiled passes check here themselves."""
         # The backend's pass (compiled: it checks every lock first, raising RuntimeError).
-        self.backend.unlock(self.locks, slots, self.dirty if dirty else None)
+        self.rows.unlock_slots(self.locks, slots, self.dirty if dirty else None)
         if dirty:
             self.stats.gradients_dropped += given.numel() - slots.numel()
 
@@ -318,7 +315,7 @@ def lock_floors(pairs: Sequence[tuple[HoldsSlots, torch.Tensor]]) -> Floors:
         for store, (_, given) in zip(stores, pairs, strict=True):
             slots = store.live(given.to(store.device))
             live.append(slots)
-            if slots.numel() and not store.backend.unlocks_checked(slots):
+            if slots.numel() and not store.rows.unlocks_checked(slots):
                 values.append(store.locks.index_select(0, slots).min())
     return Floors(values, live)
 
@@ -387,7 +384,7 @@ def unlock_together(
                 continue
             slots = store.live(given)
             todo.append((store, given, slots))
-            if slots.numel() and not store.backend.unlocks_checked(slots):
+            if slots.numel() and not store.rows.unlocks_checked(slots):
                 mins = mins_by_device.setdefault(store.device, [])
                 mins.append(store.locks.index_select(0, slots).min())
         for mins in mins_by_device.values():

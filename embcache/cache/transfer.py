@@ -33,10 +33,9 @@ from functools import partial
 import numpy as np
 import torch
 
-import embcache.native as native
 from embcache.backend import Backend
-from embcache.indexing import copy_rows
 from embcache.kv.base import Store, TableSpec
+from embcache.ops.registry import bind
 from embcache.profiling import profiled
 
 # A CPU cache takes the rows read in parts of at least this many (the tier returns one part per
@@ -91,26 +90,6 @@ def take(t: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
     return t.index_select(0, positions.to(t.device))
 
 
-def packed_float32(
-    backend: Backend,
-    weights: torch.Tensor,
-    state: torch.Tensor,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-) -> bool:
-    """Whether float32 stored ``rows`` (weights, then state) move between ``slots`` of CPU
-    ``weights`` and ``state`` through one compiled pass (`native.scatter_split` /
-    `gather_join`): the cache's ``backend`` is the compiled one."""
-    return (
-        backend.compiled
-        and weights.dtype == state.dtype == rows.dtype == torch.float32
-        and slots.dtype == torch.int64
-        and rows.device.type == slots.device.type == "cpu"
-        and rows.shape[1] == weights.shape[1] + state.shape[1]
-        and not (weights.requires_grad or state.requires_grad)
-    )
-
-
 class TierTransfer:
     """Moves rows of the tables of one cache to and from their tier.
 
@@ -137,6 +116,7 @@ class TierTransfer:
         self.fusion_k = fusion_k
         self.device = device
         self.backend = backend
+        self.rows = bind(backend).rows  # the grouping by table, the rows' writes
         self._pool: ThreadPoolExecutor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
 
@@ -163,8 +143,8 @@ class TierTransfer:
         ``order`` is None when ``fused`` is sorted already (a cache's misses come so from a
         sorted dedup): the sort, and the permutations it would cost the callers, are skipped.
         """
-        grouped = self.backend.group_by_table(fused, self.fusion_k, ascending, max(self.specs) + 1)
-        if grouped is not None:  # one pass (the compiled backend)
+        grouped = self.rows.group_by_table(fused, self.fusion_k, ascending, max(self.specs) + 1)
+        if grouped is not None:  # one pass (the compiled implementation)
             counts, order, raw = grouped
             groups = []
             start = 0
@@ -419,15 +399,13 @@ class TierTransfer:
         GPU the copies run on a side stream and the current stream waits for them (an event):
         kernels queued after this see the rows."""
         spec = self.spec
-        if self.device.type == "cpu" and packed_float32(
-            self.backend, weights, state, host_rows, slots
-        ):
-            native.scatter_split(weights.numpy(), state.numpy(), slots.numpy(), host_rows.numpy())
+        if self.device.type == "cpu" and spec.dtype == torch.float32:  # stored: [weights|state]
+            self.rows.scatter_split(weights, state, slots, host_rows)  # one compiled pass
             return
         if self.device.type != "cuda":
             w, s = spec.unpack(host_rows)
-            copy_rows(weights, slots, w)
-            copy_rows(state, slots, s)
+            self.rows.copy_rows(weights, slots, w)
+            self.rows.copy_rows(state, slots, s)
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)

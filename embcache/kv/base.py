@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from embcache.backend import cpu_backend
 from embcache.hashing import mix64, row_counters
+from embcache.ops.registry import ops_for
 
 _INTEGER_DTYPES = frozenset(  # accepted for ids, which are converted to int64
     {
@@ -322,10 +322,11 @@ def _hashed_draw(name: str, seed: int, distribution: str, params: dict[str, floa
     if distribution == "uniform":
         mid = (params["high"] + params["low"]) / 2.0
         half = (params["high"] - params["low"]) / 2.0
+        rows = ops_for("cpu").rows  # bound when made: the compiled pass draws in one pass
 
         def uniform(ids: torch.Tensor, dim: int) -> torch.Tensor:
-            # The same bits on every backend; the compiled one draws them in one pass.
-            return cpu_backend().hashed_uniform(ids, salt, mid, half, dim)
+            # The same bits from every implementation.
+            return rows.hashed_uniform(ids, salt, mid, half, dim)
 
         return uniform
 

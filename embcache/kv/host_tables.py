@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 import embcache.native as native
-from embcache.backend import cpu_backend
 from embcache.hostmem import host_zeros
-from embcache.indexing import copy_rows, fill_at, select, true_at
+from embcache.indexing import select, true_at
 from embcache.kv.base import IOStats, TableSpec, checked_ids, host_memory_bytes
 from embcache.kv.bounded import BoundedIndex
 from embcache.kv.hash_index import HashIndex, next_pow2
+from embcache.ops.registry import ops_for
 
 _MIN_ROWS = 64
 _NO_POSITIONS = torch.empty(0, dtype=torch.int64)
@@ -87,14 +87,15 @@ class DenseTable:
 
     ``compiled``: its rows move through the compiled passes (`native.gather_created`,
     `scatter_created`, and `HostKV`'s grouped passes over several tables), chosen at
-    declaration: float32 rows (numba has no half-precision type) under a backend that runs
-    them (`embcache.backend.cpu_backend`, which raises on a backend name that is none of the
-    choices).
+    declaration: float32 rows (numba has no half-precision type) where the rows family bound
+    for the CPU runs them (``moves``: `ops.registry.ops_for`, which raises on a backend name
+    that is none of the choices).
     """
 
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
-        self.compiled = spec.dtype == torch.float32 and cpu_backend().compiled
+        self.moves = ops_for("cpu").rows  # rows and flags written at positions
+        self.compiled = spec.dtype == torch.float32 and self.moves.compiled
         self.rows: torch.Tensor | None = None  # [N, stored_width], allocated on first touch
         self.created: torch.Tensor | None = None  # [N] bool
 
@@ -125,8 +126,8 @@ class DenseTable:
         fresh = self.spec.initial_rows(missing) if missing.numel() else None
         rows, created = self.allocate()
         if fresh is not None:
-            copy_rows(rows, missing, fresh)
-            fill_at(created, missing, True)
+            self.moves.copy_rows(rows, missing, fresh)
+            self.moves.fill_at(created, missing, True)
         torch.index_select(rows, 0, ids, out=out)
         return missing.numel()
 
@@ -145,7 +146,7 @@ class DenseTable:
         missing = ids.index_select(0, at)
         fresh = self.spec.initial_rows(missing)
         self.put(missing, fresh.contiguous())
-        copy_rows(out, at, fresh)
+        self.moves.copy_rows(out, at, fresh)
         return missing.numel()
 
     def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -163,8 +164,8 @@ class DenseTable:
         if self.compiled:
             native.scatter_created(rows.numpy(), created.numpy(), ids.numpy(), values.numpy())
             return
-        copy_rows(rows, ids, values)
-        fill_at(created, ids, True)
+        self.moves.copy_rows(rows, ids, values)
+        self.moves.fill_at(created, ids, True)
 
     def existing(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids ascending, positions of their rows)`` of the rows created so far."""
@@ -206,6 +207,7 @@ class HashTable:
 
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
+        self.moves = ops_for("cpu").rows  # rows written at positions
         self.index = HashIndex()
         self.count = 0
         self.rows = torch.empty(0, spec.stored_width, dtype=spec.dtype)
@@ -258,7 +260,7 @@ class HashTable:
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         positions, _ = self._locate(ids, init=False)
-        copy_rows(self.rows, positions, values)
+        self.moves.copy_rows(self.rows, positions, values)
 
     def existing(self) -> tuple[torch.Tensor, torch.Tensor]:
         row_ids = self.row_ids[: self.count]
@@ -297,6 +299,7 @@ class BoundedTable:
     def __init__(self, spec: TableSpec) -> None:
         assert spec.capacity is not None
         self.spec = spec
+        self.moves = ops_for("cpu").rows  # rows written at positions
         self.index = BoundedIndex(spec.capacity, spec.score)
         self.rows: torch.Tensor | None = None  # [positions, stored_width], on first touch
         self.evictions = 0
@@ -343,7 +346,7 @@ class BoundedTable:
 
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         positions, _ = self._locate(ids, init=False)
-        copy_rows(self._rows(), positions, values)
+        self.moves.copy_rows(self._rows(), positions, values)
         # A pinned row's reader is writing it back: its use is counted when it lets go.
         unpinned = positions[self.index.pins[positions] == 0]
         self.index.touch(unpinned)
@@ -534,7 +537,7 @@ class GroupedPasses:
                 missing.append((t, at + lo, fresh_ids, t.spec.initial_rows(fresh_ids)))
         for t, at, fresh_ids, fresh in missing:
             t.put(fresh_ids, fresh.contiguous())
-            copy_rows(out, at, fresh)
+            t.moves.copy_rows(out, at, fresh)
             self._stats["rows_created"] += fresh_ids.numel()
 
     def _check_ids(self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int]) -> None:

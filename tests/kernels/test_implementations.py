@@ -35,7 +35,6 @@ import torch
 import embcache.native as native
 from embcache.engine import tbe_step
 from embcache.engine.batch_state import Prepared
-from embcache.indexing import copy_rows
 from embcache.kernels.optim import (
     OptimRule,
     RowUpdate,
@@ -725,8 +724,9 @@ def test_rows_into_slots(impl: str, use) -> None:
     weights = torch.full((SLOTS, MOVE_DIM), math.nan)
     state = torch.full((SLOTS, MOVE_STATE), math.nan)
     if impl == "torch":
-        copy_rows(weights, m.slots, m.rows[:, :MOVE_DIM])
-        copy_rows(state, m.slots, m.rows[:, MOVE_DIM:])
+        spec = implementations("rows")["spec"]  # the rows family's specification
+        spec.copy_rows(weights, m.slots, m.rows[:, :MOVE_DIM])
+        spec.copy_rows(state, m.slots, m.rows[:, MOVE_DIM:])
     elif impl == "numba":
         native.scatter_split(weights.numpy(), state.numpy(), m.slots.numpy(), m.rows.numpy())
     else:

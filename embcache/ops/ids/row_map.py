@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from embcache.hostmem import host_zeros
-from embcache.indexing import fill_at, put, true_at
+from embcache.indexing import put, true_at
 
 # `unique_by_rows` takes a batch through a map over its tables' rows from one id per this many
 # rows (a sort of fewer ids is cheaper than passes over the map); through the compiled bitmap
@@ -80,9 +80,9 @@ class RowDedup:
             assert self.row_starts is not None and self.row_tables is not None
             assert self.row_map is not None and self.row_rank is not None
             rows = row_index(self.row_offset, ids, self.fusion_k)
-            fill_at(self.row_map, rows, True)
+            self.row_map.scatter_(0, rows, True)  # (the compiled dedup is the bitmap's)
             unique_rows = true_at(self.row_map)  # ascending: (table, id) order
-            fill_at(self.row_map, unique_rows, False)  # all clear again for the next batch
+            self.row_map.scatter_(0, unique_rows, False)  # all clear for the next batch
             put(self.row_rank, unique_rows, torch.arange(unique_rows.numel()))
             inverse = self.row_rank.index_select(0, rows).to(torch.int64)
         table = torch.searchsorted(self.row_starts, unique_rows, right=True) - 1

@@ -18,11 +18,25 @@
   then an index add on the locks, five launches a cache a step; one kernel here. The ids are
   distinct (a dedup's), so each slot gets one lock; the locks are taken by integer atomics.
 
+The family also moves a cache's and a tier's rows and bookkeeping on the host, where the
+compiled CPU passes (numba) take one pass for what torch dispatches as several ops:
+
+* `RowsOps.fill_at`, `RowsOps.add_at`: a value written or added at positions of a 1-D tensor
+  (a slot's keys, locks, dirty flags, scores); `RowsOps.copy_rows`: rows written at positions
+  (``index_copy_``'s meaning), for the tier's tables and a cache's slots; `RowsOps.scatter_split`
+  and `gather_join`: stored rows of float32 weights into a cache's weights and state, and
+  out, one pass each instead of a copy per part;
+* `RowsOps.unlock_slots`: one cache's locks dropped (and its rows marked dirty), checked in
+  the same pass where `RowsOps.unlocks_checked` says so;
+* `RowsOps.hashed_uniform`: the default initialiser's rows of new ids (`kv.base.hashed_init`);
+* `RowsOps.group_by_table`: a tier transfer's fused ids grouped by table in one pass.
+
 `RowsOps` is the family's protocol; its implementations are `spec.SpecRows` (torch, the
-specification) and `triton.TritonRows` (the Triton kernels), one of them bound per cache by
+specification), `native.NativeRows` (the compiled CPU passes) and `triton.TritonRows` (the
+Triton kernels), one of them bound per cache, tier table or initialiser by
 `embcache.ops.registry`. Where the implementation is not `RowsOps.one_launch`, the cache keeps
-its own torch code (per cache, through its backend's checked unlock) and calls none of these.
-Nothing outside `embcache.ops` imports an implementation.
+its own torch code for a step's locks (per cache, through `RowsOps.unlock_slots`) and calls
+none of the device path's three. Nothing outside `embcache.ops` imports an implementation.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 INT32_MAX = 2**31 - 1
@@ -85,14 +100,17 @@ class RowsOps(Protocol):
     """One implementation of the rows family.
 
     Attributes:
-        name: ``"spec"`` or ``"triton"``.
+        name: ``"spec"``, ``"native"`` or ``"triton"``.
         one_launch: whether these operations are the device path's single launches, which a
             cache prefers to its own torch ops (the Triton kernels); the torch specification
             says ``False``, and its cache runs its torch code instead.
+        compiled: whether the host's operations run the compiled CPU passes (numba): a tier
+            table that moves float32 rows in its own compiled passes asks it when declared.
     """
 
     name: str
     one_launch: bool
+    compiled: bool
 
     def lock_floors(self, table: SlotTable) -> torch.Tensor:
         """The lowest lock among each cache's live slots (>= 0), int32 ``[S]`` on the table's
@@ -111,4 +129,66 @@ class RowsOps(Protocol):
         under direct mapping, ``row_offset[key >> fusion_k] + (key & (2**fusion_k - 1))``, int64
         ``[n]``, each locked once in ``locks`` (int32): one launch. ``row_offset``: int64, the
         first slot of each table index."""
+        ...
+
+    # -- rows and bookkeeping on the host (compiled passes on a CPU) ------------------------
+
+    def fill_at(self, t: torch.Tensor, idx: torch.Tensor, value: float | int | bool) -> None:
+        """``t[idx] = value`` for a 1-D ``t`` (positions may repeat; one out of range raises
+        RuntimeError, as ``scatter_`` does, before anything is written)."""
+        ...
+
+    def add_at(self, t: torch.Tensor, idx: torch.Tensor, delta: int) -> None:
+        """``t[idx] += delta`` for a 1-D ``t`` (a repeated position is added to once per
+        occurrence; one out of range raises IndexError, as ``index_add_`` does)."""
+        ...
+
+    def copy_rows(self, dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[idx] = src`` along dim 0, ``idx`` distinct (``index_copy_``'s meaning),
+        ``src`` cast to ``dst``'s dtype. On a CPU the write does not bump ``dst``'s autograd
+        version counter: ``dst`` must not be saved by a graph that checks it (the cache's
+        storage and the tiers' arrays are not)."""
+        ...
+
+    def scatter_split(
+        self, weights: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """``weights[slots], state[slots] = rows[:, :dim], rows[:, dim:]``: stored rows of
+        float32 weights (weights, then state) into a cache's slots (``slots`` distinct)."""
+        ...
+
+    def gather_join(
+        self, weights: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """``out = [weights[slots] | state[slots]]``: a cache's rows at ``slots`` as stored
+        rows of float32 weights, into ``out`` ``[n, dim + state_dim]``."""
+        ...
+
+    def unlocks_checked(self, slots: torch.Tensor) -> bool:
+        """Whether `unlock_slots` checks ``slots``' locks itself (in its pass, before dropping
+        any); else the caller checks them first (one device read for several caches)."""
+        ...
+
+    def unlock_slots(
+        self, locks: torch.Tensor, slots: torch.Tensor, dirty: torch.Tensor | None
+    ) -> None:
+        """One lock dropped from each of ``slots`` (distinct, checked by the caller unless
+        `unlocks_checked`: then RuntimeError and nothing changed when one is not locked), each
+        marked in ``dirty`` when given."""
+        ...
+
+    def hashed_uniform(
+        self, ids: torch.Tensor, salt: int, mid: float, half: float, dim: int
+    ) -> torch.Tensor:
+        """Rows of ``dim`` float32 values drawn uniformly in ``[mid - half, mid + half)`` from
+        24 bits of a counter hash of ``(salt, id, column)``, on the CPU: the same bits from
+        every implementation."""
+        ...
+
+    def group_by_table(
+        self, fused: torch.Tensor, fusion_k: int, ascending: bool, num_tables: int
+    ) -> tuple[np.ndarray, torch.Tensor | None, torch.Tensor] | None:
+        """Fused ids grouped by table in one pass where that is possible:
+        ``(ids per table, order or None when already grouped, raw ids in group order)``, or
+        None (the caller sorts: the specification)."""
         ...

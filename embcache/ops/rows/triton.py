@@ -13,6 +13,7 @@ import triton.language as tl
 
 import embcache.ops.interpreter  # noqa: F401  (Triton 3.6's interpreter: a loop bound argument)
 from embcache.ops.rows import RowsOps, SlotTable
+from embcache.ops.rows.spec import SpecRows
 
 _BLOCK = 1024
 
@@ -120,8 +121,9 @@ def direct_slots_triton(
 # ----------------------------------------------------------------------------------------------
 
 
-class TritonRows:
-    """The rows family on the Triton kernels (`RowsOps`): the launchers above."""
+class TritonRows(SpecRows):
+    """The rows family on the Triton kernels (`RowsOps`): the launchers above; the host's
+    operations are the specification's (torch ops on the tensors' device)."""
 
     name = "triton"
     one_launch = True
