@@ -575,7 +575,7 @@ class HotCache:
             value_slots: int64 ``[nnz]`` the slot of each value of the batch (repeats allowed),
                 or None when ``rows`` is given.
             rows: int64 ``[U]`` the batch's distinct slots, when the caller found them (a
-                compiled pass, `native.direct.DistinctRows`); else they are counted here.
+                compiled pass, `ops.ids.native.BitmapDirectRows`); else they are counted here.
 
         Returns:
             the batch's number, for `mark_dirty_direct` (which marks the same rows faster

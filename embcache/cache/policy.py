@@ -75,7 +75,7 @@ class EvictionPolicy(ABC):
     # Whether the cache counts its rows' uses for this policy (`LfuCounts`, exact or in a
     # sketch, as `CacheConfig.lfu_counters` says), handed to it as ``counts``.
     needs_counts = False
-    # `native.reserve` scores the batch's slots as LRU does: a policy whose scores are
+    # `NativePlan.reserve` scores the batch's slots as LRU does: a policy whose scores are
     # something else touches them again after a compiled plan.
     rescores_compiled_plan = False
 

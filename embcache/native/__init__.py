@@ -12,26 +12,29 @@ is `embcache.backend`'s choice (its ``native`` family): callers hold a `Backend`
 the op families' implementations bound for it (`embcache.ops`: the ids and plan families'
 ``native.py`` are the only callers of their kernels here), never this module:
 
-* `first_bad_key`: the first fused id that is no row of a cache's tables (`HotCache.resolve`'s
-  check, before the plan reads the row index unchecked);
+* `first_bad_key` (called by `ops.ids.native`): the first fused id that is no row of a
+  cache's tables (`HotCache.resolve`'s check, before the plan reads the row index unchecked);
 * `hashed_uniform`: the default initialiser's rows of new ids (`kv.base.hashed_init`, whose
   torch ops build a 64-bit temporary per value, several times over);
 * `scatter_rows`: ``dst[idx] = src`` along dim 0 (`indexing.copy_rows`); `write_at`: a
   value written or added at positions of a 1-D array (`indexing.fill_at`, `add_at`);
   `unlock`: a batch's locks dropped after checking them (`HotCache.unlock`), `unlock_dirty`
   its rows marked dirty in the same pass (`HotCache.unlock` with ``dirty``);
-* `plan_lru`, `reserve`: a set-associative LRU cache's plan (`SetPlanner.plan_sets`): lookup
-  through the row index, victim choice (`ops.plan.spec.assign_ways_ref` on the ways of the
-  touched sets, misses ordered by set and the batch's shuffle) and the index changes that
-  reserve the chosen ways; `plan_lfu`, `touch_lfu` the same for an LFU cache whose rows are
-  counted exactly (misses by set, then most frequent first; a miss that would displace a row
-  asked for as often goes to scratch; counts and scores updated after the reservation);
-* `scratch_done`, `free_slots`: the scratch rows a `HotCache.release` writes back and frees,
-  found in one pass, and freed (row index, keys, dirty flags) in another;
-* `unique_rows`: a batch's sorted unique ids and inverse through a bitmap over its tables' rows,
-  each id ranked by the marked bits before it (`HotCache.unique_by_rows`); `unique_values`
-  the same from raw ids, checked against their tables in the same pass
-  (`HotCache.unique_values`: `IdsOps.fuse_ids`, then the dedup);
+* `plan_lru`, `reserve` (called by `ops.plan.native`): a set-associative LRU cache's plan
+  (`SetPlanner.plan_sets`): lookup through the row index, victim choice
+  (`ops.plan.spec.assign_ways_ref` on the ways of the touched sets, misses ordered by set and
+  the batch's shuffle) and the index changes that reserve the chosen ways; `plan_lfu`,
+  `touch_lfu` the same for an LFU cache whose rows are counted exactly (misses by set, then
+  most frequent first; a miss that would displace a row asked for as often goes to scratch;
+  counts and scores updated after the reservation);
+* `scratch_done`, `free_slots` (called by `ops.plan.native`): the scratch rows a
+  `HotCache.release` writes back and frees, found in one pass, and freed (row index, keys,
+  dirty flags) in another;
+* `unique_rows`, `unique_values` (called by `ops.ids.native`): a batch's sorted unique ids
+  and inverse through a bitmap over its tables' rows, each id ranked by the marked bits
+  before it (`HotCache.unique_by_rows`); `unique_values` the same from raw ids, checked
+  against their tables in the same pass (`HotCache.unique_values`: `IdsOps.fuse_ids`, then
+  the dedup);
 * `group_by_table`: a tier transfer's ids grouped by table, by one pass when sorted and a
   counting sort otherwise (`TierTransfer._grouped`);
 * `scatter_split`, `gather_join`: stored rows into a cache's weights and state, and out
@@ -41,18 +44,23 @@ the op families' implementations bound for it (`embcache.ops`: the ids and plan 
   over several tables in one call (`kv.host.HostKV.get_grouped`, `put_grouped`), and
   `gather_tables_into`, `scatter_tables_from` straight between those tables and a CPU cache's
   slots, with no rows array between (`HostKV.get_grouped_into`, `put_grouped_from`);
-* `bags_sample_major`: each value's slot (and weight) with the bags in the TBE step's
-  order, and their offsets (`ops.ids.native`, `IdsOps.bags_sample_major`).
+* `bags_sample_major` (called by `ops.ids.native`): each value's slot (and weight) with the
+  bags in the TBE step's order, and their offsets (`IdsOps.bags_sample_major`).
 
-This module is their typed entry points: numpy views in (no copy), the kernels' results out.
-Some return what their kernel returns, -1 or a position (the first bad key, the first slot not
+For the others, this module is their typed entry points: numpy views in (no copy), the
+kernels' results out. Some return what their kernel returns, -1 or a position (the first slot not
 locked), which the caller turns into its own error with its context; `group_by_table` returns
 one of the ``GROUP_*`` outcomes; the row moves raise `OutOfRangeError` where their kernel
 refuses positions (nothing is written then). The kernels live in two modules by what they
 serve, imported at the first call: `plan_kernels` (over a cache's rows: its plan, locks, key
 check and bitmap dedup) and `row_kernels` (row moves, and the grouping of a tier transfer's
-ids); `bits`, `prefetch` and `jit` are their shared helpers (`direct` and `direct_kernels`,
-the direct share's pass, stand apart).
+ids); `bits`, `prefetch` and `jit` are their shared helpers (`direct_kernels`, the direct
+share's pass, stands apart).
+
+The ids and plan families' compiled passes have no entry point here: `ops.ids.native` and
+`ops.plan.native` call their kernels (`plan_kernels`, `row_kernels`, `direct_kernels`)
+directly, so that a step's call of one goes from its family's implementation straight to
+the kernel.
 
 numba is imported on first use; `importable()` says whether it can be. The kernels release the
 GIL (a prefetch thread's resolve overlaps the training thread) and are cached on disk after
@@ -92,15 +100,8 @@ def _rows() -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# a cache's rows: the key check, the plan, the locks, the scratch rows, the dedup; the grouping
-# of a tier transfer's ids
+# a cache's rows: the locks; the grouping of a tier transfer's ids
 # ----------------------------------------------------------------------------------------------
-
-
-def first_bad_key(keys: np.ndarray, fusion_k: int, limits: np.ndarray) -> int:
-    """The position of the first int64 fused id of ``keys`` that is no row of tables of
-    ``limits[t]`` raw ids each (0: no such table), or -1 (`HotCache.resolve`'s check)."""
-    return _plan().first_bad_key(keys, fusion_k, limits)
 
 
 def unlock(locks: np.ndarray, slots: np.ndarray) -> int:
@@ -113,191 +114,6 @@ def unlock_dirty(locks: np.ndarray, dirty: np.ndarray, slots: np.ndarray) -> int
     """`unlock`, each slot marked in ``dirty`` too (same length as ``locks``), one pass: -1, or
     the position of the first slot that is not locked (nothing changed then)."""
     return _plan().unlock_dirty(locks, dirty, slots)
-
-
-def plan_lru(
-    ids: np.ndarray,
-    where: np.ndarray,
-    row_offset: np.ndarray,
-    fusion_k: int,
-    scores: np.ndarray,
-    locks: np.ndarray,
-    batch_of: np.ndarray,
-    num_slots: int,
-    num_sets: int,
-    ways: int,
-    tick: int,
-    batch_seq: int,
-    slots: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A set-associative LRU cache's plan (`SetPlanner.plan_sets`): ``slots`` filled (hits; -1
-    for misses), the hits locked, and ``(miss_pos, order, place)``: the misses' positions,
-    their order by (set, shuffle) and each one's way in that order (-1: none free); three
-    empty arrays when there is no miss (every slot locked and touched)."""
-    return _plan().plan_lru(
-        ids,
-        where,
-        row_offset,
-        fusion_k,
-        scores,
-        locks,
-        batch_of,
-        num_slots,
-        num_sets,
-        ways,
-        tick,
-        batch_seq,
-        slots,
-    )
-
-
-def plan_lfu(
-    ids: np.ndarray,
-    where: np.ndarray,
-    row_offset: np.ndarray,
-    fusion_k: int,
-    counts: np.ndarray,
-    count_offset: np.ndarray,
-    scores: np.ndarray,
-    locks: np.ndarray,
-    batch_of: np.ndarray,
-    num_sets: int,
-    ways: int,
-    tick: int,
-    batch_seq: int,
-    slots: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`plan_lru` for an LFU cache counted exactly (``counts[count_offset[t] + id]``): misses
-    by (set, frequency descending, shuffle), a miss whose way holds a row scored no lower left
-    to scratch (-1). No miss: every slot locked (`touch_lfu` does the rest)."""
-    return _plan().plan_lfu(
-        ids,
-        where,
-        row_offset,
-        fusion_k,
-        counts,
-        count_offset,
-        scores,
-        locks,
-        batch_of,
-        num_sets,
-        ways,
-        tick,
-        batch_seq,
-        slots,
-    )
-
-
-def touch_lfu(
-    ids: np.ndarray,
-    slots: np.ndarray,
-    counts: np.ndarray,
-    count_offset: np.ndarray,
-    fusion_k: int,
-    scores: np.ndarray,
-    num_slots: int,
-) -> None:
-    """One more request of each (distinct) id counted, each slot of the cache proper scored
-    with its row's count (`SetPlanner.touch` for an LFU cache counted exactly)."""
-    _plan().touch_lfu(ids, slots, counts, count_offset, fusion_k, scores, num_slots)
-
-
-def scratch_done(
-    slot_keys: np.ndarray,
-    locks: np.ndarray,
-    batch_of: np.ndarray,
-    dirty: np.ndarray,
-    num_slots: int,
-    batch_seq: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The scratch rows (slots from ``num_slots``) no batch holds any more, ascending, and the
-    dirty ones' slots and keys (`HotCache.release`)."""
-    return _plan().scratch_done(slot_keys, locks, batch_of, dirty, num_slots, batch_seq)
-
-
-def free_slots(
-    slots: np.ndarray,
-    slot_keys: np.ndarray,
-    dirty: np.ndarray,
-    where: np.ndarray,
-    row_offset: np.ndarray,
-    fusion_k: int,
-) -> None:
-    """The rows held at ``slots`` leave the cache: row index entries cleared, slots empty and
-    clean."""
-    _plan().free_slots(slots, slot_keys, dirty, where, row_offset, fusion_k)
-
-
-def reserve(
-    ids: np.ndarray,
-    slots: np.ndarray,
-    miss_pos: np.ndarray,
-    order: np.ndarray,
-    place: np.ndarray,
-    where: np.ndarray,
-    row_offset: np.ndarray,
-    fusion_k: int,
-    slot_keys: np.ndarray,
-    scores: np.ndarray,
-    locks: np.ndarray,
-    dirty: np.ndarray,
-    num_slots: int,
-    tick: int,
-) -> tuple[np.ndarray, ...]:
-    """Every miss given its planned slot, the victims recorded, the slots re-keyed and
-    re-indexed, the batch locked and touched. Returns the misses' slots, the dirty victims'
-    ids and slots, every evicted id, and each reserved slot's old key, score and dirty flag."""
-    return _plan().reserve(
-        ids,
-        slots,
-        miss_pos,
-        order,
-        place,
-        where,
-        row_offset,
-        fusion_k,
-        slot_keys,
-        scores,
-        locks,
-        dirty,
-        num_slots,
-        tick,
-    )
-
-
-def unique_rows(
-    ids: np.ndarray,
-    row_offset: np.ndarray,
-    fusion_k: int,
-    bits: np.ndarray,
-    word_rank: np.ndarray,
-    row_starts: np.ndarray,
-    row_tables: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``torch.unique(ids, sorted=True, return_inverse=True)`` for fused ids of bounded
-    tables, through a bitmap over their rows (``bits``, all zero, left all zero) and a rank per
-    word of it (`HotCache.unique_by_rows`)."""
-    return _plan().unique_rows(ids, row_offset, fusion_k, bits, word_rank, row_starts, row_tables)
-
-
-def unique_values(
-    values: np.ndarray,
-    bounds: np.ndarray,
-    bases: np.ndarray,
-    limits: np.ndarray,
-    fusion_k: int,
-    bits: np.ndarray,
-    word_rank: np.ndarray,
-    row_starts: np.ndarray,
-    row_tables: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """`unique_rows` of raw ids (feature ``f``'s values ``values[bounds[f] : bounds[f + 1]]``
-    rows of the table starting at ``bases[f]``, valid below ``limits[f]``), checked in the
-    same pass: ``(unique fused ids, inverse, -1)``, or two empty arrays and the first bad
-    value's position (``len(values)``: bounds that do not cover the values)."""
-    return _plan().unique_values(
-        values, bounds, bases, limits, fusion_k, bits, word_rank, row_starts, row_tables
-    )
 
 
 def group_by_table(
@@ -317,7 +133,7 @@ def group_by_table(
 
 # ----------------------------------------------------------------------------------------------
 # row moves: the tiers' tables, a cache's slot storage, the initialiser's rows, writes at
-# positions, the TBE step's bag order
+# positions
 # ----------------------------------------------------------------------------------------------
 
 
@@ -495,25 +311,6 @@ def scatter_tables_from(
     bad = _rows().scatter_tables_from(tables, created, limits, ids, bounds, weights, state, slots)
     if bad >= 0:
         raise _bad_id_or_slot(limits, ids, bounds, slots, weights.shape[0], bad)
-
-
-def bags_sample_major(
-    slots: np.ndarray,
-    inverse: np.ndarray,
-    offsets: np.ndarray,
-    batch_size: int,
-    weights: np.ndarray,
-    out: np.ndarray,
-    out_offsets: np.ndarray,
-    out_weights: np.ndarray,
-) -> None:
-    """A batch's values as slots (``out[k] = slots[inverse[i]]``) and weights, its bags moved
-    from feature-major (``offsets[f * B + b]``) to sample-major order (bag ``b * F + f``)
-    with their offsets ``[F * B + 1]`` (the TBE step's indices: `IdsOps.bags_sample_major`),
-    one pass. ``weights`` empty: unweighted (``out_weights`` is not written)."""
-    _rows().bags_sample_major(
-        slots, inverse, offsets, batch_size, weights, out, out_offsets, out_weights
-    )
 
 
 # ----------------------------------------------------------------------------------------------

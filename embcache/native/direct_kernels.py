@@ -1,5 +1,6 @@
-"""The numba kernels behind `embcache.native.direct` (imported only when numba can be: see
-there for what each computes and which torch path it mirrors)."""
+"""The numba kernel behind a direct share's compiled pass, `ops.ids.native.BitmapDirectRows`
+(imported only when numba can be: see there for what it computes and which torch path it
+mirrors)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The compiled CPU plan (`embcache.native`) against the torch path it mirrors.
+"""The compiled CPU plan (`ops.plan.native`, numba) against the torch path it mirrors.
 
 Two caches over two stores, one resolving through the numba kernels (``EMBCACHE_BACKEND=auto``),
 the other through torch ops (``torch``, the specification), are driven through the same
@@ -18,6 +18,7 @@ from embcache.cache.config import CacheConfig
 from embcache.cache.hot_cache import HotCache
 from embcache.kv.base import TableSpec
 from embcache.kv.host import HostKV
+from embcache.ops.plan.native import NativePlan
 
 K = 40
 DIM = 4
@@ -110,13 +111,13 @@ def test_native_plan_equals_the_torch_plan(
     plan = f"plan_{policy}"
     calls = {plan: 0, "reserve": 0}
     for name in calls:
-        kernel = getattr(native, name)
+        method = getattr(NativePlan, name)
 
-        def counted(*args: object, _kernel=kernel, _name=name) -> object:
+        def counted(self: NativePlan, *args: object, _method=method, _name=name) -> object:
             calls[_name] += 1
-            return _kernel(*args)
+            return _method(self, *args)
 
-        monkeypatch.setattr(native, name, counted)
+        monkeypatch.setattr(NativePlan, name, counted)
     for step in range(25):
         ids = _batch(gen, batch)
         lock = step % 3 != 2  # some unlocked resolves, as forwards without a step make
@@ -182,8 +183,8 @@ def test_native_plan_rolls_back_a_failed_tier_call(
     monkeypatch.setattr(cache.store, "get_grouped", broken)
     monkeypatch.setattr(cache.store, "get_grouped_into", broken)
     reserved = []
-    kernel = native.reserve
-    monkeypatch.setattr(native, "reserve", lambda *a: reserved.append(1) or kernel(*a))
+    method = NativePlan.reserve
+    monkeypatch.setattr(NativePlan, "reserve", lambda *a: reserved.append(1) or method(*a))
     failed = _batch(gen, batch)
     with pytest.raises(ConnectionError):
         cache.resolve(failed)
@@ -225,12 +226,12 @@ def test_lfu_with_admission_counts_and_scores_as_the_torch_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With admission the plan stays torch ops, but an exactly counted LFU cache's counts and
-    scores come from the compiled `native.touch_lfu`: the same as the torch path's, ids not
+    scores come from the compiled `NativePlan.touch_lfu`: the same as the torch path's, ids not
     admitted (slot -1) counted and left unscored."""
     caches = _pair(monkeypatch, 256, 8, False, "lfu", admit_after=2)
     touched = []
-    kernel = native.touch_lfu
-    monkeypatch.setattr(native, "touch_lfu", lambda *a: touched.append(1) or kernel(*a))
+    method = NativePlan.touch_lfu
+    monkeypatch.setattr(NativePlan, "touch_lfu", lambda *a: touched.append(1) or method(*a))
     gen = torch.Generator().manual_seed(11)
     refused = 0
     for _ in range(15):

@@ -1,4 +1,4 @@
-"""The compiled pass of a direct share (`embcache.native.direct`) against the torch path it
+"""The compiled pass of a direct share (`ops.ids.native`) against the torch path it
 replaces (the specification: `CacheEngine._direct_slots`, the cache's map or stamps).
 
 Two collections on the TBE step, one with the compiled kernels and one without (the native
@@ -16,8 +16,9 @@ import torch
 import embcache
 import embcache.backend as backend
 import embcache.native as native_module
-import embcache.native.direct as native_direct
 from embcache.engine.batch_state import Prepared
+from embcache.ops.ids.native import BitmapDirectRows
+from embcache.ops.registry import implementations
 
 pytest.importorskip("fbgemm_gpu")
 pytestmark = pytest.mark.skipif(
@@ -156,14 +157,16 @@ def test_value_slots_of_a_compiled_share_are_the_torch_paths(monkeypatch) -> Non
 
 
 def test_distinct_rows_kernel() -> None:
-    """`DistinctRows` finds each batch's distinct slots (in order of first sight), batch after
-    batch (its bitmap cleared each time, after a refused batch too), and refuses an id out of
-    its feature's table or offsets that do not span the values."""
+    """`BitmapDirectRows` finds each batch's distinct slots (in order of first sight), batch
+    after batch (its bitmap cleared each time, after a refused batch too), and refuses an id
+    out of its feature's table or offsets that do not span the values."""
     rows, bases = [300, 300, 200], [0, 0, 300]  # f0, f1 share the table at slot 0
-    distinct = native_direct.DistinctRows(rows, bases, 500)
+    distinct = implementations("ids")["native"].direct_rows(rows, bases, 500)
+    assert isinstance(distinct, BitmapDirectRows)
     gen = torch.Generator().manual_seed(2)
     for batch in _batches(3, "random", seed=9) + _batches(2, "long", seed=9):
         values, offsets = batch.values(), batch.offsets()
+        assert values.dtype == offsets.dtype == torch.int64  # what the compiled pass takes
         feature = torch.arange(3).repeat_interleave(torch.tensor(batch.length_per_key()))
         slots = values + torch.tensor(bases)[feature]
         found = distinct(values, offsets, B)

@@ -89,7 +89,9 @@ def test_bags_sample_major_moves_each_bag_with_its_slots_and_weights(
     out = torch.full((inverse.numel(),), -1, dtype=torch.int64)
     out_offsets = torch.full((offsets.numel(),), -1, dtype=torch.int64)
     out_weights = torch.full((weights.numel(),), float("nan"))
-    native.bags_sample_major(
+    from embcache.native import row_kernels
+
+    row_kernels.bags_sample_major(
         slots.numpy(), inverse.numpy(), offsets.numpy(), batch_size, weights.numpy(),
         out.numpy(), out_offsets.numpy(), out_weights.numpy(),
     )  # fmt: skip

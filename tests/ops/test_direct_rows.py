@@ -1,6 +1,6 @@
 """`IdsOps.direct_rows`, a direct share's ids checked and its distinct rows listed: every
 implementation of the ids family against a plain-Python reference, and numba's compiled pass
-(`native.direct.DistinctRows` behind `ops.ids.native`) against the torch specification
+(`ops.ids.native.BitmapDirectRows`) against the torch specification
 (`ops.ids.direct_rows.DirectRows`), exactly, on fresh random inputs.
 
 Batches hold repeats within and across bags, ids at each table's last row, empty bags, one

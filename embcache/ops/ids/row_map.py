@@ -22,7 +22,7 @@ from embcache.indexing import put, true_at
 
 # `unique_by_rows` takes a batch through a map over its tables' rows from one id per this many
 # rows (a sort of fewer ids is cheaper than passes over the map); through the compiled bitmap
-# (`native.unique_rows`, a bit a row) from one id per `IDS_PER_ROW_BITMAP` rows.
+# (`BitmapRowDedup`, a bit a row) from one id per `IDS_PER_ROW_BITMAP` rows.
 IDS_PER_ROW_MAP = 40
 IDS_PER_ROW_BITMAP = 500
 

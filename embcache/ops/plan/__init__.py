@@ -319,7 +319,7 @@ class PlanOps(Protocol):
         scores: np.ndarray, locks: np.ndarray, batch_of: np.ndarray, num_slots: int,
         num_sets: int, ways: int, tick: int, batch_seq: int, slots: np.ndarray,
     ) -> PlanArrays:  # fmt: skip
-        """An LRU cache's compiled plan (`native.plan_lru`). Only where `compiled`."""
+        """An LRU cache's compiled plan (`NativePlan.plan_lru`). Only where `compiled`."""
         ...
 
     def plan_lfu(
@@ -328,14 +328,14 @@ class PlanOps(Protocol):
         batch_of: np.ndarray, num_sets: int, ways: int, tick: int, batch_seq: int,
         slots: np.ndarray,
     ) -> PlanArrays:  # fmt: skip
-        """An exact LFU cache's compiled plan (`native.plan_lfu`). Only where `compiled`."""
+        """An exact LFU cache's compiled plan (`NativePlan.plan_lfu`). Only where `compiled`."""
         ...
 
     def touch_lfu(
         self, ids: np.ndarray, slots: np.ndarray, counts: np.ndarray, count_offset: np.ndarray,
         fusion_k: int, scores: np.ndarray, num_slots: int,
     ) -> None:  # fmt: skip
-        """An exact LFU's counts and scores after a batch (`native.touch_lfu`). Only where
+        """An exact LFU's counts and scores after a batch (`NativePlan.touch_lfu`). Only where
         `compiled`."""
         ...
 
@@ -398,14 +398,14 @@ class PlanOps(Protocol):
         slot_keys: np.ndarray, scores: np.ndarray, locks: np.ndarray, dirty: np.ndarray,
         num_slots: int, tick: int,
     ) -> tuple[np.ndarray, ...]:  # fmt: skip
-        """A compiled plan's ways reserved (`native.reserve`). Only where `compiled`."""
+        """A compiled plan's ways reserved (`NativePlan.reserve`). Only where `compiled`."""
         ...
 
     def scratch_done(
         self, slot_keys: np.ndarray, locks: np.ndarray, batch_of: np.ndarray,
         dirty: np.ndarray, num_slots: int, batch_seq: int,
     ) -> PlanArrays:  # fmt: skip
-        """The scratch rows a release writes back and frees (`native.scratch_done`). Only
+        """The scratch rows a release writes back and frees (`NativePlan.scratch_done`). Only
         where `compiled`."""
         ...
 
@@ -413,5 +413,5 @@ class PlanOps(Protocol):
         self, slots: np.ndarray, slot_keys: np.ndarray, dirty: np.ndarray, where: np.ndarray,
         row_offset: np.ndarray, fusion_k: int,
     ) -> None:  # fmt: skip
-        """Those scratch rows freed (`native.free_slots`). Only where `compiled`."""
+        """Those scratch rows freed (`NativePlan.free_slots`). Only where `compiled`."""
         ...
