@@ -27,7 +27,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from embcache.kv.base import IOStats, Store, TableSpec, checked_ids, checked_rows
-from embcache.kv.host_tables import BoundedTable, GroupedPasses, Table, empty_rows, make_table
+from embcache.kv.host_tables import GroupedPasses, Table, empty_rows, make_table
+from embcache.kv.indexed_tables import BoundedTable
 
 
 class HostKV(Store):
@@ -217,7 +218,7 @@ class HostKV(Store):
         slots: torch.Tensor,
     ) -> bool:
         """`Store.get_grouped_into`: dense tables that chose the compiled passes, whose rows
-        all exist, go to the slots in one (`native.gather_tables_into`), which checks every id
+        all exist, go to the slots in one (`host_tables.gather_tables_into`), which checks every id
         and slot and that every row exists before moving any; anything else (rows to create,
         a bad id, another layout) is left to `get_grouped` (False)."""
         if not self._compiled_calls():
@@ -235,8 +236,8 @@ class HostKV(Store):
         slots: torch.Tensor,
     ) -> bool:
         """`Store.put_grouped_from`: dense tables that chose the compiled passes take their rows
-        from the slots in one (`native.scatter_tables_from`, which checks every id and slot before
-        writing any); anything else is left to `put_grouped` (False)."""
+        from the slots in one (`host_tables.scatter_tables_from`, which checks every id and
+        slot before writing any); anything else is left to `put_grouped` (False)."""
         if not self._compiled_calls():
             return False
         with self._lock:

@@ -1,47 +1,50 @@
-"""The three ways `HostKV` lays out a table in host memory, behind one interface.
+"""How `HostKV` lays out a table in host memory, behind one interface (`make_table`), and the
+compiled passes of its dense tables.
 
 * `DenseTable` (``num_embeddings`` given, no capacity): a dense ``[N, stored_width]`` array of
   the table's dtype, allocated on first touch in huge pages (`embcache.hostmem`: pages never
   written cost nothing, 2 MiB at a time), plus a bool ``created`` mask;
-* `HashTable` (``num_embeddings is None``, no capacity, any non-negative int64 id): a
-  `HashIndex` from id to row position, and a growable row array in insertion order;
-* `BoundedTable` (a ``capacity``): a `BoundedIndex` of at most ``capacity`` ids and one row
-  array of that size, allocated on first touch; new rows evict the unpinned rows of lowest
-  score of their bucket.
+* `HashTable` and `BoundedTable` (`kv.indexed_tables`): no ``num_embeddings`` (any
+  non-negative int64 id, through a hash index), or a ``capacity`` (a bounded index whose new
+  rows evict the unpinned rows of lowest score of their bucket).
 
 Every layout creates a row on first touch with ``spec.initial_rows`` (one vectorised call per
 batch of missing ids, run before anything changes, so an init that raises changes nothing).
 The `HostKV` lock is held around every call.
 
 A dense table chooses its row moves once, when declared (`DenseTable.compiled`): the compiled
-passes of `embcache.native` (float32 rows, the ``native`` backend of `embcache.backend`), or
-torch ops. A read that finds rows never created creates them within the same implementation; it does
-not try another.
+passes here (float32 rows, where the rows family bound for the CPU is the compiled one), or
+torch ops. A read that finds rows never created creates them within the same implementation;
+it does not try another.
 
 `GroupedPasses`, a part `HostKV` holds, makes its grouped calls (`Store.get_grouped`,
 `put_grouped`, `get_grouped_into`, `put_grouped_from`) over dense tables that all chose the
-compiled passes, of one row width, in one call of `embcache.native`, rows to create included
-(`native.gather_tables` reports them; they are made table by table). Anything else (a table of
+compiled passes, of one row width, in one compiled pass, rows to create included
+(`gather_tables` reports them; they are made table by table). Anything else (a table of
 another layout or not yet allocated, ids or slot storage the kernels cannot take) answers None
 or False, and `HostKV` takes the tables one by one.
+
+The passes (`gather_created`, `scatter_created`, `gather_tables`, `scatter_tables`,
+`gather_tables_into`, `scatter_tables_from`) call numba's kernels (`native.row_kernels`,
+imported at the first call) over numpy views (no copy); a position out of range raises
+`native.OutOfRangeError` before anything is written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-import embcache.native as native
 from embcache.hostmem import host_zeros
 from embcache.indexing import select, true_at
 from embcache.kv.base import IOStats, TableSpec, checked_ids, host_memory_bytes
-from embcache.kv.bounded import BoundedIndex
-from embcache.kv.hash_index import HashIndex, next_pow2
+from embcache.kv.indexed_tables import BoundedTable, HashTable, widened
+from embcache.native import OutOfRangeError
 from embcache.ops.registry import ops_for
 
-_MIN_ROWS = 64
 _NO_POSITIONS = torch.empty(0, dtype=torch.int64)
 
 
@@ -69,23 +72,10 @@ def check_dense_fits(spec: TableSpec) -> None:
         )
 
 
-def _widened(
-    spec: TableSpec, old: TableSpec, rows: torch.Tensor, live: torch.Tensor
-) -> torch.Tensor:
-    """``rows`` re-laid for ``spec``'s state layout: weights of the ``live`` positions kept,
-    their state columns reset to ``spec.state_init`` (the others left unset)."""
-    if spec.state_dim != old.state_dim:
-        wider = torch.empty(rows.shape[0], spec.stored_width, dtype=spec.dtype)
-        wider[live, : spec.dim] = rows[live, : spec.dim]
-        rows = wider
-    rows[live, spec.dim :] = spec.state_fill()
-    return rows
-
-
 class DenseTable:
     """A table of ``num_embeddings`` rows: row ``i`` of a dense array holds id ``i``.
 
-    ``compiled``: its rows move through the compiled passes (`native.gather_created`,
+    ``compiled``: its rows move through the compiled passes (`gather_created`,
     `scatter_created`, and `HostKV`'s grouped passes over several tables), chosen at
     declaration: float32 rows (numba has no half-precision type) where the rows family bound
     for the CPU runs them (``moves``: `ops.registry.ops_for`, which raises on a backend name
@@ -116,7 +106,7 @@ class DenseTable:
         if self.compiled:
             # One pass gathers the rows and counts those never created: at steady state none.
             if self.rows is not None and self.created is not None:
-                absent = native.gather_created(
+                absent = gather_created(
                     self.rows.numpy(), self.created.numpy(), ids.numpy(), out.numpy()
                 )
                 if not absent:
@@ -162,7 +152,7 @@ class DenseTable:
     def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         rows, created = self.allocate()
         if self.compiled:
-            native.scatter_created(rows.numpy(), created.numpy(), ids.numpy(), values.numpy())
+            scatter_created(rows.numpy(), created.numpy(), ids.numpy(), values.numpy())
             return
         self.moves.copy_rows(rows, ids, values)
         self.moves.fill_at(created, ids, True)
@@ -194,202 +184,12 @@ class DenseTable:
             return
         if (old.state_dim, old.state_init) != (spec.state_dim, spec.state_init):
             # Only the created rows: a whole-array copy would touch every page.
-            self.rows = _widened(spec, old, self.rows, self.created.nonzero().flatten())
+            self.rows = widened(spec, old, self.rows, self.created.nonzero().flatten())
 
     def nbytes(self) -> int:
         if self.rows is None or self.created is None:
             return 0
         return self.rows.nbytes + self.created.nbytes
-
-
-class HashTable:
-    """An unbounded table: a `HashIndex` from id to row, rows in insertion order."""
-
-    def __init__(self, spec: TableSpec) -> None:
-        self.spec = spec
-        self.moves = ops_for("cpu").rows  # rows written at positions
-        self.index = HashIndex()
-        self.count = 0
-        self.rows = torch.empty(0, spec.stored_width, dtype=spec.dtype)
-        self.row_ids = torch.empty(0, dtype=torch.int64)  # id of each row (-1: removed)
-
-    def _locate(self, ids: torch.Tensor, init: bool) -> tuple[torch.Tensor, int]:
-        """Row position of each id, appending rows for new ids; returns (positions, created).
-
-        New rows are filled by the initialiser when ``init``, else left for the caller to write.
-        """
-        positions = self.index.find(ids)
-        absent = positions < 0
-        if not bool(absent.any()):
-            return positions, 0
-        new_ids, inverse = torch.unique(ids[absent], return_inverse=True)
-        fresh = self.spec.initial_rows(new_ids) if init else None
-        n_new = new_ids.numel()
-        self._reserve(self.count + n_new)
-        new_positions = torch.arange(self.count, self.count + n_new)
-        self.index.insert(new_ids, new_positions)
-        self.row_ids[self.count : self.count + n_new] = new_ids
-        if fresh is not None:
-            self.rows[self.count : self.count + n_new] = fresh
-        self.count += n_new
-        positions[absent] = new_positions[inverse]
-        return positions, n_new
-
-    def _reserve(self, n: int) -> None:
-        if n <= self.rows.shape[0]:
-            return
-        capacity = max(_MIN_ROWS, next_pow2(n))
-        rows = torch.empty(capacity, self.spec.stored_width, dtype=self.spec.dtype)
-        rows[: self.count] = self.rows[: self.count]
-        row_ids = torch.empty(capacity, dtype=torch.int64)
-        row_ids[: self.count] = self.row_ids[: self.count]
-        self.rows, self.row_ids = rows, row_ids
-
-    def get(self, ids: torch.Tensor, out: torch.Tensor, pin: bool) -> int:
-        del pin  # nothing is evicted here
-        positions, created = self._locate(ids, init=True)
-        torch.index_select(self.rows, 0, positions, out=out)
-        return created
-
-    def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        positions = self.index.find(ids)
-        present = positions >= 0
-        out[present] = self.rows[positions[present]]
-        if not bool(present.all()):
-            out[~present] = self.spec.initial_rows(ids[~present])
-
-    def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        positions, _ = self._locate(ids, init=False)
-        self.moves.copy_rows(self.rows, positions, values)
-
-    def existing(self) -> tuple[torch.Tensor, torch.Tensor]:
-        row_ids = self.row_ids[: self.count]
-        live = (row_ids >= 0).nonzero().flatten()
-        ids, order = torch.sort(row_ids[live])
-        return ids, live[order]
-
-    def gather(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.rows.index_select(0, positions)
-
-    def remove(self, ids: torch.Tensor) -> None:
-        """Forget ``ids`` (their rows' space is not reused: an unbounded table only grows)."""
-        positions = self.index.find(ids)
-        held = positions >= 0
-        self.index.remove(ids[held])
-        self.row_ids[positions[held]] = -1
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def redeclare(self, spec: TableSpec) -> None:
-        old, self.spec = self.spec, spec
-        if (old.state_dim, old.state_init) != (spec.state_dim, spec.state_init):
-            self.rows = _widened(spec, old, self.rows, torch.arange(self.count))
-
-    def nbytes(self) -> int:
-        return self.rows.nbytes + self.row_ids.nbytes + self.index.nbytes
-
-
-class BoundedTable:
-    """A table of at most ``spec.capacity`` rows: a `BoundedIndex` and its rows.
-
-    ``tier_evictions`` counts the rows evicted to make room.
-    """
-
-    def __init__(self, spec: TableSpec) -> None:
-        assert spec.capacity is not None
-        self.spec = spec
-        self.moves = ops_for("cpu").rows  # rows written at positions
-        self.index = BoundedIndex(spec.capacity, spec.score)
-        self.rows: torch.Tensor | None = None  # [positions, stored_width], on first touch
-        self.evictions = 0
-
-    def _rows(self) -> torch.Tensor:
-        if self.rows is None:
-            size = self.index.capacity
-            self.rows = torch.empty(size, self.spec.stored_width, dtype=self.spec.dtype)
-        return self.rows
-
-    def _locate(self, ids: torch.Tensor, init: bool) -> tuple[torch.Tensor, int]:
-        """Positions of ``ids``, inserting the absent ones once each (an id given twice gets
-        one row), filled by the initialiser when ``init``, else left for the caller; returns
-        (positions, created)."""
-        positions = self.index.find(ids)
-        absent = positions < 0
-        if not bool(absent.any()):
-            return positions, 0
-        new, inverse = torch.unique(ids[absent], return_inverse=True)
-        fresh = self.spec.initial_rows(new) if init else None
-        new_positions, evicted = self.index.insert(new, positions[~absent])
-        self.evictions += evicted.numel()
-        positions[absent] = new_positions[inverse]
-        if fresh is not None:
-            self._rows()[new_positions] = fresh
-        return positions, new.numel()
-
-    def get(self, ids: torch.Tensor, out: torch.Tensor, pin: bool) -> int:
-        positions, created = self._locate(ids, init=True)
-        if pin:
-            self.index.pin(positions)
-        else:
-            self.index.touch(positions)
-        torch.index_select(self._rows(), 0, positions, out=out)
-        return created
-
-    def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        positions = self.index.find(ids)
-        present = positions >= 0
-        if self.rows is not None:
-            out[present] = self.rows[positions[present]]
-        if not bool(present.all()):
-            out[~present] = self.spec.initial_rows(ids[~present])
-
-    def put(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        positions, _ = self._locate(ids, init=False)
-        self.moves.copy_rows(self._rows(), positions, values)
-        # A pinned row's reader is writing it back: its use is counted when it lets go.
-        unpinned = positions[self.index.pins[positions] == 0]
-        self.index.touch(unpinned)
-
-    def import_scores(self, ids: torch.Tensor, scores: torch.Tensor) -> None:
-        self.index.set_scores(self.index.find(ids), scores)
-
-    def scores(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.index.scores[positions]
-
-    def pin_existing(self, ids: torch.Tensor) -> None:
-        """Pin the rows of ``ids`` that exist (a read that creates none)."""
-        positions = self.index.find(ids)
-        self.index.pin(positions[positions >= 0])
-
-    def unpin(self, ids: torch.Tensor) -> None:
-        positions = self.index.find(ids)
-        self.index.unpin(positions[positions >= 0])
-
-    def remove(self, ids: torch.Tensor) -> None:
-        positions = self.index.find(ids)
-        self.index.remove(positions[positions >= 0])
-
-    def existing(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.index.items()
-
-    def gather(self, positions: torch.Tensor) -> torch.Tensor:
-        return self._rows().index_select(0, positions)
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def redeclare(self, spec: TableSpec) -> None:
-        old, self.spec = self.spec, spec
-        if self.rows is not None and (old.state_dim, old.state_init) != (
-            spec.state_dim,
-            spec.state_init,
-        ):
-            self.rows = _widened(spec, old, self.rows, self.index.items()[1])
-
-    def nbytes(self) -> int:
-        rows = 0 if self.rows is None else self.rows.nbytes
-        return rows + self.index.nbytes
 
 
 Table = DenseTable | HashTable | BoundedTable
@@ -434,7 +234,7 @@ class GroupedPasses:
     def get(
         self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int]
     ) -> torch.Tensor | None:
-        """`HostKV.get_grouped` in one pass (`native.gather_tables`, which checks every id
+        """`HostKV.get_grouped` in one pass (`gather_tables`, which checks every id
         first), the rows never created then created table by table; None when the pass cannot
         take the call (nothing read). A table not allocated yet is not taken: its first read
         allocates it through `HostKV.get` (after its init ran, so that an init that raises
@@ -445,11 +245,11 @@ class GroupedPasses:
         rows, created, limits, bounds, spec = arrays
         out = empty_rows(spec, ids.numel(), self._pin_memory)
         try:
-            absent = native.gather_tables(
+            absent = gather_tables(
                 tables=rows, created=created, limits=limits, ids=ids.numpy(), bounds=bounds,
                 out=out.numpy(),
             )  # fmt: skip
-        except native.OutOfRangeError:
+        except OutOfRangeError:
             self._check_ids(tables, ids, counts)  # the error naming the table
             raise
         if absent:
@@ -461,7 +261,7 @@ class GroupedPasses:
     def put(
         self, tables: Sequence[str], ids: torch.Tensor, counts: Sequence[int], rows: torch.Tensor
     ) -> bool:
-        """`HostKV.put_grouped` of stored float32 rows in one pass (`native.scatter_tables`,
+        """`HostKV.put_grouped` of stored float32 rows in one pass (`scatter_tables`,
         which checks every id before writing any); False when the pass cannot take the call
         (nothing written)."""
         arrays = self._dense_arrays(tables, ids, counts, allocate=True)
@@ -475,11 +275,11 @@ class GroupedPasses:
             return False
         tables_rows, created, limits, bounds, _ = arrays
         try:
-            native.scatter_tables(
+            scatter_tables(
                 tables=tables_rows, created=created, limits=limits, ids=ids.numpy(),
                 bounds=bounds, src=rows.detach().numpy(),
             )  # fmt: skip
-        except native.OutOfRangeError:
+        except OutOfRangeError:
             self._check_ids(tables, ids, counts)  # the error naming the table
             raise
         for table, n in zip(tables, counts, strict=True):
@@ -497,8 +297,8 @@ class GroupedPasses:
         slots: torch.Tensor,
     ) -> bool:
         """A straight move between the tables and a CPU cache's slot storage, ``"read"`` into
-        the slots (`native.gather_tables_into`, `HostKV.get_grouped_into`) or ``"written"``
-        out of them (`native.scatter_tables_from`, `HostKV.put_grouped_from`), counted as its
+        the slots (`gather_tables_into`, `HostKV.get_grouped_into`) or ``"written"``
+        out of them (`scatter_tables_from`, `HostKV.put_grouped_from`), counted as its
         direction when it moved every row; False, with nothing moved, when it cannot (rows to
         create, a bad id or slot, another layout)."""
         reading = direction == "read"
@@ -506,13 +306,13 @@ class GroupedPasses:
         if arrays is None:
             return False
         rows, created, limits, bounds, _ = arrays
-        move = native.gather_tables_into if reading else native.scatter_tables_from
+        move = gather_tables_into if reading else scatter_tables_from
         try:
             absent = move(
                 tables=rows, created=created, limits=limits, ids=ids.numpy(), bounds=bounds,
                 weights=weights.numpy(), state=state.numpy(), slots=slots.numpy(),
             )  # fmt: skip
-        except native.OutOfRangeError:
+        except OutOfRangeError:
             return False  # nothing moved: `get_grouped` / `put_grouped` raise as they say
         if absent:
             return False  # rows to create: nothing moved, `get_grouped` creates them
@@ -585,7 +385,7 @@ class GroupedPasses:
         counts: Sequence[int],
         allocate: bool = False,
     ) -> tuple | None:
-        """``(rows, created, limits, bounds, spec)`` for `native.gather_tables` /
+        """``(rows, created, limits, bounds, spec)`` for `gather_tables` /
         `scatter_tables` over ``tables``, or None when a grouped call cannot take the compiled
         pass: a table that is not dense or did not choose the compiled passes when declared
         (`DenseTable.compiled`), ids that are not contiguous CPU int64 matching ``counts``, a
@@ -619,8 +419,8 @@ class GroupedPasses:
         ):
             limits = np.array([t.spec.num_embeddings for t in found], dtype=np.int64)
             lists = (
-                native.array_list([r.numpy() for r, _ in arrays]),
-                native.array_list([c.numpy() for _, c in arrays]),
+                array_list([r.numpy() for r, _ in arrays]),
+                array_list([c.numpy() for _, c in arrays]),
             )
             kept = (arrays, lists, limits)
             self.typed[key] = kept
@@ -628,3 +428,147 @@ class GroupedPasses:
         bounds = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=bounds[1:])
         return rows, created, limits, bounds, found[0].spec
+
+
+# ----------------------------------------------------------------------------------------------
+# the compiled passes of dense tables (numba's `native.row_kernels`, imported at the first call)
+# ----------------------------------------------------------------------------------------------
+
+_KERNELS: list[Any] = []  # [row_kernels]
+
+
+def _kernels() -> Any:
+    if not _KERNELS:
+        from embcache.native import row_kernels
+
+        _KERNELS.append(row_kernels)
+    return _KERNELS[0]
+
+
+def gather_created(rows: np.ndarray, created: np.ndarray, ids: np.ndarray, out: np.ndarray) -> int:
+    """``out = rows[ids]`` (same dtype), returning how many of ``ids`` are not ``created``
+    (a dense tier table's read; ids in range)."""
+    return _kernels().gather_created(rows, created, ids, out)
+
+
+def scatter_created(
+    rows: np.ndarray, created: np.ndarray, ids: np.ndarray, src: np.ndarray
+) -> None:
+    """``rows[ids] = src`` and ``created[ids] = True`` (a dense tier table's write; ids in
+    range)."""
+    _kernels().scatter_created(rows, created, ids, src)
+
+
+def array_list(arrays: list[np.ndarray]) -> Any:
+    """``arrays`` (of one dtype, rank and layout) as a list the kernels can take (numba's typed
+    list: building one costs about 2 us an array, so callers keep it while the arrays live)."""
+    from numba import typed
+
+    return typed.List(arrays)
+
+
+def _bad_id(limits: np.ndarray, ids: np.ndarray, bounds: np.ndarray, at: int) -> OutOfRangeError:
+    """The error for the kernels' first bad position ``at`` of a grouped call."""
+    table = int(np.searchsorted(bounds, at, side="right")) - 1
+    return OutOfRangeError(f"id of table {table}", int(ids[at]), at, int(limits[table]))
+
+
+def gather_tables(
+    tables: Any,
+    created: Any,
+    limits: np.ndarray,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    out: np.ndarray,
+) -> int:
+    """`gather_created` over several dense tables in one pass: ids ``bounds[t] .. bounds[t +
+    1]`` are rows of ``tables[t]`` (typed lists of `array_list`; ``created[t]`` its mask, ids
+    valid below ``limits[t]``), gathered into ``out`` in order. Returns how many are not
+    created (their rows are gathered as they stand).
+
+    Raises:
+        OutOfRangeError: an id out of its table's range (nothing is written).
+    """
+    found = _kernels().gather_tables(tables, created, limits, ids, bounds, out)
+    if found < 0:
+        raise _bad_id(limits, ids, bounds, -1 - found)
+    return found
+
+
+def scatter_tables(
+    tables: Any,
+    created: Any,
+    limits: np.ndarray,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    src: np.ndarray,
+) -> None:
+    """`scatter_created` over several dense tables in one pass (ids as `gather_tables` takes
+    them), every id checked first.
+
+    Raises:
+        OutOfRangeError: an id out of its table's range (nothing is written).
+    """
+    bad = _kernels().scatter_tables(tables, created, limits, ids, bounds, src)
+    if bad >= 0:
+        raise _bad_id(limits, ids, bounds, bad)
+
+
+def _bad_id_or_slot(
+    limits: np.ndarray, ids: np.ndarray, bounds: np.ndarray, slots: np.ndarray, rows: int, at: int
+) -> OutOfRangeError:
+    table = int(np.searchsorted(bounds, at, side="right")) - 1
+    if 0 <= ids[at] < limits[table]:
+        return OutOfRangeError("slot", int(slots[at]), at, rows)
+    return _bad_id(limits, ids, bounds, at)
+
+
+def gather_tables_into(
+    tables: Any,
+    created: Any,
+    limits: np.ndarray,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    weights: np.ndarray,
+    state: np.ndarray,
+    slots: np.ndarray,
+) -> int:
+    """`gather_tables` straight into a cache's slot storage: the row of id ``i`` goes to
+    ``weights[slots[i]]`` (its first ``dim`` values) and ``state[slots[i]]`` (the rest).
+    Returns 0 when every row was moved, else how many rows are not created (and nothing is
+    moved: every row must exist).
+
+    Raises:
+        OutOfRangeError: an id out of its table's range or a slot out of the storage (nothing is
+            written).
+    """
+    found = _kernels().gather_tables_into(
+        tables, created, limits, ids, bounds, weights, state, slots
+    )
+    if found < 0:
+        raise _bad_id_or_slot(limits, ids, bounds, slots, weights.shape[0], -1 - found)
+    return found
+
+
+def scatter_tables_from(
+    tables: Any,
+    created: Any,
+    limits: np.ndarray,
+    ids: np.ndarray,
+    bounds: np.ndarray,
+    weights: np.ndarray,
+    state: np.ndarray,
+    slots: np.ndarray,
+) -> None:
+    """`scatter_tables` straight out of a cache's slot storage: id ``i``'s row is
+    ``weights[slots[i]]`` then ``state[slots[i]]``, every id and slot checked first.
+
+    Raises:
+        OutOfRangeError: an id out of its table's range or a slot out of the storage (nothing is
+            written).
+    """
+    bad = _kernels().scatter_tables_from(
+        tables, created, limits, ids, bounds, weights, state, slots
+    )
+    if bad >= 0:
+        raise _bad_id_or_slot(limits, ids, bounds, slots, weights.shape[0], bad)

@@ -728,7 +728,7 @@ def test_rows_into_slots(impl: str, use) -> None:
         spec.copy_rows(weights, m.slots, m.rows[:, :MOVE_DIM])
         spec.copy_rows(state, m.slots, m.rows[:, MOVE_DIM:])
     elif impl == "numba":
-        native.scatter_split(weights.numpy(), state.numpy(), m.slots.numpy(), m.rows.numpy())
+        implementations("rows")["native"].scatter_split(weights, state, m.slots, m.rows)
     else:
         kv = _tier(m, m.rows)
         assert kv.get_grouped_into(["a", "b"], m.ids, m.counts, weights, state, m.slots)
@@ -753,7 +753,7 @@ def test_rows_out_of_slots(impl: str, use) -> None:
         torch.index_select(weights, 0, m.slots, out=out[:, :MOVE_DIM])
         torch.index_select(state, 0, m.slots, out=out[:, MOVE_DIM:])
     elif impl == "numba":
-        native.gather_join(weights.numpy(), state.numpy(), m.slots.numpy(), out.numpy())
+        implementations("rows")["native"].gather_join(weights, state, m.slots, out)
     else:
         kv = _tier(m, None)
         assert kv.put_grouped_from(["a", "b"], m.ids, m.counts, weights, state, m.slots)

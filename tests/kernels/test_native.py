@@ -10,10 +10,18 @@ import pytest
 import torch
 
 import embcache.native as native
+from embcache.kv import host_tables
 
 pytestmark = pytest.mark.skipif(not native.importable(), reason="numba cannot be imported here")
 
 DIM, STATE, SLOTS = 12, 3, 200
+
+
+def _row_kernels():
+    """numba's row kernels (imported once numba is known to import here)."""
+    from embcache.native import row_kernels
+
+    return row_kernels
 
 
 def _storage(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,7 +36,7 @@ def test_gather_join_is_cat_of_index_select(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     weights, state, slots = _storage(gen)
     out = torch.full((slots.numel(), DIM + STATE), float("nan"))
-    native.gather_join(weights.numpy(), state.numpy(), slots.numpy(), out.numpy())
+    _row_kernels().gather_join(weights.numpy(), state.numpy(), slots.numpy(), out.numpy())
     expected = torch.cat([weights[slots], state[slots]], dim=1)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
@@ -41,7 +49,7 @@ def test_scatter_split_writes_the_slots_and_nothing_else(strided: bool) -> None:
     state = torch.full((SLOTS, STATE), float("nan"))
     wide = torch.randn(slots.numel(), DIM + STATE + 2, generator=gen)
     rows = wide[:, 1 : DIM + STATE + 1] if strided else wide[:, : DIM + STATE].contiguous()
-    native.scatter_split(weights.numpy(), state.numpy(), slots.numpy(), rows.numpy())
+    _row_kernels().scatter_split(weights.numpy(), state.numpy(), slots.numpy(), rows.numpy())
     torch.testing.assert_close(weights[slots], rows[:, :DIM], rtol=0, atol=0)
     torch.testing.assert_close(state[slots], rows[:, DIM:], rtol=0, atol=0)
     others = torch.ones(SLOTS, dtype=torch.bool)
@@ -55,7 +63,7 @@ def test_dense_table_gather_counts_rows_never_created() -> None:
     created = torch.rand(300, generator=gen) < 0.7
     ids = torch.randperm(300, generator=gen)[:80]
     out = torch.full((80, DIM + STATE), float("nan"))
-    absent = native.gather_created(rows.numpy(), created.numpy(), ids.numpy(), out.numpy())
+    absent = host_tables.gather_created(rows.numpy(), created.numpy(), ids.numpy(), out.numpy())
     assert absent == int((~created[ids]).sum()) > 0
     torch.testing.assert_close(out, rows[ids], rtol=0, atol=0)
 
@@ -66,7 +74,7 @@ def test_dense_table_scatter_marks_the_rows_created() -> None:
     created = torch.zeros(300, dtype=torch.bool)
     ids = torch.randperm(300, generator=gen)[:80]
     src = torch.randn(80, DIM + STATE, generator=gen)
-    native.scatter_created(rows.numpy(), created.numpy(), ids.numpy(), src.numpy())
+    host_tables.scatter_created(rows.numpy(), created.numpy(), ids.numpy(), src.numpy())
     torch.testing.assert_close(rows[ids], src, rtol=0, atol=0)
     expected = torch.zeros(300, dtype=torch.bool)
     expected[ids] = True

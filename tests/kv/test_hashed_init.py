@@ -1,6 +1,7 @@
 """The hashed initialisers (`kv.base.hashed_init`): every row a function of (seed, table, id,
 column) alone, the same bits from the torch ops and from the compiled pass that stands in for
-the uniform one on a CPU (`native.hashed_uniform`), checked against a plain-Python reference."""
+the uniform one on a CPU (`RowsOps.hashed_uniform`, where numba imports), checked against a
+plain-Python reference."""
 
 from __future__ import annotations
 
