@@ -11,8 +11,10 @@ the run with exit status 1.
     python benchmarks/gpu_preflight.py --device cpu --tiny   # dry run: Triton's interpreter
 
 The op families bound through `embcache.ops.registry` (ids, plan, rows, pooling, gather, update)
-have their operations listed there: each must have its check here (`CHECKED`) or be one no
-Triton kernel runs (`ON_HOST`), else the preflight fails before it starts, naming the operation.
+have their operations listed there: each must have its check, here (`CHECKED`) or in its
+family's folder (``ops/<family>/preflight.py``'s ``CHECKS``, run after the checks here), or be
+one no Triton kernel runs (that file's ``ON_HOST``), else the preflight fails before it starts,
+naming the operation.
 
 Outputs written by a kernel are compared whole, and freshly allocated ones are filled with NaN
 first where the op takes them (pooling), so an element a kernel never writes fails the check.
@@ -71,33 +73,39 @@ CHECKED = {
     "update.aggregate_grads": "aggregate_grads",
     "update.stochastic_round": "stochastic_round bf16",
 }
-HOST_ROWS = (
-    "fill_at", "add_at", "copy_rows", "scatter_split", "gather_join", "unlocks_checked",
-    "unlock_slots", "hashed_uniform", "group_by_table",
-)  # fmt: skip
-ON_HOST = {
-    "ids.first_bad_key": "a CPU cache's check of its keys",
-    "ids.row_dedup": "a CPU cache's dedup through its row index",
-    "ids.direct_rows": "a direct CPU cache's share on FBGEMM's CPU TBE (its distinct rows)",
-    "ids.bags_sample_major": "the indices of FBGEMM's CPU TBE (bags moved sample-major)",
-    **{
-        f"plan.{op}": "the compiled CPU plan (numba)"
-        for op in ("plan_lru", "plan_lfu", "touch_lfu", "reserve", "scratch_done", "free_slots")
-    },
-    **{
-        f"rows.{op}": "a write, unlock, draw or grouping on the host (torch ops on a GPU cache)"
-        for op in HOST_ROWS
-    },
-}
+# Operations no Triton kernel runs, and the checks of a family's own kernels, are declared in
+# the family's folder (``ops/<family>/preflight.py``: `embcache.ops.registry.family_preflight`).
 
 
 def unchecked_operations() -> list[str]:
-    """The registered families' operations with no check here and no reason (`CHECKED`,
-    `ON_HOST`): a new operation or family the preflight does not run yet."""
-    from embcache.ops.registry import families, operations
+    """The registered families' operations with no check and no reason, here (`CHECKED`) or
+    in their family's folder (`family_preflight`): a new operation the preflight does not run
+    yet."""
+    from embcache.ops.registry import families, family_preflight, operations
 
-    listed = [f"{family}.{op}" for family in families() for op in operations(family)]
-    return [op for op in listed if op not in CHECKED and op not in ON_HOST]
+    unchecked = []
+    for family in families():
+        checks, on_host = family_preflight(family)
+        unchecked += [
+            f"{family}.{op}"
+            for op in operations(family)
+            if f"{family}.{op}" not in CHECKED and op not in checks and op not in on_host
+        ]
+    return unchecked
+
+
+def run_family_checks(p: Preflight) -> None:
+    """The checks each family keeps in its folder (`family_preflight`), each function once
+    (named by the operations it checks)."""
+    from embcache.ops.registry import families, family_preflight
+
+    for family in families():
+        by_check: dict[Callable[[torch.device, bool], float], list[str]] = {}
+        for op, check in family_preflight(family)[0].items():
+            by_check.setdefault(check, []).append(op)
+        for check, ops in by_check.items():
+            name = f"{family}.{', '.join(ops)}"
+            p.check(name, lambda check=check: check(p.device, p.tiny))
 
 
 def check_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
@@ -178,10 +186,11 @@ def make_batch(batch_size: int, num_features: int, rows: int, seed: int = 0) -> 
 class Preflight:
     """Runs the checks in order, one line each; `check` raises on the first failure."""
 
-    def __init__(self, device: torch.device, batch: Batch, dim: int) -> None:
+    def __init__(self, device: torch.device, batch: Batch, dim: int, tiny: bool = False) -> None:
         self.device = device
         self.batch = batch
         self.dim = dim
+        self.tiny = tiny  # the dry run's sizes (a family's own checks take it)
         self.gen = torch.Generator().manual_seed(1)
         self.count = 0
         self.names: list[str] = []
@@ -724,12 +733,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     unchecked = unchecked_operations()
     if unchecked:
-        print(f"summary: preflight FAILED: no check for {', '.join(unchecked)} (CHECKED, ON_HOST)")
+        print(
+            f"summary: preflight FAILED: no check for {', '.join(unchecked)} (CHECKED, or the "
+            "family's preflight.py: CHECKS, ON_HOST)"
+        )
         return 1
-    pre = Preflight(device, batch, dim)
+    pre = Preflight(device, batch, dim, args.tiny)
     backend = os.environ.get("EMBCACHE_BACKEND")
     try:
         run_checks(pre)
+        run_family_checks(pre)
     except MismatchError as e:
         print(f"summary: preflight FAILED after {pre.count} ok: {e}")
         return 1

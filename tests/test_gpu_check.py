@@ -223,6 +223,65 @@ def test_preflight_stops_at_a_broken_kernel_and_names_it(
     assert os.environ["EMBCACHE_BACKEND"] == "auto"  # as it found it
 
 
+def test_every_operation_is_checked_or_declared_on_host(preflight) -> None:
+    """Each registered family's operations are covered: a check here, or its family's own
+    ``preflight.py`` (`family_preflight`); what a family declares on the host has a reason and
+    names an operation it has."""
+    from embcache.ops.registry import families, family_preflight, operations
+
+    assert preflight.unchecked_operations() == []
+    for family in families():
+        checks, on_host = family_preflight(family)
+        assert set(checks) | set(on_host) <= set(operations(family)), family
+        assert all(isinstance(why, str) and why for why in on_host.values()), family
+    assert "fill_at" in family_preflight("rows")[1]  # the host writes: no Triton kernel
+
+
+def test_a_family_check_kept_in_its_folder_runs_and_covers_its_operation(
+    preflight, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A family that keeps a check for an operation in its folder needs no entry in the
+    preflight: the operation counts as covered, `main` runs the check (here the only one: the
+    preflight's own are emptied) and a mismatch it raises stops the run naming it. An
+    operation with neither a check nor a reason is refused before anything runs."""
+    import embcache.ops.registry as registry
+
+    ran: list[tuple[str, bool]] = []
+
+    def floors_check(device: torch.device, tiny: bool) -> float:
+        ran.append((device.type, tiny))
+        if os.environ.get("PLANTED_MISMATCH"):
+            raise AssertionError("lock floors: 3 != 2")
+        return 0.0
+
+    def every_op_in_its_folder(family: str):
+        on_host = {op: "declared for the test" for op in registry.operations(family)}
+        if family == "rows":
+            del on_host["lock_floors"]
+            return {"lock_floors": floors_check}, on_host
+        return {}, on_host
+
+    monkeypatch.setattr(registry, "family_preflight", every_op_in_its_folder)
+    monkeypatch.setattr(preflight, "CHECKED", {})
+    monkeypatch.setattr(preflight, "run_checks", lambda p: None)
+    assert preflight.unchecked_operations() == []
+    assert preflight.main(["--device", "cpu", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert ran == [("cpu", True)]
+    checks = [line.split()[0] for line in out.splitlines() if " ok " in line]
+    assert checks[:-1] == ["rows.lock_floors"] and checks[-1] == "summary:", out
+    assert out.splitlines()[-1].startswith("summary: preflight 1 checks ok"), out
+    monkeypatch.setenv("PLANTED_MISMATCH", "1")
+    assert preflight.main(["--device", "cpu", "--tiny"]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "rows.lock_floors" in last and "3 != 2" in last, last
+    # Neither a check nor a reason: refused before any check runs.
+    monkeypatch.setattr(registry, "family_preflight", lambda family: ({}, {}))
+    ran.clear()
+    assert preflight.main(["--device", "cpu", "--tiny"]) == 1
+    assert "no check for ids." in capsys.readouterr().out and not ran
+
+
 def test_a_killed_run_still_returns_its_finished_steps(tmp_path: Path) -> None:
     """The outer limit ends the check with SIGTERM in the middle of a step: the steps that
     finished, the killed step's log and a summary that says so are in $OUT (and were already

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
@@ -73,6 +74,26 @@ def triton_kernels(family: str) -> dict[str, Any]:
     kinds = (JITFunction, InterpretedFunction)  # compiled, or under ``TRITON_INTERPRET=1``
     found = vars(importlib.import_module(module)).items()
     return {name: fn for name, fn in found if isinstance(fn, kinds) and name.endswith("_kernel")}
+
+
+# What `family_preflight` gives: the checks a family's ``preflight.py`` declares (operation ->
+# ``check(device, tiny) -> max |diff|``), and its operations no Triton kernel runs (-> why).
+PreflightChecks = dict[str, Callable[[torch.device, bool], float]]
+
+
+def family_preflight(family: str) -> tuple[PreflightChecks, dict[str, str]]:
+    """The GPU preflight's part that ``family`` keeps beside its kernels, in its optional
+    ``preflight.py``: ``CHECKS`` (each operation's check: it runs the Triton implementation on
+    ``device``, small inputs when ``tiny``, against the torch specification, and returns the
+    largest difference or raises AssertionError naming the mismatch) and ``ON_HOST`` (its
+    operations no Triton kernel runs, each with why). `benchmarks/gpu_preflight.py` runs the
+    checks and accepts those reasons, so a new family's kernels are checked on the GPU the day
+    it is registered, with no list outside its folder to edit."""
+    module = f"embcache.ops.{family}.preflight"
+    if importlib.util.find_spec(module) is None:
+        return {}, {}
+    found = importlib.import_module(module)
+    return dict(getattr(found, "CHECKS", {})), dict(getattr(found, "ON_HOST", {}))
 
 
 def implementation_name(backend: Backend) -> str:
