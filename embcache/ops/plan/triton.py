@@ -71,6 +71,37 @@ def _set_index_kernel(
     tl.store(sets_ptr + o_n, b_set, mask=m_n)
 
 
+@triton.jit
+def _take_ways(
+    keys, scores, locks, batch_of, dirty, b_set, b_rank, m_m, W, batch_seq,
+    BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """The placement of a block of misses (``m_m``), each the ``b_rank``-th miss of set
+    ``b_set``: the ``b_rank``-th of the set's ways ordered by ``score * W + way`` among those
+    not blocked (locked, or the last locked batch's: ``batch_of == batch_seq``), if there are
+    that many. Returns ``(place, placed, held, dirty)``: ``set * W + way`` or -1, and whether
+    each was placed, on a way holding a row, and that row dirty."""
+    o_w = tl.arange(0, BLOCK_W).to(tl.int64)  # [BLOCK_W]
+    m_mw = m_m[:, None] & (o_w < W)[None, :]  # [BLOCK_M, BLOCK_W]
+    p_way = b_set[:, None] * W + o_w[None, :]
+    b_lock = tl.load(locks + p_way, mask=m_mw, other=1)
+    b_batch = tl.load(batch_of + p_way, mask=m_mw, other=0)
+    b_score = tl.load(scores + p_way, mask=m_mw, other=0)
+    m_free = m_mw & (b_lock <= 0) & (b_batch != batch_seq)
+    b_key = tl.where(m_free, b_score * W + o_w[None, :], 0x7FFFFFFFFFFFFFFF)
+    # Each way's place in its set's order: how many ways have a smaller key.
+    b_order = tl.sum((b_key[:, None, :] < b_key[:, :, None]).to(tl.int32), axis=2)
+    b_free = tl.sum(m_free.to(tl.int32), axis=1)  # [BLOCK_M]
+    m_pick = m_free & (b_order == b_rank[:, None])
+    b_way = tl.max(tl.where(m_pick, o_w[None, :], -1), axis=1)  # [BLOCK_M]
+    m_placed = m_m & (b_rank < b_free) & (b_way >= 0)
+    b_place = tl.where(m_placed, b_set * W + b_way, -1)
+    b_at = tl.maximum(b_place, 0)
+    m_held = m_placed & (tl.load(keys + b_at, mask=m_placed, other=-1) >= 0)
+    m_dirty = m_held & (tl.load(dirty + b_at, mask=m_held, other=0) != 0)
+    return b_place, m_placed, m_held, m_dirty
+
+
 @triton.jit(do_not_specialize=["n", "search_steps", "batch_seq"])  # per batch: one variant
 def _assign_misses_kernel(
     miss_sets_ptr,
@@ -113,26 +144,11 @@ def _assign_misses_kernel(
         b_lo = tl.where(m_open & (b_v < b_set), b_mid + 1, b_lo)
         b_hi = tl.where(m_open & (b_v >= b_set), b_mid, b_hi)
     b_rank = o_m - b_lo  # [BLOCK_M]
-    o_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
-    m_w = o_w < W
-    m_mw = m_m[:, None] & m_w[None, :]  # [BLOCK_M, BLOCK_W]
-    p_way = b_set[:, None] * W + o_w[None, :]
-    b_lock = tl.load(locks_ptr + p_way, mask=m_mw, other=1)
-    b_batch = tl.load(batch_of_ptr + p_way, mask=m_mw, other=0)
-    b_score = tl.load(scores_ptr + p_way, mask=m_mw, other=0)
-    m_free = m_mw & (b_lock <= 0) & (b_batch != batch_seq)
-    b_key = tl.where(m_free, b_score * W + o_w[None, :], 0x7FFFFFFFFFFFFFFF)
-    # Each way's place in its set's order: how many ways have a smaller key.
-    b_order = tl.sum((b_key[:, None, :] < b_key[:, :, None]).to(tl.int32), axis=2)
-    b_free = tl.sum(m_free.to(tl.int32), axis=1)  # [BLOCK_M]
-    m_pick = m_free & (b_order == b_rank[:, None])
-    b_way = tl.max(tl.where(m_pick, o_w[None, :], -1), axis=1)  # [BLOCK_M]
-    m_placed = m_m & (b_rank < b_free) & (b_way >= 0)
-    b_place = tl.where(m_placed, b_set * W + b_way, -1)
+    b_place, m_placed, m_held, m_dirty = _take_ways(
+        keys_ptr, scores_ptr, locks_ptr, batch_of_ptr, dirty_ptr, b_set, b_rank, m_m, W,
+        batch_seq, BLOCK_W,
+    )  # fmt: skip
     tl.store(place_ptr + o_m, b_place, mask=o_m < n)
-    b_at = tl.maximum(b_place, 0)
-    m_held = m_placed & (tl.load(keys_ptr + b_at, mask=m_placed, other=-1) >= 0)
-    m_dirty = m_held & (tl.load(dirty_ptr + b_at, mask=m_held, other=0) != 0)
     tl.atomic_add(counts_ptr + 0, tl.sum(m_placed.to(tl.int64), axis=0))
     tl.atomic_add(counts_ptr + 1, tl.sum(m_held.to(tl.int64), axis=0))
     tl.atomic_add(counts_ptr + 2, tl.sum(m_dirty.to(tl.int64), axis=0))
@@ -464,26 +480,10 @@ def _assign_group_kernel(
         b_lo = tl.where(m_open & (b_v < b_g), b_mid + 1, b_lo)
         b_hi = tl.where(m_open & (b_v >= b_g), b_mid, b_hi)
     b_rank = o_m - b_lo  # [BLOCK_M]
-    b_set = b_g - set_base
-    o_w = tl.arange(0, BLOCK_W).to(tl.int64)  # [BLOCK_W]
-    m_mw = m_m[:, None] & (o_w < W)[None, :]  # [BLOCK_M, BLOCK_W]
-    p_way = b_set[:, None] * W + o_w[None, :]
-    b_lock = tl.load(locks + p_way, mask=m_mw, other=1)
-    b_batch = tl.load(batch_of + p_way, mask=m_mw, other=0)
-    b_score = tl.load(scores + p_way, mask=m_mw, other=0)
-    m_free = m_mw & (b_lock <= 0) & (b_batch != batch_seq)
-    b_key = tl.where(m_free, b_score * W + o_w[None, :], 0x7FFFFFFFFFFFFFFF)
-    # Each way's place in its set's order: how many ways have a smaller key.
-    b_order = tl.sum((b_key[:, None, :] < b_key[:, :, None]).to(tl.int32), axis=2)
-    b_free = tl.sum(m_free.to(tl.int32), axis=1)  # [BLOCK_M]
-    m_pick = m_free & (b_order == b_rank[:, None])
-    b_way = tl.max(tl.where(m_pick, o_w[None, :], -1), axis=1)  # [BLOCK_M]
-    m_placed = m_m & (b_rank < b_free) & (b_way >= 0)
-    b_place = tl.where(m_placed, b_set * W + b_way, -1)
+    b_place, m_placed, m_held, m_dirty = _take_ways(
+        keys, scores, locks, batch_of, dirty, b_g - set_base, b_rank, m_m, W, batch_seq, BLOCK_W
+    )
     tl.store(place_ptr + o_m, b_place, mask=m_m)
-    b_at = tl.maximum(b_place, 0)
-    m_held = m_placed & (tl.load(keys + b_at, mask=m_placed, other=-1) >= 0)
-    m_dirty = m_held & (tl.load(dirty + b_at, mask=m_held, other=0) != 0)
     tl.atomic_add(counts_ptr + c * 8 + 2, tl.sum(m_placed.to(tl.int64), axis=0))
     tl.atomic_add(counts_ptr + c * 8 + 3, tl.sum(m_held.to(tl.int64), axis=0))
     tl.atomic_add(counts_ptr + c * 8 + 4, tl.sum(m_dirty.to(tl.int64), axis=0))
