@@ -14,21 +14,7 @@ import torch
 
 import embcache.native as native
 from embcache.ops.registry import implementations
-
-NO_NUMBA = "numba cannot be imported here: the ids family has no compiled pass"
-
-
-def _impls() -> list:
-    return [
-        pytest.param(
-            name,
-            id=name,
-            marks=[pytest.mark.skip(reason=NO_NUMBA)]
-            if name == "native" and not native.importable()
-            else [],
-        )
-        for name in implementations("ids")
-    ]
+from tests.ops.implementations import NO_NUMBA, family_params
 
 
 def _reference(values: list, offsets: list[int], F: int, B: int) -> tuple[list, list[int]]:
@@ -71,7 +57,7 @@ WEIGHTS = [pytest.param(None, id="plain"), pytest.param(torch.float32, id="float
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize(("F", "B"), SHAPES)
 @pytest.mark.parametrize("lengths", LENGTHS)
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", family_params("ids"))
 def test_bags_move_to_sample_major_order(
     impl: str, lengths: str, F: int, B: int, weights: torch.dtype | None
 ) -> None:
@@ -142,13 +128,13 @@ def _bad_arguments() -> list:
 
 
 @pytest.mark.parametrize(("args", "error", "names"), _bad_arguments())
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", family_params("ids"))
 def test_bad_arguments_are_named(impl: str, args: tuple, error: type, names: str) -> None:
     with pytest.raises(error, match=names):
         implementations("ids")[impl].bags_sample_major(*args)
 
 
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", family_params("ids"))
 def test_the_documented_example(impl: str) -> None:
     """`IdsOps.bags_sample_major`'s example: F = 2, B = 2."""
     slots, inverse = torch.tensor([40, 50]), torch.tensor([0, 1, 1, 0])

@@ -17,24 +17,10 @@ import torch
 
 import embcache.native as native
 from embcache.ops.registry import implementations
-
-NO_NUMBA = "numba cannot be imported here: the ids family has no compiled pass"
+from tests.ops.implementations import NO_NUMBA, family_params
 
 # f0 and f1 read one table of 300 rows at slot 0, f2 a table of 201 rows at slot 300.
 ROWS, BASES, NUM_ROWS = [300, 300, 201], [0, 0, 300], 501
-
-
-def _impls() -> list:
-    return [
-        pytest.param(
-            name,
-            id=name,
-            marks=[pytest.mark.skip(reason=NO_NUMBA)]
-            if name == "native" and not native.importable()
-            else [],
-        )
-        for name in implementations("ids")
-    ]
 
 
 def _reference(values: list[int], offsets: list[int], B: int) -> list[int] | None:
@@ -77,7 +63,7 @@ SHAPES = ["random", "equal", "long", "empty"]
 
 @pytest.mark.parametrize("B", [1, 16, 37], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", family_params("ids"))
 def test_distinct_rows_in_order_of_first_sight(impl: str, shape: str, B: int) -> None:
     distinct = implementations("ids")[impl].direct_rows(ROWS, BASES, NUM_ROWS)
     for seed in range(3):  # batch after batch through one object
@@ -87,7 +73,7 @@ def test_distinct_rows_in_order_of_first_sight(impl: str, shape: str, B: int) ->
         assert found.tolist() == _reference(values.tolist(), offsets.tolist(), B)
 
 
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", family_params("ids"))
 def test_bad_ids_and_offsets_give_none(impl: str) -> None:
     """An id one past its table's last row or negative, offsets one short, of the wrong length
     or with a feature ending before it starts: None, and the next batch is found right."""
@@ -163,7 +149,7 @@ def test_only_the_compiled_family_says_compiled() -> None:
         pytest.param(([300], [0], None), TypeError, "num_rows", id="no-num-rows"),
     ],
 )
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", family_params("ids"))
 def test_bad_tables_are_named(impl: str, args: tuple, error: type, names: str) -> None:
     with pytest.raises(error, match=names):
         implementations("ids")[impl].direct_rows(*args)
@@ -179,7 +165,7 @@ def test_bad_tables_are_named(impl: str, args: tuple, error: type, names: str) -
         pytest.param(lambda v, o: (v, o, -1), ValueError, "batch_size", id="batch-negative"),
     ],
 )
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", family_params("ids"))
 def test_bad_batches_are_named(impl: str, call, error: type, names: str) -> None:
     values, offsets = _batch("random", 16, seed=3)
     distinct = implementations("ids")[impl].direct_rows(ROWS, BASES, NUM_ROWS)
@@ -187,7 +173,7 @@ def test_bad_batches_are_named(impl: str, call, error: type, names: str) -> None
         distinct(*call(values, offsets))
 
 
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", family_params("ids"))
 def test_the_documented_example(impl: str) -> None:
     """`direct_rows.DirectRows`' example: B = 1, f0 and f1 of one table, f2 of another."""
     distinct = implementations("ids")[impl].direct_rows([300, 300, 200], [0, 0, 300], 500)

@@ -8,18 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import embcache.native as native
 from embcache.indexing import put
 from embcache.ops.registry import implementations
 from embcache.ops.rows import RowsOps
+from tests.ops.implementations import family_params
 
 DTYPES = [torch.int32, torch.int64, torch.bool, torch.float32]
 
 
-@pytest.fixture(params=sorted(implementations("rows")))
+@pytest.fixture(params=family_params("rows"))
 def rows(request: pytest.FixtureRequest) -> RowsOps:
-    if request.param == "native" and not native.importable():
-        pytest.skip("numba cannot be imported here: the compiled passes cannot run")
     return implementations("rows")[request.param]
 
 

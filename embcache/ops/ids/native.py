@@ -212,8 +212,8 @@ class NativeIds(SpecIds):
         weights: torch.Tensor | None,
         batch_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        # Checked here, not through the specification's checks: the TBE step calls this every
-        # batch, and a step visits as few files as it can (`tests/test_step_files.py`).
+        # What the compiled pass takes passes the specification's checks (`_compiled_bags`
+        # asks as much and more); anything else goes to the specification, which checks it.
         if not _compiled_bags(slots, inverse, offsets, weights, batch_size):
             return super().bags_sample_major(slots, inverse, offsets, weights, batch_size)
         num_bags = offsets.numel() - 1
