@@ -71,16 +71,22 @@ def test_lockstep_equals_one_resolve_each(
     alone, together = _caches(policy), _caches(policy)
     for a, b in zip(_run(alone, False), _run(together, True), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for a, b in zip(alone, together, strict=True):
+    _assert_same_caches(alone, together, ("slot_keys", "scores", "dirty", "locks"))
+
+
+def _assert_same_caches(alone: list, other: list, arrays: tuple[str, ...]) -> None:
+    """The caches of two runs hold the same stats, per-slot ``arrays``, weights and state, and,
+    once flushed, their tiers the same rows."""
+    for a, b in zip(alone, other, strict=True):
         assert a.cache_stats() == b.cache_stats()
-        for name in ("slot_keys", "scores", "dirty", "locks", "weights", "state"):
+        for name in (*arrays, "weights", "state"):
             torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
         a.flush()
         b.flush()
     ids = torch.arange(ROWS)
     for d in range(3):
         torch.testing.assert_close(
-            alone[0].store.get(f"t{d}", ids), together[0].store.get(f"t{d}", ids), rtol=0, atol=0
+            alone[0].store.get(f"t{d}", ids), other[0].store.get(f"t{d}", ids), rtol=0, atol=0
         )
 
 
@@ -120,17 +126,8 @@ def test_the_group_plan_equals_each_cache_planning_alone(
     for a, b in zip(_run(alone, True), seen, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(alone, grouped, strict=True):
-        assert a.cache_stats() == b.cache_stats()
         assert a._scratch_used == b._scratch_used
-        for name in ("slot_keys", "scores", "dirty", "locks", "batch_of", "weights", "state"):
-            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
-        a.flush()
-        b.flush()
-    ids = torch.arange(ROWS)
-    for d in range(3):
-        torch.testing.assert_close(
-            alone[0].store.get(f"t{d}", ids), grouped[0].store.get(f"t{d}", ids), rtol=0, atol=0
-        )
+    _assert_same_caches(alone, grouped, ("slot_keys", "scores", "dirty", "locks", "batch_of"))
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
