@@ -75,6 +75,7 @@ def plan_group(
     caller's rollback needs it if another cache fails). A cache whose plan is not made when an
     error ends the step (another cache's failure, a full scratch area) is left as it was."""
     ops = planners[0].ops
+    numpy = planners[0].slots.numpy_reads  # the device path: False
     probe = ops.probe_group(table)
     starts = table.starts
     sizes = [c.ids.numel() for c in table.caches]
@@ -105,17 +106,19 @@ def plan_group(
         whole = [c not in full for c in range(len(planners))]
         # Every cache's misses in the order of its ids (the order the tier reads them in) and
         # the dirty victims and evicted rows of the caches reserved here: one selection each.
-        miss_at = first_true(probe.missing, m)
+        miss_at = first_true(probe.missing, m, numpy)
         load_ids = probe.ids.index_select(0, miss_at)
         load_slots = probe.slots.index_select(0, miss_at)
         placed = [row if w else [0] * COUNTS for row, w in zip(counts, whole, strict=True)]
         # The victims of the ways taken (a free scratch row holds none).
-        dirty_at = first_true(reserved.write_back[:m], sum(row[DIRTY] for row in placed))
+        dirty_at = first_true(reserved.write_back[:m], sum(row[DIRTY] for row in placed), numpy)
         victim_slots = place.index_select(0, dirty_at)
         victim_ids = reserved.old_keys.index_select(0, dirty_at)
         evicted = None
         if any(p.pins for p in planners):
-            evicted_at = first_true(reserved.resident[:m], sum(row[EVICTING] for row in placed))
+            evicted_at = first_true(
+                reserved.resident[:m], sum(row[EVICTING] for row in placed), numpy
+            )
             evicted = reserved.old_keys.index_select(0, evicted_at)
         lo = dirty_lo = evicted_lo = 0
         for c, (planner, row) in enumerate(zip(planners, counts, strict=True)):
@@ -176,7 +179,7 @@ def _with_scratch_rows(
             except CacheCapacityError as error:
                 full[c] = error
             else:  # the first free rows, in slot order, as `SetPlanner._reserve` takes them
-                at = first_true(store.slot_keys[planner.num_slots :] < 0, over)
+                at = first_true(store.slot_keys[planner.num_slots :] < 0, over, store.numpy_reads)
                 free = planner.num_slots + at
         parts.append(replace(
             part, slot_keys=store.slot_keys, locks=store.locks, batch_of=store.batch_of,

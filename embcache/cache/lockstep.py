@@ -102,7 +102,7 @@ def _parts(request: Counts | ToHost) -> list[torch.Tensor]:
     return request.values if isinstance(request, Counts) else request.tensors
 
 
-def first_true(flags: torch.Tensor, n: int, numpy: bool = False) -> torch.Tensor:
+def first_true(flags: torch.Tensor, n: int, numpy: bool) -> torch.Tensor:
     """The first ``n`` positions (ascending, int64) where a 1-D bool ``flags`` is True; it
     holds at least ``n`` Trues. No host read: ``n`` was read already. ``numpy``: found through
     numpy (a CPU cache on the compiled passes, where a host read is no synchronisation:
